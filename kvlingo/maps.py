@@ -1,0 +1,166 @@
+"""Head-wise affine maps and the translation of a source cache into a target cache.
+
+One affine map per (K/V, layer, KV head), stored as two tensors:
+    weight [2, layers, kv_heads, d_in, d_out]   (index 0 = keys, 1 = values)
+    bias   [2, layers, kv_heads, d_out]
+and applied to every layer and head at once with one batched matmul per K/V, never a
+Python loop over heads.
+
+Two key spaces:
+- `prenorm`: source k_proj features → target k_proj features; the target's own k_norm and
+  RoPE follow. Needs the source's pre-norm features, stored beside its cache.
+- `cache`: source cached keys with the source RoPE stripped → target post-norm keys; the
+  target's RoPE follows. Needs nothing beyond an ordinary cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cache import Capture
+from .report import atomic_write_bytes, atomic_write_json, sha256_file
+from .rope import RopeCache, apply_rope, strip_rope
+
+KEY_SPACES = ("prenorm", "cache")
+MAPS_FILE = "maps.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+class HeadwiseMaps(nn.Module):
+    def __init__(self, n_layers: int, n_heads: int, d_in: int, d_out: int, key_space: str = "prenorm"):
+        super().__init__()
+        if key_space not in KEY_SPACES:
+            raise ValueError(f"key_space {key_space!r} is not one of {KEY_SPACES}")
+        self.key_space = key_space
+        self.weight = nn.Parameter(torch.zeros(2, n_layers, n_heads, d_in, d_out))
+        self.bias = nn.Parameter(torch.zeros(2, n_layers, n_heads, d_out))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        _, L, H, d_in, d_out = self.weight.shape
+        return L, H, d_in, d_out
+
+    @classmethod
+    def identity(cls, n_layers: int, n_heads: int, dim: int, key_space: str = "prenorm") -> "HeadwiseMaps":
+        m = cls(n_layers, n_heads, dim, dim, key_space)
+        with torch.no_grad():
+            m.weight.copy_(torch.eye(dim).expand_as(m.weight))
+        return m
+
+    @classmethod
+    def for_pair(cls, source, target, key_space: str = "prenorm") -> "HeadwiseMaps":
+        s, t = source.config, target.config
+        return cls(s.num_hidden_layers, s.num_key_value_heads, s.head_dim, t.head_dim, key_space)
+
+    def apply_one(self, which: int, x: torch.Tensor) -> torch.Tensor:
+        """x [layers, heads, tokens, d_in] → [layers, heads, tokens, d_out] for keys (0) or values (1)."""
+        L, H, T, d_in = x.shape
+        w = self.weight[which].reshape(L * H, d_in, -1)  # [L*H, d_in, d_out]
+        b = self.bias[which].reshape(L * H, 1, -1)  # [L*H, 1, d_out]
+        return torch.baddbmm(b, x.reshape(L * H, T, d_in), w).view(L, H, T, -1)
+
+    def forward(self, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.apply_one(0, xk), self.apply_one(1, xv)
+
+
+# --------------------------------------------------------------------------- translation
+def k_norm_params(model) -> tuple[torch.Tensor, float]:
+    """The target's per-layer k_norm weights [layers, head_dim] (FP32) and its epsilon."""
+    layers = model.model.layers
+    w = torch.stack([l.self_attn.k_norm.weight.detach().float() for l in layers])
+    return w, layers[0].self_attn.k_norm.variance_epsilon
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3RMSNorm over head_dim for x [layers, heads, tokens, dim], weight [layers, dim], in FP32."""
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight[:, None, None, :] * x
+
+
+class Translator:
+    """Source cache (a Capture) → target K/V, ready for `cache.build_cache`."""
+
+    def __init__(self, maps: HeadwiseMaps, source, target):
+        self.maps = maps
+        self.source_rope = RopeCache(source)
+        self.target_rope = RopeCache(target)
+        w, eps = k_norm_params(target)
+        self.k_norm_weight, self.k_norm_eps = w.to(maps.weight.device), eps
+
+    def key_features(self, cap: Capture) -> torch.Tensor:
+        """Source-side key inputs [layers, heads, tokens, d_in] in FP32, for the maps or the fit."""
+        if self.maps.key_space == "prenorm":
+            if cap.prenorm is None:
+                raise ValueError("key space 'prenorm' needs the source's pre-norm key features; capture with want_prenorm=True")
+            return cap.prenorm.float()
+        cos, sin = self.source_rope(cap.n_tokens, device=cap.keys.device)
+        return strip_rope(cap.keys.float(), cos, sin)
+
+    def finish_keys(self, yk: torch.Tensor) -> torch.Tensor:
+        """Mapped keys → the target's cached keys (k_norm in prenorm space, then the target's RoPE)."""
+        if self.maps.key_space == "prenorm":
+            yk = rms_norm(yk, self.k_norm_weight, self.k_norm_eps)
+        cos, sin = self.target_rope(yk.shape[2], device=yk.device)
+        return apply_rope(yk, cos, sin)
+
+    def __call__(self, cap: Capture, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Translate a capture. FP32 throughout, rounded once to `out_dtype` at the end."""
+        out_dtype = out_dtype or cap.keys.dtype
+        with torch.autocast(device_type=cap.keys.device.type, enabled=False):
+            yk, yv = self.maps(self.key_features(cap), cap.values.float())
+            keys = self.finish_keys(yk)
+        return keys.to(out_dtype), yv.to(out_dtype)  # [layers, heads, tokens, head_dim] each
+
+
+def target_key_features(target_cap: Capture, key_space: str, target_rope: RopeCache) -> torch.Tensor:
+    """What the maps should produce for keys: target pre-norm features, or post-norm keys with RoPE stripped."""
+    if key_space == "prenorm":
+        return target_cap.prenorm.float()
+    cos, sin = target_rope(target_cap.n_tokens, device=target_cap.keys.device)
+    return strip_rope(target_cap.keys.float(), cos, sin)
+
+
+# --------------------------------------------------------------------------- saving
+def save_maps(folder: str | Path, maps: HeadwiseMaps, manifest: dict[str, Any]) -> Path:
+    """maps.safetensors, then manifest.json (written last: its presence marks a complete artifact)."""
+    from safetensors.torch import save
+
+    folder = Path(folder)
+    blob = save({"weight": maps.weight.detach().cpu().contiguous(), "bias": maps.bias.detach().cpu().contiguous()})
+    atomic_write_bytes(folder / MAPS_FILE, blob)
+    L, H, d_in, d_out = maps.shape
+    full = {
+        **manifest,
+        "key_space": maps.key_space,
+        "shape": {"layers": L, "kv_heads": H, "d_in": d_in, "d_out": d_out},
+        "maps_sha256": sha256_file(folder / MAPS_FILE),
+    }
+    atomic_write_json(folder / MANIFEST_FILE, full)
+    return folder
+
+
+def load_maps(folder: str | Path, device: str = "cpu") -> tuple[HeadwiseMaps, dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    mpath = folder / MANIFEST_FILE
+    if not mpath.exists():
+        raise FileNotFoundError(f"{folder} holds no {MANIFEST_FILE}: not a complete maps artifact (train it first)")
+    manifest = json.loads(mpath.read_text())
+    digest = sha256_file(folder / MAPS_FILE)
+    if digest != manifest["maps_sha256"]:
+        raise ValueError(f"{folder / MAPS_FILE} does not match its manifest hash (damaged or replaced); re-run training")
+    tensors = load_file(folder / MAPS_FILE)
+    s = manifest["shape"]
+    maps = HeadwiseMaps(s["layers"], s["kv_heads"], s["d_in"], s["d_out"], manifest["key_space"])
+    with torch.no_grad():
+        maps.weight.copy_(tensors["weight"])
+        maps.bias.copy_(tensors["bias"])
+    return maps.to(device), manifest

@@ -1,0 +1,91 @@
+"""Every refusal of the pair check fires, with a message naming the field and both values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlingo.models import ModelSpec, PairError, check_batch, check_pair, load_pair, load_tokenizer
+from kvlingo.tokenizer import train_chat_tokenizer
+from tinypair import corpus, qwen3_config
+
+
+def cfg(**kw):
+    base = dict(vocab=320, hidden=64, heads=4, rope_theta=10_000.0)
+    base.update(kw)
+    return qwen3_config(**base)
+
+
+def test_real_tiny_pair_passes(tiny_pair_paths):
+    pair = load_pair(ModelSpec.parse(str(tiny_pair_paths[0])), ModelSpec.parse(str(tiny_pair_paths[1])), "l2s", "cpu", "float32")
+    assert pair.source.config.hidden_size == 96 and pair.target.config.hidden_size == 64
+    swapped = load_pair(ModelSpec.parse(str(tiny_pair_paths[0])), ModelSpec.parse(str(tiny_pair_paths[1])), "s2l", "cpu", "float32")
+    assert swapped.source.config.hidden_size == 64
+    assert all(not p.requires_grad for p in pair.target.parameters())
+
+
+@pytest.mark.parametrize(
+    "field,src,tgt",
+    [
+        ("num_hidden_layers", dict(layers=2), dict(layers=3)),
+        ("num_key_value_heads", dict(kv_heads=2), dict(kv_heads=1)),
+        ("head_dim", dict(head_dim=16), dict(head_dim=32)),
+    ],
+)
+def test_shape_mismatches_refused(field, src, tgt):
+    with pytest.raises(PairError) as e:
+        check_pair(cfg(**src), cfg(**tgt))
+    msg = str(e.value)
+    assert field in msg and str(getattr(cfg(**src), field)) in msg and str(getattr(cfg(**tgt), field)) in msg
+
+
+def test_not_qwen3_refused():
+    from transformers import LlamaConfig
+
+    with pytest.raises(PairError, match="'llama', not 'qwen3'"):
+        check_pair(LlamaConfig(num_hidden_layers=2), cfg())
+
+
+def test_sliding_window_refused():
+    sliding = cfg(use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(PairError, match="non-full attention"):
+        check_pair(cfg(), sliding)
+
+
+def test_rope_scaling_refused():
+    scaled = cfg()
+    scaled.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10_000.0}
+    with pytest.raises(PairError, match="not the default schedule"):
+        check_pair(scaled, cfg())
+
+
+def test_different_tokenizer_refused():
+    a = train_chat_tokenizer(corpus(), vocab_size=320, min_frequency=1)
+    b = train_chat_tokenizer(corpus()[:50], vocab_size=300, min_frequency=1)
+    with pytest.raises(PairError, match="tokenizer"):
+        check_pair(cfg(), cfg(), a, b)
+
+
+def test_chat_template_rendering_must_match_but_text_may_differ(tiny_pair_paths):
+    a = load_tokenizer(ModelSpec.parse(str(tiny_pair_paths[0])))
+    b = load_tokenizer(ModelSpec.parse(str(tiny_pair_paths[1])))
+    b.chat_template = "{#- same rendering, different text -#}" + a.chat_template
+    check_pair(cfg(), cfg(), a, b)  # no refusal
+    b.chat_template = a.chat_template.replace("<think>\\n\\n</think>\\n\\n", "<think>\\n</think>\\n")
+    with pytest.raises(PairError, match="enable_thinking=False"):
+        check_pair(cfg(), cfg(), a, b)
+    b.chat_template = a.chat_template.replace("'<|im_start|>' + message['role']", "'<|im_start|>' + message['role'] + ' '")
+    with pytest.raises(PairError, match="enable_thinking=True"):
+        check_pair(cfg(), cfg(), a, b)
+
+
+def test_batch_larger_than_one_refused():
+    check_batch(torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(PairError, match="batch-one"):
+        check_batch(torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_missing_hub_model_offline_says_what_to_do(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit, match="pass a local folder"):
+        load_tokenizer(ModelSpec.parse("Qwen/Qwen3-0.6B"))

@@ -1,0 +1,63 @@
+"""Atomic writes survive interruption; hashes and the report schema."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvlingo import report
+
+
+def test_interrupted_write_leaves_previous_file(tmp_path, monkeypatch):
+    target = tmp_path / "out.json"
+    report.atomic_write_json(target, {"v": 1})
+
+    def boom(fd):
+        raise KeyboardInterrupt  # e.g. Ctrl-C between write and rename
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(KeyboardInterrupt):
+        report.atomic_write_json(target, {"v": 2})
+    assert report.read_json(target) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # the temp file was removed
+
+
+def test_sigkill_during_write_leaves_previous_file(tmp_path):
+    target = tmp_path / "big.bin"
+    report.atomic_write_bytes(target, b"old")
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from kvlingo.report import atomic_write_bytes\n"
+        "print('go', flush=True)\n"
+        "while True: atomic_write_bytes(%r, b'x' * (256 << 20))\n" % (str(root), str(target))
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"go"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    data = target.read_bytes()
+    assert data == b"old" or data == b"x" * (256 << 20)  # one whole version, never a torn one
+
+
+def test_hashes_and_schema(tmp_path):
+    p = report.atomic_write_text(tmp_path / "a.txt", "hello")
+    assert report.sha256_file(p) == report.sha256_bytes(b"hello")
+    assert report.sha256_json({"a": 1, "b": 2}) == report.sha256_json({"b": 2, "a": 1})
+    r = report.make_report("unit", config={"x": 1}, inputs={"a": report.sha256_file(p)}, results={"m": 0.5},
+                           n_samples=3, seeds=[0], wall_time_s=0.1, device="cpu", dtype="float32")
+    for key in ("schema_version", "stage", "config", "inputs", "env", "seeds", "results", "n_samples", "wall_time_s"):
+        assert key in r
+    assert {"git_sha", "git_dirty", "python", "torch", "transformers", "device", "dtype"} <= set(r["env"])
+
+
+def test_fmt_table():
+    t = report.fmt_table(["row", "kl"], [["native", 0.0], ["control", 1.23456]])
+    assert "| control | 1.235 |" in t and t.count("\n") == 4
