@@ -58,11 +58,14 @@ class HeadwiseMaps(nn.Module):
         s, t = source.config, target.config
         return cls(s.num_hidden_layers, s.num_key_value_heads, s.head_dim, t.head_dim, key_space)
 
-    def apply_one(self, which: int, x: torch.Tensor) -> torch.Tensor:
-        """x [layers, heads, tokens, d_in] → [layers, heads, tokens, d_out] for keys (0) or values (1)."""
+    def apply_one(self, which: int, x: torch.Tensor, layers: slice = slice(None)) -> torch.Tensor:
+        """x [layers, heads, tokens, d_in] → [layers, heads, tokens, d_out] for keys (0) or values (1).
+
+        `layers` selects which maps x belongs to (a chunk of consecutive layers).
+        """
         L, H, T, d_in = x.shape
-        w = self.weight[which].reshape(L * H, d_in, -1)  # [L*H, d_in, d_out]
-        b = self.bias[which].reshape(L * H, 1, -1)  # [L*H, 1, d_out]
+        w = self.weight[which, layers].reshape(L * H, d_in, -1)  # [L*H, d_in, d_out]
+        b = self.bias[which, layers].reshape(L * H, 1, -1)  # [L*H, 1, d_out]
         return torch.baddbmm(b, x.reshape(L * H, T, d_in), w).view(L, H, T, -1)
 
     def forward(self, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,29 +97,59 @@ class Translator:
         w, eps = k_norm_params(target)
         self.k_norm_weight, self.k_norm_eps = w.to(maps.weight.device), eps
 
-    def key_features(self, cap: Capture) -> torch.Tensor:
+    def key_features(self, cap: Capture, layers: slice = slice(None)) -> torch.Tensor:
         """Source-side key inputs [layers, heads, tokens, d_in] in FP32, for the maps or the fit."""
         if self.maps.key_space == "prenorm":
             if cap.prenorm is None:
                 raise ValueError("key space 'prenorm' needs the source's pre-norm key features; capture with want_prenorm=True")
-            return cap.prenorm.float()
+            return cap.prenorm[layers].float()
         cos, sin = self.source_rope(cap.n_tokens, device=cap.keys.device)
-        return strip_rope(cap.keys.float(), cos, sin)
+        return strip_rope(cap.keys[layers].float(), cos, sin)
 
-    def finish_keys(self, yk: torch.Tensor) -> torch.Tensor:
+    def finish_keys(self, yk: torch.Tensor, layers: slice = slice(None)) -> torch.Tensor:
         """Mapped keys → the target's cached keys (k_norm in prenorm space, then the target's RoPE)."""
         if self.maps.key_space == "prenorm":
-            yk = rms_norm(yk, self.k_norm_weight, self.k_norm_eps)
+            yk = rms_norm(yk, self.k_norm_weight[layers], self.k_norm_eps)
         cos, sin = self.target_rope(yk.shape[2], device=yk.device)
         return apply_rope(yk, cos, sin)
 
-    def __call__(self, cap: Capture, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Translate a capture. FP32 throughout, rounded once to `out_dtype` at the end."""
-        out_dtype = out_dtype or cap.keys.dtype
+    def translate_layers(self, cap: Capture, layers: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP32 target keys and values for a run of layers: [layers, heads, tokens, d_out] each."""
         with torch.autocast(device_type=cap.keys.device.type, enabled=False):
-            yk, yv = self.maps(self.key_features(cap), cap.values.float())
-            keys = self.finish_keys(yk)
-        return keys.to(out_dtype), yv.to(out_dtype)  # [layers, heads, tokens, head_dim] each
+            yk = self.maps.apply_one(0, self.key_features(cap, layers), layers)
+            yv = self.maps.apply_one(1, cap.values[layers].float(), layers)
+            return self.finish_keys(yk, layers), yv
+
+    def __call__(self, cap: Capture, out_dtype: torch.dtype | None = None,
+                 chunk_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Translate a capture: FP32 inside, rounded once to `out_dtype` at the end.
+
+        With gradients on (distillation) all layers go through at once. Without, layers are
+        processed in chunks of about `chunk_elements` values written straight into the
+        preallocated output, so the extra memory stays near one copy of the target cache
+        (plus one chunk of FP32 temporaries).
+        """
+        out_dtype = out_dtype or cap.keys.dtype
+        if torch.is_grad_enabled() and self.maps.weight.requires_grad:
+            keys, values = self.translate_layers(cap)
+            return keys.to(out_dtype), values.to(out_dtype)  # [layers, heads, tokens, head_dim] each
+        L, H, T, _ = cap.values.shape
+        d_out = self.maps.shape[3]
+        if chunk_elements is None:
+            chunk_elements = DEFAULT_CHUNK_ELEMENTS.get(cap.values.device.type, 1 << 24)
+        step = max(1, min(L, chunk_elements // max(1, H * T * d_out)))
+        keys = torch.empty(L, H, T, d_out, dtype=out_dtype, device=cap.values.device)
+        values = torch.empty_like(keys)
+        for start in range(0, L, step):
+            layers = slice(start, min(L, start + step))
+            k, v = self.translate_layers(cap, layers)
+            keys[layers].copy_(k)
+            values[layers].copy_(v)
+        return keys, values
+
+
+# FP32 temporaries per translation chunk: small on CPUs (cache locality), large on GPUs (fewer launches).
+DEFAULT_CHUNK_ELEMENTS = {"cpu": 1 << 22, "mps": 1 << 25, "cuda": 1 << 27}
 
 
 def target_key_features(target_cap: Capture, key_space: str, target_rope: RopeCache) -> torch.Tensor:

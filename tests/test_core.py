@@ -180,3 +180,34 @@ def test_token_kl_matches_f_kl_div():
     assert torch.allclose(token_kl(p.bfloat16(), q.bfloat16()), token_kl(p.bfloat16().float(), q.bfloat16().float()))
     t = torch.randint(0, 50, (7,))
     assert torch.allclose(token_nll(p, t), F.cross_entropy(p, t, reduction="none"), atol=1e-6)
+
+
+def test_chunked_translation_equals_per_head_reference(large32, small32):
+    """The batched, layer-chunked path against a plain per-(layer, head) loop."""
+    from kvlingo.maps import rms_norm
+    from kvlingo.rope import RopeCache
+
+    ids = _ids(21, large32.config.vocab_size, 6)
+    for key_space in ("prenorm", "cache"):
+        maps = HeadwiseMaps.for_pair(large32, small32, key_space)
+        with torch.no_grad():
+            maps.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+            maps.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
+            cap = capture(large32, ids)
+            tr = Translator(maps, large32, small32)
+            full = tr(cap, chunk_elements=1 << 30)
+            chunked = tr(cap, chunk_elements=1)  # one layer at a time
+        assert torch.equal(full[0], chunked[0]) and torch.equal(full[1], chunked[1])
+        src_cos, src_sin = rope_tables(large32, 21)
+        tgt_cos, tgt_sin = rope_tables(small32, 21)
+        kw = torch.stack([l.self_attn.k_norm.weight for l in small32.model.layers])
+        for l in range(cap.keys.shape[0]):
+            for h in range(cap.keys.shape[1]):
+                xk = cap.prenorm[l, h] if key_space == "prenorm" else strip_rope(cap.keys[l, h], src_cos, src_sin)
+                yk = xk @ maps.weight[0, l, h] + maps.bias[0, l, h]
+                if key_space == "prenorm":
+                    yk = small32.model.layers[l].self_attn.k_norm(yk)
+                yk = apply_rope(yk, tgt_cos, tgt_sin)
+                yv = cap.values[l, h] @ maps.weight[1, l, h] + maps.bias[1, l, h]
+                assert (full[0][l, h] - yk).abs().max().item() <= 1e-5
+                assert (full[1][l, h] - yv).abs().max().item() <= 1e-5

@@ -1,0 +1,381 @@
+"""Data preparation on a local fixture with a locally trained tokenizer: offline, seconds.
+
+References are independent of kvlingo.data: prefixes are re-rendered by hand in ChatML,
+split membership is read back from the question numbers in the text, and skip counts come
+from how the fixture was written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvlingo.data import (
+    SPLITS,
+    VARIANTS,
+    SplitIntegrityError,
+    load_split,
+    prepare,
+    tokenizer_digest,
+    verify_split,
+)
+from kvlingo.profiles import get_profile
+from kvlingo.report import read_json, sha256_file
+from kvlingo.tokenizer import save_tokenizer, train_chat_tokenizer
+
+TOPICS = "apple river stone cloud lamp garden violin copper meadow harbor pepper candle".split()
+SYSTEM = "You are concise."
+N_GOOD, N_LONG, N_CROP = 100, 4, 4
+PROFILE = get_profile("tiny")  # prefix_cap 96, reply_cap 16
+
+
+def good_row(i: int) -> dict:
+    a, b = TOPICS[i % 12], TOPICS[(i * 5 + 3) % 12]
+    on = i % 2 == 0
+    answer = f"The {a} sits by the {b} number {i}."
+    messages = [{"role": "user", "content": f"Question {i}: where is the {a} and the {b}?"}]
+    if i % 7 == 1:  # a short multi-turn chat
+        messages = [{"role": "user", "content": f"Earlier {i}: hello about the {a}."},
+                    {"role": "assistant", "content": f"Hello, the {a} is fine."}] + messages
+    return {
+        "input": messages,
+        "output": f"<think>\nThe user asks about the {a} {i}.\n</think>\n\n{answer}" if on else answer,
+        "reasoning": "on" if on else "off",
+        "system_prompt": SYSTEM if i % 3 == 0 else "",
+        "category": "chat",
+    }
+
+
+def long_row(i: int) -> dict:
+    """Its final user turn alone is longer than the prefix cap: must be dropped."""
+    row = good_row(i)
+    row["input"] = [{"role": "user", "content": f"Question {i}: " + " ".join(TOPICS * 10)}]
+    return row
+
+
+def crop_row(i: int) -> dict:
+    """Four long earlier turns, a short final one: must be cropped at a turn boundary."""
+    row = good_row(i)
+    history = []
+    for k in range(4):
+        words = " ".join(TOPICS[(k + j) % 12] for j in range(12))
+        history += [{"role": "user", "content": f"Earlier {i}.{k}: {words}"},
+                    {"role": "assistant", "content": f"Reply {k}: {words}"}]
+    row["input"] = history + [row["input"][-1]]
+    row["system_prompt"] = SYSTEM
+    return row
+
+
+def bad_lines() -> tuple[list[str], Counter]:
+    g = good_row(0)
+    rows = {
+        "missing_role": {**g, "input": [{"content": "hi"}]},
+        "empty_reply": {**good_row(2), "output": ""},
+        "bad_input": {**g, "input": "hello"},
+        "bad_reasoning_flag": {**g, "reasoning": "maybe"},
+        "bad_content_type": {**g, "input": [{"role": "user", "content": 42}]},
+        "bad_reply_type": {**g, "output": ["a"]},
+        "missing_think_block": {**g, "output": "no think here"},
+        "input_not_ending_with_user": {**g, "input": g["input"] + [{"role": "assistant", "content": "x"}]},
+    }
+    lines = [json.dumps(r) for r in rows.values()]
+    lines += [json.dumps({**good_row(4), "output": "   "}), "this is not json", "[1, 2]"]
+    expected = Counter(list(rows)) + Counter({"empty_reply": 1, "invalid_json": 1, "not_an_object": 1})
+    return lines, expected
+
+
+def all_rows() -> list[dict]:
+    return ([good_row(i) for i in range(N_GOOD)] + [long_row(N_GOOD + i) for i in range(N_LONG)]
+            + [crop_row(N_GOOD + N_LONG + i) for i in range(N_CROP)])
+
+
+def fixture_row(i: int) -> dict:
+    return all_rows()[i]
+
+
+def write_source(path: Path) -> Path:
+    bad, _ = bad_lines()
+    lines = [json.dumps(r) for r in all_rows()]
+    lines.insert(10, lines[0])  # one exact duplicate
+    lines[20:20] = bad
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def chatml(system: str, messages: list[dict], thinking: bool) -> str:
+    """Hand-written reference rendering of a prefix (Qwen3 layout)."""
+    text = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    text += "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
+
+
+def ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def question(text: str) -> int:
+    """Number of the last question in a rendered prefix: which fixture row it ends with."""
+    return int(re.findall(r"Question (\d+):", text)[-1])
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    source = write_source(root / "chats.jsonl")
+    texts = [m["content"] for r in all_rows() for m in r["input"]] + [r["output"] for r in all_rows()] + [SYSTEM]
+    tok = train_chat_tokenizer(texts, vocab_size=400, min_frequency=2)
+    result = prepare(tok, PROFILE, source=source, out_root=root / "out", seed=0, tokenizer_name="fixture")
+    data_dir = root / "out" / PROFILE.name
+    rows = {(s, v): load_split(data_dir, s, v) for s in SPLITS for v in VARIANTS}
+    return {"root": root, "source": source, "tok": tok, "result": result, "dir": data_dir, "rows": rows}
+
+
+def test_splits_disjoint_and_sized(world):
+    rows = world["rows"]
+    questions = {s: {question(r["prefix_text"]) for v in VARIANTS for r in rows[s, v]} for s in SPLITS}
+    sources = {s: {i for v in VARIANTS for r in rows[s, v] for i in r["source_ids"]} for s in SPLITS}
+    for a, b in [("train", "validation"), ("train", "test"), ("validation", "test")]:
+        assert not questions[a] & questions[b], (a, b)
+        assert not sources[a] & sources[b], (a, b)
+    for s in SPLITS:
+        assert len(rows[s, "natural"]) == getattr(PROFILE, f"n_{s}")
+        assert len(rows[s, "packed"]) == PROFILE.n_packed
+        # natural examples are sampled without replacement inside a split
+        assert len({question(r["prefix_text"]) for r in rows[s, "natural"]}) == len(rows[s, "natural"])
+
+
+def test_same_seed_same_files_other_seed_differs(world, tmp_path):
+    again = prepare(world["tok"], PROFILE, source=world["source"], out_root=tmp_path / "a", seed=0)
+    other = prepare(world["tok"], PROFILE, source=world["source"], out_root=tmp_path / "b", seed=1)
+    assert again.manifest["files"] == world["result"].manifest["files"]
+    for name, digest in world["result"].manifest["files"].items():
+        assert sha256_file(tmp_path / "a" / PROFILE.name / name) == digest
+    assert other.manifest["files"]["train.natural.jsonl"] != again.manifest["files"]["train.natural.jsonl"]
+
+
+def test_caps_and_token_ids(world):
+    tok = world["tok"]
+    for (s, v), rows in world["rows"].items():
+        for r in rows:
+            assert 0 < len(r["prefix_ids"]) <= PROFILE.prefix_cap
+            assert 0 < len(r["reply_ids"]) <= PROFILE.reply_cap
+            assert r["prefix_ids"] == ids(tok, r["prefix_text"])
+            assert tok.decode(r["reply_ids"], skip_special_tokens=False) == r["reply_text"]
+            if r["reply_text"].endswith("<|im_end|>"):  # uncut reply: ids continue the prefix's
+                full = ids(tok, r["prefix_text"] + r["reply_text"])
+                assert full == r["prefix_ids"] + r["reply_ids"]
+
+
+def test_crop_and_drop_rules_against_hand_rendering(world, tmp_path):
+    # Everything goes to train and is tried: the counts must match the fixture exactly.
+    profile = replace(PROFILE, n_train=10_000, n_validation=0, n_test=0, n_packed=0)
+    res = prepare(world["tok"], profile, source=world["source"], out_root=tmp_path)
+    stats = res.manifest["results"]["examples"]["train.natural"]
+    assert stats["dropped_prefix_too_long"] == N_LONG
+    assert stats["prefix_cropped"] == N_CROP
+    assert stats["kept"] == N_GOOD + N_CROP
+    tok, cap = world["tok"], PROFILE.prefix_cap
+    cropped = 0
+    for r in load_split(tmp_path / profile.name, "train", "natural"):
+        row = fixture_row(question(r["prefix_text"]))
+        on, msgs = row["reasoning"] == "on", row["input"]
+        starts = [k for k, m in enumerate(msgs) if m["role"] == "user"]  # turn boundaries
+        match = [k for k in starts if chatml(row["system_prompt"], msgs[k:], on) == r["prefix_text"]]
+        assert len(match) == 1, r["prefix_text"]
+        k = match[0]
+        if k > 0:  # cropped: the system message stays and one more turn would not fit
+            cropped += 1
+            assert r["prefix_text"].startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n")
+            previous = starts[starts.index(k) - 1]
+            assert len(ids(tok, chatml(row["system_prompt"], msgs[previous:], on))) > cap
+    assert cropped == N_CROP
+
+
+def test_natural_and_packed_shapes(world):
+    rows, tok = world["rows"], world["tok"]
+    for s in SPLITS:
+        for r in rows[s, "natural"]:
+            assert len(r["source_ids"]) == 1
+            row = fixture_row(question(r["prefix_text"]))
+            on = row["reasoning"] == "on"
+            reply = (f"<think>\n{row['output'].split('<think>')[1].split('</think>')[0].strip()}\n</think>\n\n"
+                     if on else "") + (row["output"].split("</think>\n\n")[-1]) + "<|im_end|>"
+            want = ids(tok, r["prefix_text"] + reply)[len(r["prefix_ids"]):][: PROFILE.reply_cap]
+            assert r["reply_ids"] == want
+        for r in rows[s, "packed"]:
+            assert len(r["source_ids"]) >= 2
+            assert len(set(re.findall(r"Question (\d+):", r["prefix_text"]))) >= 2
+            # the history closes each earlier conversation with its answer; the last turn is the final user
+            assert r["prefix_text"].count("<|im_start|>assistant\n") >= 2
+            final = fixture_row(question(r["prefix_text"]))
+            assert r["reasoning"] == (final["reasoning"] == "on")
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    nat = mean([len(r["prefix_ids"]) for s in SPLITS for r in rows[s, "natural"]])
+    pack = mean([len(r["prefix_ids"]) for s in SPLITS for r in rows[s, "packed"]])
+    assert pack > 1.5 * nat
+    assert min(len(r["prefix_ids"]) for s in SPLITS for r in rows[s, "packed"]) > PROFILE.prefix_cap // 2
+
+
+def test_reasoning_rendered_through_template(world):
+    manifest = world["result"].manifest["results"]["examples"]
+    for (s, v), rows in world["rows"].items():
+        for r in rows:
+            if r["reasoning"]:
+                assert r["prefix_text"].endswith("<|im_start|>assistant\n")
+                assert r["reply_text"].startswith("<think>\nThe user asks about the ")
+            else:
+                assert r["prefix_text"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+                assert "<think>" not in r["reply_text"]
+        assert manifest[f"{s}.{v}"]["reasoning_on"] == sum(r["reasoning"] for r in rows)
+        assert manifest[f"{s}.{v}"]["reasoning_off"] == sum(not r["reasoning"] for r in rows)
+    natural = [r for s in SPLITS for r in world["rows"][s, "natural"]]
+    assert any(r["reasoning"] for r in natural) and not all(r["reasoning"] for r in natural)
+
+
+def test_bad_rows_counted_not_fatal(world):
+    counts = world["result"].manifest["results"]["rows"]
+    _, expected = bad_lines()
+    assert counts["skipped"] == dict(expected)
+    assert counts["duplicates"] == 1
+    assert counts["read"] == len(all_rows()) + 1 + sum(expected.values())
+    assert counts["unique"] == len(all_rows())
+
+
+def test_verify_detects_tampering(world, tmp_path):
+    data = tmp_path / "d"
+    shutil.copytree(world["dir"], data)
+    verify_split(data)
+    target = data / "test.packed.jsonl"
+    lines = target.read_text().splitlines()
+    row = json.loads(lines[0])
+    row["reply_ids"][0] += 1
+    lines[0] = json.dumps(row, sort_keys=True)
+    target.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SplitIntegrityError, match="test.packed.jsonl"):
+        verify_split(data)
+    with pytest.raises(SplitIntegrityError, match="test.packed.jsonl"):
+        load_split(data, "train", "natural")
+    (data / "validation.natural.jsonl").unlink()
+    target.unlink()
+    with pytest.raises(SplitIntegrityError, match=r"(validation\.natural|test\.packed)\.jsonl.*missing"):
+        verify_split(data)
+
+
+def test_rerun_is_noop_and_changes_rebuild(world, tmp_path):
+    out, src = tmp_path / "out", tmp_path / "chats.jsonl"
+    shutil.copy(world["source"], src)
+    first = prepare(world["tok"], PROFILE, source=src, out_root=out)
+    data = out / PROFILE.name
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in data.iterdir()}
+    again = prepare(world["tok"], PROFILE, source=src, out_root=out)
+    assert first.built and not again.built
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in data.iterdir()} == before
+
+    (data / "train.natural.jsonl").write_text("{}\n")
+    fixed = prepare(world["tok"], PROFILE, source=src, out_root=out)
+    assert fixed.built and "train.natural.jsonl" in fixed.reason
+    assert (data / "train.natural.jsonl").read_bytes() == before["train.natural.jsonl"][1]
+
+    with open(src, "a") as f:
+        f.write(json.dumps(good_row(999)) + "\n")
+    assert prepare(world["tok"], PROFILE, source=src, out_root=out).built
+    assert prepare(world["tok"], PROFILE, source=src, out_root=out, seed=3).built
+    assert not prepare(world["tok"], PROFILE, source=src, out_root=out, seed=3).built
+    assert prepare(world["tok"], PROFILE, source=src, out_root=out, seed=3, force=True).built
+
+
+def test_manifest_contents(world):
+    m = read_json(world["dir"] / "manifest.json")
+    assert m["stage"] == "prepare" and m["seeds"] == {"seed": 0}
+    assert m["inputs"]["source"]["sha256"] == sha256_file(world["source"])
+    assert m["inputs"]["tokenizer"]["digest"] == tokenizer_digest(world["tok"])
+    assert set(m["files"]) == {f"{s}.{v}.jsonl" for s in SPLITS for v in VARIANTS}
+    lengths = m["results"]["examples"]["train.packed"]["prefix_tokens"]
+    assert set(lengths) == {"min", "median", "mean", "max"} and lengths["max"] <= PROFILE.prefix_cap
+
+
+def test_tokenizer_digest_survives_save_and_reload(world, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = world["tok"]
+    reloaded = AutoTokenizer.from_pretrained(save_tokenizer(tok, tmp_path / "tok"))
+    assert tokenizer_digest(reloaded) == tokenizer_digest(tok)
+    other = train_chat_tokenizer(["a completely different corpus of words"] * 20, vocab_size=300)
+    assert tokenizer_digest(other) != tokenizer_digest(tok)
+
+
+def test_hub_without_network_fails_fast_naming_source(world, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="--source PATH"):
+        prepare(world["tok"], PROFILE, source=None, out_root=tmp_path)
+    with pytest.raises(ValueError, match="not found"):
+        prepare(world["tok"], PROFILE, source=tmp_path / "missing.jsonl", out_root=tmp_path)
+
+
+def test_hub_path_streams_until_pools_fill_and_records_commit(world, tmp_path, monkeypatch):
+    import kvlingo.data as data
+
+    consumed = []
+
+    def fake_rows(hub, commit):  # stands in for the Hub stream: the fixture, one row at a time
+        assert commit == "f" * 40
+        for row in data.local_rows(world["source"]):
+            consumed.append(row)
+            yield row
+
+    monkeypatch.setattr(data, "resolve_hub_revision", lambda hub: "f" * 40)
+    monkeypatch.setattr(data, "hub_rows", fake_rows)
+    small = replace(PROFILE, n_train=6, n_validation=2, n_test=2, n_packed=1)
+    res = prepare(world["tok"], small, source=None, out_root=tmp_path)
+    source = res.manifest["inputs"]["source"]
+    assert source["kind"] == "hub" and source["revision"] == "f" * 40 and source["revision_requested"] == "main"
+    n_lines = len(world["source"].read_text().splitlines())
+    assert res.manifest["results"]["rows"]["read"] == len(consumed) < n_lines
+    assert all(e["short"] == 0 for e in res.manifest["results"]["examples"].values())
+
+
+def test_hub_unreachable_fails_with_clear_message(monkeypatch):
+    import huggingface_hub
+
+    from kvlingo.data import NEMOTRON, resolve_hub_revision
+
+    def unreachable(self, *a, **k):
+        raise ConnectionError("no route to host")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    with pytest.raises(ValueError, match=r"cannot reach .*--source PATH"):
+        resolve_hub_revision(NEMOTRON)
+
+
+def test_check_tokenizer(world):
+    from kvlingo.data import check_tokenizer
+
+    check_tokenizer(world["result"].manifest, world["tok"])
+    other = train_chat_tokenizer(["a completely different corpus of words"] * 20, vocab_size=300)
+    with pytest.raises(ValueError, match="tokenized with"):
+        check_tokenizer(world["result"].manifest, other)
+
+
+def test_cli_builds_then_reports_up_to_date(world, tmp_path, capsys):
+    import paper_data
+
+    tok_dir = save_tokenizer(world["tok"], tmp_path / "tok")
+    argv = ["--profile", "tiny", "--source", str(world["source"]), "--tokenizer", str(tok_dir),
+            "--out", str(tmp_path / "out")]
+    paper_data.main(argv)
+    assert "built" in capsys.readouterr().out
+    paper_data.main(argv)
+    out = capsys.readouterr().out
+    assert "up to date" in out and "train.packed" in out
+    # same bytes as the library call with the same tokenizer and seed
+    assert read_json(tmp_path / "out" / "tiny" / "manifest.json")["files"] == world["result"].manifest["files"]
+    with pytest.raises(SystemExit, match="--source PATH"):
+        paper_data.main(["--profile", "tiny", "--tokenizer", str(tok_dir), "--out", str(tmp_path / "hub")])
