@@ -20,7 +20,7 @@ PAIR  = --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) --device $(DE
 DATA  = data/$(PROFILE)
 
 .DEFAULT_GOAL := help
-.PHONY: help test venv prepare
+.PHONY: help test venv prepare train
 
 help: ## list the targets
 	@echo "KVLRelay targets (variables: DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(RUN)):"
@@ -40,3 +40,6 @@ test: $(VENV)/.synced ## run the test suite offline on the CPU (tiny local model
 
 prepare: $(VENV)/.synced ## disjoint train/validation/test splits under data/PROFILE (SOURCE=local.jsonl for offline)
 	$(PY) paper_data.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
+
+train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, results/RUN/train.json (TRAIN_ARGS=--resume)
+	$(PY) train_translator.py --profile $(PROFILE) --data $(DATA) --run $(RUN) $(PAIR) $(TRAIN_ARGS)

@@ -18,7 +18,7 @@ class Capture:
     keys: torch.Tensor  # [layers, kv_heads, tokens, head_dim], as cached: post k_norm, post RoPE
     values: torch.Tensor  # [layers, kv_heads, tokens, head_dim]
     prenorm: torch.Tensor | None  # [layers, kv_heads, tokens, head_dim], k_proj output (pre k_norm, pre RoPE)
-    logits: torch.Tensor  # [tokens, vocab] of the captured forward
+    logits: torch.Tensor  # [tokens or logits_to_keep, vocab] of the captured forward
 
     @property
     def n_tokens(self) -> int:
@@ -45,9 +45,13 @@ def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: boo
     return out, (prenorm if want_prenorm else None)
 
 
-def capture(model, input_ids: torch.Tensor, want_prenorm: bool = True) -> Capture:
-    """Prefill `input_ids` [1, tokens] and return the stacked cache and pre-norm keys."""
-    out, pre = run_with_cache(model, input_ids, want_prenorm=want_prenorm)
+def capture(model, input_ids: torch.Tensor, want_prenorm: bool = True, logits_to_keep: int = 0) -> Capture:
+    """Prefill `input_ids` [1, tokens] and return the stacked cache and pre-norm keys.
+
+    `logits_to_keep=k` keeps only the last k positions' logits (0 keeps all): at long
+    contexts the full [tokens, vocab] logits would dwarf the cache itself.
+    """
+    out, pre = run_with_cache(model, input_ids, want_prenorm=want_prenorm, logits_to_keep=logits_to_keep)
     kv_heads, head_dim = _kv_shape(model)
     cache = out.cache
     keys = torch.stack([layer.keys[0] for layer in cache.layers])  # [layers, kv_heads, tokens, head_dim]

@@ -19,7 +19,7 @@ def as_ids(ids, device) -> torch.Tensor:
 def translated_cache(source, translator: Translator, context_ids, out_dtype: torch.dtype):
     """Source prefill of `context_ids`, then translation: target-layout (keys, values)."""
     device = next(source.parameters()).device
-    cap = capture(source, as_ids(context_ids, device), want_prenorm=translator.maps.key_space == "prenorm")
+    cap = capture(source, as_ids(context_ids, device), want_prenorm=translator.maps.key_space == "prenorm", logits_to_keep=1)
     return translator(cap, out_dtype)
 
 
@@ -27,7 +27,7 @@ def translated_cache(source, translator: Translator, context_ids, out_dtype: tor
 def native_cache(model, context_ids):
     """The model's own cache of `context_ids` (keys, values)."""
     device = next(model.parameters()).device
-    cap = capture(model, as_ids(context_ids, device), want_prenorm=False)
+    cap = capture(model, as_ids(context_ids, device), want_prenorm=False, logits_to_keep=1)
     return cap.keys, cap.values
 
 
