@@ -1,32 +1,46 @@
 # KVLRelay: translate one Qwen3's KV cache into another's, and measure what it costs and saves.
-# `make help` lists the targets. Variables below can be set on the command line:
+# `make help` lists the targets. Variables can be set on the command line:
 #   make run DEVICE=cuda DIRECTION=s2l
+#   make recipe PROFILE=paper-budget DEVICE=cuda RUN=qwen-headwise
 
 DEVICE    ?= auto
 DTYPE     ?= bfloat16
 PROFILE   ?= pilot
 DIRECTION ?= l2s
 RUN       ?= $(PROFILE)-$(DIRECTION)
+TASK      ?= arc
+HANDOFF   ?= prompt
 LARGE     ?= Qwen/Qwen3-1.7B
 SMALL     ?= Qwen/Qwen3-0.6B
-SOURCE    ?=
-TRAIN_ARGS   ?=
+# Local JSONL sources (offline). Empty: the pinned Hub data sets.
+SOURCE        ?=
+IFEVAL_SOURCE ?=
+TASK_SOURCE   ?=
 PREPARE_ARGS ?=
+TRAIN_ARGS   ?=
+BENCH_ARGS   ?=
+SWITCH_ARGS  ?=
+IFEVAL_ARGS  ?=
+TASK_ARGS    ?=
+RECIPE_ARGS  ?=
 
-VENV := .venv
-PY   := $(VENV)/bin/python
-UV   := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
-PAIR  = --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) --device $(DEVICE) --dtype $(DTYPE)
-DATA  = data/$(PROFILE)
+VENV  := .venv
+PY    := $(VENV)/bin/python
+UV    := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
+PAIR   = --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) --device $(DEVICE) --dtype $(DTYPE)
+DATA   = data/$(PROFILE)
+PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
+TASK_DATA_FLAG = --source $(TASK_SOURCE)
 
 .DEFAULT_GOAL := help
-.PHONY: help test venv prepare train
+.PHONY: help venv test prepare train benchmark switch ifeval ifeval-native task task-native
 
 help: ## list the targets
-	@echo "KVLRelay targets (variables: DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(RUN)):"
+	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(RUN)):"
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
 
-# The environment: created or updated from the lock on first use by every target below.
+# ---------------------------------------------------------------- environment
+# Created or updated from the lock on first use by every target below.
 $(VENV)/.synced: pyproject.toml uv.lock
 	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || \
 	  python3 -m pip install --quiet uv || python3 -m pip install --quiet --user --break-system-packages uv
@@ -38,8 +52,37 @@ venv: $(VENV)/.synced ## create or update .venv from uv.lock
 test: $(VENV)/.synced ## run the test suite offline on the CPU (tiny local models, no network)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q $(TEST_ARGS)
 
-prepare: $(VENV)/.synced ## disjoint train/validation/test splits under data/PROFILE (SOURCE=local.jsonl for offline)
+# nltk's English punkt_tab for IFEval's sentence-count instructions, written offline and verified.
+$(PUNKT): $(VENV)/.synced
+	$(PY) ifeval.py --install-punkt
+
+# ---------------------------------------------------------------- stages
+prepare: $(VENV)/.synced ## disjoint train/validation/test splits → data/PROFILE (SOURCE=chats.jsonl offline)
 	$(PY) paper_data.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
 
 train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, results/RUN/train.json (TRAIN_ARGS=--resume)
 	$(PY) train_translator.py --profile $(PROFILE) --data $(DATA) --run $(RUN) $(PAIR) $(TRAIN_ARGS)
+
+benchmark: $(VENV)/.synced ## KL/perplexity rows, native controls, four timing paths → results/RUN/benchmark.json
+	$(PY) benchmark.py --profile $(PROFILE) --data $(DATA) --run $(RUN) $(PAIR) $(BENCH_ARGS)
+
+switch: $(VENV)/.synced ## switch cost against re-reading on long chats → results/RUN/switch.json (SWITCH_ARGS="--lengths 4000 8000")
+	$(PY) switch_cost.py --profile $(PROFILE) --data $(DATA) --run $(RUN) $(PAIR) $(SWITCH_ARGS)
+
+data/ifeval/manifest.json: | $(VENV)/.synced
+	$(PY) ifeval.py --prepare $(if $(IFEVAL_SOURCE),--source $(IFEVAL_SOURCE))
+
+ifeval-native: $(PUNKT) data/ifeval/manifest.json ## IFEval, native source and target, official grader → results/RUN/ifeval-native.json
+	$(PY) ifeval.py --native --profile $(PROFILE) --run $(RUN) $(PAIR) $(IFEVAL_ARGS)
+
+ifeval: $(PUNKT) data/ifeval/manifest.json ## IFEval after the handoff (distilled maps) → results/RUN/ifeval.json
+	$(PY) ifeval.py --profile $(PROFILE) --run $(RUN) $(PAIR) $(IFEVAL_ARGS)
+
+data/arc/manifest.json data/gsm8k/manifest.json: | $(VENV)/.synced
+	$(PY) task_eval.py --task $(notdir $(@D)) --prepare $(if $(TASK_SOURCE),--source $(TASK_SOURCE))
+
+task: data/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff (TASK=arc|gsm8k HANDOFF=prompt|trace)
+	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --profile $(PROFILE) --run $(RUN) $(PAIR) $(TASK_ARGS)
+
+task-native: data/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the native source and target
+	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --profile $(PROFILE) --run $(RUN) $(PAIR) $(TASK_ARGS)
