@@ -23,6 +23,9 @@ SWITCH_ARGS  ?=
 IFEVAL_ARGS  ?=
 TASK_ARGS    ?=
 RECIPE_ARGS  ?=
+PERF_ARGS    ?=
+# perf: float32 on a CPU (its BF16 kernels are slow for small steps), bfloat16 on a GPU
+PERF_DTYPE   ?= auto
 
 VENV  := .venv
 PY    := $(VENV)/bin/python
@@ -30,10 +33,9 @@ UV    := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
 PAIR   = --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) --device $(DEVICE) --dtype $(DTYPE)
 DATA   = data/$(PROFILE)
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
-TASK_DATA_FLAG = --source $(TASK_SOURCE)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test prepare train benchmark switch ifeval ifeval-native task task-native
+.PHONY: help venv test prepare train benchmark switch ifeval ifeval-native task task-native perf
 
 help: ## list the targets
 	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(RUN)):"
@@ -86,3 +88,6 @@ task: data/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff (TASK=a
 
 task-native: data/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the native source and target
 	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --profile $(PROFILE) --run $(RUN) $(PAIR) $(TASK_ARGS)
+
+perf: $(VENV)/.synced ## speed at real Qwen3 shapes, random weights: 4 paths + switch cost at 1k/2k/4k → results/perf/perf.json
+	$(PY) benchmark.py --random-weights --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)

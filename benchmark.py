@@ -28,15 +28,17 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from kvlingo import controls, quality, timing
 from kvlingo.data import SplitIntegrityError, split_path, verify_split
 from kvlingo.handoff import as_ids
-from kvlingo.maps import MANIFEST_FILE, Translator, load_maps
+from kvlingo.maps import MANIFEST_FILE, Translator
+from kvlingo.maps import load_translator as load_translator_for
 from kvlingo.models import ModelSpec, add_pair_args, dtype_name, load_model, pair_from_args, resolve_dtype
 from kvlingo.profiles import PROFILES, get_profile
-from kvlingo.report import (atomic_write_json, atomic_write_jsonl, atomic_write_text, code_hash, fmt_table,
+from kvlingo.report import (atomic_write_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, code_hash, fmt_table,
                             make_report, read_json, read_jsonl, sha256_file, sha256_json)
 
 MAPS = ("closed_form", "distilled")  # artifact folders under artifacts/<run>/, also the arm names
@@ -103,20 +105,11 @@ def maps_folders(artifacts: Path, names, run: str, stop_hint: str | None = "") -
 
 def load_translator(folder: Path, pair) -> tuple[Translator, dict]:
     """Maps from an artifact folder, checked against the loaded pair, as a Translator."""
+    models = {"source": pair.source_spec.identity(), "target": pair.target_spec.identity()}
     try:
-        maps, manifest = load_maps(folder, pair.device)
+        return load_translator_for(folder, pair.source, pair.target, pair.direction, models)
     except ValueError as err:
         raise SystemExit(str(err)) from err
-    s, t = pair.source.config, pair.target.config
-    want = (s.num_hidden_layers, s.num_key_value_heads, s.head_dim, t.head_dim)
-    if maps.shape != want:
-        raise SystemExit(f"{folder}: maps shape {maps.shape} does not fit this pair {want} "
-                         "(layers, kv_heads, d_in, d_out); check --large/--small/--direction or retrain")
-    if manifest.get("direction", pair.direction) != pair.direction:
-        raise SystemExit(f"{folder}: maps were trained for direction {manifest['direction']}, "
-                         f"not {pair.direction}; pass --direction {manifest['direction']} or retrain")
-    maps.requires_grad_(False)
-    return Translator(maps, pair.source, pair.target), manifest
 
 
 def finish(out_dir: Path, stem: str, report: dict, rows: list[dict] | None, summary_md: str) -> None:
@@ -191,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                "--dtype float32 --timing-repeats 8",
     )
     parser.add_argument("--data", default="data/pilot", help="prepared data folder (data/<profile>); its test split is scored")
-    parser.add_argument("--run", required=True, help="run name: reads artifacts/<run>/, writes results/<run>/")
+    parser.add_argument("--run", default=None, help="run name: reads artifacts/<run>/, writes results/<run>/ (required unless --random-weights)")
     parser.add_argument("--profile", default=None, help="profile for timing defaults (default: the --data folder's name)")
     parser.add_argument("--variant", choices=("natural", "packed"), default="natural", help="test-split variant to score")
     parser.add_argument("--limit", type=int, default=None, help="score only the first N test conversations")
@@ -213,9 +206,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--allow-cv", action="store_true",
                         help="do not fail the run on CV flags (e.g. on a shared CPU); they stay in the report")
     parser.add_argument("--force", action="store_true", help="re-run even when a passed report with the same inputs exists")
+    perf = parser.add_argument_group("speed at real shapes (make perf)")
+    perf.add_argument("--random-weights", action="store_true",
+                      help="time architecture-exact random Qwen3-1.7B/0.6B and random maps at --lengths (no data, no maps); "
+                           "writes OUT_DIR/perf.json (default results/perf)")
+    perf.add_argument("--random-arch", choices=("qwen3", "tiny"), default="qwen3",
+                      help="qwen3: the real shapes; tiny: a 2-layer stand-in for smoke tests")
+    perf.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens) for --random-weights")
+    perf.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="maps key space for --random-weights")
+    perf.add_argument("--strict-cv", action="store_true",
+                      help="with --random-weights on a CPU, fail on CV flags (by default they are only reported there)")
     add_pair_args(parser)
     args = parser.parse_args(argv)
     t_start = time.time()
+    if args.random_weights:
+        return perf_main(args, t_start)
+    if not args.run:
+        parser.error("--run is required (the trained run to benchmark), unless --random-weights")
 
     # ----------------------------------------------------------------------- inputs
     profile = get_profile(profile_for(args.data, args.profile))
@@ -320,6 +327,97 @@ def main(argv: list[str] | None = None) -> None:
     finish(out_dir, "benchmark", report, rows, summary_markdown(results, dtype_name(pair.dtype)))
     if failed:
         raise SystemExit("benchmark checks failed: " + "; ".join(failed))
+
+
+# --------------------------------------------------------------------------- make perf
+def perf_main(args, t_start: float) -> None:
+    """Four timing paths and the switch cost at real shapes with random weights: results/perf/perf.json."""
+    from kvlingo.arch import random_maps, random_pair
+    from kvlingo.models import resolve_device
+    from kvlingo.perf import perf_at_length
+
+    device = resolve_device(args.device)
+    dtype_arg = args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+    # A CPU takes minutes per long prefill: fewer trials there (the GPU defaults are the profile's),
+    # and its CV flags are reported without failing the run unless --strict-cv.
+    profile = get_profile(args.profile or "pilot")
+    on_cpu = device == "cpu"
+    warmups = args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups)
+    repeats = args.timing_repeats if args.timing_repeats is not None else (3 if on_cpu else profile.timing_repeats)
+    args.allow_cv = args.allow_cv or (on_cpu and not args.strict_cv)
+    out_dir = Path(args.out_dir or "results/perf")
+    k = args.new_turn_tokens
+    print(f"building random {args.random_arch} pair ({args.direction}, {dtype_arg}, {device})...", file=sys.stderr)
+    pair = random_pair(args.random_arch, args.direction, device, resolve_dtype(dtype_arg))
+    limit = pair.target.config.max_position_embeddings
+    if max(args.lengths) + k > limit:
+        raise SystemExit(f"--lengths up to {max(args.lengths)} + {k} exceed max_position_embeddings {limit}")
+    translator = Translator(random_maps(pair.source, pair.target, args.key_space), pair.source, pair.target)
+    points = []
+    for n in tqdm(sorted(set(args.lengths)), desc="lengths", file=sys.stderr):
+        points.append(perf_at_length(pair.source, pair.target, translator, n, k, warmups, repeats, args.cv_limit))
+    noisy = [f"{p['context_tokens']}/{name}" for p in points for name in p["noisy"]]
+    failed = [] if not noisy or args.allow_cv else [f"CV > {args.cv_limit:g} in {', '.join(noisy)} (--allow-cv waives this)"]
+    config = {"arch": args.random_arch, "source": pair.source_spec.name_or_path, "target": pair.target_spec.name_or_path,
+              "direction": args.direction, "device": device, "dtype": dtype_arg, "key_space": args.key_space,
+              "lengths": sorted(set(args.lengths)), "new_turn_tokens": k, "warmups": warmups, "repeats": repeats,
+              "cv_limit": args.cv_limit, "allow_cv": args.allow_cv, "threads": torch.get_num_threads()}
+    switch = [{"context_tokens": p["context_tokens"], "re_reading_s": p["paths"]["target_reprefill"]["median_s"],
+               "switching_s": p["paths"]["source_cache_handoff"]["median_s"],
+               "speedup": p["speedup"]["source_cache_handoff"]} for p in points]
+    results = {"lengths": points, "switch_cost": switch, "plot": "perf.png",
+               "checks": {"noisy_timings": noisy, "cv_allowed": args.allow_cv, "failed": failed, "passed": not failed}}
+    md = perf_markdown(config, points) + f"\nChecks: {'PASSED' if not failed else 'FAILED: ' + '; '.join(failed)}\n"
+    atomic_write_bytes(out_dir / "perf.png", perf_plot(points, f"{config['source']} → {config['target']}, {dtype_arg}, {device}"))
+    report = make_report("perf", config=config, inputs={"code_sha256": code_hash(__file__)}, results=results,
+                         n_samples={"lengths": len(points), "trials_per_path": repeats}, seeds=[0],
+                         wall_time_s=time.time() - t_start, device=device, dtype=dtype_arg)
+    finish(out_dir, "perf", report, None, md)
+    if failed:
+        raise SystemExit("perf checks failed: " + "; ".join(failed))
+
+
+def perf_markdown(config: dict, points: list[dict]) -> str:
+    rows = []
+    for p in points:
+        for name, s in p["paths"].items():
+            rows.append([p["context_tokens"], name, 1e3 * s["median_s"], s["cv"], "NOISY" if s["noisy"] else "",
+                         p["speedup"].get(name)])
+    stages = [[p["context_tokens"], *(1e3 * p["breakdown"][st]["median_s"] for st in timing.STAGES),
+               p["translation_gflops_per_s"], p["speedup"]["source_cache_handoff"],
+               p["ceiling"]["reprefill_over_translation"], p["ceiling"]["reprefill_over_translation_plus_new_turn"],
+               p["memory"]["ratio_to_cache"]] for p in points]
+    return (f"## Handoff speed: {config['source']} → {config['target']} (random weights), {config['dtype']}, "
+            f"{config['device']}, {config['repeats']} trials after {config['warmups']} warm-up(s)\n\n"
+            + fmt_table(["context", "path", "median ms", "CV", "flag", "speedup vs re-prefill"], rows)
+            + "\n### Where the existing-source handoff's time goes\n\n"
+            + fmt_table(["context", "translate ms", "build cache ms", "new turn ms", "translate GFLOP/s",
+                         "speedup", "ceiling (translation)", "ceiling (+ new turn)", "peak mem / cache"], stages))
+
+
+def perf_plot(points: list[dict], title: str) -> bytes:
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    xs = [p["context_tokens"] for p in points]
+    for name in timing.PATHS:
+        ax.plot(xs, [p["paths"][name]["median_s"] for p in points], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("median seconds to first-token logits")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    return buf.getvalue()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,15 @@ QWEN3_ARCH = {
 }
 
 
+# A scaled-down stand-in with the same code path, for smoke tests of `--random-weights`.
+QWEN3_ARCH["tiny-large"] = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
+                                num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True,
+                                rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=4096)
+QWEN3_ARCH["tiny-small"] = dict(QWEN3_ARCH["tiny-large"], hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                rope_theta=10_000.0)
+RANDOM_PAIRS = {"qwen3": ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-0.6B"), "tiny": ("tiny-large", "tiny-small")}
+
+
 def qwen3_config(name: str):
     from transformers import Qwen3Config
 
@@ -79,3 +88,15 @@ def prefill_flops(model, tokens: int) -> float:
     if getattr(model.config, "tie_word_embeddings", False):
         n += model.model.embed_tokens.weight.numel()  # the tied LM head still runs a matmul
     return 2.0 * n * tokens
+
+
+def random_pair(arch: str = "qwen3", direction: str = "l2s", device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """A `models.Pair` of random-weight models (no tokenizer): the large/small of `arch` in `direction`."""
+    from .models import ModelSpec, Pair, check_pair, pair_specs
+
+    large, small = (ModelSpec(name, "random-weights") for name in RANDOM_PAIRS[arch])
+    src, tgt = pair_specs(direction, large, small)
+    source = random_model(src.name_or_path, device, dtype, seed=1)
+    target = random_model(tgt.name_or_path, device, dtype, seed=2)
+    check_pair(source.config, target.config)
+    return Pair(source, target, None, src, tgt, direction, device, dtype)

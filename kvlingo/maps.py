@@ -16,7 +16,6 @@ Two key spaces:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -185,7 +184,8 @@ def load_maps(folder: str | Path, device: str = "cpu") -> tuple[HeadwiseMaps, di
     folder = Path(folder)
     mpath = folder / MANIFEST_FILE
     if not mpath.exists():
-        raise FileNotFoundError(f"{folder} holds no {MANIFEST_FILE}: not a complete maps artifact (train it first)")
+        raise FileNotFoundError(f"{folder} holds no {MANIFEST_FILE}: not a complete maps artifact; "
+                                "train it first (make train RUN=...), or point --maps-dir at a maps folder")
     manifest = json.loads(mpath.read_text())
     digest = sha256_file(folder / MAPS_FILE)
     if digest != manifest["maps_sha256"]:
@@ -197,3 +197,46 @@ def load_maps(folder: str | Path, device: str = "cpu") -> tuple[HeadwiseMaps, di
         maps.weight.copy_(tensors["weight"])
         maps.bias.copy_(tensors["bias"])
     return maps.to(device), manifest
+
+
+def check_maps_for_pair(manifest: dict[str, Any], shape: tuple[int, int, int, int], want_shape: tuple[int, int, int, int],
+                        direction: str | None = None, models: dict[str, Any] | None = None,
+                        key_space: str | None = None) -> None:
+    """Refuse maps made for another pair, direction or key space (ValueError naming the field).
+
+    `direction` and `models` ({"source": identity, "target": identity}) are compared when the
+    manifest records them, as the training stage always does.
+    """
+    if tuple(shape) != tuple(want_shape):
+        raise ValueError(f"maps have shape (layers, kv_heads, d_in, d_out)={tuple(shape)}, but this pair needs "
+                         f"{tuple(want_shape)}: they were trained for another pair; check --large/--small/--direction")
+    if direction and manifest.get("direction") not in (None, direction):
+        raise ValueError(f"maps were trained for direction {manifest['direction']!r}, this run is {direction!r}; "
+                         f"pass --direction {manifest['direction']} or train maps for this direction")
+    if key_space is not None and manifest.get("key_space") != key_space:
+        raise ValueError(f"maps use key space {manifest.get('key_space')!r}, this run asks for {key_space!r}; "
+                         f"pass --key-space {manifest.get('key_space')} or train maps in {key_space!r}")
+    for role, ident in (models or {}).items():
+        trained = manifest.get("models", {}).get(role)
+        if trained is not None and trained != ident:
+            raise ValueError(f"maps were trained for another {role} model ({trained}), not {ident}; "
+                             "use maps trained for this pair")
+
+
+def load_translator(folder: str | Path, source, target, direction: str | None = None,
+                    models: dict[str, Any] | None = None, key_space: str | None = None
+                    ) -> tuple[Translator, dict[str, Any]]:
+    """A frozen Translator from a maps artifact, checked against the pair; and its provenance
+    (the manifest plus `path` and `manifest_sha256`)."""
+    folder = Path(folder)
+    device = next(target.parameters()).device
+    maps, manifest = load_maps(folder, device=str(device))
+    s, t = source.config, target.config
+    want = (s.num_hidden_layers, s.num_key_value_heads, s.head_dim, t.head_dim)
+    try:
+        check_maps_for_pair(manifest, maps.shape, want, direction, models, key_space)
+    except ValueError as err:
+        raise ValueError(f"{folder}: {err}") from None
+    maps.requires_grad_(False)
+    info = {**manifest, "path": str(folder.resolve()), "manifest_sha256": sha256_file(folder / MANIFEST_FILE)}
+    return Translator(maps, source, target), info

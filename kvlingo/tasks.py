@@ -400,35 +400,15 @@ def trace_prefix(tok, prompt_ids: Sequence[int], trace_ids: Sequence[int], hit_c
 # --------------------------------------------------------------------------- translator
 def load_translator(folder: str | os.PathLike, source, target, direction: str | None = None,
                     models: dict[str, Any] | None = None):
-    """(Translator, provenance) from a maps artifact; refuses maps that do not fit the pair.
+    """(Translator, provenance) from a maps artifact; refuses maps that do not fit the pair."""
+    from .maps import load_translator as load
 
-    Beyond the shapes, a manifest that records `direction` or `models` (source/target
-    identities, as the training stage writes them) must match this run's."""
-    from .maps import Translator, load_maps
-
-    folder = Path(folder)
-    device = next(target.parameters()).device
     try:
-        maps, manifest = load_maps(folder, device=str(device))
+        translator, info = load(folder, source, target, direction, models)
     except FileNotFoundError as e:
-        raise ValueError(f"{e}; or point --maps-dir at a maps folder") from None
-    L, H, d_in, d_out = maps.shape
-    s, t = source.config, target.config
-    want = (s.num_hidden_layers, s.num_key_value_heads, s.head_dim, t.head_dim)
-    if (L, H, d_in, d_out) != want:
-        raise ValueError(f"maps in {folder} have shape (layers, kv_heads, d_in, d_out)={(L, H, d_in, d_out)}, "
-                         f"but the pair needs {want}: they were trained for another pair")
-    if direction and manifest.get("direction") not in (None, direction):
-        raise ValueError(f"maps in {folder} were trained for direction {manifest['direction']!r}, "
-                         f"not {direction!r}; use the maps of this direction's run")
-    for role, ident in (models or {}).items():
-        trained = manifest.get("models", {}).get(role)
-        if trained is not None and trained != ident:
-            raise ValueError(f"maps in {folder} were trained for another {role} model ({trained}), not {ident}; "
-                             "use maps trained for this pair")
-    info = {"path": str(folder.resolve()), "maps_sha256": manifest["maps_sha256"], "key_space": maps.key_space,
-            "manifest_sha256": sha256_file(folder / "manifest.json")}
-    return Translator(maps, source, target), info
+        raise ValueError(str(e)) from None
+    keep = ("path", "maps_sha256", "key_space", "manifest_sha256")
+    return translator, {k: info[k] for k in keep}
 
 
 def maps_folder(run: str, maps: str, maps_dir: str | None, artifacts: str = "artifacts") -> Path:

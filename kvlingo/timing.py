@@ -80,7 +80,7 @@ def summarize(trials: list[float], cv_limit: float = CV_LIMIT) -> dict:
 
 
 # --------------------------------------------------------------------------- the paths
-def _device(model) -> torch.device:
+def device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
@@ -162,7 +162,7 @@ def time_paths(paths: HandoffPaths, names=PATHS, warmups: int = 5, repeats: int 
 
     Returns {path: summary}; speedups are `speedups(...)` of the result.
     """
-    device = _device(paths.target)
+    device = device_of(paths.target)
     return {name: summarize(run_trials(paths.path(name), device, warmups, repeats), cv_limit) for name in names}
 
 
@@ -172,7 +172,7 @@ def time_breakdown(paths: HandoffPaths, warmups: int = 5, repeats: int = 30, cv_
     Separate trials from the path's own, with a synchronisation between stages (which the
     end-to-end trials do not pay), so each stage's clock covers its own device work only.
     """
-    device = _device(paths.target)
+    device = device_of(paths.target)
     per_stage: dict[str, list[float]] = {s: [] for s in STAGES}
     clock: dict[str, float] = {}
 

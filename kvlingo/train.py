@@ -60,6 +60,8 @@ from .fit import NormalEquations
 from .handoff import as_ids
 from .kl import token_kl
 from .maps import HeadwiseMaps, Translator, target_key_features
+from .maps import check_maps_for_pair as check_maps
+from .maps import load_translator as load_translator_for
 from .models import weights_fingerprint
 from .report import atomic_write_bytes, atomic_write_text, read_jsonl, sha256_bytes
 from .rope import RopeCache, apply_rope
@@ -498,24 +500,16 @@ def check_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- maps for a pair
 def load_translator(folder: str | Path, pair, key_space: str | None = None) -> tuple[Translator, dict[str, Any]]:
     """Maps saved by the training stage (closed_form/ or distilled/), checked against `pair`, as a Translator."""
-    from .maps import load_maps
-
-    maps, manifest = load_maps(folder, pair.device)
     models = {"source": pair.source_spec.identity(), "target": pair.target_spec.identity()}
-    check_maps_for_pair(manifest, pair.direction, models, key_space)
-    return Translator(maps, pair.source, pair.target), manifest
+    return load_translator_for(folder, pair.source, pair.target, pair.direction, models, key_space)
 
 
 def check_maps_for_pair(manifest: dict[str, Any], direction: str, models: dict[str, Any],
                         key_space: str | None = None) -> None:
-    """Refuse maps trained for another direction, pair or key space (ValueError naming the field)."""
+    """An --init-from start must come from this pair, direction and key space."""
+    shape = tuple(manifest["shape"][k] for k in ("layers", "kv_heads", "d_in", "d_out"))
     if manifest.get("direction") != direction:
         raise ValueError(f"maps are for direction {manifest.get('direction')!r}, this run is {direction!r}; "
                          "train maps for this direction")
-    if key_space is not None and manifest.get("key_space") != key_space:
-        raise ValueError(f"maps use key space {manifest.get('key_space')!r}, this run asks for {key_space!r}; "
-                         f"pass --key-space {manifest.get('key_space')} or train maps in {key_space!r}")
-    for role, ident in models.items():
-        if manifest.get("models", {}).get(role) != ident:
-            raise ValueError(f"maps were trained for another {role} model ({manifest.get('models', {}).get(role)}), "
-                             f"not {ident}; train maps for this pair")
+    check_maps(manifest, shape, shape, direction, models, key_space)
+

@@ -184,9 +184,6 @@ def test_token_kl_matches_f_kl_div():
 
 def test_chunked_translation_equals_per_head_reference(large32, small32):
     """The batched, layer-chunked path against a plain per-(layer, head) loop."""
-    from kvlingo.maps import rms_norm
-    from kvlingo.rope import RopeCache
-
     ids = _ids(21, large32.config.vocab_size, 6)
     for key_space in ("prenorm", "cache"):
         maps = HeadwiseMaps.for_pair(large32, small32, key_space)
@@ -200,7 +197,6 @@ def test_chunked_translation_equals_per_head_reference(large32, small32):
         assert torch.equal(full[0], chunked[0]) and torch.equal(full[1], chunked[1])
         src_cos, src_sin = rope_tables(large32, 21)
         tgt_cos, tgt_sin = rope_tables(small32, 21)
-        kw = torch.stack([l.self_attn.k_norm.weight for l in small32.model.layers])
         for l in range(cap.keys.shape[0]):
             for h in range(cap.keys.shape[1]):
                 xk = cap.prenorm[l, h] if key_space == "prenorm" else strip_rope(cap.keys[l, h], src_cos, src_sin)

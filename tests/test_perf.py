@@ -1,0 +1,30 @@
+"""`make perf` end to end on the 2-layer stand-in: a smoke test with no timing assertions."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_make_perf_smoke(tmp_path):
+    out = tmp_path / "perf"
+    args = f"--random-arch tiny --lengths 16 32 --new-turn-tokens 4 --timing-warmups 0 --timing-repeats 2 --out-dir {out}"
+    proc = subprocess.run(["make", "-s", "perf", "DEVICE=cpu", f"PERF_ARGS={args}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "perf.json").read_text())
+    assert report["stage"] == "perf" and report["config"]["dtype"] == "float32"  # auto → FP32 on a CPU
+    lengths = report["results"]["lengths"]
+    assert [p["context_tokens"] for p in lengths] == [16, 32]
+    for p in lengths:
+        assert set(p["paths"]) == {"target_reprefill", "source_cache_handoff", "source_prefill_handoff",
+                                   "target_cache_continue"}
+        assert all(len(s["trials_s"]) == 2 for s in p["paths"].values())
+        assert p["translation_gflops_per_s"] > 0 and p["ceiling"]["reprefill_over_translation"] > 1
+    assert len(report["results"]["switch_cost"]) == 2
+    assert (out / "perf.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Where the existing-source handoff's time goes" in proc.stdout
