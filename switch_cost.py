@@ -34,8 +34,8 @@ from tqdm import tqdm
 from benchmark import finish, load_test_split, load_translator, maps_folders, profile_for, up_to_date
 from kvlingo import timing
 from kvlingo.handoff import as_ids
-from kvlingo.maps import MANIFEST_FILE
-from kvlingo.models import ModelSpec, add_pair_args, dtype_name, pair_from_args
+from kvlingo.maps import MANIFEST_FILE, Translator
+from kvlingo.models import ModelSpec, add_pair_args, dtype_name, pair_from_args, resolve_device, resolve_dtype
 from kvlingo.profiles import get_profile
 from kvlingo.report import atomic_write_bytes, code_hash, fmt_table, make_report, read_json, sha256_file, sha256_json
 
@@ -109,7 +109,11 @@ def main(argv: list[str] | None = None) -> None:
                "  python switch_cost.py --data data/pilot --run pilot-l2s --lengths 4000 8000",
     )
     parser.add_argument("--data", default="data/pilot", help="prepared data folder (data/<profile>); its test split is joined into chats")
-    parser.add_argument("--run", required=True, help="run name: reads artifacts/<run>/, writes results/<run>/")
+    parser.add_argument("--run", default=None, help="run name: reads artifacts/<run>/, writes results/<run>/ (required unless --random-weights)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="architecture-exact random Qwen3-1.7B/0.6B, random maps and random token ids: no data or maps "
+                             "needed; writes results/perf/switch.json unless --out-dir")
+    parser.add_argument("--random-arch", choices=("qwen3", "tiny"), default="qwen3", help="with --random-weights: real shapes or a 2-layer stand-in")
     parser.add_argument("--profile", default=None, help="profile for timing defaults (default: the --data folder's name)")
     parser.add_argument("--maps", choices=("distilled", "closed_form"), default="distilled", help="which trained maps translate")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000, 8000], help="history lengths (tokens)")
@@ -127,12 +131,17 @@ def main(argv: list[str] | None = None) -> None:
 
     if min(args.lengths) < 1 or args.new_turn_tokens < 1:
         raise SystemExit("--lengths and --new-turn-tokens must be positive")
+    if not args.run and not args.random_weights:
+        parser.error("--run is required (the trained run), unless --random-weights")
     profile = get_profile(profile_for(args.data, args.profile))
     artifacts = Path(args.artifacts_dir or f"artifacts/{args.run}")
-    out_dir = Path(args.out_dir or f"results/{args.run}")
-    other = "closed_form" if args.maps == "distilled" else "distilled"
-    folder = maps_folders(artifacts, [args.maps], args.run, f" (or pass --maps {other})")[0][args.maps]
-    convs, split_path = load_test_split(args.data, "natural")
+    out_dir = Path(args.out_dir or ("results/perf" if args.random_weights else f"results/{args.run}"))
+    if args.random_weights:
+        folder, convs, split_path = None, [], None
+    else:
+        other = "closed_form" if args.maps == "distilled" else "distilled"
+        folder = maps_folders(artifacts, [args.maps], args.run, f" (or pass --maps {other})")[0][args.maps]
+        convs, split_path = load_test_split(args.data, "natural")
     cfg = SwitchConfig(
         data=args.data, profile=profile.name, run=args.run, maps=args.maps, lengths=tuple(sorted(set(args.lengths))),
         new_turn_tokens=args.new_turn_tokens, large=args.large, small=args.small, direction=args.direction,
@@ -141,26 +150,42 @@ def main(argv: list[str] | None = None) -> None:
         timing_repeats=profile.timing_repeats if args.timing_repeats is None else args.timing_repeats,
         cv_limit=args.cv_limit, allow_cv=args.allow_cv,
     )
-    inputs = {"test_split": {"path": str(split_path), "sha256": sha256_file(split_path)},
-              args.maps: {"path": str(folder), "maps_sha256": read_json(folder / MANIFEST_FILE)["maps_sha256"]},
-              "large": ModelSpec.parse(args.large).identity(), "small": ModelSpec.parse(args.small).identity(),
-              "code_sha256": code_hash(__file__, "benchmark.py")}
+    if args.random_weights:
+        inputs = {"random_weights": args.random_arch, "code_sha256": code_hash(__file__, "benchmark.py")}
+    else:
+        inputs = {"test_split": {"path": str(split_path), "sha256": sha256_file(split_path)},
+                  args.maps: {"path": str(folder), "maps_sha256": read_json(folder / MANIFEST_FILE)["maps_sha256"]},
+                  "large": ModelSpec.parse(args.large).identity(), "small": ModelSpec.parse(args.small).identity(),
+                  "code_sha256": code_hash(__file__, "benchmark.py")}
     resume_key = sha256_json({"config": asdict(cfg), "inputs": inputs})
     if not args.force and up_to_date(out_dir / "switch.json", resume_key):
         print(f"{out_dir / 'switch.json'} is up to date (same config, inputs and code); --force re-runs it")
         return
 
     k = cfg.new_turn_tokens
-    stream, chat = join_chat(convs, max(cfg.lengths) + k)
-    if chat["repeated"]:
-        print(f"note: the test split holds {chat['split_tokens']} tokens, fewer than {max(cfg.lengths) + k}; "
-              f"its conversations were joined {chat['passes']} times over", file=sys.stderr)
-    pair = pair_from_args(args)
+    if args.random_weights:
+        from kvlingo.arch import random_maps, random_pair
+        from kvlingo.perf import random_ids
+
+        device = resolve_device(args.device)
+        pair = random_pair(args.random_arch, args.direction, device,
+                           resolve_dtype(args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")))
+        stream = random_ids(pair.target.config.vocab_size, max(cfg.lengths) + k, 0, "cpu")[0].tolist()
+        chat = {"random_token_ids": True, "repeated": False}
+    else:
+        stream, chat = join_chat(convs, max(cfg.lengths) + k)
+        if chat["repeated"]:
+            print(f"note: the test split holds {chat['split_tokens']} tokens, fewer than {max(cfg.lengths) + k}; "
+                  f"its conversations were joined {chat['passes']} times over", file=sys.stderr)
+        pair = pair_from_args(args)
     limit = min(pair.source.config.max_position_embeddings, pair.target.config.max_position_embeddings)
     if max(cfg.lengths) + k > limit:
         raise SystemExit(f"--lengths up to {max(cfg.lengths)} plus {k} new tokens exceed the models' "
                          f"max_position_embeddings {limit}; use shorter lengths")
-    translator = load_translator(folder, pair)[0]
+    if args.random_weights:
+        translator = Translator(random_maps(pair.source, pair.target), pair.source, pair.target)
+    else:
+        translator = load_translator(folder, pair)[0]
 
     points, noisy = [], []
     for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr):
