@@ -12,6 +12,10 @@ TASK      ?= arc
 HANDOFF   ?= prompt
 LARGE     ?= Qwen/Qwen3-1.7B
 SMALL     ?= Qwen/Qwen3-0.6B
+# Evaluation data (IFEval, ARC, GSM8K) is prepared under EVAL_ROOT/<name>/.
+EVAL_ROOT ?= data
+# The offline toy world (make demo): its pair, corpus and evaluation files.
+TOY       ?= artifacts/toy
 # Local JSONL sources (offline). Empty: the pinned Hub data sets.
 SOURCE        ?=
 IFEVAL_SOURCE ?=
@@ -35,7 +39,7 @@ DATA   = data/$(PROFILE)
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test prepare train benchmark switch ifeval ifeval-native task task-native perf
+.PHONY: help venv test run demo toy prepare train benchmark switch ifeval ifeval-native task task-native perf recipe
 
 help: ## list the targets
 	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(RUN)):"
@@ -58,6 +62,39 @@ test: $(VENV)/.synced ## run the test suite offline on the CPU (tiny local model
 $(PUNKT): $(VENV)/.synced
 	$(PY) ifeval.py --install-punkt
 
+# ---------------------------------------------------------------- whole runs
+# The pilot as one training cell. IFEval runs even when the benchmark's checks fail; the
+# exit status is nonzero at the end if any stage failed.
+run: $(VENV)/.synced ## the pilot: prepare → train → benchmark → IFEval (native, then translated)
+	$(MAKE) prepare
+	$(MAKE) train
+	@status=0; \
+	$(MAKE) benchmark || status=1; \
+	$(MAKE) ifeval-native || status=1; \
+	$(MAKE) ifeval || status=1; \
+	if [ $$status -ne 0 ]; then echo "make run: a stage failed (see above); its report is still written"; fi; \
+	exit $$status
+
+toy: $(VENV)/.synced ## build the offline toy world: corpus, tokenizer, trained toy Qwen3 pair → artifacts/toy (once)
+	$(PY) toy_world.py --out $(TOY)
+
+# Every stage on the toy pair, offline, on the CPU. Timing CV flags are reported, not fatal,
+# on a CPU shared with the operating system.
+DEMO_VARS = PROFILE=demo DEVICE=cpu DTYPE=float32 DIRECTION=$(DIRECTION) RUN=demo-$(DIRECTION) \
+	LARGE=$(TOY)/large SMALL=$(TOY)/small SOURCE=$(TOY)/corpus/chats.jsonl \
+	IFEVAL_SOURCE=$(TOY)/corpus/ifeval.jsonl EVAL_ROOT=data/toy-eval
+demo: toy ## the whole suite offline on a CPU with the toy pair, ending in a summary table
+	@status=0; \
+	$(MAKE) run $(DEMO_VARS) BENCH_ARGS="--allow-cv $(BENCH_ARGS)" || status=1; \
+	$(MAKE) switch $(DEMO_VARS) SWITCH_ARGS="--lengths 256 512 1024 --allow-cv" || status=1; \
+	for task in arc gsm8k; do for mode in prompt trace; do \
+	  $(MAKE) task-native task $(DEMO_VARS) TASK=$$task HANDOFF=$$mode TASK_SOURCE=$(TOY)/corpus/$$task.jsonl \
+	    TASK_ARGS="--resume" || status=1; \
+	done; done; \
+	$(MAKE) recipe $(DEMO_VARS) RECIPE_ARGS="--quick $(RECIPE_ARGS)" || status=1; \
+	$(PY) -m kvlingo.summary results/demo-$(DIRECTION) || status=1; \
+	exit $$status
+
 # ---------------------------------------------------------------- stages
 prepare: $(VENV)/.synced ## disjoint train/validation/test splits → data/PROFILE (SOURCE=chats.jsonl offline)
 	$(PY) paper_data.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
@@ -71,23 +108,27 @@ benchmark: $(VENV)/.synced ## KL/perplexity rows, native controls, four timing p
 switch: $(VENV)/.synced ## switch cost against re-reading on long chats → results/RUN/switch.json (SWITCH_ARGS="--lengths 4000 8000")
 	$(PY) switch_cost.py --profile $(PROFILE) --data $(DATA) --run $(RUN) $(PAIR) $(SWITCH_ARGS)
 
-data/ifeval/manifest.json: | $(VENV)/.synced
-	$(PY) ifeval.py --prepare $(if $(IFEVAL_SOURCE),--source $(IFEVAL_SOURCE))
+$(EVAL_ROOT)/ifeval/manifest.json: | $(VENV)/.synced
+	$(PY) ifeval.py --prepare --data-root $(EVAL_ROOT) $(if $(IFEVAL_SOURCE),--source $(IFEVAL_SOURCE))
 
-ifeval-native: $(PUNKT) data/ifeval/manifest.json ## IFEval, native source and target, official grader → results/RUN/ifeval-native.json
-	$(PY) ifeval.py --native --profile $(PROFILE) --run $(RUN) $(PAIR) $(IFEVAL_ARGS)
+ifeval-native: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval, native source and target, official grader → results/RUN/ifeval-native.json
+	$(PY) ifeval.py --native --profile $(PROFILE) --run $(RUN) --data-root $(EVAL_ROOT) $(PAIR) $(IFEVAL_ARGS)
 
-ifeval: $(PUNKT) data/ifeval/manifest.json ## IFEval after the handoff (distilled maps) → results/RUN/ifeval.json
-	$(PY) ifeval.py --profile $(PROFILE) --run $(RUN) $(PAIR) $(IFEVAL_ARGS)
+ifeval: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval after the handoff (distilled maps) → results/RUN/ifeval.json
+	$(PY) ifeval.py --profile $(PROFILE) --run $(RUN) --data-root $(EVAL_ROOT) $(PAIR) $(IFEVAL_ARGS)
 
-data/arc/manifest.json data/gsm8k/manifest.json: | $(VENV)/.synced
-	$(PY) task_eval.py --task $(notdir $(@D)) --prepare $(if $(TASK_SOURCE),--source $(TASK_SOURCE))
+$(EVAL_ROOT)/arc/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json: | $(VENV)/.synced
+	$(PY) task_eval.py --task $(notdir $(@D)) --prepare --data-root $(EVAL_ROOT) $(if $(TASK_SOURCE),--source $(TASK_SOURCE))
 
-task: data/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff (TASK=arc|gsm8k HANDOFF=prompt|trace)
-	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --profile $(PROFILE) --run $(RUN) $(PAIR) $(TASK_ARGS)
+task: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff (TASK=arc|gsm8k HANDOFF=prompt|trace)
+	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --profile $(PROFILE) --run $(RUN) --data-root $(EVAL_ROOT) $(PAIR) $(TASK_ARGS)
 
-task-native: data/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the native source and target
-	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --profile $(PROFILE) --run $(RUN) $(PAIR) $(TASK_ARGS)
+task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the native source and target
+	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --profile $(PROFILE) --run $(RUN) --data-root $(EVAL_ROOT) $(PAIR) $(TASK_ARGS)
 
 perf: $(VENV)/.synced ## speed at real Qwen3 shapes, random weights: 4 paths + switch cost at 1k/2k/4k → results/perf/perf.json
 	$(PY) benchmark.py --random-weights --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)
+
+recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL, 3 seeds → results/RUN/recipe.{json,md,png} (RECIPE_ARGS=--resume)
+	$(PY) recipe.py --profile $(PROFILE) --data $(DATA) --run $(RUN) $(PAIR) --ifeval-data-root $(EVAL_ROOT) \
+	  $(if $(IFEVAL_SOURCE),--ifeval-source $(IFEVAL_SOURCE)) $(RECIPE_ARGS)

@@ -1,0 +1,361 @@
+"""The recipe: native rows, one closed-form fit, a learning-rate search on validation KL, then seeds.
+
+Usage:
+  python recipe.py --profile pilot --run pilot-l2s --device cuda
+  python recipe.py --profile pilot --run pilot-l2s --device cuda --resume      # after a kill: finished cells are kept
+  python recipe.py --profile tiny --data data/tiny --large PATH --small PATH --device cpu --dtype float32 \\
+      --grid-size 2 --seeds 42 --updates 2 --ifeval-source ifeval_local.jsonl --benchmark-args=--allow-cv
+
+Steps, each one or more resumable cells (see kvlingo/recipe.py); every cell is a subprocess
+of its stage script with the pair flags, --profile and --data passed through:
+  1. native rows: benchmark.py on no maps (native source, native target, no-context arms) and
+     ifeval.py --native. They come first so that a failing native control or missing IFEval
+     data stops the recipe before any training.
+  2. closed form: train_translator.py --closed-form-only, once; every training cell starts
+     from these maps (--init-from).
+  3. learning-rate search: profile.lr_grid_size rates half a decade apart around the
+     direction's default rate, trained with the first seed; the rate with the lowest final
+     validation KL wins, and the grid grows past an edge winner (at most --max-extensions times).
+  4. seeds: every seed trained at the chosen rate (the first seed's search cell is reused),
+     then benchmark.py and ifeval.py on its distilled maps.
+
+Outputs under RESULTS/RUN/: recipe.json (the report, written last), recipe.md (summary),
+recipe.png (validation KL against learning rate), recipe-state.json (the cell ledger), and
+one folder per stage run: native/, closed/, lr<rate>-s<seed>/ (maps under ARTIFACTS/RUN/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import shlex
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvlingo import recipe as K
+from kvlingo.models import ModelSpec, add_pair_args, resolve_device
+from kvlingo.profiles import PROFILES, get_profile
+from kvlingo.report import (atomic_write_bytes, atomic_write_json, atomic_write_text, code_hash, fmt_table,
+                            make_report, sha256_file)
+from kvlingo.train import DEFAULT_LR
+
+ROOT = Path(__file__).resolve().parent
+SCRIPTS = {"train": ROOT / "train_translator.py", "benchmark": ROOT / "benchmark.py", "ifeval": ROOT / "ifeval.py"}
+EVALS = ("benchmark", "ifeval")  # evaluation stages run on the native models and on each seed's maps, in order
+PAIR_FLAGS = ("--large", "--small", "--direction", "--device", "--dtype")
+RESERVED = {  # flags the recipe sets itself; a pass-through string may not override them
+    "train": ("--profile", "--data", "--run", "--lr", "--seed", "--updates", "--init-from", "--closed-form-only",
+              "--resume", "--artifacts", "--results", *PAIR_FLAGS),
+    "benchmark": ("--data", "--run", "--profile", "--artifacts-dir", "--out-dir", "--skip-missing-maps", "--force",
+                  *PAIR_FLAGS),
+    "ifeval": ("--run", "--profile", "--results", "--data-root", "--source", "--native", "--maps", "--maps-dir",
+               "--resume", "--prepare", "--install-punkt", *PAIR_FLAGS),
+}
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    run: str  # every cell lives under ARTIFACTS/RUN/ and RESULTS/RUN/
+    profile: str  # run profile passed to every stage (budgets, grid size and seeds by default)
+    data: str  # prepared data folder passed to train and benchmark
+    large: str  # larger model (Hub id[@rev] or folder)
+    small: str  # smaller model
+    direction: str  # l2s: large builds the cache, small continues
+    device: str  # resolved device every stage runs on
+    dtype: str  # model dtype of every stage
+    lr_center: float  # centre of the learning-rate grid
+    grid_size: int  # rates in the first grid, half a decade apart
+    max_extensions: int  # at most this many half-decade steps past an edge winner
+    seeds: tuple[int, ...]  # seeds trained and evaluated at the chosen rate; the first one runs the search
+    updates: int | None  # distillation updates per training cell (None: the profile's)
+    evals: tuple[str, ...]  # evaluation stages run (benchmark, ifeval)
+    ifeval_source: str | None  # local IFEval JSONL (None: the prepared copy under ifeval_data_root)
+    ifeval_data_root: str  # prepared IFEval data root (ROOT/ifeval/)
+    train_args: tuple[str, ...]  # extra train_translator.py flags for every training cell (closed form included)
+    benchmark_args: tuple[str, ...]  # extra benchmark.py flags
+    ifeval_args: tuple[str, ...]  # extra ifeval.py flags
+    artifacts: str  # artifacts root
+    results: str  # results root
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  python recipe.py --profile pilot --run pilot-l2s --device cuda\n"
+        "  python recipe.py --profile pilot --run pilot-l2s --device cuda --resume\n"
+        "  python recipe.py --profile demo --data data/demo --large runs/large --small runs/small --dtype float32 "
+        "--quick --benchmark-args=--allow-cv",
+    )
+    p.add_argument("--profile", default="pilot", choices=sorted(PROFILES), help="run profile passed to every stage")
+    p.add_argument("--data", default=None, help="prepared data folder (default data/<profile>)")
+    p.add_argument("--run", default=None, help="run name: cells go under artifacts/RUN/ and results/RUN/ "
+                   "(default PROFILE-DIRECTION)")
+    add_pair_args(p)
+    p.add_argument("--lr-center", type=float, default=None,
+                   help="centre of the rate grid (default: the direction's default rate, 1e-4 l2s, 1e-3 s2l)")
+    p.add_argument("--grid-size", type=int, default=None,
+                   help="rates in the first grid (default: profile.lr_grid_size)")
+    p.add_argument("--max-extensions", type=int, default=None,
+                   help="half-decade steps added past an edge winner, at most (default 4; --quick: 1)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="seeds at the chosen rate; the first one runs the search (default: profile.recipe_seeds)")
+    p.add_argument("--updates", type=int, default=None,
+                   help="distillation updates per training cell (default: the profile's)")
+    p.add_argument("--quick", action="store_true",
+                   help="a reduced recipe for checks: 2 rates, the first seed only, at most 1 extension "
+                   "(explicit --grid-size/--seeds/--max-extensions win)")
+    p.add_argument("--skip", nargs="+", choices=EVALS, default=[], help="evaluation stages to leave out")
+    p.add_argument("--ifeval-source", default=None,
+                   help="local IFEval JSONL (default: the copy prepared by ifeval.py --prepare)")
+    p.add_argument("--ifeval-data-root", default="data", help="prepared IFEval data root (ROOT/ifeval/)")
+    p.add_argument("--train-args", default="", help="extra train_translator.py flags, e.g. --train-args='--batch 2'")
+    p.add_argument("--benchmark-args", default="", help="extra benchmark.py flags, e.g. --benchmark-args=--allow-cv")
+    p.add_argument("--ifeval-args", default="", help="extra ifeval.py flags, e.g. --ifeval-args='--max-new-tokens 64'")
+    p.add_argument("--artifacts", default="artifacts", help="artifacts root (maps and checkpoints)")
+    p.add_argument("--results", default="results", help="results root (reports)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep finished cells whose key matches, continue an interrupted one, refuse changed settings")
+    return p.parse_args(argv)
+
+
+def passthrough(stage: str, text: str) -> tuple[str, ...]:
+    tokens = tuple(shlex.split(text))
+    for t in tokens:
+        if t.split("=")[0] in RESERVED[stage]:
+            raise SystemExit(f"recipe: --{stage}-args may not set {t.split('=')[0]}: the recipe sets it "
+                             "(use the recipe's own flag, e.g. --updates, --seeds, --lr-center, --data)")
+    return tokens
+
+
+def make_config(args) -> RecipeConfig:
+    profile = get_profile(args.profile)
+    grid = args.grid_size if args.grid_size is not None else (min(2, profile.lr_grid_size) if args.quick
+                                                             else profile.lr_grid_size)
+    seeds = tuple(args.seeds) if args.seeds else (profile.recipe_seeds[:1] if args.quick else profile.recipe_seeds)
+    ext = args.max_extensions if args.max_extensions is not None else (1 if args.quick else 4)
+    center = args.lr_center if args.lr_center is not None else DEFAULT_LR[args.direction]
+    if grid < 1 or ext < 0 or not center > 0 or (args.updates is not None and args.updates < 0):
+        raise SystemExit("recipe: --grid-size must be ≥ 1, --max-extensions ≥ 0, --lr-center > 0 and --updates ≥ 0")
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"recipe: --seeds {' '.join(map(str, seeds))} repeats a seed")
+    return RecipeConfig(
+        run=args.run or f"{profile.name}-{args.direction}", profile=profile.name, data=args.data or f"data/{profile.name}",
+        large=args.large, small=args.small, direction=args.direction, device=resolve_device(args.device),
+        dtype=args.dtype, lr_center=center, grid_size=grid, max_extensions=ext, seeds=seeds, updates=args.updates,
+        evals=tuple(e for e in EVALS if e not in args.skip), ifeval_source=args.ifeval_source,
+        ifeval_data_root=args.ifeval_data_root, train_args=passthrough("train", args.train_args),
+        benchmark_args=passthrough("benchmark", args.benchmark_args), ifeval_args=passthrough("ifeval", args.ifeval_args),
+        artifacts=args.artifacts, results=args.results,
+    )
+
+
+# --------------------------------------------------------------------------- the cells
+class Plan:
+    """Builds each cell's flags and input hashes from the config."""
+
+    def __init__(self, cfg: RecipeConfig, models: dict):
+        self.cfg = cfg
+        self.art, self.res = Path(cfg.artifacts) / cfg.run, Path(cfg.results) / cfg.run
+        self.pair = {"--large": cfg.large, "--small": cfg.small, "--direction": cfg.direction,
+                     "--device": cfg.device, "--dtype": cfg.dtype}
+        try:
+            self.common = {"data": K.data_hash(cfg.data), "models": models}
+        except ValueError as e:
+            raise SystemExit(f"recipe: {e}") from e
+        self.ifeval_data = self._ifeval_data() if "ifeval" in cfg.evals else None
+
+    def _ifeval_data(self) -> dict:
+        if self.cfg.ifeval_source:
+            if not Path(self.cfg.ifeval_source).is_file():
+                raise SystemExit(f"recipe: --ifeval-source {self.cfg.ifeval_source} not found")
+            return {"source_sha256": sha256_file(self.cfg.ifeval_source)}
+        manifest = Path(self.cfg.ifeval_data_root) / "ifeval" / "manifest.json"
+        if not manifest.is_file():
+            raise SystemExit(f"recipe: no IFEval data at {manifest.parent}: run `python ifeval.py --prepare` "
+                             "(needs the Hub), pass --ifeval-source PATH, or --skip ifeval")
+        return {"manifest_sha256": sha256_file(manifest)}
+
+    def maps_sha(self, sub: str, kind: str) -> str:
+        return sha256_file(self.art / sub / kind / "maps.safetensors")
+
+    def train(self, sub: str, seed: int, lr: float | None = None) -> K.Cell:
+        """The closed-form cell (lr None) or a distillation cell started from the closed-form maps."""
+        closed = lr is None
+        flags = {"--profile": self.cfg.profile, "--data": self.cfg.data, "--run": f"{self.cfg.run}/{sub}", **self.pair,
+                 "--seed": seed, "--artifacts": self.cfg.artifacts, "--results": self.cfg.results}
+        inputs = {**self.common, "code_sha256": code_hash(SCRIPTS["train"])}
+        if closed:
+            flags["--closed-form-only"] = True
+        else:
+            flags.update({"--init-from": str(self.art / "closed" / "closed_form"), "--lr": repr(lr),
+                          "--updates": self.cfg.updates})
+            inputs["closed_form_sha256"] = self.maps_sha("closed", "closed_form")
+        return K.Cell(f"train/{sub}", "train", str(SCRIPTS["train"]), flags, str(self.res / sub / "train.json"), inputs,
+                      outputs=(str(self.art / sub / ("closed_form" if closed else "distilled") / "maps.safetensors"),),
+                      extra=self.cfg.train_args, resume_flag="--resume")
+
+    def benchmark(self, sub: str, maps: bool) -> K.Cell:
+        flags = {"--data": self.cfg.data, "--run": f"{self.cfg.run}/{sub}", "--profile": self.cfg.profile,
+                 "--artifacts-dir": str(self.art / sub), "--out-dir": str(self.res / sub), **self.pair,
+                 "--skip-missing-maps": not maps}
+        inputs = {**self.common, "code_sha256": code_hash(SCRIPTS["benchmark"])}
+        if maps:
+            inputs.update(closed_form_sha256=self.maps_sha(sub, "closed_form"),
+                          distilled_sha256=self.maps_sha(sub, "distilled"))
+        return K.Cell(f"benchmark/{sub}", "benchmark", str(SCRIPTS["benchmark"]), flags,
+                      str(self.res / sub / "benchmark.json"), inputs, extra=self.cfg.benchmark_args, fresh_flag="--force")
+
+    def ifeval(self, sub: str, maps: bool) -> K.Cell:
+        flags = {"--run": f"{self.cfg.run}/{sub}", "--profile": self.cfg.profile, "--results": self.cfg.results,
+                 "--data-root": self.cfg.ifeval_data_root, "--source": self.cfg.ifeval_source, **self.pair,
+                 "--native": not maps, "--maps-dir": str(self.art / sub / "distilled") if maps else None}
+        inputs = {**self.common, "code_sha256": code_hash(SCRIPTS["ifeval"]), "ifeval_data": self.ifeval_data}
+        before = None
+        if maps:
+            inputs["distilled_sha256"] = self.maps_sha(sub, "distilled")
+            # The native target's answers are the same for every seed: the native cell's rows, copied beside
+            # this run, are reused by ifeval.py wherever their input hash matches instead of regenerated.
+            native_rows, here = self.res / "native" / "ifeval-native.rows.jsonl", self.res / sub / "ifeval-native.rows.jsonl"
+            before = lambda: K.copy_file(native_rows, here)  # noqa: E731
+        report = self.res / sub / ("ifeval.json" if maps else "ifeval-native.json")
+        return K.Cell(f"ifeval/{sub}", "ifeval", str(SCRIPTS["ifeval"]), flags, str(report), inputs,
+                      extra=self.cfg.ifeval_args, resume_flag="--resume", before=before)
+
+    def evaluation(self, stage: str, sub: str, maps: bool) -> K.Cell:
+        return {"benchmark": self.benchmark, "ifeval": self.ifeval}[stage](sub, maps)
+
+
+def cell_sub(lr: float, seed: int) -> str:
+    return f"lr{lr:.2e}-s{seed}"
+
+
+# --------------------------------------------------------------------------- outputs
+def plot_lr(path: Path, search: dict, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted(search["cells"], key=lambda c: c["lr"])
+    ok = [c for c in cells if isinstance(c["val_kl"], (int, float)) and math.isfinite(c["val_kl"])]  # diverged: left out
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot([c["lr"] for c in ok], [c["val_kl"] for c in ok], "o-", label="distilled (final validation KL)")
+    best = next(c for c in cells if c["lr"] == search["chosen_lr"])
+    ax.plot([best["lr"]], [best["val_kl"]], "o", ms=12, mfc="none", mec="red", label=f"chosen lr {best['lr']:g}")
+    if search.get("closed_form_val_kl") is not None:
+        ax.axhline(search["closed_form_val_kl"], ls="--", c="grey", label="closed form")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("validation KL(native ‖ translated), nats/token")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def main(argv=None, runner=K.run_stage) -> dict:
+    args = parse_args(argv)
+    t0 = time.time()
+    cfg = make_config(args)
+    models = {"large": ModelSpec.parse(cfg.large).identity(), "small": ModelSpec.parse(cfg.small).identity()}
+    plan = Plan(cfg, models)
+    try:
+        ledger = K.Ledger(plan.res / K.LEDGER_FILE, asdict(cfg), args.resume)
+    except K.ResumeRefused as e:
+        raise SystemExit(f"recipe: {e}") from e
+    cells = K.Cells(ledger, args.resume, runner)
+    seed0 = cfg.seeds[0]
+
+    try:
+        # ----------------------------------------------------------------------- 1. native rows
+        native = {stage: cells.ensure(plan.evaluation(stage, "native", maps=False)) for stage in cfg.evals}
+        # ----------------------------------------------------------------------- 2. closed form, once
+        closed = cells.ensure(plan.train("closed", seed0))
+        # ----------------------------------------------------------------------- 3. learning-rate search
+        train_reports: dict[int, dict] = {}
+
+        def evaluate(step: int):
+            lr = K.lr_for_step(cfg.lr_center, step)
+            train_reports[step] = cells.ensure(plan.train(cell_sub(lr, seed0), seed0, lr))
+            return train_reports[step]["results"][K.SELECTION_METRIC]
+
+        search = K.search_lr(evaluate, cfg.grid_size, cfg.max_extensions)
+        chosen = K.lr_for_step(cfg.lr_center, search["winner"])
+        print(f"[recipe] chosen learning rate {chosen:g} (validation KL {search['val_kl'][search['winner']]:.5g})"
+              + ("; WARNING: still at an edge of the grid, the extension cap was hit" if search["cap_hit"] else ""))
+        # ----------------------------------------------------------------------- 4. seeds at the chosen rate
+        per_seed, item_level = {}, {}
+        for seed in cfg.seeds:
+            sub = cell_sub(chosen, seed)
+            per_seed[str(seed)] = {"train": K.train_metrics(cells.ensure(plan.train(sub, seed, chosen)))}
+            for stage in cfg.evals:
+                report = cells.ensure(plan.evaluation(stage, sub, maps=True))
+                if stage == "ifeval":
+                    per_seed[str(seed)]["ifeval"], item_level[str(seed)] = K.ifeval_metrics(report)
+                else:
+                    per_seed[str(seed)]["benchmark"] = K.benchmark_metrics(report)
+    except K.ResumeRefused as e:
+        raise SystemExit(f"recipe: {e}") from e
+    except K.StageFailed as e:
+        raise SystemExit(f"recipe: {e}. The ledger marks that cell failed; fix the cause, then re-run with "
+                         "--resume (finished cells are kept)") from e
+    except ValueError as e:
+        raise SystemExit(f"recipe: {e}") from e
+
+    # --------------------------------------------------------------------------- report
+    actions = {}
+    for entry in cells.log:
+        actions.setdefault(entry["cell"], entry["action"])
+    cell_rows = [{"cell": name, "stage": e["stage"], "action": actions.get(name, "not needed"), "key": e["key"],
+                  "runs": e.get("runs"), "wall_time_s": e.get("wall_time_s"), "report": e["report"],
+                  "report_sha256": e.get("report_sha256")} for name, e in ledger.cells.items()]
+    search_cells = [{"step": k, "lr": K.lr_for_step(cfg.lr_center, k), "val_kl": search["val_kl"][k],
+                     "closed_form_val_kl": train_reports[k]["results"].get("closed_form_val_kl"),
+                     "cell": f"train/{cell_sub(K.lr_for_step(cfg.lr_center, k), seed0)}"} for k in search["order"]]
+    results = {
+        "pair": f"large {cfg.large}, small {cfg.small}", "direction": cfg.direction, "profile": cfg.profile,
+        "seeds": list(cfg.seeds),
+        "lr_search": {"center": cfg.lr_center, "grid_size": cfg.grid_size, "search_seed": seed0,
+                      "metric": f"train.json results.{K.SELECTION_METRIC}: final validation-split KL; "
+                                "the test split takes no part in the choice",
+                      "cells": search_cells, "order": search["order"], "chosen_step": search["winner"],
+                      "chosen_lr": chosen, "extensions": search["extensions"], "max_extensions": cfg.max_extensions,
+                      "cap_hit": search["cap_hit"], "closed_form_val_kl": closed["results"].get("closed_form_val_kl")},
+        "closed_form": {"val_kl": closed["results"].get("closed_form_val_kl"),
+                        "maps_sha256": plan.maps_sha("closed", "closed_form")},
+        "native": {**({"benchmark": native["benchmark"]["results"]["quality"]["arms"]} if "benchmark" in native else {}),
+                   **({"ifeval": native["ifeval"]["results"]["paths"]} if "ifeval" in native else {})},
+        "per_seed": per_seed,
+        "ifeval_item_level": item_level,
+        "across_seeds": K.across_seeds(per_seed),
+        "cells": cell_rows,
+    }
+    plot_lr(plan.res / "recipe.png", results["lr_search"], f"{cfg.run}: {cfg.direction}, {cfg.profile}")
+    summary = K.summary_markdown(cfg.run, results, cell_rows, "recipe.png")
+    atomic_write_text(plan.res / "recipe.md", summary)
+    report = make_report(
+        "recipe", config=cfg,
+        inputs={**plan.common, "ifeval_data": plan.ifeval_data,
+                "code_sha256": code_hash(__file__, *SCRIPTS.values()),
+                "ledger": {"path": str(ledger.path), "sha256": sha256_file(ledger.path)},
+                "cells": {c["cell"]: {"key": c["key"], "report": c["report"], "report_sha256": c["report_sha256"]}
+                          for c in cell_rows}},
+        results=results,
+        n_samples={"cells": len(cell_rows), "lr_cells": len(search["order"]), "seeds": len(cfg.seeds)},
+        seeds=list(cfg.seeds), wall_time_s=time.time() - t0, device=cfg.device, dtype=cfg.dtype,
+    )
+    atomic_write_json(plan.res / "recipe.json", report)
+    print(fmt_table(["cell", "this run", "runs", "wall s"],
+                    [[c["cell"], c["action"], c["runs"], c["wall_time_s"]] for c in cell_rows], ".3g"))
+    print(f"chosen lr {chosen:g}; report {plan.res / 'recipe.json'}, summary {plan.res / 'recipe.md'}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

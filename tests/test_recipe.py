@@ -1,0 +1,410 @@
+"""The recipe: grid and edge logic, selection on validation KL only, cell keys, the ledger, resume and refusal.
+
+Everything but the last test runs the orchestration with a fake stage runner (no subprocess, no
+model): it writes the reports a stage would, so that what the recipe reads and decides can be
+checked against values worked out here. The slow test runs the real stages on the tiny pair,
+kills the recipe mid-cell and resumes it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import recipe
+from kvlingo import recipe as K
+from kvlingo.report import atomic_write_json, atomic_write_text, read_json, sha256_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- the grid
+def test_grid_is_half_decades_around_the_centre():
+    assert [K.lr_for_step(1e-4, k) for k in K.initial_steps(5)] == [1e-5, 3.16e-5, 1e-4, 3.16e-4, 1e-3]
+    assert [K.lr_for_step(1e-3, k) for k in K.initial_steps(3)] == [3.16e-4, 1e-3, 3.16e-3]
+    assert K.initial_steps(2) == [0, 1] and K.initial_steps(1) == [0]
+    with pytest.raises(ValueError):
+        K.initial_steps(0)
+
+
+def brute_force(f, steps):
+    """Reference: the lowest finite value over the evaluated steps, ties to the nearest-centre step."""
+    finite = [k for k in steps if math.isfinite(f(k))]
+    return min(finite, key=lambda k: (f(k), abs(k), k))
+
+
+@pytest.mark.parametrize("f, size, cap, order, extensions, cap_hit", [
+    (lambda k: (k - 3) ** 2, 5, 4, [-2, -1, 0, 1, 2, 3, 4], 2, False),  # upper edge twice, then interior
+    (lambda k: (k + 4) ** 2, 5, 4, [-2, -1, 0, 1, 2, -3, -4, -5], 3, False),  # lower edge three times
+    (lambda k: (k - 1) ** 2, 1, 4, [0, -1, 1, 2], 2, False),  # one rate: both edges at once
+    (lambda k: -k, 5, 2, [-2, -1, 0, 1, 2, 3, 4], 2, True),  # monotone: the cap stops it
+    (lambda k: -k, 2, 0, [0, 1], 0, True),  # no extension allowed
+    (lambda k: abs(k), 5, 4, [-2, -1, 0, 1, 2], 0, False),  # interior at once
+])
+def test_search_extends_past_an_edge_winner_until_interior(f, size, cap, order, extensions, cap_hit):
+    calls = []
+
+    def evaluate(k):
+        calls.append(k)
+        return f(k)
+
+    out = K.search_lr(evaluate, size, cap)
+    assert calls == order and out["order"] == order  # each rate trained once, in this order
+    assert out["winner"] == brute_force(f, order)
+    assert out["extensions"] == extensions and out["cap_hit"] is cap_hit
+    if not cap_hit:  # an interior winner has a measured neighbour on both sides
+        assert out["winner"] - 1 in order and out["winner"] + 1 in order
+
+
+def test_diverged_rates_lose_and_all_diverged_is_an_error():
+    kls = {-2: 3.0, -1: 2.0, 0: 1.0, 1: float("nan"), 2: None}
+    assert K.select_step(kls) == 0 and K.extension_steps(kls, 0) == []
+    assert K.select_step({0: 1.0, 1: 1.0, -1: 1.0}) == 0  # ties go to the centre
+    with pytest.raises(ValueError, match="diverged"):
+        K.select_step({0: float("inf"), 1: float("nan")})
+
+
+# --------------------------------------------------------------------------- fake stages
+def val_kl_of(lr: float, seed: int) -> float:
+    """Validation KL with its minimum at 3.16e-4 (step 1 around 1e-4); rates above 2e-3 diverge."""
+    return float("nan") if lr > 2e-3 else (math.log10(lr) + 3.5) ** 2 + 1e-3 * (seed - 42)
+
+
+def decoy_test_kl(lr: float) -> float:
+    """A test-split number that favours 1e-4: selection must not follow it."""
+    return abs(math.log10(lr) + 4.0)
+
+
+def flags_of(argv) -> dict[str, list[str]]:
+    out, key = {}, None
+    for t in argv[1:]:
+        if t.startswith("--"):
+            key = t
+            out[key] = []
+        else:
+            out[key].append(t)
+    return out
+
+
+class FakeStages:
+    """Stands in for the stage scripts: writes their outputs where they would and records each call."""
+
+    def __init__(self, interrupt_at: int | None = None, forbid: bool = False):
+        self.calls, self.interrupt_at, self.forbid, self.donor_seen = [], interrupt_at, forbid, {}
+
+    def __call__(self, argv, report):
+        if self.forbid:
+            raise AssertionError(f"no stage should run, but {argv[0]} was started")
+        self.calls.append(list(argv))
+        if self.interrupt_at == len(self.calls):
+            raise KeyboardInterrupt  # a kill while the stage runs: the ledger still says "running"
+        f, script = flags_of(argv), Path(argv[0]).name
+        run = f["--run"][0]
+        if script == "train_translator.py":
+            art = Path(f["--artifacts"][0]) / run
+            atomic_write_text(art / "closed_form" / "maps.safetensors", "closed form maps")
+            results = {"closed_form_val_kl": 1.0, "distilled_val_kl": None}
+            if "--closed-form-only" not in f:
+                lr, seed = float(f["--lr"][0]), int(f["--seed"][0])
+                atomic_write_text(art / "distilled" / "maps.safetensors", f"distilled {lr} {seed}")
+                results.update(distilled_val_kl=val_kl_of(lr, seed), test_kl=decoy_test_kl(lr))
+            rep = {"stage": "train", "results": results}
+        elif script == "benchmark.py":
+            arms = {a: {"kl_token_mean": 0.0 if a == "native_target" else 2.0, "perplexity": 9.0, "top1_agreement": 0.5,
+                        "nll_delta_vs_native_target": 0.1, "kl_conversation": {"mean": 2.0, "se": 0.1, "n": 4}}
+                    for a in ("native_source", "native_target", "no_context")}
+            if "--skip-missing-maps" not in f:
+                seed = int(run.rsplit("-s", 1)[1])
+                arms["distilled"] = {**arms["no_context"], "kl_token_mean": 0.1 * (seed - 40)}
+            rep = {"stage": "benchmark", "results": {"quality": {"arms": arms}, "timing": None}}
+        else:  # ifeval.py
+            out = Path(f["--results"][0]) / run
+            if "--native" in f:
+                paths = {"native_source": 0.4, "native_target": 0.5}
+                atomic_write_text(out / "ifeval-native.rows.jsonl", "native rows\n")
+            else:
+                seed = int(run.rsplit("-s", 1)[1])
+                self.donor_seen[seed] = (out / "ifeval-native.rows.jsonl").is_file()
+                paths = {"translated": 0.1 * (seed - 40), "native_target": 0.5}
+            summary = {p: {m: {"mean": v, "se": 0.05, "n": 4} for m in
+                           ("prompt_level_strict_acc", "prompt_level_loose_acc", "inst_level_strict_acc",
+                            "inst_level_loose_acc")} | {"n_prompts": 4} for p, v in paths.items()}
+            rep = {"stage": "ifeval", "results": {"paths": summary, "comparison": {}}}
+        atomic_write_json(report, rep)
+        return rep
+
+
+@pytest.fixture
+def world(tmp_path):
+    data = tmp_path / "data"
+    atomic_write_json(data / "manifest.json", {"stage": "prepare", "files": {}})
+    src = tmp_path / "ifeval.jsonl"
+    src.write_text('{"key": 1, "prompt": "p", "instruction_id_list": [], "kwargs": []}\n')
+    argv = ["--profile", "tiny", "--data", str(data), "--run", "r", "--large", "Qwen/Qwen3-1.7B",
+            "--small", "Qwen/Qwen3-0.6B", "--device", "cpu", "--dtype", "float32", "--ifeval-source", str(src),
+            "--artifacts", str(tmp_path / "artifacts"), "--results", str(tmp_path / "results")]
+    return {"argv": argv, "root": tmp_path, "res": tmp_path / "results" / "r", "data": data}
+
+
+def ledger(world) -> dict:
+    return read_json(world["res"] / K.LEDGER_FILE)
+
+
+def names(calls) -> list[str]:
+    out = []
+    for argv in calls:
+        f = flags_of(argv)
+        out.append(f"{Path(argv[0]).stem}:{f['--run'][0].split('/', 1)[1]}")
+    return out
+
+
+EXPECTED = [  # tiny profile: grid [1e-4, 3.16e-4], the winner 3.16e-4 is an edge, so 1e-3 is added; seeds 42, 43
+    "benchmark:native", "ifeval:native", "train_translator:closed",
+    "train_translator:lr1.00e-04-s42", "train_translator:lr3.16e-04-s42", "train_translator:lr1.00e-03-s42",
+    "benchmark:lr3.16e-04-s42", "ifeval:lr3.16e-04-s42",
+    "train_translator:lr3.16e-04-s43", "benchmark:lr3.16e-04-s43", "ifeval:lr3.16e-04-s43",
+]
+
+
+# --------------------------------------------------------------------------- orchestration with fake stages
+def test_recipe_selects_on_validation_kl_and_aggregates_seeds(world):
+    fake = FakeStages()
+    rep = recipe.main(world["argv"], runner=fake)
+    assert names(fake.calls) == EXPECTED
+    search = rep["results"]["lr_search"]
+    # the validation KL's minimum, not the decoy test KL's (1e-4) nor the benchmark's
+    assert search["chosen_lr"] == 3.16e-4 and search["extensions"] == 1 and not search["cap_hit"]
+    assert [c["lr"] for c in search["cells"]] == [1e-4, 3.16e-4, 1e-3]
+    assert [c["val_kl"] for c in search["cells"]] == [val_kl_of(lr, 42) for lr in (1e-4, 3.16e-4, 1e-3)]
+
+    for argv in fake.calls:  # pair flags, profile and data reach every stage
+        f = flags_of(argv)
+        assert f["--large"] == ["Qwen/Qwen3-1.7B"] and f["--device"] == ["cpu"] and f["--dtype"] == ["float32"]
+        assert f["--profile"] == ["tiny"] and f["--direction"] == ["l2s"]
+        if Path(argv[0]).name != "ifeval.py":
+            assert f["--data"] == [str(world["data"])]
+        if Path(argv[0]).name == "train_translator.py" and "--closed-form-only" not in f:
+            assert f["--init-from"] == [str(world["root"] / "artifacts" / "r" / "closed" / "closed_form")]
+        assert "--resume" not in f  # a fresh recipe starts every stage fresh ...
+        assert ("--force" in f) == (Path(argv[0]).name == "benchmark.py")  # ... and recomputes the benchmark
+    assert fake.donor_seen == {42: True, 43: True}  # the native IFEval rows were put beside each seed's run
+
+    res = rep["results"]
+    assert set(res["per_seed"]) == {"42", "43"}
+    d = res["across_seeds"]["benchmark"]["distilled.kl_token_mean"]
+    assert d["mean"] == pytest.approx(0.25) and d["se"] == pytest.approx(statistics.stdev([0.2, 0.3]) / math.sqrt(2))
+    t = res["across_seeds"]["ifeval"]["translated.prompt_level_strict_acc"]
+    assert t["mean"] == pytest.approx(0.25) and t["n"] == 2
+    assert res["ifeval_item_level"]["42"]["translated.prompt_level_strict_acc"]["se"] == 0.05
+    v = res["across_seeds"]["train"]["distilled_val_kl"]
+    assert v["mean"] == pytest.approx(statistics.mean([val_kl_of(3.16e-4, s) for s in (42, 43)]))
+    assert set(res["native"]["benchmark"]) == {"native_source", "native_target", "no_context"}
+    assert rep["stage"] == "recipe" and rep["seeds"] == [42, 43]
+
+    md = (world["res"] / "recipe.md").read_text()
+    assert "Chosen rate: **0.000316**" in md and "seed 43" in md and "mean ± SE" in md
+    assert (world["res"] / "recipe.png").read_bytes()[:4] == b"\x89PNG"
+    cells = ledger(world)["cells"]
+    assert len(cells) == len(EXPECTED) and all(c["status"] == "done" and c["runs"] == 1 for c in cells.values())
+
+
+def test_resume_skips_finished_cells_and_continues_the_interrupted_one(world):
+    with pytest.raises(KeyboardInterrupt):
+        recipe.main(world["argv"], runner=FakeStages(interrupt_at=5))  # killed inside train lr3.16e-04-s42
+    before = ledger(world)["cells"]
+    assert [n for n, c in before.items() if c["status"] == "done"] == [
+        "benchmark/native", "ifeval/native", "train/closed", "train/lr1.00e-04-s42"]
+    assert before["train/lr3.16e-04-s42"]["status"] == "running"
+    mtimes = {n: os.stat(c["report"]).st_mtime_ns for n, c in before.items() if c["status"] == "done"}
+
+    fake = FakeStages()
+    recipe.main(world["argv"] + ["--resume"], runner=fake)
+    assert names(fake.calls) == EXPECTED[4:]  # nothing finished was redone
+    assert all("--resume" in a for a in fake.calls if Path(a[0]).name != "benchmark.py")  # stages continue too
+    after = ledger(world)["cells"]
+    for n in mtimes:
+        assert after[n]["finished_unix"] == before[n]["finished_unix"]
+        assert os.stat(after[n]["report"]).st_mtime_ns == mtimes[n]
+    assert after["train/lr3.16e-04-s42"]["runs"] == 2 and after["train/lr1.00e-03-s42"]["runs"] == 1
+
+    rep = recipe.main(world["argv"] + ["--resume"], runner=FakeStages(forbid=True))  # all finished: nothing runs
+    assert {c["action"] for c in rep["results"]["cells"]} == {"skipped (finished)"}
+    assert ledger(world)["cells"] == {**after}  # same entries, same timestamps
+
+
+def test_resume_reruns_a_cell_whose_report_was_changed(world):
+    recipe.main(world["argv"], runner=FakeStages())
+    report = Path(ledger(world)["cells"]["benchmark/lr3.16e-04-s43"]["report"])
+    report.write_text(report.read_text().replace("0.3", "0.9"))
+    fake = FakeStages()
+    recipe.main(world["argv"] + ["--resume"], runner=fake)
+    assert names(fake.calls) == ["benchmark:lr3.16e-04-s43"]
+
+
+def test_resume_refuses_changed_settings_and_inputs_naming_them(world):
+    recipe.main(world["argv"], runner=FakeStages())
+    with pytest.raises(SystemExit, match=r"settings changed: seeds: \[42, 43\] → \[42\]"):
+        recipe.main(world["argv"] + ["--resume", "--seeds", "42"], runner=FakeStages(forbid=True))
+    with pytest.raises(SystemExit, match=r"updates: None → 3"):
+        recipe.main(world["argv"] + ["--resume", "--updates", "3"], runner=FakeStages(forbid=True))
+    atomic_write_json(world["data"] / "manifest.json", {"stage": "prepare", "files": {}, "edited": True})
+    with pytest.raises(SystemExit, match=r"cell benchmark/native .*inputs\.data\.manifest_sha256"):
+        recipe.main(world["argv"] + ["--resume"], runner=FakeStages(forbid=True))
+    fake = FakeStages()  # a fresh recipe (no --resume) starts over
+    recipe.main(world["argv"], runner=fake)
+    assert names(fake.calls) == EXPECTED
+
+
+def test_cell_key_covers_flags_and_inputs_but_not_the_hook():
+    base = K.Cell("train/x", "train", "train_translator.py", {"--lr": "0.0001", "--closed-form-only": False},
+                  "r.json", {"data": {"manifest_sha256": "a" * 64}}, resume_flag="--resume")
+    assert base.argv(resume=False) == ["train_translator.py", "--lr", "0.0001"]
+    assert base.argv(resume=True)[-1] == "--resume"
+    for other in (K.Cell(**{**base.__dict__, "flags": {"--lr": "0.000316"}}),
+                  K.Cell(**{**base.__dict__, "inputs": {"data": {"manifest_sha256": "b" * 64}}}),
+                  K.Cell(**{**base.__dict__, "extra": ("--batch", "2")})):
+        assert other.key != base.key
+    assert K.Cell(**{**base.__dict__, "before": lambda: None}).key == base.key
+
+
+def test_passthrough_may_not_override_what_the_recipe_sets(world):
+    with pytest.raises(SystemExit, match="may not set --lr"):
+        recipe.main(world["argv"] + ["--train-args=--lr 1e-3"], runner=FakeStages(forbid=True))
+    with pytest.raises(SystemExit, match="may not set --out-dir"):
+        recipe.main(world["argv"] + ["--benchmark-args=--out-dir=x"], runner=FakeStages(forbid=True))
+
+
+def test_quick_and_explicit_shrinking(world):
+    fake = FakeStages()
+    recipe.main(world["argv"] + ["--quick", "--skip", "ifeval", "--lr-center", "1e-3", "--grid-size", "3"], runner=fake)
+    # grid [3.16e-4, 1e-3, 3.16e-3 (diverges)]: the winner 3.16e-4 is the lower edge, so 1e-4 is added (--quick
+    # allows one extension), which makes it interior; one seed; no IFEval
+    assert names(fake.calls) == ["benchmark:native", "train_translator:closed", "train_translator:lr3.16e-04-s42",
+                                 "train_translator:lr1.00e-03-s42", "train_translator:lr3.16e-03-s42",
+                                 "train_translator:lr1.00e-04-s42", "benchmark:lr3.16e-04-s42"]
+
+
+def test_help_has_examples(capsys):
+    with pytest.raises(SystemExit) as e:
+        recipe.parse_args(["--help"])
+    assert e.value.code == 0 and "examples:" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- end to end on the tiny pair
+def split_rows(tok, n: int, seed: int, tag: str) -> list[dict]:
+    from tinypair import WORDS
+
+    rng = random.Random(seed)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = []
+    for i in range(n):
+        user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 24)))
+        reply = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))
+        prefix = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=True, add_generation_prompt=True,
+                                         enable_thinking=False)["input_ids"]
+        rows.append({"id": f"{tag}{i}", "prefix_ids": list(prefix),
+                     "reply_ids": tok.encode(reply, add_special_tokens=False) + [end], "prefix_text": user,
+                     "reply_text": reply, "reasoning": False, "source_ids": [f"{tag}{i}"]})
+    return rows
+
+
+@pytest.mark.slow
+def test_tiny_recipe_killed_mid_cell_then_resumed(tiny_pair_paths, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from kvlingo import ifeval_grader
+
+    large, small = tiny_pair_paths
+    tok = AutoTokenizer.from_pretrained(large)
+    data = tmp_path / "data" / "tiny"
+    files = {}
+    for split, n, seed in (("train", 16, 0), ("validation", 4, 1), ("test", 3, 2)):
+        path = data / f"{split}.natural.jsonl"
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in split_rows(tok, n, seed, split)))
+        files[path.name] = sha256_file(path)
+    atomic_write_json(data / "manifest.json", {"stage": "prepare", "files": files})
+    docs = [{"key": 1, "prompt": "Describe the cat on the mat. Do not use commas.",
+             "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]},
+            {"key": 2, "prompt": "Answer in lowercase: what did ada write?",
+             "instruction_id_list": ["change_case:english_lowercase"], "kwargs": [{}]}]
+    atomic_write_text(tmp_path / "ifeval.jsonl", "".join(json.dumps(d) + "\n" for d in docs))
+    nltk_home = tmp_path / "nltk_data"
+    ifeval_grader.install_punkt(nltk_home)
+    for k, v in {"NLTK_DATA": str(nltk_home), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}.items():
+        monkeypatch.setenv(k, v)
+
+    argv = ["--profile", "tiny", "--data", str(data), "--run", "e2e", "--large", str(large), "--small", str(small),
+            "--device", "cpu", "--dtype", "float32", "--grid-size", "2", "--seeds", "42", "--max-extensions", "0",
+            "--updates", "2", "--ifeval-source", str(tmp_path / "ifeval.jsonl"), "--ifeval-args=--max-new-tokens 4",
+            "--benchmark-args=--allow-cv --timing-conversations 0 --control-dtypes float32",
+            "--artifacts", str(tmp_path / "artifacts"), "--results", str(tmp_path / "results")]
+    state = tmp_path / "results" / "e2e" / K.LEDGER_FILE
+    # A snapshot of the code: every cell key holds the code hash, and a resume across a code edit is
+    # (rightly) refused, so the run must not see edits made to the working tree meanwhile.
+    code = tmp_path / "code"
+    code.mkdir()
+    for p in ROOT.glob("*.py"):
+        shutil.copy2(p, code / p.name)
+    shutil.copytree(ROOT / "kvlingo", code / "kvlingo", ignore=shutil.ignore_patterns("__pycache__"))
+
+    def launch(*extra: str, name: str) -> subprocess.Popen:
+        # Its own process group, so that a kill takes the recipe and the stage it is running.
+        return subprocess.Popen([sys.executable, str(code / "recipe.py"), *argv, *extra], cwd=tmp_path,
+                                stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def tail(name: str) -> str:
+        return (tmp_path / f"{name}.log").read_text()[-3000:]
+
+    proc = launch(name="first")
+    deadline = time.time() + 900
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            cells = read_json(state)["cells"]
+        except (OSError, ValueError):
+            cells = {}
+        if sum(c["status"] == "done" for c in cells.values()) >= 3 and any(c["status"] == "running" for c in cells.values()):
+            time.sleep(3)  # into the next cell's run
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.5)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, tail("first")
+    before = read_json(state)["cells"]
+    done = {n: (c["finished_unix"], os.stat(c["report"]).st_mtime_ns) for n, c in before.items() if c["status"] == "done"}
+    interrupted = [n for n, c in before.items() if c["status"] == "running"]
+    assert len(done) >= 3 and len(interrupted) == 1
+
+    assert launch("--resume", name="second").wait() == 0, tail("second")
+    after = read_json(state)["cells"]
+    assert all(c["status"] == "done" for c in after.values()) and len(after) == 7
+    for n, (finished, mtime) in done.items():  # finished cells were not redone
+        assert after[n]["finished_unix"] == finished and os.stat(after[n]["report"]).st_mtime_ns == mtime
+    assert after[interrupted[0]]["runs"] == 2 and sum(c["runs"] for c in after.values()) == 8
+    rep = read_json(tmp_path / "results" / "e2e" / "recipe.json")
+    res = rep["results"]
+    assert res["lr_search"]["cap_hit"] is True and len(res["lr_search"]["cells"]) == 2
+    chosen = min(res["lr_search"]["cells"], key=lambda c: c["val_kl"])
+    assert res["lr_search"]["chosen_lr"] == chosen["lr"]
+    train = read_json(Path(after[chosen["cell"]]["report"]))
+    assert train["results"]["distilled_val_kl"] == chosen["val_kl"] and train["n_samples"]["validation_conversations"] == 4
+    seed = res["per_seed"]["42"]
+    assert seed["benchmark"]["distilled.kl_token_mean"] >= 0 and "translated.prompt_level_strict_acc" in seed["ifeval"]
+    for name in ("recipe.md", "recipe.png"):
+        assert (tmp_path / "results" / "e2e" / name).is_file()
+
+    assert launch("--resume", name="third").wait() == 0, tail("third")  # nothing left to run
+    again = read_json(tmp_path / "results" / "e2e" / "recipe.json")
+    assert {c["action"] for c in again["results"]["cells"]} == {"skipped (finished)"}
+    assert read_json(state)["cells"] == after
