@@ -16,6 +16,7 @@ SMALL     ?= Qwen/Qwen3-0.6B
 EVAL_ROOT ?= data
 # The offline toy world (make demo): its pair, corpus and evaluation files.
 TOY       ?= artifacts/toy
+TOY_ARGS  ?=
 # Local JSONL sources (offline). Empty: the pinned Hub data sets.
 SOURCE        ?=
 IFEVAL_SOURCE ?=
@@ -76,11 +77,11 @@ run: $(VENV)/.synced ## the pilot: prepare → train → benchmark → IFEval (n
 	exit $$status
 
 toy: $(VENV)/.synced ## build the offline toy world: corpus, tokenizer, trained toy Qwen3 pair → artifacts/toy (once)
-	$(PY) toy_world.py --out $(TOY)
+	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) $(TOY_ARGS)
 
 # Every stage on the toy pair, offline, on the CPU. Timing CV flags are reported, not fatal,
 # on a CPU shared with the operating system.
-DEMO_VARS = PROFILE=demo DEVICE=cpu DTYPE=float32 DIRECTION=$(DIRECTION) RUN=demo-$(DIRECTION) \
+DEMO_VARS = HF_HUB_OFFLINE=1 PROFILE=demo DEVICE=cpu DTYPE=float32 DIRECTION=$(DIRECTION) RUN=demo-$(DIRECTION) \
 	LARGE=$(TOY)/large SMALL=$(TOY)/small SOURCE=$(TOY)/corpus/chats.jsonl \
 	IFEVAL_SOURCE=$(TOY)/corpus/ifeval.jsonl EVAL_ROOT=data/toy-eval
 demo: toy ## the whole suite offline on a CPU with the toy pair, ending in a summary table
@@ -91,7 +92,7 @@ demo: toy ## the whole suite offline on a CPU with the toy pair, ending in a sum
 	  $(MAKE) task-native task $(DEMO_VARS) TASK=$$task HANDOFF=$$mode TASK_SOURCE=$(TOY)/corpus/$$task.jsonl \
 	    TASK_ARGS="--resume" || status=1; \
 	done; done; \
-	$(MAKE) recipe $(DEMO_VARS) RECIPE_ARGS="--quick $(RECIPE_ARGS)" || status=1; \
+	$(MAKE) recipe $(DEMO_VARS) RUN=demo-$(DIRECTION)-recipe RECIPE_ARGS="--quick --benchmark-args=--allow-cv $(RECIPE_ARGS)" || status=1; \
 	$(PY) -m kvlingo.summary results/demo-$(DIRECTION) || status=1; \
 	exit $$status
 
