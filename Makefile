@@ -87,7 +87,7 @@ DEMO_VARS = HF_HUB_OFFLINE=1 PROFILE=demo DEVICE=cpu DTYPE=float32 DIRECTION=$(D
 demo: toy ## the whole suite offline on a CPU with the toy pair, ending in a summary table
 	@status=0; \
 	$(MAKE) run $(DEMO_VARS) BENCH_ARGS="--allow-cv $(BENCH_ARGS)" || status=1; \
-	$(MAKE) switch $(DEMO_VARS) SWITCH_ARGS="--lengths 256 512 1024 --allow-cv" || status=1; \
+	$(MAKE) switch $(DEMO_VARS) SWITCH_ARGS="--lengths 250 500 1000 --allow-cv" || status=1; \
 	for task in arc gsm8k; do for mode in prompt trace; do \
 	  $(MAKE) task-native task $(DEMO_VARS) TASK=$$task HANDOFF=$$mode TASK_SOURCE=$(TOY)/corpus/$$task.jsonl \
 	    TASK_ARGS="--resume" || status=1; \

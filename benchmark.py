@@ -38,8 +38,8 @@ from kvlingo.maps import MANIFEST_FILE, Translator
 from kvlingo.maps import load_translator as load_translator_for
 from kvlingo.models import ModelSpec, add_pair_args, dtype_name, load_model, pair_from_args, resolve_dtype
 from kvlingo.profiles import PROFILES, get_profile
-from kvlingo.report import (atomic_write_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, code_hash, fmt_table,
-                            make_report, read_json, read_jsonl, sha256_file, sha256_json)
+from kvlingo.report import (atomic_write_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, code_hash,
+                            figure_png, fmt_table, make_report, read_json, read_jsonl, sha256_file, sha256_json)
 
 MAPS = ("closed_form", "distilled")  # artifact folders under artifacts/<run>/, also the arm names
 
@@ -396,8 +396,6 @@ def perf_markdown(config: dict, points: list[dict]) -> str:
 
 
 def perf_plot(points: list[dict], title: str) -> bytes:
-    import io
-
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -413,11 +411,7 @@ def perf_plot(points: list[dict], title: str) -> bytes:
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png(fig)
 
 
 if __name__ == "__main__":

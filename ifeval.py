@@ -32,12 +32,12 @@ from tqdm.auto import tqdm
 from kvlingo import ifeval_grader as grader
 from kvlingo.handoff import stop_ids
 from kvlingo.itemrows import ItemRows, RowsError, SettingsChanged, item_key
-from kvlingo.models import add_pair_args, dtype_name, pair_from_args
+from kvlingo.models import add_pair_args, dtype_name
 from kvlingo.profiles import get_profile
 from kvlingo.report import (atomic_write_json, atomic_write_text, code_hash, fmt_table, make_report, sha256_file,
                             sha256_json)
 from kvlingo.tasks import (IFEVAL, add_eval_args, answer_text, generate_native, generate_translated, load_data,
-                           load_translator, maps_folder, paired, pct, prepare_data, user_prompt_ids)
+                           pair_and_translator, paired, pct, prepare_data, user_prompt_ids)
 
 EPILOG = """examples:
   python ifeval.py --install-punkt
@@ -140,15 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: --limit {limit} but the data holds {len(docs)} prompts; scoring all of them")
     docs = docs[:limit]
 
-    translator, maps_info, maps_dir = None, None, None
-    try:
-        maps_dir = None if args.native else maps_folder(run, args.maps, args.maps_dir)
-        pair = pair_from_args(args)
-        models = {"source": pair.source_spec.identity(), "target": pair.target_spec.identity()}
-        if maps_dir is not None:
-            translator, maps_info = load_translator(maps_dir, pair.source, pair.target, args.direction, models)
-    except ValueError as e:  # PairError included
-        raise SystemExit(f"ifeval: {e}") from None
+    pair, translator, maps_info, maps_dir = pair_and_translator(args, run, "ifeval")
+    models = {"source": pair.source_spec.identity(), "target": pair.target_spec.identity()}
     tok, eos, dtype = pair.tokenizer, stop_ids(pair.tokenizer), dtype_name(pair.dtype)
     config = IFEvalConfig(run, profile.name, "native" if args.native else "translated", len(docs), cap, args.thinking,
                           args.max_accuracy_loss, args.large, args.small, args.direction, pair.device, dtype,

@@ -27,7 +27,6 @@ one folder per stage run: native/, closed/, lr<rate>-s<seed>/ (maps under ARTIFA
 from __future__ import annotations
 
 import argparse
-import io
 import math
 import shlex
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 from kvlingo import recipe as K
 from kvlingo.models import ModelSpec, add_pair_args, resolve_device
 from kvlingo.profiles import PROFILES, get_profile
-from kvlingo.report import (atomic_write_bytes, atomic_write_json, atomic_write_text, code_hash, fmt_table,
+from kvlingo.report import (atomic_write_bytes, figure_png, atomic_write_json, atomic_write_text, code_hash, fmt_table,
                             make_report, sha256_file)
 from kvlingo.train import DEFAULT_LR
 
@@ -252,11 +251,7 @@ def plot_lr(path: Path, search: dict, title: str) -> None:
     ax.set_ylabel("validation KL(native ‖ translated), nats/token")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, figure_png(fig))
 
 
 def main(argv=None, runner=K.run_stage) -> dict:

@@ -23,7 +23,6 @@ Exit status: nonzero, after the files are written, when a CV exceeds --cv-limit 
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,7 +36,7 @@ from kvlingo.handoff import as_ids
 from kvlingo.maps import MANIFEST_FILE, Translator
 from kvlingo.models import ModelSpec, add_pair_args, dtype_name, pair_from_args, resolve_device, resolve_dtype
 from kvlingo.profiles import get_profile
-from kvlingo.report import atomic_write_bytes, code_hash, fmt_table, make_report, read_json, sha256_file, sha256_json
+from kvlingo.report import atomic_write_bytes, code_hash, figure_png, fmt_table, make_report, read_json, sha256_file, sha256_json
 
 PATHS = {"re_reading": "target_reprefill", "switching": "source_cache_handoff"}
 
@@ -95,11 +94,7 @@ def plot(points: list[dict], title: str) -> bytes:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png(fig)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,7 +16,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import io
 import math
 import time
 from dataclasses import asdict
@@ -30,7 +29,7 @@ from kvlingo.data import MANIFEST as DATA_MANIFEST, SplitIntegrityError, split_p
 from kvlingo.maps import MANIFEST_FILE, Translator, load_maps, save_maps
 from kvlingo.models import add_pair_args, dtype_name, pair_from_args
 from kvlingo.profiles import get_profile
-from kvlingo.report import (atomic_write_bytes, atomic_write_json, atomic_write_text, code_hash, fmt_table,
+from kvlingo.report import (atomic_write_bytes, figure_png, atomic_write_json, atomic_write_text, code_hash, fmt_table,
                             make_report, sha256_file, sha256_json)
 
 SCRIPT = Path(__file__).resolve()
@@ -115,11 +114,7 @@ def plot_curves(path: Path, loss: list, val: list, title: str) -> None:
     ax.set_ylabel("KL(native ‖ translated), nats per reply token")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, figure_png(fig))
 
 
 def closed_form_maps(args, pair, cfg: T.TrainConfig, fit_rows: list[dict], cf_dir: Path, fit_key: str,

@@ -186,6 +186,19 @@ def make_report(
     return report
 
 
+def figure_png(fig) -> bytes:
+    """A matplotlib figure as PNG bytes (then closed), ready for `atomic_write_bytes`."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def fmt_table(headers: list[str], rows: list[list[Any]], floatfmt: str = ".4g") -> str:
     """A small GitHub-markdown table (also readable on stdout)."""
 

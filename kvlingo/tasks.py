@@ -411,6 +411,26 @@ def load_translator(folder: str | os.PathLike, source, target, direction: str | 
     return translator, {k: info[k] for k in keep}
 
 
+def pair_and_translator(args, run: str, stage: str):
+    """The checked pair, and for a translated run its translator (None with --native).
+
+    Returns (pair, translator, maps provenance, maps folder); a bad pair or maps exit with
+    a message prefixed by `stage`.
+    """
+    from .models import pair_from_args
+
+    translator, maps_info, maps_dir = None, None, None
+    try:
+        maps_dir = None if args.native else maps_folder(run, args.maps, args.maps_dir)
+        pair = pair_from_args(args)
+        models = {"source": pair.source_spec.identity(), "target": pair.target_spec.identity()}
+        if maps_dir is not None:
+            translator, maps_info = load_translator(maps_dir, pair.source, pair.target, args.direction, models)
+    except ValueError as e:  # PairError included
+        raise SystemExit(f"{stage}: {e}") from None
+    return pair, translator, maps_info, maps_dir
+
+
 def maps_folder(run: str, maps: str, maps_dir: str | None, artifacts: str = "artifacts") -> Path:
     """--maps-dir when given, else artifacts/<run>/<maps> (maps: distilled or closed_form).
 
