@@ -5,7 +5,7 @@ Usage:
     python toy_world.py --out artifacts/toy                 # full build, ~25 CPU-minutes
     python toy_world.py --out /tmp/toy --mini               # seconds: tiny corpus and models
 
-Writes under --out: corpus/{train_chats,chats,chats.meta,ifeval,ifeval.ref,arc,gsm8k}.jsonl,
+Writes under --out: corpus/{train_chats,chats,chats.meta,ifeval,ifeval.ref,arc,arc.ref,gsm8k}.jsonl,
 tokenizer/, large/, small/ (save_pretrained folders with the tokenizer and meta.json), and
 manifest.json last. Re-running with the same settings verifies the manifest's hashes and does
 nothing; --force rebuilds.
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for corpus, tokenizer order and weights (default 0)")
     parser.add_argument("--minutes-per-model", type=float, default=None,
                         help="training budget per model in CPU-minutes, turned into a fixed step count "
-                        "(default: 10 for the full build)")
+                        "(default: 12 for the full build)")
     parser.add_argument("--mini", action="store_true", help="tiny corpus and models for tests (seconds)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the manifest matches")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")

@@ -16,8 +16,11 @@ not finished.
 Training puts the loss on assistant tokens only (every assistant turn of a conversation, the
 final reply included): on this data that is what makes the recall skill form within minutes.
 The number of optimiser steps is fixed before training from a minutes budget and a measured
-throughput constant, never by wall-clock stopping, so a seed gives the same weights each run
-(on the same CPU thread count).
+throughput constant, never by wall-clock stopping, so a seed gives the same weights each run.
+Training and scoring run on one CPU thread: on a 2-core machine shared with other jobs, two
+OpenMP threads spend most of their time waiting for each other at the barriers of these tiny
+ops (measured for the large model: 0.6 s/step on one thread, 1.3-7.9 s/step on two), and one
+thread also makes the weights independent of the machine's core count.
 
 Exact-reply accuracy is scored by teacher forcing: greedy decoding reproduces a reference reply
 exactly iff the argmax at every reply position is the reference token, so one batched forward
@@ -81,11 +84,13 @@ class ToyConfig:
     weight_decay: float = 0.01  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # global grad-norm clip
     autocast_bf16: bool = True  # bf16 matmuls in training (about 1.5x faster on AVX-512 CPUs)
-    minutes_per_model: float = 10.0  # step budget per model, converted with the throughput constants below
-    # Measured fp32 training throughput on a 2-core x86 CPU (padded tokens per second); turning a
-    # minutes budget into a fixed step count keeps training deterministic.
-    large_tokens_per_s: float = 4_000.0  # throughput constant of the large model
-    small_tokens_per_s: float = 11_000.0  # throughput constant of the small model
+    minutes_per_model: float = 12.0  # step budget per model, converted with the throughput constants below
+    threads: int = 1  # torch CPU threads for training and scoring (see the module docstring)
+    # Measured single-thread training throughput (bf16 autocast, padded tokens per second) on a
+    # shared 2-core x86 CPU; turning a minutes budget into a fixed step count keeps training
+    # deterministic.
+    large_tokens_per_s: float = 5_500.0  # throughput constant of the large model
+    small_tokens_per_s: float = 13_000.0  # throughput constant of the small model
     min_steps: int = 20  # floor on the step count
     eval_per_kind: int = 64  # held-out context-dependent chats scored per kind
     eval_task_items: int = 96  # items scored per evaluation file (ifeval/arc/gsm8k)
@@ -408,6 +413,35 @@ def build_toy_world(out: str | Path, seed: int = 0, mini: bool = False, minutes_
     sets = evaluation_sets(files, cfg)
     results: dict[str, Any] = {}
     model_info: dict[str, Any] = {}
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        _build_models(out, cfg, build_key, tok, data, mean_len, corpus_sha, tok_sha, sets, seed, force, progress,
+                      log, results, model_info)
+    finally:
+        torch.set_num_threads(threads_before)
+
+    # --- manifest (written last: its presence with matching hashes means "built")
+    rel_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*")
+                       if p.is_file() and p.name != "manifest.json" and not p.name.startswith("."))
+    n_samples = {name: {cond: len(rows) for cond, rows in conds.items()} for name, conds in sets.items()}
+    manifest = make_report(
+        "toy_world", config=cfg, inputs={"code_sha256": code_sha()}, results={"exact_reply": results,
+                                                                             "models": model_info},
+        n_samples=n_samples, seeds={"world": seed, "large": seed, "small": seed + 1}, wall_time_s=time.time() - t0,
+        device="cpu", dtype="float32", build_key=build_key, mini=mini,
+        files={rel: sha256_file(out / rel) for rel in rel_files},
+        paths={"large": "large", "small": "small", "tokenizer": "tokenizer",
+               **{name: f"corpus/{p.name}" for name, p in files.items()}},
+    )
+    atomic_write_json(manifest_path, manifest)
+    return manifest
+
+
+def _build_models(out: Path, cfg: ToyConfig, build_key: str, tok, data: list[Encoded], mean_len: float,
+                  corpus_sha: dict, tok_sha: str, sets: dict, seed: int, force: bool, progress: bool,
+                  log: Callable[[str], None], results: dict, model_info: dict) -> None:
+    """Train (or reuse, by key and weights hash) each model, score it, and fill results/model_info."""
     for i, (name, shape, rate) in enumerate([("large", cfg.large, cfg.large_tokens_per_s),
                                              ("small", cfg.small, cfg.small_tokens_per_s)]):
         qcfg = qwen3_config(cfg, shape, tok)
@@ -441,22 +475,6 @@ def build_toy_world(out: str | Path, seed: int = 0, mini: bool = False, minutes_
         model_info[name]["qwen3_config"] = {k: getattr(qcfg, k) for k in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "rope_parameters", "tie_word_embeddings", "max_position_embeddings")}
-
-    # --- manifest (written last: its presence with matching hashes means "built")
-    rel_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*")
-                       if p.is_file() and p.name != "manifest.json" and not p.name.startswith("."))
-    n_samples = {name: {cond: len(rows) for cond, rows in conds.items()} for name, conds in sets.items()}
-    manifest = make_report(
-        "toy_world", config=cfg, inputs={"code_sha256": code_sha()}, results={"exact_reply": results,
-                                                                             "models": model_info},
-        n_samples=n_samples, seeds={"world": seed, "large": seed, "small": seed + 1}, wall_time_s=time.time() - t0,
-        device="cpu", dtype="float32", build_key=build_key, mini=mini,
-        files={rel: sha256_file(out / rel) for rel in rel_files},
-        paths={"large": "large", "small": "small", "tokenizer": "tokenizer",
-               **{name: f"corpus/{p.name}" for name, p in files.items()}},
-    )
-    atomic_write_json(manifest_path, manifest)
-    return manifest
 
 
 def summary_table(manifest: dict) -> str:
