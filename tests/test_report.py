@@ -61,3 +61,9 @@ def test_hashes_and_schema(tmp_path):
 def test_fmt_table():
     t = report.fmt_table(["row", "kl"], [["native", 0.0], ["control", 1.23456]])
     assert "| control | 1.235 |" in t and t.count("\n") == 4
+
+
+def test_atomic_files_get_ordinary_permissions(tmp_path):
+    """mkstemp creates 0600 files; a report must get the permissions any other new file would."""
+    p = report.atomic_write_text(tmp_path / "r.json", "{}")
+    assert (p.stat().st_mode & 0o777) == (0o666 & ~report._UMASK) != 0o600
