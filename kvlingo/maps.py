@@ -67,6 +67,14 @@ class HeadwiseMaps(nn.Module):
         b = self.bias[which, layers].reshape(L * H, 1, -1)  # [L*H, 1, d_out]
         return torch.baddbmm(b, x.reshape(L * H, T, d_in), w).view(L, H, T, -1)
 
+    def apply_one_into(self, which: int, x: torch.Tensor, layers: slice, out: torch.Tensor) -> torch.Tensor:
+        """`apply_one` written into `out` [layers, heads, tokens, d_out] (FP32, contiguous); no grad."""
+        L, H, T, d_in = x.shape
+        w = self.weight[which, layers].reshape(L * H, d_in, -1)
+        b = self.bias[which, layers].reshape(L * H, 1, -1)
+        torch.baddbmm(b, x.reshape(L * H, T, d_in), w, out=out.view(L * H, T, -1))
+        return out
+
     def forward(self, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.apply_one(0, xk), self.apply_one(1, xv)
 
@@ -139,12 +147,68 @@ class Translator:
         step = max(1, min(L, chunk_elements // max(1, H * T * d_out)))
         keys = torch.empty(L, H, T, d_out, dtype=out_dtype, device=cap.values.device)
         values = torch.empty_like(keys)
-        for start in range(0, L, step):
-            layers = slice(start, min(L, start + step))
-            k, v = self.translate_layers(cap, layers)
-            keys[layers].copy_(k)
-            values[layers].copy_(v)
+        scratch = _Scratch(step, H, T, d_out, cap.values.device)
+        with torch.no_grad(), torch.autocast(device_type=cap.values.device.type, enabled=False):
+            for start in range(0, L, step):
+                layers = slice(start, min(L, start + step))
+                self._translate_into(cap, layers, keys[layers], values[layers], scratch)
         return keys, values
+
+    def _translate_into(self, cap: Capture, layers: slice, k_out: torch.Tensor, v_out: torch.Tensor,
+                        scratch: "_Scratch") -> None:
+        """The no-grad path of `translate_layers` for one chunk, written into the output.
+
+        The same operations in the same order as `translate_layers` (so the same bits), but
+        in place on buffers reused across chunks: the matmuls write into preallocated
+        memory, the norm scales in place, RoPE writes each half straight into the output
+        (FP32) or into one FP32 buffer rounded once into it (other dtypes). The functional
+        path makes about five fresh full-size temporaries per key chunk; this makes none.
+        """
+        n = k_out.shape[0]
+        d_out = k_out.shape[-1]
+        yk = scratch.take("yk", n)  # [n, heads, tokens, d_out] FP32
+        self.maps.apply_one_into(0, self.key_features(cap, layers), layers, yk)
+        if self.maps.key_space == "prenorm":  # Qwen3RMSNorm, as rms_norm: x * rsqrt(mean(x²) + eps), then weight *
+            sq = scratch.take("sq", n)
+            torch.pow(yk, 2, out=sq)
+            var = sq.mean(-1, keepdim=True)
+            yk.mul_(torch.rsqrt(var.add_(self.k_norm_eps)))
+            yk.mul_(self.k_norm_weight[layers][:, None, None, :])
+        cos, sin = self.target_rope(yk.shape[2], device=yk.device)
+        dest = k_out if k_out.dtype == torch.float32 else scratch.take("out", n)
+        h = d_out // 2
+        x1, x2 = yk[..., :h], yk[..., h:]
+        o1, o2 = dest[..., :h], dest[..., h:]
+        tmp = scratch.take("half", n)
+        # apply_rope: k * cos + rotate_half(k) * sin, half by half
+        torch.mul(x1, cos[:, :h], out=o1)
+        o1.sub_(torch.mul(x2, sin[:, :h], out=tmp))
+        torch.mul(x2, cos[:, h:], out=o2)
+        o2.add_(torch.mul(x1, sin[:, h:], out=tmp))
+        if dest is not k_out:
+            k_out.copy_(dest)  # the one rounding to the output dtype
+        if v_out.dtype == torch.float32:
+            self.maps.apply_one_into(1, cap.values[layers].float(), layers, v_out)
+        else:
+            yv = scratch.take("yk", n)  # the key buffer is free again
+            self.maps.apply_one_into(1, cap.values[layers].float(), layers, yv)
+            v_out.copy_(yv)
+
+
+class _Scratch:
+    """FP32 buffers for one translation, allocated once and reused by every layer chunk
+    (fresh large allocations cost page faults on a CPU and allocator traffic on a GPU)."""
+
+    def __init__(self, step: int, heads: int, tokens: int, dim: int, device):
+        self.shape = (step, heads, tokens, dim)
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, n: int) -> torch.Tensor:
+        if name not in self.buffers:
+            shape = self.shape if name != "half" else (*self.shape[:3], self.shape[3] // 2)
+            self.buffers[name] = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return self.buffers[name][:n]
 
 
 # FP32 temporaries per translation chunk: small on CPUs (cache locality), large on GPUs (fewer launches).

@@ -195,6 +195,17 @@ def test_chunked_translation_equals_per_head_reference(large32, small32):
             full = tr(cap, chunk_elements=1 << 30)
             chunked = tr(cap, chunk_elements=1)  # one layer at a time
         assert torch.equal(full[0], chunked[0]) and torch.equal(full[1], chunked[1])
+        # The in-place inference path does what the differentiable one does, in the same order:
+        # the same bits in FP32, and the same single rounding into BF16.
+        maps.requires_grad_(True)
+        with torch.enable_grad():
+            grad_k, grad_v = tr(cap)
+            grad_bk, grad_bv = tr(cap, torch.bfloat16)
+        assert torch.equal(grad_k.detach(), full[0]) and torch.equal(grad_v.detach(), full[1])
+        with torch.no_grad():
+            bk, bv = tr(cap, torch.bfloat16, chunk_elements=1)
+        assert bk.dtype == torch.bfloat16 and torch.equal(grad_bk.detach(), bk) and torch.equal(grad_bv.detach(), bv)
+        maps.requires_grad_(False)
         src_cos, src_sin = rope_tables(large32, 21)
         tgt_cos, tgt_sin = rope_tables(small32, 21)
         for l in range(cap.keys.shape[0]):
