@@ -119,8 +119,11 @@ def sha256_tree(paths: Iterable[str | os.PathLike], root: str | os.PathLike = RO
 
 
 def code_hash(*scripts: str | os.PathLike) -> str:
-    """Hash of the kvlingo library plus the given stage scripts: what `--resume` compares."""
-    files = sorted((ROOT / "kvlingo").rglob("*.py")) + [Path(s) for s in scripts]
+    """Hash of the kvlingo library plus the given stage scripts: what `--resume` compares.
+
+    Relative script names are taken from the repository root, not the working directory.
+    """
+    files = sorted((ROOT / "kvlingo").rglob("*.py")) + [ROOT / s for s in scripts]
     return sha256_tree(files)
 
 
