@@ -10,7 +10,9 @@ Paths. native_source / native_target: the model reads the prompt itself. transla
 source reads the prompt (chat template, generation prompt, thinking off unless --thinking),
 its cache of prompt[:-1] is translated, and the target generates from prompt[-1:]. A
 translated run always scores the native target on the same prompts too (reusing the rows
-of a native run when their input hash matches), so every number has its paired baseline.
+of a native run when their input hash matches), so every number has its paired baseline,
+and two floors (skip them with --no-controls): control, the translated cache of the next
+prompt instead of this one, and no_context, the target from prompt[-1:] with no cache.
 Generation is greedy, capped by --max-new-tokens; answers that hit the cap are counted.
 
 Outputs under RESULTS/RUN/: ifeval.json (translated) or ifeval-native.json (--native),
@@ -36,8 +38,9 @@ from kvlingo.models import add_pair_args, dtype_name
 from kvlingo.profiles import get_profile
 from kvlingo.report import (atomic_write_json, atomic_write_text, code_hash, fmt_table, make_report, sha256_file,
                             sha256_json)
-from kvlingo.tasks import (IFEVAL, add_eval_args, answer_text, generate_native, generate_translated, load_data,
-                           pair_and_translator, paired, pct, prepare_data, user_prompt_ids)
+from kvlingo.tasks import (CONTROL_PATHS, IFEVAL, add_eval_args, answer_text, control_partner, generate_control,
+                           generate_native, generate_no_context, generate_translated, load_data, pair_and_translator,
+                           paired, pct, prepare_data, user_prompt_ids)
 
 EPILOG = """examples:
   python ifeval.py --install-punkt
@@ -62,6 +65,7 @@ class IFEvalConfig:
     device: str  # resolved device
     dtype: str  # model dtype
     maps_dir: str | None  # translator maps folder (translated mode only)
+    controls: tuple[str, ...]  # floors scored beside a translated run (control, no_context), or none
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -143,19 +147,25 @@ def main(argv: list[str] | None = None) -> None:
     pair, translator, maps_info, maps_dir = pair_and_translator(args, run, "ifeval")
     models = {"source": pair.source_spec.identity(), "target": pair.target_spec.identity()}
     tok, eos, dtype = pair.tokenizer, stop_ids(pair.tokenizer), dtype_name(pair.dtype)
-    config = IFEvalConfig(run, profile.name, "native" if args.native else "translated", len(docs), cap, args.thinking,
-                          args.max_accuracy_loss, args.large, args.small, args.direction, pair.device, dtype,
-                          str(maps_dir) if maps_dir else None)
 
     # ---------------------------------------------------------------- rows
     common = {"stage": "ifeval", "max_new_tokens": cap, "enable_thinking": args.thinking, "dtype": dtype,
               "device": pair.device.split(":")[0]}
-    paths = ("native_source", "native_target") if args.native else ("translated", "native_target")
+    controls = () if args.native or args.no_controls or len(docs) < 2 else CONTROL_PATHS
+    if not args.native and not args.no_controls and len(docs) < 2:
+        print("note: one prompt only; the control path needs two, so the controls are skipped")
+    paths = ("native_source", "native_target") if args.native else ("translated", "native_target", *controls)
     path_inputs = {
         "native_source": {"model": models["source"]},
         "native_target": {"model": models["target"]},
         "translated": {**models, "maps_sha256": maps_info["maps_sha256"] if maps_info else None},
+        "no_context": {"model": models["target"]},
     }
+    path_inputs["control"] = path_inputs["translated"]
+    all_prompt_ids = [user_prompt_ids(tok, doc["prompt"], args.thinking) for doc in docs]
+    config = IFEvalConfig(run, profile.name, "native" if args.native else "translated", len(docs), cap, args.thinking,
+                          args.max_accuracy_loss, args.large, args.small, args.direction, pair.device, dtype,
+                          str(maps_dir) if maps_dir else None, controls)
     settings = {**common, **({"models": models} if args.native else path_inputs["translated"])}
     out_dir = Path(args.results) / run
     name = "ifeval-native" if args.native else "ifeval"
@@ -169,16 +179,24 @@ def main(argv: list[str] | None = None) -> None:
     by_path: dict[str, list[dict]] = {p: [] for p in paths}
     counts = {"generated": 0, "resumed": 0, "reused_from_sibling": 0}
     bar = tqdm(total=len(docs) * len(paths), desc=f"ifeval {config.mode}", unit="answer")
-    for doc in docs:
-        prompt_ids = user_prompt_ids(tok, doc["prompt"], args.thinking)
+    for i, doc in enumerate(docs):
+        prompt_ids = all_prompt_ids[i]
+        other_ids = all_prompt_ids[control_partner(i, len(docs))] if controls else None
         for path in paths:
-            key = item_key(**common, path=path, doc=doc, prompt_ids_sha256=sha256_json(prompt_ids), **path_inputs[path])
+            extra = {"other_prompt_ids_sha256": sha256_json(other_ids)} if path == "control" else {}
+            key = item_key(**common, path=path, doc=doc, prompt_ids_sha256=sha256_json(prompt_ids), **path_inputs[path],
+                           **extra)
             how = "resumed" if key in log else "reused_from_sibling"
             row = log.get(key)  # this log's row, or a sibling's copied over, or None
             if row is None:
                 how = "generated"
                 if path == "translated":
                     gen = generate_translated(pair.source, pair.target, translator, prompt_ids, cap, eos, pair.dtype)
+                elif path == "control":
+                    gen = generate_control(pair.source, pair.target, translator, other_ids, prompt_ids, cap, eos,
+                                           pair.dtype)
+                elif path == "no_context":
+                    gen = generate_no_context(pair.target, prompt_ids, cap, eos)
                 else:
                     gen = generate_native(pair.source if path == "native_source" else pair.target, prompt_ids, cap, eos)
                 response = answer_text(tok, gen.ids)
@@ -196,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {"mode": config.mode, "paths": {p: summarize(rs) for p, rs in by_path.items()}}
     a, b = ("native_source", "native_target") if args.native else ("translated", "native_target")
     results["comparison"] = {f"{a}_vs_{b}": compare(by_path[a], by_path[b])}
+    for floor in controls:
+        results["comparison"][f"translated_vs_{floor}"] = compare(by_path["translated"], by_path[floor])
     gate = None
     if args.max_accuracy_loss is not None:
         loss = -results["comparison"]["translated_vs_native_target"]["prompt_level_strict_acc"]["delta_points"]
@@ -220,6 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     c = results["comparison"][f"{a}_vs_{b}"]["prompt_level_strict_acc"]
     line = (f"{a} − {b}, strict prompt accuracy: {c['delta_points']:+.1f} points "
             f"(McNemar p = {c['mcnemar']['p']:.3g}, discordant {c['mcnemar']['discordant']})")
+    for floor in controls:
+        c = results["comparison"][f"translated_vs_{floor}"]["prompt_level_strict_acc"]
+        line += (f"\ntranslated − {floor}, strict prompt accuracy: {c['delta_points']:+.1f} points "
+                 f"(McNemar p = {c['mcnemar']['p']:.3g})")
     atomic_write_json(out_dir / f"{name}.json", report)
     atomic_write_text(out_dir / f"{name}.md", f"# IFEval ({config.mode}, run {run})\n\n{table}\n{line}\n")
     print(table + line)

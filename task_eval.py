@@ -16,6 +16,10 @@ Handoff modes (prompt formats and answer parsers: kvlingo/tasks.py):
   trace as text in its own prefill. With --native: the source answers after its own
   trace, and the target reasons and answers on its own.
 
+A translated run also scores two floors on the same items (skip them with --no-controls):
+control, the translated cache of the next item's prefix (its prompt, and in trace mode its
+trace) in place of this one's, and no_context, the target from the prefix's last token alone.
+
 Outputs under RESULTS/RUN/: task-TASK[-trace][-native].json, .rows.jsonl (one checksummed
 row per answer or trace, appended as it finishes) and .md. Accuracy with SE per path, and
 the exact McNemar test between the two paths on the same items. --resume skips rows
@@ -38,9 +42,10 @@ from kvlingo.profiles import get_profile
 from kvlingo.report import (atomic_write_json, atomic_write_text, code_hash, fmt_table, make_report, sha256_file,
                             sha256_json)
 from kvlingo.stats import mean_se
-from kvlingo.tasks import (DATASETS, ITEM_BUILDERS, add_eval_args, answer_text, generate_native, generate_translated,
-                           load_data, pair_and_translator, paired, pct, prepare_data, reasoning_trace, score,
-                           trace_prefix, user_prompt_ids)
+from kvlingo.tasks import (CONTROL_PATHS, DATASETS, ITEM_BUILDERS, add_eval_args, answer_text, control_partner,
+                           generate_control, generate_native, generate_no_context, generate_translated, load_data,
+                           pair_and_translator, paired, pct, prepare_data, reasoning_trace, score, trace_prefix,
+                           user_prompt_ids)
 
 EPILOG = """examples:
   python task_eval.py --task arc --native --device cuda --run pilot-l2s
@@ -67,6 +72,7 @@ class TaskConfig:
     device: str  # resolved device
     dtype: str  # model dtype
     maps_dir: str | None  # translator maps folder (translated mode only)
+    controls: tuple[str, ...]  # floors scored beside a translated run (control, no_context), or none
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -128,9 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     pair, translator, maps_info, maps_dir = pair_and_translator(args, run, "task_eval")
     models = {"source": pair.source_spec.identity(), "target": pair.target_spec.identity()}
     tok, eos, dtype = pair.tokenizer, stop_ids(pair.tokenizer), dtype_name(pair.dtype)
+    controls = () if args.native or args.no_controls or len(items) < 2 else CONTROL_PATHS
+    if not args.native and not args.no_controls and len(items) < 2:
+        print("note: one item only; the control path needs two, so the controls are skipped")
     config = TaskConfig(run, profile.name, args.task, args.handoff, "native" if args.native else "translated",
                         len(items), cap, trace_cap, thinking, args.large, args.small, args.direction, pair.device,
-                        dtype, str(maps_dir) if maps_dir else None)
+                        dtype, str(maps_dir) if maps_dir else None, controls)
 
     # ---------------------------------------------------------------- rows
     maps_sha = maps_info["maps_sha256"] if maps_info else None
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.native:
         paths = ("native_source", "native_target")
     else:
-        paths = ("translated", "native_target_with_trace" if trace else "native_target")
+        paths = ("translated", "native_target_with_trace" if trace else "native_target", *controls)
     settings = {**env, **answer_settings, "models": models, "maps_sha256": maps_sha}
     out_dir = Path(args.results) / run
     base = f"task-{args.task}" + ("-trace" if trace else "")
@@ -161,9 +170,14 @@ def main(argv: list[str] | None = None) -> None:
         counts[how] += 1
         return row
 
-    def answer(path: str, model_name: str, prefix: list[int], item, extra: dict | None = None) -> dict:
+    def answer(path: str, model_name: str, prefix: list[int], item, extra: dict | None = None,
+               other: list[int] | None = None) -> dict:
         if path == "translated":
             gen = generate_translated(pair.source, pair.target, translator, prefix, cap, eos, pair.dtype)
+        elif path == "control":
+            gen = generate_control(pair.source, pair.target, translator, other, prefix, cap, eos, pair.dtype)
+        elif path == "no_context":
+            gen = generate_no_context(pair.target, prefix, cap, eos)
         else:
             gen = generate_native(getattr(pair, model_name), prefix, cap, eos)
         reply = answer_text(tok, gen.ids)
@@ -177,17 +191,18 @@ def main(argv: list[str] | None = None) -> None:
         return {"path": path, "trace_ids": tr.trace_ids, "trace_hit_cap": tr.hit_cap, "trace_seconds": tr.seconds,
                 "trace_text": tok.decode(tr.trace_ids, skip_special_tokens=False)}
 
-    def produce(path: str, item, prompt_ids: list[int], prefix: list[int]) -> dict:
+    def produce(path: str, item, prompt_ids: list[int], prefix: list[int], other: list[int] | None) -> dict:
         if trace and path == "native_target":
             # the target reasons on its own first, then answers after its own trace
             t = own_trace("target", path, prompt_ids)
             own = trace_prefix(tok, prompt_ids, t["trace_ids"], t["trace_hit_cap"])
             return answer(path, "target", own, item, {k: v for k, v in t.items() if k != "path"})
-        return answer(path, "source" if path == "native_source" else "target", prefix, item)
+        return answer(path, "source" if path == "native_source" else "target", prefix, item, other=other)
 
-    by_path: dict[str, list[dict]] = {p: [] for p in paths}
+    # Prefixes first (in trace mode the source's reasoning), so the control can use the next item's.
+    prepared: list[tuple] = []
     traces: list[dict] = []
-    for item in tqdm(items, desc=f"{args.task} {args.handoff} {config.mode}", unit="item"):
+    for item in tqdm(items, desc=f"{args.task} source traces", unit="item", disable=not trace):
         prompt_ids = user_prompt_ids(tok, item.prompt, thinking)
         common = {**env, "item": asdict(item), "prompt_ids_sha256": sha256_json(prompt_ids)}
         prefix, trace_key = prompt_ids, None
@@ -196,18 +211,32 @@ def main(argv: list[str] | None = None) -> None:
             trow = finished(trace_key, lambda: {**own_trace("source", "source_trace", prompt_ids), "item_id": item.id})
             traces.append(trow)
             prefix = trace_prefix(tok, prompt_ids, trow["trace_ids"], trow["trace_hit_cap"])
+        prepared.append((item, prompt_ids, prefix, common, trace_key))
+
+    by_path: dict[str, list[dict]] = {p: [] for p in paths}
+    translated_ident = {"source": models["source"], "target": models["target"], "maps_sha256": maps_sha}
+    for i, (item, prompt_ids, prefix, common, trace_key) in enumerate(
+            tqdm(prepared, desc=f"{args.task} {args.handoff} {config.mode}", unit="item")):
+        other = prepared[control_partner(i, len(prepared))][2] if controls else None
         for path in paths:
-            ident = ({"source": models["source"], "target": models["target"], "maps_sha256": maps_sha}
-                     if path == "translated" else {"model": models["source" if path == "native_source" else "target"]})
+            if path in ("translated", "control"):
+                ident = dict(translated_ident)
+            else:
+                ident = {"model": models["source" if path == "native_source" else "target"]}
+            if path == "control":
+                ident["other_prefix_sha256"] = sha256_json(other)
             key = item_key(**common, **answer_settings, path=path, trace_key=trace_key, **ident)
-            by_path[path].append(finished(key, lambda: produce(path, item, prompt_ids, prefix)))
+            by_path[path].append(finished(key, lambda: produce(path, item, prompt_ids, prefix, other)))
 
     # ---------------------------------------------------------------- report
     results = {"task": args.task, "handoff": args.handoff, "mode": config.mode,
                "paths": {p: summarize(rs) for p, rs in by_path.items()}}
-    a, b = paths
+    a, b = paths[:2]
     results["comparison"] = {f"{a}_vs_{b}": paired([r["correct"] for r in by_path[a]],
                                                     [r["correct"] for r in by_path[b]])}
+    for floor in controls:
+        results["comparison"][f"translated_vs_{floor}"] = paired([r["correct"] for r in by_path["translated"]],
+                                                                 [r["correct"] for r in by_path[floor]])
     if trace:
         results["trace"] = {"source": trace_summary(traces)}
         if args.native:
@@ -227,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     c = results["comparison"][f"{a}_vs_{b}"]
     line = (f"{a} − {b}: {c['delta_points']:+.1f} points (McNemar exact p = {c['mcnemar']['p']:.3g}; "
             f"{a} only {c['mcnemar']['a_only']}, {b} only {c['mcnemar']['b_only']})")
+    for floor in controls:
+        c = results["comparison"][f"translated_vs_{floor}"]
+        line += f"\ntranslated − {floor}: {c['delta_points']:+.1f} points (McNemar exact p = {c['mcnemar']['p']:.3g})"
     if trace:
         t = results["trace"]["source"]
         line += f"\nsource traces: {t['n']}, mean {t['mean_tokens']:.1f} tokens, {t['hit_cap']} cut by the cap"

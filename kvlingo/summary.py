@@ -4,7 +4,8 @@ ARC and GSM8K accuracy (prompt handoff), and the handoff's speedup over re-prefi
     python -m kvlingo.summary results/demo-l2s      # prints it and writes summary.md there
 
 A cell is "—" where that stage did not score that arm (IFEval and the tasks score the native
-paths and the distilled translator; the control and no-context arms exist in the benchmark).
+paths, the distilled translator and, unless run with --no-controls, the control and no-context
+floors; the closed-form maps are scored by the benchmark only).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from .report import atomic_write_text, fmt_table, read_json
 
 ARMS = ("native_source", "native_target", "closed_form", "distilled", "control", "no_context")
 # Which path of an IFEval/task report stands for an arm (the translated path uses the distilled maps).
-GEN_PATH = {"native_source": "native_source", "native_target": "native_target", "distilled": "translated"}
+GEN_PATH = {"native_source": "native_source", "native_target": "native_target", "distilled": "translated",
+            "control": "control", "no_context": "no_context"}
 
 
 def _load(folder: Path, name: str) -> dict | None:

@@ -28,6 +28,10 @@ Answering paths (all greedy; `kvlingo.handoff` does the work):
 - native: the model prefills the whole prompt itself and generates;
 - translated: the source prefills `prompt[:-1]`, its cache is translated, and the target
   generates from `prompt[-1:]` (the suite's handoff convention);
+- control: as translated, but the cache is another item's (the next one's, cyclically), so
+  the target answers with the wrong content in its cache;
+- no_context: the target generates from `prompt[-1:]` alone, with an empty cache: the floor
+  a handoff that carried nothing would reach;
 - reasoning trace: the model starts the think block ("<think>\\n"), generates until
   "</think>", a stop token or the trace cap, and the block is closed ("</think>\\n\\n",
   with a newline first when the cap cut the trace). Prompt plus trace is then the prefix
@@ -371,6 +375,37 @@ def generate_translated(source, target, translator, prompt_ids: Sequence[int], m
     return Generated(ids, hit, time.perf_counter() - t0)
 
 
+def generate_control(source, target, translator, other_ids: Sequence[int], prompt_ids: Sequence[int],
+                     max_new_tokens: int, eos: set[int], out_dtype) -> Generated:
+    """Wrong-document control: the translated cache of *another* item's prefix (all but its last
+    token), then the target greedy from this prompt's last token. Graded against this item, it
+    shows what a translated cache scores when it carries the wrong content."""
+    from .handoff import greedy_generate, translated_cache
+
+    if len(other_ids) < 2 or len(prompt_ids) < 1:
+        raise ValueError("a control needs another prefix of at least 2 tokens and a prompt of at least 1")
+    t0 = time.perf_counter()
+    kv = translated_cache(source, translator, list(other_ids[:-1]), out_dtype)
+    ids, hit = greedy_generate(target, list(prompt_ids[-1:]), kv, max_new_tokens=max_new_tokens, eos_ids=eos)
+    return Generated(ids, hit, time.perf_counter() - t0)
+
+
+def generate_no_context(target, prompt_ids: Sequence[int], max_new_tokens: int, eos: set[int]) -> Generated:
+    """No-context floor: the target greedy from the prompt's last token alone (the token a handoff
+    continues from), with an empty cache."""
+    return generate_native(target, list(prompt_ids[-1:]), max_new_tokens, eos)
+
+
+def control_partner(i: int, n: int) -> int:
+    """The item whose prefix stands in for item i's in the control arm: the next one, cyclically."""
+    if n < 2:
+        raise ValueError("the control arm needs at least two items")
+    return (i + 1) % n
+
+
+CONTROL_PATHS = ("control", "no_context")  # the floors scored beside every translated run
+
+
 @dataclass
 class Trace:
     prefix_ids: list[int]  # prompt + "<think>\n" + trace + closing: what the answering model continues
@@ -467,6 +502,9 @@ def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None
     ap.add_argument("--data-root", default="data", help=f"prepared data root: DATA_ROOT/{data_folder}/")
     ap.add_argument("--prepare", action="store_true",
                     help=f"fetch {data_help} into DATA_ROOT/{data_folder}/ (or copy --source there) and exit")
+    ap.add_argument("--no-controls", action="store_true",
+                    help="translated runs: skip the control (another item's translated cache) and no-context "
+                    "(target from the last prompt token alone) paths, which double the generation work")
 
 
 def paired(a: Sequence[bool], b: Sequence[bool]) -> dict[str, Any]:

@@ -158,9 +158,17 @@ def test_native_then_translated_then_gate(ifeval_world):
     translated = w["base"] + ["--maps-dir", w["maps"]]
     ifeval.main(translated)
     rep = read_json(w["out"] / "ifeval.json")
-    assert set(rep["results"]["paths"]) == {"translated", "native_target"}
+    assert set(rep["results"]["paths"]) == {"translated", "native_target", "control", "no_context"}
     # the native target's answers come from the native run's rows (same input hash), not regenerated
-    assert rep["rows"] == {"generated": 2, "resumed": 0, "reused_from_sibling": 2, "dropped_torn_line": False}
+    assert rep["rows"] == {"generated": 6, "resumed": 0, "reused_from_sibling": 2, "dropped_torn_line": False}
+    trows = read_rows(w["out"] / "ifeval.rows.jsonl")[1]
+    by = {(r["path"], r["doc_key"]): r for r in trows}
+    k0, k1 = sorted({r["doc_key"] for r in trows})
+    # Both prompts end with the same generation-prompt token, so prompt 0's control (prompt 1's
+    # translated cache, then that token) answers exactly as prompt 1's translated path does.
+    assert by[("control", k0)]["new_ids"] == by[("translated", k1)]["new_ids"]
+    assert by[("control", k1)]["new_ids"] == by[("translated", k0)]["new_ids"]
+    assert "translated_vs_no_context" in rep["results"]["comparison"]
     assert rep["results"]["paths"]["native_target"] == s
     manifest = json.loads((w["root"] / "maps" / "manifest.json").read_text())
     assert rep["inputs"]["maps"]["maps_sha256"] == manifest["maps_sha256"]

@@ -181,13 +181,14 @@ def test_resume_after_kill_regenerates_nothing_finished(world, tmp_path):
     task_eval.main(_args(world, results, "--limit", str(limit), "--resume"))
     _, after, _ = read_rows(rows_path)
     keys = [r["key"] for r in after]
-    assert len(keys) == len(set(keys)) == 2 * limit  # every (item, path) once; nothing duplicated
+    # every (item, path) once, nothing duplicated: translated, native target, control, no-context
+    assert len(keys) == len(set(keys)) == 4 * limit
     for r in after[: len(before)]:
         assert r == first[r["key"]]  # finished rows untouched: same timestamps, same session
     new_session = {r["session"] for r in after[len(before):]}
     assert len(new_session) == 1 and new_session.isdisjoint({r["session"] for r in before})
     report = read_json(results / "t" / "task-gsm8k.json")
-    assert report["rows"]["generated"] == 2 * limit - len(before) and report["rows"]["resumed"] == len(before)
+    assert report["rows"]["generated"] == 4 * limit - len(before) and report["rows"]["resumed"] == len(before)
 
     # the resumed run equals an uninterrupted one
     task_eval.main(_args(world, tmp_path / "fresh", "--limit", str(limit)))
@@ -207,9 +208,11 @@ def test_resume_after_kill_regenerates_nothing_finished(world, tmp_path):
 def test_trace_handoff_against_transformers_generate(world, tmp_path):
     task_eval.main(_args(world, tmp_path, "--limit", "2", "--handoff", "trace", "--trace-tokens", "5"))
     report = read_json(tmp_path / "t" / "task-gsm8k-trace.json")
-    assert set(report["results"]["paths"]) == {"translated", "native_target_with_trace"}
+    assert set(report["results"]["paths"]) == {"translated", "native_target_with_trace", "control", "no_context"}
     rows = read_rows(tmp_path / "t" / "task-gsm8k-trace.rows.jsonl")[1]
-    assert [r["path"] for r in rows] == ["source_trace", "translated", "native_target_with_trace"] * 2
+    answers = ["translated", "native_target_with_trace", "control", "no_context"]
+    assert [r["path"] for r in rows] == ["source_trace"] * 2 + answers * 2
+    traces, first, second = rows[:2], rows[2:6], rows[6:]
 
     large = load_model(ModelSpec.parse(world["large"]), "cpu", torch.float32)
     small = load_model(ModelSpec.parse(world["small"]), "cpu", torch.float32)
@@ -224,7 +227,7 @@ def test_trace_handoff_against_transformers_generate(world, tmp_path):
         ref = large.generate(input_ids=torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
                              eos_token_id=stops, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
     ref = ref[: next((i for i, t in enumerate(ref) if t in stops), len(ref))]
-    assert rows[0]["trace_ids"] == ref
+    assert traces[0]["trace_ids"] == ref
     # the native target continues the same prompt + trace, closed as documented
     closing = plain_ids(tok, ("\n" if len(ref) == 5 else "") + "</think>\n\n")
     prefix = prompt + ref + closing
@@ -232,8 +235,17 @@ def test_trace_handoff_against_transformers_generate(world, tmp_path):
         ans = small.generate(input_ids=torch.tensor([prefix]), max_new_tokens=6, do_sample=False,
                              eos_token_id=stops[:2], pad_token_id=tok.pad_token_id)[0, len(prefix):].tolist()
     ans = ans[: next((i for i, t in enumerate(ans) if t in stops[:2]), len(ans))]
-    assert rows[2]["new_ids"] == ans and rows[2]["prompt_tokens"] == len(prefix)
-    assert rows[1]["prompt_tokens"] == len(prefix)  # the translated target saw the same prefix
+    assert first[1]["new_ids"] == ans and first[1]["prompt_tokens"] == len(prefix)
+    assert first[0]["prompt_tokens"] == len(prefix)  # the translated target saw the same prefix
+    # Every prefix ends with the same closing token, so item 0's control (item 1's translated cache,
+    # then that token) must answer exactly as item 1's translated path does.
+    assert first[2]["new_ids"] == second[0]["new_ids"] and second[2]["new_ids"] == first[0]["new_ids"]
+    # no-context: the target from the prefix's last token alone
+    with torch.no_grad():
+        floor = small.generate(input_ids=torch.tensor([prefix[-1:]]), max_new_tokens=6, do_sample=False,
+                               eos_token_id=stops[:2], pad_token_id=tok.pad_token_id)[0, 1:].tolist()
+    floor = floor[: next((i for i, t in enumerate(floor) if t in stops[:2]), len(floor))]
+    assert first[3]["new_ids"] == floor
 
 
 def test_maps_for_another_direction_or_pair_are_refused(world, tmp_path):
