@@ -1,14 +1,17 @@
-"""Build the offline toy world: a procedural chat corpus, evaluation files, a shared tokenizer and
-a trained toy Qwen3 pair ("large" and "small"), so every stage runs on a CPU without the Hub.
+"""Install (or train) the offline toy world: a procedural chat corpus, evaluation files, a shared
+tokenizer and a toy Qwen3 pair ("large" and "small"), so every stage runs on a CPU without the Hub.
 
 Usage:
-    python toy_world.py --out artifacts/toy                 # full build, ~25 CPU-minutes
-    python toy_world.py --out /tmp/toy --mini               # seconds: tiny corpus and models
+    python toy_world.py --out artifacts/toy                  # install the packaged pair: seconds
+    python toy_world.py --out artifacts/toy --train          # train it from scratch: ~26 CPU-minutes
+    python toy_world.py --out artifacts/toy --train --export kvlingo/toy_pair   # ... and re-package it
+    python toy_world.py --out /tmp/toy --mini                # seconds: tiny corpus and models
 
 Writes under --out: corpus/{train_chats,chats,chats.meta,ifeval,ifeval.ref,arc,arc.ref,gsm8k}.jsonl,
 tokenizer/, large/, small/ (save_pretrained folders with the tokenizer and meta.json), and
-manifest.json last. Re-running with the same settings verifies the manifest's hashes and does
-nothing; --force rebuilds.
+manifest.json last. The install regenerates the corpus from the seed and checks it against the
+hashes the packaged pair was trained on. Re-running with the same settings verifies the
+manifest's hashes and does nothing; --force retrains.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import argparse
 import os
 from pathlib import Path
 
-from kvlingo.toytrain import build_toy_world, summary_table
+from kvlingo.toytrain import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
 
 
 def main() -> None:
@@ -26,28 +29,45 @@ def main() -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
         "  python toy_world.py --out artifacts/toy\n"
-        "  python toy_world.py --out artifacts/toy --minutes-per-model 6 --force\n"
+        "  python toy_world.py --out artifacts/toy --train --export kvlingo/toy_pair\n"
+        "  python toy_world.py --out /tmp/toy-short --train --minutes-per-model 6\n"
         "  python toy_world.py --out /tmp/toy-mini --mini",
     )
     parser.add_argument("--out", required=True, type=Path, help="output folder, e.g. artifacts/toy")
-    parser.add_argument("--seed", type=int, default=0, help="seed for corpus, tokenizer order and weights (default 0)")
+    parser.add_argument("--train", action="store_true",
+                        help=f"train the full pair from scratch instead of installing the packaged one ({PACKAGED})")
+    parser.add_argument("--export", type=Path, default=None, metavar="DIR",
+                        help="after a full --train, copy tokenizer, models and manifest into DIR (e.g. kvlingo/toy_pair)")
+    parser.add_argument("--seed", type=int, default=0, help="with --train/--mini: seed for corpus, tokenizer order and weights (default 0)")
     parser.add_argument("--minutes-per-model", type=float, default=None,
-                        help="training budget per model in CPU-minutes, turned into a fixed step count "
-                        "(default: 12 for the full build)")
+                        help="with --train/--mini: training budget per model in CPU-minutes, turned into a fixed "
+                        "step count (default: 18 for the large model and 7 for the small one)")
     parser.add_argument("--mini", action="store_true", help="tiny corpus and models for tests (seconds)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the manifest matches")
+    parser.add_argument("--force", action="store_true", help="with --train/--mini: retrain even if the manifest matches")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     args = parser.parse_args()
 
+    training = args.train or args.mini
     if args.minutes_per_model is not None and args.minutes_per_model < 0:
         raise SystemExit(f"--minutes-per-model must be >= 0, got {args.minutes_per_model}")
+    if not training and (args.seed != 0 or args.minutes_per_model is not None or args.force):
+        raise SystemExit("--seed, --minutes-per-model and --force change a training run; add --train "
+                         "(the packaged pair is seed 0 with the default budgets)")
+    if args.export is not None and (args.mini or not args.train):
+        raise SystemExit("--export needs a full --train build (not --mini)")
     if os.environ.get("HF_HUB_OFFLINE") != "1":
         print("note: HF_HUB_OFFLINE is not set; the toy world never needs the Hub (set HF_HUB_OFFLINE=1)")
     try:
-        manifest = build_toy_world(args.out, seed=args.seed, mini=args.mini, minutes_per_model=args.minutes_per_model,
-                                   force=args.force, progress=not args.no_progress)
+        if training:
+            manifest = build_toy_world(args.out, seed=args.seed, mini=args.mini,
+                                       minutes_per_model=args.minutes_per_model, force=args.force,
+                                       progress=not args.no_progress)
+            if args.export is not None:
+                export_pair(args.out, args.export)
+        else:
+            manifest = install_pair(args.out)
     except ValueError as err:
-        raise SystemExit(f"toy world build failed: {err}") from err
+        raise SystemExit(f"toy world failed: {err}") from err
 
     # --- summary
     print()

@@ -5,13 +5,19 @@ head_dim (so caches line up layer by layer and head by head), but different hidd
 heads, MLP widths and RoPE bases (rope_theta 10000 vs 50000), so a translator has to strip one
 RoPE schedule and apply the other. Full attention, no sliding window, no RoPE scaling.
 
-Train on first use, cache under artifacts/: the weights are a pure function of (seed, config,
-this code), so storing them in git would only duplicate what one command rebuilds, while
-training on every test or stage run would cost ~25 CPU-minutes each time. `build_toy_world`
-writes a manifest holding a build key (the hash of config and code) and the sha256 of every
-file; a second call with the same settings verifies the hashes and returns, and each model
-folder carries its own key in meta.json, so an interrupted build resumes at the first model
-not finished.
+The full pair ships with the code, in kvlingo/toy_pair/ (BF16 safetensors, ~10 MB, plus the
+tokenizer and the build's manifest; no corpus). Training it takes ~26 CPU-minutes, longer than
+the whole 15-minute demo and more than CI can spend on every run, while installing it takes
+seconds: `install_pair` regenerates the corpus from the seed recorded in the manifest, checks
+every corpus file against the sha256 the pair was trained on (so a changed generator is caught,
+not silently paired with stale weights), checks the packaged files, and copies them under
+artifacts/. `build_toy_world` is the command that reproduces it from scratch (`make toy-train`,
+which re-exports into kvlingo/toy_pair/; same seed and thread count, same bits on one machine).
+
+`build_toy_world` writes a manifest holding a build key (the hash of config and code) and the
+sha256 of every file; a second call with the same settings verifies the hashes and returns,
+and each model folder carries its own key in meta.json, so an interrupted build resumes at the
+first model not finished.
 
 Training puts the loss on assistant tokens only (every assistant turn of a conversation, the
 final reply included): on this data that is what makes the recall skill form within minutes.
@@ -84,21 +90,28 @@ class ToyConfig:
     weight_decay: float = 0.01  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # global grad-norm clip
     autocast_bf16: bool = True  # bf16 matmuls in training (about 1.5x faster on AVX-512 CPUs)
-    minutes_per_model: float = 12.0  # step budget per model, converted with the throughput constants below
+    # Step budgets in CPU-minutes, turned into step counts with the throughput constants below.
+    # The large model gets the larger share: with equal minutes (12 each) the small one took
+    # 2.4x the steps (2811 vs 1189) and ended up the better model, unlike the real pair.
+    large_minutes: float = 18.0  # training budget of the large model
+    small_minutes: float = 7.0  # training budget of the small model
     threads: int = 1  # torch CPU threads for training and scoring (see the module docstring)
-    # Measured single-thread training throughput (bf16 autocast, padded tokens per second) on a
-    # shared 2-core x86 CPU; turning a minutes budget into a fixed step count keeps training
-    # deterministic.
-    large_tokens_per_s: float = 5_500.0  # throughput constant of the large model
-    small_tokens_per_s: float = 13_000.0  # throughput constant of the small model
+    # Measured single-thread training throughput (bf16 autocast, padded tokens per second) in a
+    # full build on a 2-core x86 CPU; turning a minutes budget into a fixed step count keeps
+    # training deterministic (wall time then varies with the machine, the step count does not).
+    large_tokens_per_s: float = 4_150.0  # throughput constant of the large model
+    small_tokens_per_s: float = 10_300.0  # throughput constant of the small model
     min_steps: int = 20  # floor on the step count
     eval_per_kind: int = 64  # held-out context-dependent chats scored per kind
     eval_task_items: int = 96  # items scored per evaluation file (ifeval/arc/gsm8k)
 
 
 def full_config(seed: int = 0, minutes_per_model: float | None = None) -> ToyConfig:
+    """The full build; `minutes_per_model`, when given, replaces both models' budgets."""
     cfg = ToyConfig(world=toyworld.WorldConfig(seed=seed))
-    return cfg if minutes_per_model is None else replace(cfg, minutes_per_model=minutes_per_model)
+    if minutes_per_model is None:
+        return cfg
+    return replace(cfg, large_minutes=minutes_per_model, small_minutes=minutes_per_model)
 
 
 def mini_config(seed: int = 0) -> ToyConfig:
@@ -108,7 +121,7 @@ def mini_config(seed: int = 0) -> ToyConfig:
         world=world, vocab_size=512, layers=2, kv_heads=2, head_dim=16,
         large=ModelShape(hidden=64, intermediate=128, heads=4, rope_theta=10_000.0),
         small=ModelShape(hidden=32, intermediate=64, heads=2, rope_theta=50_000.0),
-        max_position_embeddings=1024, batch=8, minutes_per_model=0.0, min_steps=24, eval_per_kind=6,
+        max_position_embeddings=1024, batch=8, large_minutes=0.0, small_minutes=0.0, min_steps=24, eval_per_kind=6,
         eval_task_items=8,
     )
 
@@ -245,9 +258,9 @@ def lr_at(step: int, steps: int, cfg: ToyConfig) -> float:
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def steps_for(cfg: ToyConfig, tokens_per_s: float, mean_len: float) -> int:
-    """A fixed step count from the minutes budget: deterministic, unlike wall-clock stopping."""
-    return max(cfg.min_steps, int(cfg.minutes_per_model * 60 * tokens_per_s / (cfg.batch * mean_len)))
+def steps_for(cfg: ToyConfig, minutes: float, tokens_per_s: float, mean_len: float) -> int:
+    """A fixed step count from a minutes budget: deterministic, unlike wall-clock stopping."""
+    return max(cfg.min_steps, int(minutes * 60 * tokens_per_s / (cfg.batch * mean_len)))
 
 
 def train_model(qcfg, data: list[Encoded], steps: int, cfg: ToyConfig, seed: int, pad_id: int,
@@ -321,7 +334,7 @@ def _task_rows(files: dict[str, Path], n: int) -> dict[str, list[dict]]:
     return {
         "ifeval_file": [row(r["prompt"], refs[r["key"]]) for r in read_jsonl(files["ifeval"])[:n]],
         "arc_file": [row(toyworld.arc_prompt(r), arc_refs[r["id"]]) for r in read_jsonl(files["arc"])[:n]],
-        "gsm8k_file": [row(toyworld.gsm8k_prompt(r), r["answer"]) for r in read_jsonl(files["gsm8k"])[:n]],
+        "gsm8k_file": [row(toyworld.gsm8k_prompt(r), toyworld.gsm8k_reply(r)) for r in read_jsonl(files["gsm8k"])[:n]],
     }
 
 
@@ -360,14 +373,26 @@ def _files_ok(out: Path, files: dict[str, str]) -> bool:
     return all((out / rel).is_file() and sha256_file(out / rel) == sha for rel, sha in files.items())
 
 
+def round_to_bf16(model) -> None:
+    """Round every weight to the nearest BF16 value, keeping FP32 tensors.
+
+    The pair is stored in BF16 (half the bytes, so both models fit in git); rounding before
+    scoring makes the manifest's scores those of the stored weights, which load back into
+    FP32 exactly.
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+
+
 def _save_model(model, tok, path: Path, meta: dict) -> None:
-    """Save into a temp folder, write meta.json (the completion marker) last, then swap it in."""
+    """Save (BF16) into a temp folder, write meta.json (the completion marker) last, then swap it in."""
     tmp = path.parent / f".{path.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.generation_config.eos_token_id = model.config.eos_token_id
     model.generation_config.pad_token_id = model.config.pad_token_id
     model.generation_config.bos_token_id = None
-    model.save_pretrained(tmp)
+    model.to(torch.bfloat16).save_pretrained(tmp)  # lossless: the weights were rounded by round_to_bf16
     save_tokenizer(tok, tmp)
     atomic_write_json(tmp / "meta.json", {**meta, "weights_sha256": sha256_file(tmp / "model.safetensors")})
     shutil.rmtree(path, ignore_errors=True)
@@ -386,7 +411,7 @@ def build_toy_world(out: str | Path, seed: int = 0, mini: bool = False, minutes_
     out = Path(out)
     cfg = mini_config(seed) if mini else full_config(seed, minutes_per_model)
     if minutes_per_model is not None and mini:
-        cfg = replace(cfg, minutes_per_model=minutes_per_model)
+        cfg = replace(cfg, large_minutes=minutes_per_model, small_minutes=minutes_per_model)
     build_key = sha256_json({"config": asdict(cfg), "code": code_sha()})
     manifest_path = out / "manifest.json"
     if not force and manifest_path.is_file():
@@ -442,10 +467,12 @@ def _build_models(out: Path, cfg: ToyConfig, build_key: str, tok, data: list[Enc
                   corpus_sha: dict, tok_sha: str, sets: dict, seed: int, force: bool, progress: bool,
                   log: Callable[[str], None], results: dict, model_info: dict) -> None:
     """Train (or reuse, by key and weights hash) each model, score it, and fill results/model_info."""
-    for i, (name, shape, rate) in enumerate([("large", cfg.large, cfg.large_tokens_per_s),
-                                             ("small", cfg.small, cfg.small_tokens_per_s)]):
+    for i, (name, shape, minutes, rate) in enumerate([
+        ("large", cfg.large, cfg.large_minutes, cfg.large_tokens_per_s),
+        ("small", cfg.small, cfg.small_minutes, cfg.small_tokens_per_s),
+    ]):
         qcfg = qwen3_config(cfg, shape, tok)
-        steps = steps_for(cfg, rate, mean_len)
+        steps = steps_for(cfg, minutes, rate, mean_len)
         model_key = sha256_json({"build_key": build_key, "name": name, "steps": steps, "corpus": corpus_sha,
                                  "tokenizer": tok_sha})
         path = out / name
@@ -462,6 +489,7 @@ def _build_models(out: Path, cfg: ToyConfig, build_key: str, tok, data: list[Enc
             model, loss_log = train_model(qcfg, data, steps, cfg, seed + i, tok.pad_token_id, desc=name,
                                           progress=progress)
             train_s = time.time() - t1
+            round_to_bf16(model)  # scored exactly as stored
             t2 = time.time()
             scores = score_model(model, tok, sets)
             meta = {"model_key": model_key, "name": name, "train_steps": steps, "train_wall_s": train_s,
@@ -475,6 +503,82 @@ def _build_models(out: Path, cfg: ToyConfig, build_key: str, tok, data: list[Enc
         model_info[name]["qwen3_config"] = {k: getattr(qcfg, k) for k in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "rope_parameters", "tie_word_embeddings", "max_position_embeddings")}
+
+
+# --------------------------------------------------------------------------- the packaged pair
+PACKAGED = ROOT / "kvlingo" / "toy_pair"  # the committed full build: tokenizer, BF16 models, manifest
+PACKAGED_PARTS = ("tokenizer", "large", "small")
+RETRAIN_HINT = ("retrain and re-export the pair with `make toy-train` "
+                "(python toy_world.py --out artifacts/toy --train --export kvlingo/toy_pair; ~26 CPU-minutes)")
+
+
+def _copy_tree_atomic(src: Path, dest: Path) -> None:
+    tmp = dest.parent / f".{dest.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def export_pair(built: str | Path, dest: str | Path = PACKAGED, log: Callable[[str], None] = print) -> dict:
+    """Copy a verified full build's tokenizer, models and manifest (not its corpus) into `dest`."""
+    built, dest = Path(built), Path(dest)
+    manifest = read_json(built / "manifest.json")
+    if manifest.get("mini"):
+        raise ValueError(f"{built} is a mini build; only a full build is exported")
+    bad = [rel for rel, sha in manifest["files"].items() if not (built / rel).is_file() or sha256_file(built / rel) != sha]
+    if bad:
+        raise ValueError(f"{built}: {len(bad)} file(s) differ from its manifest (first: {bad[0]}); rebuild it first")
+    dest.mkdir(parents=True, exist_ok=True)
+    for part in PACKAGED_PARTS:
+        _copy_tree_atomic(built / part, dest / part)
+    atomic_write_json(dest / "manifest.json", manifest)  # last: marks the export complete
+    log(f"exported the pair of {built} to {dest}")
+    return manifest
+
+
+def install_pair(out: str | Path, packaged: str | Path = PACKAGED, log: Callable[[str], None] = print) -> dict:
+    """Materialise the packaged pair under `out` as a complete toy world; return its manifest.
+
+    The corpus is regenerated from the world config in the packaged manifest and must match the
+    sha256 of the corpus the pair was trained on; the packaged files must match their hashes.
+    Either failure raises ValueError naming the file and the fix, before anything in `out` is
+    replaced. A second call finds everything in place and returns.
+    """
+    out, packaged = Path(out), Path(packaged)
+    if not (packaged / "manifest.json").is_file():
+        raise ValueError(f"no packaged toy pair at {packaged}; {RETRAIN_HINT}")
+    manifest = read_json(packaged / "manifest.json")
+    files: dict[str, str] = manifest["files"]
+    if (out / "manifest.json").is_file():
+        old = read_json(out / "manifest.json")
+        if old.get("build_key") == manifest["build_key"] and _files_ok(out, files):
+            log(f"toy world at {out} is up to date (build key {manifest['build_key'][:12]}); nothing to do")
+            return old
+    bad = [rel for rel, sha in files.items() if rel.split("/")[0] in PACKAGED_PARTS
+           and (not (packaged / rel).is_file() or sha256_file(packaged / rel) != sha)]
+    if bad:
+        raise ValueError(f"{packaged / bad[0]} differs from the packaged manifest ({len(bad)} file(s)); "
+                         f"restore it (git checkout -- {packaged}) or {RETRAIN_HINT}")
+    world = toyworld.WorldConfig(**{**manifest["config"]["world"],
+                                    "kind_weights": tuple(manifest["config"]["world"]["kind_weights"])})
+    staging = out.parent / f".{out.name}.corpus.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    written = toyworld.write_world(staging, world)
+    changed = [f"corpus/{p.name}" for p in written.values() if sha256_file(p) != files.get(f"corpus/{p.name}")]
+    if changed:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ValueError(f"the corpus generator no longer reproduces the corpus the packaged pair was trained on "
+                         f"({', '.join(changed)} differ); {RETRAIN_HINT}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)  # incomplete until the new one is written
+    shutil.rmtree(out / "corpus", ignore_errors=True)
+    staging.rename(out / "corpus")
+    for part in PACKAGED_PARTS:
+        _copy_tree_atomic(packaged / part, out / part)
+    atomic_write_json(out / "manifest.json", {**manifest, "installed_from": str(packaged)})
+    log(f"installed the packaged toy pair into {out} (corpus regenerated and verified, {len(files)} files)")
+    return read_json(out / "manifest.json")
 
 
 def summary_table(manifest: dict) -> str:

@@ -8,13 +8,16 @@ here is built so that its final reply depends on the prefix. Four kinds of item:
 - ifeval: a writing request under checkable rules (all capitals, all lowercase, required
   keywords, an ending phrase, no commas, a <<title>>, N bullet points), graded by lm-eval's
   official IFEval checker; in the context variant the rule is given several turns earlier;
-- math: GSM8K-style word problems whose reply is a worked solution ending in "#### N";
+- math: GSM8K-style word problems whose reply is a worked solution ending in "Answer: N";
 - mc: ARC-style four-option questions whose answer follows from facts in the question (or
   from an earlier turn) or from the world's fixed word categories.
 
 Each item exists as a *context* variant (the facts or rule sit in earlier turns, so dropping them
 must break the reply) and an *inline* variant (everything in the final user turn, the shape of
-the IFEval/ARC/GSM8K evaluation files). Every assistant reply is a deterministic function of the
+the IFEval/ARC/GSM8K evaluation files). ARC and GSM8K questions are asked in exactly the user
+turn that task_eval.py renders for a real ARC/GSM8K row (`kvlingo.tasks.arc_item`/`gsm8k_item`),
+and their replies end with the "Answer: X" line that prompt asks for, so the toy pair is scored
+by the real evaluation code without a toy-specific format. Every assistant reply is a deterministic function of the
 conversation, so "exact reply" is a well-defined score.
 
 Randomness comes from `random.Random` seeded with strings such as "toyworld/0/train": string
@@ -29,7 +32,7 @@ Files written by `write_world(out_dir, cfg)`:
     ifeval.jsonl        google/IFEval format: key, prompt, instruction_id_list, kwargs
     ifeval.ref.jsonl    the reference reply for each ifeval.jsonl key
     arc.jsonl           allenai/ai2_arc format: id, question, choices{text,label}, answerKey
-    arc.ref.jsonl       the reference reply (supporting fact, then "The answer is X.") per arc.jsonl id
+    arc.ref.jsonl       the reference reply (supporting fact, then "Answer: X") per arc.jsonl id
     gsm8k.jsonl         openai/gsm8k format: question, answer ("... #### N")
 """
 
@@ -43,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlingo.report import atomic_write_jsonl
+from kvlingo.tasks import arc_item, gsm8k_item
 
 KINDS = ("recall", "ifeval", "math", "mc")
 LETTERS = ("A", "B", "C", "D")
@@ -145,7 +149,6 @@ ACK_FACTS = "Thanks, I will remember that."
 ACK_RULE = "Understood. I will follow that rule."
 ACK_STORY = "Thanks for the story."
 ACK_MATH = "Okay, go on."
-MC_SUFFIX = "Answer with the letter of the correct option."
 MAX_NOTE_CHARS = 150  # longest IFEval reply (about 40 tokens of the toy tokenizer)
 
 
@@ -415,17 +418,16 @@ def _math_problem(rng: random.Random) -> tuple[str, str, str, str, int]:
 
 def make_math(rng: random.Random, context: bool, max_distractors: int) -> Item:
     form, setup, rest, worked, answer = _math_problem(rng)
-    reply = f"{worked}\n#### {answer}"
+    reply = f"{worked}\nAnswer: {answer}"
     task: dict[str, Any] = {}
     if context:
         msgs = _with_context(rng, [(f"Here is a word problem. {setup}", ACK_MATH)], rest, max_distractors,
                              shuffle_setup=False)
     else:
-        question = f"{setup} {rest}"
-        msgs = _inline(rng, question, max_distractors)
-        task = {"question": question, "answer": reply}
+        task = {"question": f"{setup} {rest}", "answer": f"{worked}\n#### {answer}"}  # GSM8K's own format
+        msgs = _inline(rng, gsm8k_prompt(task), max_distractors)
     # With reasoning on, the worked solution sits in <think>; the answer after it stays short.
-    return Item("math", form, msgs, reply, worked, context, task, f"The answer is {answer}.\n#### {answer}")
+    return Item("math", form, msgs, reply, worked, context, task, f"Answer: {answer}")
 
 
 # --------------------------------------------------------------------------- multiple choice
@@ -468,22 +470,27 @@ def _mc_problem(rng: random.Random) -> tuple[str, str, str, list[str], str, str]
 
 
 def arc_prompt(row: dict[str, Any]) -> str:
-    """The user turn the toy models were trained on for an ARC-format row."""
-    options = "\n".join(f"{label}. {text}" for label, text in zip(row["choices"]["label"], row["choices"]["text"]))
-    return f"{row['question']}\n{options}\n{MC_SUFFIX}"
+    """The user turn for an ARC-format row: task_eval.py's own prompt."""
+    return arc_item(row).prompt
 
 
 def arc_reply(row: dict[str, Any], why: str = "") -> str:
-    """The reference reply to `arc_prompt(row)`: the supporting fact, then the letter.
+    """The reference reply to `arc_prompt(row)`: the supporting fact, then "Answer: X".
 
     Stating the fact first turns "which letter?" into a lookup of the option text just written.
     """
-    return f"{why} The answer is {row['answerKey']}.".strip()
+    return f"{why}\nAnswer: {row['answerKey']}".strip()
 
 
 def gsm8k_prompt(row: dict[str, Any]) -> str:
-    """The user turn the toy models were trained on for a GSM8K-format row: the question itself."""
-    return row["question"]
+    """The user turn for a GSM8K-format row: task_eval.py's own prompt."""
+    return gsm8k_item(row).prompt
+
+
+def gsm8k_reply(row: dict[str, Any]) -> str:
+    """The reference reply to `gsm8k_prompt(row)`: the worked solution, then "Answer: N"."""
+    worked, answer = row["answer"].rsplit("####", 1)
+    return f"{worked.strip()}\nAnswer: {answer.strip()}"
 
 
 def gsm8k_final_answer(text: str) -> str | None:

@@ -106,9 +106,14 @@ def test_ifeval_rows_use_lm_eval_ids_and_kwarg_names(corpus):
 
 
 def test_arc_and_gsm8k_rows(corpus):
+    from kvlingo.tasks import arc_item, gsm8k_item, score
+
     refs = {r["id"]: r["reply"] for r in corpus["arc.ref"]}
     for row in corpus["arc"]:
-        assert refs[row["id"]].endswith(f"The answer is {row['answerKey']}.")
+        assert refs[row["id"]].endswith(f"\nAnswer: {row['answerKey']}")
+        # the toy models are asked in task_eval.py's own prompt, and the real parser reads their reply
+        assert toyworld.arc_prompt(row) == arc_item(row).prompt
+        assert score("arc", arc_item(row), refs[row["id"]]) == (row["answerKey"], True)
         assert set(row) == {"id", "question", "choices", "answerKey"}
         assert row["choices"]["label"] == ["A", "B", "C", "D"]
         assert len(set(row["choices"]["text"])) == 4
@@ -116,6 +121,9 @@ def test_arc_and_gsm8k_rows(corpus):
     for row in corpus["gsm8k"]:
         assert set(row) == {"question", "answer"}
         assert re.search(r"\n#### -?\d+$", row["answer"])
+        assert toyworld.gsm8k_prompt(row) == gsm8k_item(row).prompt
+        gold = row["answer"].rsplit("#### ", 1)[1]
+        assert score("gsm8k", gsm8k_item(row), toyworld.gsm8k_reply(row)) == (gold, True)
 
 
 def test_gsm8k_answers_are_right():
