@@ -1,0 +1,74 @@
+"""`make demo` in miniature: a mini toy world (seconds), then one pass through every stage in the
+demo's order with the demo's flags, on the tiny profile, ending in the summary table."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlingo import ifeval_grader, toytrain
+from kvlingo.report import read_json
+from kvlingo.summary import ARMS, summary_rows
+
+
+@pytest.mark.slow
+def test_every_stage_runs_on_a_mini_toy_world(tmp_path, monkeypatch, capsys):
+    import benchmark
+    import ifeval
+    import paper_data
+    import recipe
+    import switch_cost
+    import task_eval
+    import train_translator
+
+    toy = tmp_path / "toy"
+    toytrain.build_toy_world(toy, seed=0, mini=True, progress=False, log=lambda _m: None)
+    nltk_home = tmp_path / "nltk_data"
+    ifeval_grader.install_punkt(nltk_home)
+    for k, v in {"NLTK_DATA": str(nltk_home), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(tmp_path)  # every stage writes under ./data, ./artifacts, ./results, as in the repo
+
+    run = "mini-l2s"
+    pair = ["--large", str(toy / "large"), "--small", str(toy / "small"), "--direction", "l2s", "--device", "cpu",
+            "--dtype", "float32"]
+    stage = ["--profile", "tiny", "--run", run, *pair]
+    data = ["--data", "data/tiny"]
+    evals = ["--data-root", "data/toy-eval"]
+    corpus = toy / "corpus"
+
+    paper_data.main(["--profile", "tiny", "--tokenizer", str(toy / "small"), "--source", str(corpus / "chats.jsonl")])
+    train_translator.main([*stage, *data, "--lr", "1e-3", "--fit-weighting", "attention"])
+    benchmark.main([*stage, *data, "--allow-cv"])
+    switch_cost.main([*stage, *data, "--lengths", "120", "240", "--allow-cv"])
+    ifeval.main(["--prepare", *evals, "--source", str(corpus / "ifeval.jsonl")])
+    ifeval.main([*stage, *evals, "--native"])
+    ifeval.main([*stage, *evals])
+    for task in ("arc", "gsm8k"):
+        task_eval.main(["--task", task, "--prepare", *evals, "--source", str(corpus / f"{task}.jsonl")])
+        for mode in ("prompt", "trace"):
+            for native in (["--native"], []):
+                task_eval.main(["--task", task, "--handoff", mode, *stage, *evals, *native, "--resume"])
+    recipe.main(["--profile", "tiny", *data, "--run", f"{run}-recipe", *pair, "--ifeval-data-root", "data/toy-eval",
+                 "--quick", "--grid-size", "1", "--seeds", "42", "--max-extensions", "0", "--updates", "1",
+                 "--benchmark-args=--allow-cv --timing-conversations 1"])
+    capsys.readouterr()
+
+    results = tmp_path / "results" / run
+    for name in ("train", "benchmark", "switch", "ifeval", "ifeval-native", "task-arc", "task-arc-native",
+                 "task-arc-trace", "task-gsm8k", "task-gsm8k-trace-native"):
+        report = read_json(results / f"{name}.json")
+        assert report["env"]["device"] == "cpu", name
+    assert read_json(tmp_path / "results" / f"{run}-recipe" / "recipe.json")["results"]["seeds"]
+
+    headers, rows = summary_rows(results)
+    table = {r[0]: dict(zip(headers, r)) for r in rows}
+    assert list(table) == list(ARMS)
+    for arm in ARMS:  # every arm has a KL from the benchmark
+        assert table[arm]["KL/token"] != "—", arm
+    assert float(table["native_target"]["KL/token"]) == 0.0
+    gen_columns = ("IFEval strict prompt %", "ARC %", "GSM8K %")
+    for arm in ("native_source", "native_target", "distilled", "control", "no_context"):
+        for col in gen_columns:  # the generation stages score the native paths, the handoff and both floors
+            assert "(n=" in table[arm][col], (arm, col)
+    assert all(table["closed_form"][col] == "—" for col in gen_columns)
+    assert table["distilled"]["speedup vs re-prefill"].endswith("×")
