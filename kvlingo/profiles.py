@@ -49,9 +49,9 @@ PROFILES: dict[str, Profile] = {
         ),
         # The offline toy world on a 2-core CPU: every stage runs for real, in minutes.
         Profile(
-            name="demo", n_train=512, n_validation=32, n_test=48, n_fit=128, updates=60, batch=4,
-            prefix_cap=384, reply_cap=48, ifeval_prompts=32, task_items=48, val_every=20,
-            checkpoint_every=20, n_packed=8, timing_warmups=2, timing_repeats=8,
+            name="demo", n_train=512, n_validation=32, n_test=48, n_fit=128, updates=400, batch=4,
+            prefix_cap=384, reply_cap=48, ifeval_prompts=32, task_items=48, val_every=40,
+            checkpoint_every=40, n_packed=8, timing_warmups=2, timing_repeats=8,
             max_new_tokens=48, lr_grid_size=3, recipe_seeds=(42, 43, 44),
         ),
         # Seconds, for the test suite's end-to-end pass.
