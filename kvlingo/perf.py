@@ -43,10 +43,13 @@ def translation_memory(translator: Translator, cap, out_dtype: torch.dtype) -> d
                 "ratio_to_cache": peak / cache_bytes}
     chunk = DEFAULT_CHUNK_ELEMENTS.get(device.type, 1 << 24)
     step = max(1, min(L, chunk // max(1, H * T * d_out)))
-    temps = 6 * step * H * T * d_out * 4  # ≈ six FP32 temporaries of one chunk (inputs, matmul, norm, RoPE)
+    # Translator scratch, reused by every chunk: matmul output, squares for the norm, half a chunk
+    # for RoPE, and an FP32 staging chunk when the output dtype is not FP32.
+    n_chunks = 2.5 + (0 if out_dtype == torch.float32 else 1)
+    temps = int(n_chunks * step * H * T * d_out * 4)
     return {"measured": False, "bound_extra_bytes": cache_bytes + temps, "target_cache_bytes": cache_bytes,
             "ratio_to_cache": (cache_bytes + temps) / cache_bytes,
-            "note": "not measured off CUDA: output (one target cache) + one layer chunk of FP32 temporaries"}
+            "note": f"not measured off CUDA: output (one target cache) + {n_chunks:g} layer chunks of FP32 scratch"}
 
 
 def perf_at_length(source, target, translator: Translator, n: int, k: int, warmups: int, repeats: int,

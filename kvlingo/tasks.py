@@ -29,7 +29,9 @@ Answering paths (all greedy; `kvlingo.handoff` does the work):
 - translated: the source prefills `prompt[:-1]`, its cache is translated, and the target
   generates from `prompt[-1:]` (the suite's handoff convention);
 - control: as translated, but the cache is another item's (the next one's, cyclically), so
-  the target answers with the wrong content in its cache;
+  the target answers with the wrong content in its cache. Chat-templated prompts all end in
+  the same token, so item i's control answer is item i+1's translated answer: the same
+  answers, graded against the wrong items (the score of answers that ignore this item);
 - no_context: the target generates from `prompt[-1:]` alone, with an empty cache: the floor
   a handoff that carried nothing would reach;
 - reasoning trace: the model starts the think block ("<think>\\n"), generates until
