@@ -24,7 +24,7 @@ from torch import nn
 
 from .cache import Capture
 from .report import atomic_write_bytes, atomic_write_json, sha256_file
-from .rope import RopeCache, apply_rope, strip_rope
+from .rope import RopeCache, apply_rope, apply_rope_into, strip_rope
 
 KEY_SPACES = ("prenorm", "cache")
 MAPS_FILE = "maps.safetensors"
@@ -62,16 +62,15 @@ class HeadwiseMaps(nn.Module):
 
         `layers` selects which maps x belongs to (a chunk of consecutive layers).
         """
+        return self.apply_one_into(which, x, layers, None)
+
+    def apply_one_into(self, which: int, x: torch.Tensor, layers: slice, out: torch.Tensor | None) -> torch.Tensor:
+        """`apply_one`, written into `out` [layers, heads, tokens, d_out] (FP32, contiguous) when given."""
         L, H, T, d_in = x.shape
         w = self.weight[which, layers].reshape(L * H, d_in, -1)  # [L*H, d_in, d_out]
         b = self.bias[which, layers].reshape(L * H, 1, -1)  # [L*H, 1, d_out]
-        return torch.baddbmm(b, x.reshape(L * H, T, d_in), w).view(L, H, T, -1)
-
-    def apply_one_into(self, which: int, x: torch.Tensor, layers: slice, out: torch.Tensor) -> torch.Tensor:
-        """`apply_one` written into `out` [layers, heads, tokens, d_out] (FP32, contiguous); no grad."""
-        L, H, T, d_in = x.shape
-        w = self.weight[which, layers].reshape(L * H, d_in, -1)
-        b = self.bias[which, layers].reshape(L * H, 1, -1)
+        if out is None:
+            return torch.baddbmm(b, x.reshape(L * H, T, d_in), w).view(L, H, T, -1)
         torch.baddbmm(b, x.reshape(L * H, T, d_in), w, out=out.view(L * H, T, -1))
         return out
 
@@ -92,6 +91,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight[:, None, None, :] * x
+
+
+def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, squares: torch.Tensor) -> torch.Tensor:
+    """`rms_norm` in place on FP32 x (same operations, same bits); `squares` is x-sized scratch."""
+    var = torch.pow(x, 2, out=squares).mean(-1, keepdim=True)
+    x.mul_(torch.rsqrt(var.add_(eps)))
+    return x.mul_(weight[:, None, None, :])
 
 
 class Translator:
@@ -165,26 +171,13 @@ class Translator:
         path makes about five fresh full-size temporaries per key chunk; this makes none.
         """
         n = k_out.shape[0]
-        d_out = k_out.shape[-1]
         yk = scratch.take("yk", n)  # [n, heads, tokens, d_out] FP32
         self.maps.apply_one_into(0, self.key_features(cap, layers), layers, yk)
-        if self.maps.key_space == "prenorm":  # Qwen3RMSNorm, as rms_norm: x * rsqrt(mean(x²) + eps), then weight *
-            sq = scratch.take("sq", n)
-            torch.pow(yk, 2, out=sq)
-            var = sq.mean(-1, keepdim=True)
-            yk.mul_(torch.rsqrt(var.add_(self.k_norm_eps)))
-            yk.mul_(self.k_norm_weight[layers][:, None, None, :])
+        if self.maps.key_space == "prenorm":
+            rms_norm_(yk, self.k_norm_weight[layers], self.k_norm_eps, scratch.take("sq", n))
         cos, sin = self.target_rope(yk.shape[2], device=yk.device)
         dest = k_out if k_out.dtype == torch.float32 else scratch.take("out", n)
-        h = d_out // 2
-        x1, x2 = yk[..., :h], yk[..., h:]
-        o1, o2 = dest[..., :h], dest[..., h:]
-        tmp = scratch.take("half", n)
-        # apply_rope: k * cos + rotate_half(k) * sin, half by half
-        torch.mul(x1, cos[:, :h], out=o1)
-        o1.sub_(torch.mul(x2, sin[:, :h], out=tmp))
-        torch.mul(x2, cos[:, h:], out=o2)
-        o2.add_(torch.mul(x1, sin[:, h:], out=tmp))
+        apply_rope_into(yk, cos, sin, dest, scratch.take("half", n))
         if dest is not k_out:
             k_out.copy_(dest)  # the one rounding to the output dtype
         if v_out.dtype == torch.float32:

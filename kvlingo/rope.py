@@ -34,6 +34,23 @@ def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return k * cos + rotate_half(k) * sin
 
 
+def apply_rope_into(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
+                    scratch: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` written into `out` half by half, with no full-size temporary.
+
+    The same products and sums in the same order (so the same bits): the first half is
+    k1*cos1 - k2*sin1, the second k2*cos2 + k1*sin2. `scratch` holds one half [..., dim/2].
+    """
+    h = k.shape[-1] // 2
+    k1, k2 = k[..., :h], k[..., h:]
+    o1, o2 = out[..., :h], out[..., h:]
+    torch.mul(k1, cos[:, :h], out=o1)
+    o1.sub_(torch.mul(k2, sin[:, :h], out=scratch))
+    torch.mul(k2, cos[:, h:], out=o2)
+    o2.add_(torch.mul(k1, sin[:, h:], out=scratch))
+    return out
+
+
 def strip_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse of `apply_rope` with the same tables: a rotation by the negative angle."""
     return k * cos - rotate_half(k) * sin

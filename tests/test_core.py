@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from kvlingo.cache import build_cache, capture, continue_from
-from kvlingo.maps import HeadwiseMaps, Translator, load_maps, save_maps
+from kvlingo.maps import HeadwiseMaps, Translator, load_maps, rms_norm, rms_norm_, save_maps
 from kvlingo.models import ModelSpec, load_model
-from kvlingo.rope import apply_rope, rope_tables, strip_rope
+from kvlingo.rope import apply_rope, apply_rope_into, rope_tables, strip_rope
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: one rounding is at most half of this, relatively
 
@@ -86,6 +86,17 @@ def _post_norm_pre_rope_keys(model, ids):
         for h in hooks:
             h.remove()
     return torch.stack([o[0].transpose(0, 1) for o in outs])  # [layers, heads, tokens, dim]
+
+
+def test_in_place_rope_and_norm_equal_the_functional_ones_bit_for_bit(large32):
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 2, 37, 16, generator=g) * 3
+    cos, sin = rope_tables(large32, 37)
+    out, half = torch.empty_like(k), torch.empty(2, 2, 37, 8)
+    assert torch.equal(apply_rope_into(k, cos, sin, out, half), apply_rope(k, cos, sin))
+    w = torch.rand(2, 16, generator=g) + 0.5
+    ref = rms_norm(k, w, 1e-6)
+    assert torch.equal(rms_norm_(k.clone(), w, 1e-6, torch.empty_like(k)), ref)
 
 
 def test_rope_strip_is_exact_inverse_fp32_and_bf16(large32):
