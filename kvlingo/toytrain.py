@@ -5,13 +5,13 @@ head_dim (so caches line up layer by layer and head by head), but different hidd
 heads, MLP widths and RoPE bases (rope_theta 10000 vs 50000), so a translator has to strip one
 RoPE schedule and apply the other. Full attention, no sliding window, no RoPE scaling.
 
-The full pair ships with the code, in kvlingo/toy_pair/ (BF16 safetensors, ~10 MB, plus the
-tokenizer and the build's manifest; no corpus). Training it takes ~26 CPU-minutes, longer than
-the whole 15-minute demo and more than CI can spend on every run, while installing it takes
-seconds: `install_pair` regenerates the corpus from the seed recorded in the manifest, checks
-every corpus file against the sha256 the pair was trained on (so a changed generator is caught,
-not silently paired with stale weights), checks the packaged files, and copies them under
-artifacts/. `build_toy_world` is the command that reproduces it from scratch (`make toy-train`,
+The full pair ships with the code, in kvlingo/toy_pair/ (BF16 safetensors in shards of at most
+4 MB, ~10 MB in all, plus the tokenizer and the build's manifest; no corpus). Training it takes
+~26 CPU-minutes, longer than the whole 15-minute demo and more than CI can spend on every run,
+while installing it takes seconds: `install_pair` regenerates the corpus from the seed recorded
+in the manifest, checks every corpus file against the sha256 the pair was trained on (so a
+changed generator is caught, not silently paired with stale weights), checks the packaged
+files, and copies them under artifacts/. `build_toy_world` is the command that reproduces it from scratch (`make toy-train`,
 which re-exports into kvlingo/toy_pair/; same seed and thread count, same bits on one machine).
 
 `build_toy_world` writes a manifest holding a build key (the hash of config and code) and the
@@ -58,8 +58,10 @@ from kvlingo.report import (
     sha256_json,
     sha256_tree,
 )
+from kvlingo.models import local_weights_digest
 from kvlingo.tokenizer import save_tokenizer, train_chat_tokenizer
 
+SHARD_SIZE = "4MB"  # largest safetensors shard the build writes
 IGNORE = -100  # label for positions without loss (prompt tokens, padding)
 
 
@@ -392,9 +394,11 @@ def _save_model(model, tok, path: Path, meta: dict) -> None:
     model.generation_config.eos_token_id = model.config.eos_token_id
     model.generation_config.pad_token_id = model.config.pad_token_id
     model.generation_config.bos_token_id = None
-    model.to(torch.bfloat16).save_pretrained(tmp)  # lossless: the weights were rounded by round_to_bf16
+    # Lossless: the weights were rounded by round_to_bf16. Shards of at most 4 MB keep every
+    # committed file of the packaged pair small; from_pretrained reads them as one model.
+    model.to(torch.bfloat16).save_pretrained(tmp, max_shard_size=SHARD_SIZE)
     save_tokenizer(tok, tmp)
-    atomic_write_json(tmp / "meta.json", {**meta, "weights_sha256": sha256_file(tmp / "model.safetensors")})
+    atomic_write_json(tmp / "meta.json", {**meta, "weights_sha256": local_weights_digest(tmp)})
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
 
@@ -478,8 +482,8 @@ def _build_models(out: Path, cfg: ToyConfig, build_key: str, tok, data: list[Enc
         path = out / name
         meta_path = path / "meta.json"
         meta = read_json(meta_path) if meta_path.is_file() else {}
-        reuse = (not force and meta.get("model_key") == model_key and (path / "model.safetensors").is_file()
-                 and sha256_file(path / "model.safetensors") == meta.get("weights_sha256"))
+        reuse = (not force and meta.get("model_key") == model_key and any(path.glob("*.safetensors"))
+                 and local_weights_digest(path) == meta.get("weights_sha256"))
         if reuse:
             log(f"{name}: reusing trained weights ({meta['train_steps']} steps)")
         else:

@@ -5,6 +5,7 @@ pair a closed-form translator carries the context (slow: it loads and runs both 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -36,8 +37,10 @@ def test_packaged_pair_is_complete_small_and_bf16():
     assert {p.relative_to(PACKAGED).as_posix() for p in shipped} == listed | {"manifest.json"}
     for rel in listed:
         assert sha256_file(PACKAGED / rel) == manifest["files"][rel], rel
-    weights = [PACKAGED / name / "model.safetensors" for name in ("large", "small")]
-    assert sum(w.stat().st_size for w in weights) <= 16 * 2**20  # the limit for committed weights
+    weights = sorted(PACKAGED.glob("*/*.safetensors"))
+    assert {w.parent.name for w in weights} == {"large", "small"}
+    assert sum(w.stat().st_size for w in weights) <= 16 * 2**20  # the limit for the committed pair
+    assert all(w.stat().st_size < 5 * 2**20 for w in weights)  # 4 MB shards (+ header): no file over 5 MiB
     from safetensors import safe_open
 
     for w in weights:
@@ -73,17 +76,18 @@ def test_install_refuses_a_changed_corpus_or_tampered_weights(tmp_path, installe
 
     # A flipped byte in a packaged weight file is named, and an existing install is left alone.
     (pkg / "manifest.json").write_text(json.dumps(manifest))
-    target = pkg / "small" / "model.safetensors"
+    target = sorted((pkg / "large").glob("*.safetensors"))[-1]
+    rel = target.relative_to(pkg).as_posix()
     data = bytearray(target.read_bytes())
     data[-1] ^= 0xFF
     target.write_bytes(bytes(data))
     existing = tmp_path / "existing"
     shutil.copytree(installed, existing)
     (existing / "corpus" / "gsm8k.jsonl").write_text("damaged\n")  # forces a reinstall attempt
-    before = sha256_file(existing / "small" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"small/model.safetensors differs from the packaged manifest"):
+    before = sha256_file(existing / rel)
+    with pytest.raises(ValueError, match=re.escape(rel) + " differs from the packaged manifest"):
         toytrain.install_pair(existing, packaged=pkg, log=quiet)
-    assert sha256_file(existing / "small" / "model.safetensors") == before
+    assert sha256_file(existing / rel) == before
 
 
 @pytest.mark.slow
