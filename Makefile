@@ -7,7 +7,8 @@ DEVICE    ?= auto
 DTYPE     ?= bfloat16
 PROFILE   ?= pilot
 DIRECTION ?= l2s
-RUN       ?= $(PROFILE)-$(DIRECTION)
+# Run name: empty means every stage's default, PROFILE-DIRECTION (kvlingo/run/paths.py).
+RUN       ?=
 TASK      ?= arc
 HANDOFF   ?= prompt
 LARGE     ?= Qwen/Qwen3-1.7B
@@ -35,15 +36,15 @@ PERF_DTYPE   ?= auto
 VENV  := .venv
 PY    := $(VENV)/bin/python
 UV    := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
-PAIR   = --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) --device $(DEVICE) --dtype $(DTYPE)
-DATA   = data/$(PROFILE)
+PAIR   = --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) --device $(DEVICE) \
+	--dtype $(DTYPE) $(if $(RUN),--run $(RUN))
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test run demo toy toy-train prepare train benchmark switch ifeval ifeval-native task task-native perf recipe
+.PHONY: help venv test test-fast run demo toy toy-train prepare train benchmark switch ifeval ifeval-native task task-native perf recipe summary
 
 help: ## list the targets
-	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(RUN)):"
+	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(or $(RUN),PROFILE-DIRECTION)):"
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
 
 # ---------------------------------------------------------------- environment
@@ -56,8 +57,11 @@ $(VENV)/.synced: pyproject.toml uv.lock
 
 venv: $(VENV)/.synced ## create or update .venv from uv.lock
 
-test: $(VENV)/.synced ## run the test suite offline on the CPU (tiny local models, no network)
+test: $(VENV)/.synced ## run the whole test suite offline on the CPU (tiny local models, no network; what CI runs)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q $(TEST_ARGS)
+
+test-fast: $(VENV)/.synced ## the fast tests only (skips those marked slow)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(TEST_ARGS)
 
 # nltk's English punkt_tab for IFEval's sentence-count instructions, written offline and verified.
 $(PUNKT): $(VENV)/.synced
@@ -79,28 +83,24 @@ run: $(VENV)/.synced ## the pilot: prepare → train → benchmark → IFEval (n
 toy: $(VENV)/.synced ## install the offline toy world: packaged toy Qwen3 pair + regenerated, verified corpus → artifacts/toy (seconds)
 	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) $(TOY_ARGS)
 
-toy-train: $(VENV)/.synced ## retrain the toy pair from scratch (~26 CPU-minutes) and re-package it into kvlingo/toy_pair
-	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) --train --export kvlingo/toy_pair $(TOY_ARGS)
+toy-train: $(VENV)/.synced ## retrain the toy pair from scratch (~26 CPU-minutes) and re-package it into kvlingo/toy/pair
+	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) --train --export kvlingo/toy/pair $(TOY_ARGS)
 
-# Every stage on the toy pair, offline, on the CPU. Timing CV flags are reported, not fatal,
-# on a CPU shared with the operating system.
-DEMO_VARS = HF_HUB_OFFLINE=1 PROFILE=demo DEVICE=cpu DTYPE=float32 DIRECTION=$(DIRECTION) RUN=demo-$(DIRECTION) \
+# Every stage on the toy pair, offline, on the CPU. The demo profile holds every setting (learning
+# rate, fit weighting, switch lengths, the recipe's budget; timing CV flags reported, not fatal).
+DEMO_VARS = HF_HUB_OFFLINE=1 PROFILE=demo DEVICE=cpu DTYPE=float32 DIRECTION=$(DIRECTION) \
 	LARGE=$(TOY)/large SMALL=$(TOY)/small SOURCE=$(TOY)/corpus/chats.jsonl \
 	IFEVAL_SOURCE=$(TOY)/corpus/ifeval.jsonl EVAL_ROOT=data/toy-eval
-# The toy pair's maps learn fastest near lr 3e-3 (the recipe's validation-only choice on this
-# pair, 3.16e-3 of 1e-3 / 3.16e-3 / 1e-2), not the real l2s default 1e-4; the attention-weighted
-# fit starts lower. The demo's recipe is tiny: 100 updates per cell.
-DEMO_TRAIN_ARGS ?= --lr 3e-3 --fit-weighting attention
 demo: toy ## the whole suite offline on a CPU with the toy pair, ending in a summary table
 	@status=0; \
-	$(MAKE) run $(DEMO_VARS) TRAIN_ARGS="$(DEMO_TRAIN_ARGS) $(TRAIN_ARGS)" BENCH_ARGS="--allow-cv $(BENCH_ARGS)" || status=1; \
-	$(MAKE) switch $(DEMO_VARS) SWITCH_ARGS="--lengths 250 500 1000 --allow-cv" || status=1; \
+	$(MAKE) run $(DEMO_VARS) || status=1; \
+	$(MAKE) switch $(DEMO_VARS) || status=1; \
 	for task in arc gsm8k; do for mode in prompt trace; do \
 	  $(MAKE) task-native task $(DEMO_VARS) TASK=$$task HANDOFF=$$mode TASK_SOURCE=$(TOY)/corpus/$$task.jsonl \
 	    TASK_ARGS="--resume" || status=1; \
 	done; done; \
-	$(MAKE) recipe $(DEMO_VARS) RUN=demo-$(DIRECTION)-recipe RECIPE_ARGS="--quick --updates 100 --lr-center 1e-3 --benchmark-args=--allow-cv $(RECIPE_ARGS)" || status=1; \
-	$(PY) -m kvlingo.summary results/demo-$(DIRECTION) || status=1; \
+	$(MAKE) recipe $(DEMO_VARS) RUN=demo-$(DIRECTION)-recipe || status=1; \
+	$(MAKE) summary $(DEMO_VARS) || status=1; \
 	exit $$status
 
 # ---------------------------------------------------------------- stages
@@ -108,35 +108,38 @@ prepare: $(VENV)/.synced ## disjoint train/validation/test splits → data/PROFI
 	$(PY) paper_data.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
 
 train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, results/RUN/train.json (TRAIN_ARGS=--resume)
-	$(PY) train_translator.py --profile $(PROFILE) --data $(DATA) --run $(RUN) $(PAIR) $(TRAIN_ARGS)
+	$(PY) train_translator.py $(PAIR) $(TRAIN_ARGS)
 
 benchmark: $(VENV)/.synced ## KL/perplexity rows, native controls, four timing paths → results/RUN/benchmark.json
-	$(PY) benchmark.py --profile $(PROFILE) --data $(DATA) --run $(RUN) $(PAIR) $(BENCH_ARGS)
+	$(PY) benchmark.py $(PAIR) $(BENCH_ARGS)
 
 switch: $(VENV)/.synced ## switch cost against re-reading on long chats → results/RUN/switch.json (SWITCH_ARGS="--lengths 4000 8000")
-	$(PY) switch_cost.py --profile $(PROFILE) --data $(DATA) --run $(RUN) $(PAIR) $(SWITCH_ARGS)
+	$(PY) switch_cost.py $(PAIR) $(SWITCH_ARGS)
 
 $(EVAL_ROOT)/ifeval/manifest.json: | $(VENV)/.synced
 	$(PY) ifeval.py --prepare --data-root $(EVAL_ROOT) $(if $(IFEVAL_SOURCE),--source $(IFEVAL_SOURCE))
 
 ifeval-native: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval, native source and target, official grader → results/RUN/ifeval-native.json
-	$(PY) ifeval.py --native --profile $(PROFILE) --run $(RUN) --data-root $(EVAL_ROOT) $(PAIR) $(IFEVAL_ARGS)
+	$(PY) ifeval.py --native --data-root $(EVAL_ROOT) $(PAIR) $(IFEVAL_ARGS)
 
 ifeval: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval after the handoff (distilled maps) → results/RUN/ifeval.json
-	$(PY) ifeval.py --profile $(PROFILE) --run $(RUN) --data-root $(EVAL_ROOT) $(PAIR) $(IFEVAL_ARGS)
+	$(PY) ifeval.py --data-root $(EVAL_ROOT) $(PAIR) $(IFEVAL_ARGS)
 
 $(EVAL_ROOT)/arc/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json: | $(VENV)/.synced
 	$(PY) task_eval.py --task $(notdir $(@D)) --prepare --data-root $(EVAL_ROOT) $(if $(TASK_SOURCE),--source $(TASK_SOURCE))
 
 task: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff (TASK=arc|gsm8k HANDOFF=prompt|trace)
-	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --profile $(PROFILE) --run $(RUN) --data-root $(EVAL_ROOT) $(PAIR) $(TASK_ARGS)
+	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --data-root $(EVAL_ROOT) $(PAIR) $(TASK_ARGS)
 
 task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the native source and target
-	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --profile $(PROFILE) --run $(RUN) --data-root $(EVAL_ROOT) $(PAIR) $(TASK_ARGS)
+	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --data-root $(EVAL_ROOT) $(PAIR) $(TASK_ARGS)
 
 perf: $(VENV)/.synced ## speed at real Qwen3 shapes, random weights: 4 paths + switch cost at 1k/2k/4k → results/perf/perf.json
-	$(PY) benchmark.py --random-weights --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)
+	$(PY) perf.py --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)
 
 recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL, 3 seeds → results/RUN/recipe.{json,md,png} (RECIPE_ARGS=--resume)
-	$(PY) recipe.py --profile $(PROFILE) --data $(DATA) --run $(RUN) $(PAIR) --ifeval-data-root $(EVAL_ROOT) \
+	$(PY) recipe.py $(PAIR) --ifeval-data-root $(EVAL_ROOT) \
 	  $(if $(IFEVAL_SOURCE),--ifeval-source $(IFEVAL_SOURCE)) $(RECIPE_ARGS)
+
+summary: $(VENV)/.synced ## one table of the run's reports → results/RUN/summary.md
+	$(PY) -m kvlingo.eval.summary --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))

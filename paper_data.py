@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 
-from kvlingo.data import NEMOTRON, HubSource, load_tokenizer, prepare
-from kvlingo.profiles import PROFILES, get_profile
-from kvlingo.report import fmt_table
+from kvlingo.run.data import NEMOTRON, HubSource, load_tokenizer, prepare
+from kvlingo.run.profiles import PROFILES, get_profile
+from kvlingo.run.report import fmt_table
 
 EPILOG = """examples:
   # offline, from a local JSONL in Nemotron chat format

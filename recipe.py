@@ -1,13 +1,8 @@
 """The recipe: native rows, one closed-form fit, a learning-rate search on validation KL, then seeds.
 
-Usage:
-  python recipe.py --profile pilot --run pilot-l2s --device cuda
-  python recipe.py --profile pilot --run pilot-l2s --device cuda --resume      # after a kill: finished cells are kept
-  python recipe.py --profile tiny --data data/tiny --large PATH --small PATH --device cpu --dtype float32 \\
-      --grid-size 2 --seeds 42 --updates 2 --ifeval-source ifeval_local.jsonl --benchmark-args=--allow-cv
-
-Steps, each one or more resumable cells (see kvlingo/recipe.py); every cell is a subprocess
-of its stage script with the pair flags, --profile and --data passed through:
+Steps, each one or more resumable cells (see kvlingo/run/recipe.py); every cell is a subprocess
+of its stage script with the pair flags, --profile, --data and the run folders passed through,
+and its own run name RUN/<cell>:
   1. native rows: benchmark.py on no maps (native source, native target, no-context arms) and
      ifeval.py --native. They come first so that a failing native control or missing IFEval
      data stops the recipe before any training.
@@ -15,7 +10,8 @@ of its stage script with the pair flags, --profile and --data passed through:
      from these maps (--init-from).
   3. learning-rate search: profile.lr_grid_size rates half a decade apart around the
      direction's default rate, trained with the first seed; the rate with the lowest final
-     validation KL wins, and the grid grows past an edge winner (at most --max-extensions times).
+     validation KL wins, and the grid grows past an edge winner (at most --max-extensions times,
+     default the profile's).
   4. seeds: every seed trained at the chosen rate (the first seed's search cell is reused),
      then benchmark.py and ifeval.py on its distilled maps.
 
@@ -33,42 +29,38 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvlingo import recipe as K
-from kvlingo.models import ModelSpec, add_pair_args, resolve_device
-from kvlingo.profiles import PROFILES, get_profile
-from kvlingo.report import (atomic_write_bytes, figure_png, atomic_write_json, atomic_write_text, code_hash, fmt_table,
-                            make_report, sha256_file)
-from kvlingo.train import DEFAULT_LR
+from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_file
+from kvlingo.run import recipe as K
+from kvlingo.run.models import PairConfig, pair_config_from_args
+from kvlingo.run.paths import RunPaths, default_data, run_paths
+from kvlingo.run.profiles import get_profile
+from kvlingo.run.report import Metric, Report, figure_png, fmt_table
+from kvlingo.run.resume import code_hash
+from kvlingo.run.stage import REFUSALS, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": ROOT / "train_translator.py", "benchmark": ROOT / "benchmark.py", "ifeval": ROOT / "ifeval.py"}
 EVALS = ("benchmark", "ifeval")  # evaluation stages run on the native models and on each seed's maps, in order
 PAIR_FLAGS = ("--large", "--small", "--direction", "--device", "--dtype")
+RUN_FLAGS = ("--profile", "--run", "--artifacts", "--results", *PAIR_FLAGS)
 RESERVED = {  # flags the recipe sets itself; a pass-through string may not override them
-    "train": ("--profile", "--data", "--run", "--lr", "--seed", "--updates", "--init-from", "--closed-form-only",
-              "--resume", "--artifacts", "--results", *PAIR_FLAGS),
-    "benchmark": ("--data", "--run", "--profile", "--artifacts-dir", "--out-dir", "--skip-missing-maps", "--force",
-                  *PAIR_FLAGS),
-    "ifeval": ("--run", "--profile", "--results", "--data-root", "--source", "--native", "--maps", "--maps-dir",
-               "--resume", "--prepare", "--install-punkt", *PAIR_FLAGS),
+    "train": ("--data", "--lr", "--seed", "--updates", "--init-from", "--closed-form-only", "--resume", *RUN_FLAGS),
+    "benchmark": ("--data", "--skip-missing", "--force", *RUN_FLAGS),
+    "ifeval": ("--data-root", "--source", "--native", "--translator", "--resume", "--prepare", "--install-punkt",
+               *RUN_FLAGS),
 }
 
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    run: str  # every cell lives under ARTIFACTS/RUN/ and RESULTS/RUN/
+    run: str  # every cell lives under ARTIFACTS/RUN/<cell> and RESULTS/RUN/<cell>
     profile: str  # run profile passed to every stage (budgets, grid size and seeds by default)
     data: str  # prepared data folder passed to train and benchmark
-    large: str  # larger model (Hub id[@rev] or folder)
-    small: str  # smaller model
-    direction: str  # l2s: large builds the cache, small continues
-    device: str  # resolved device every stage runs on
-    dtype: str  # model dtype of every stage
     lr_center: float  # centre of the learning-rate grid
     grid_size: int  # rates in the first grid, half a decade apart
     max_extensions: int  # at most this many half-decade steps past an edge winner
     seeds: tuple[int, ...]  # seeds trained and evaluated at the chosen rate; the first one runs the search
-    updates: int | None  # distillation updates per training cell (None: the profile's)
+    updates: int  # distillation updates per training cell
     evals: tuple[str, ...]  # evaluation stages run (benchmark, ifeval)
     ifeval_source: str | None  # local IFEval JSONL (None: the prepared copy under ifeval_data_root)
     ifeval_data_root: str  # prepared IFEval data root (ROOT/ifeval/)
@@ -77,32 +69,44 @@ class RecipeConfig:
     ifeval_args: tuple[str, ...]  # extra ifeval.py flags
     artifacts: str  # artifacts root
     results: str  # results root
+    pair: PairConfig  # the resolved pair every stage runs on
+
+
+@dataclass
+class RecipeResults:
+    pair: str
+    direction: str
+    profile: str
+    seeds: list
+    lr_search: dict  # grid cells, validation KLs, the chosen rate, extensions, whether the cap was hit
+    closed_form: dict  # the shared closed-form start: validation KL, maps sha256
+    native: dict  # native rows of the benchmark and IFEval
+    per_seed: dict  # {seed: {stage: {metric: value}}}
+    ifeval_item_level: dict  # {seed: {metric: mean ± SE over items}}
+    across_seeds: dict  # {stage: {metric: mean ± SE over seeds}}
+    cells: list  # every cell: stage, action this run, key, runs, wall time, report
+
+    METRICS = (Metric("lr_search.chosen_lr", False, "the learning rate with the lowest final validation KL"),
+               Metric("across_seeds.benchmark.distilled.kl_token_mean", False, "test KL/token, mean over seeds"),
+               Metric("across_seeds.ifeval.translated.prompt_level_strict_acc", True,
+                      "IFEval strict prompt accuracy after the handoff, mean over seeds"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n"
-        "  python recipe.py --profile pilot --run pilot-l2s --device cuda\n"
-        "  python recipe.py --profile pilot --run pilot-l2s --device cuda --resume\n"
-        "  python recipe.py --profile demo --data data/demo --large runs/large --small runs/small --dtype float32 "
-        "--quick --benchmark-args=--allow-cv",
-    )
-    p.add_argument("--profile", default="pilot", choices=sorted(PROFILES), help="run profile passed to every stage")
-    p.add_argument("--data", default=None, help="prepared data folder (default data/<profile>)")
-    p.add_argument("--run", default=None, help="run name: cells go under artifacts/RUN/ and results/RUN/ "
-                   "(default PROFILE-DIRECTION)")
-    add_pair_args(p)
+    p = stage_parser(__doc__, [
+        "python recipe.py --profile pilot --run pilot-l2s --device cuda",
+        "python recipe.py --profile pilot --run pilot-l2s --device cuda --resume",
+        "python recipe.py --profile demo --large runs/large --small runs/small --dtype float32 --run demo-recipe"], common=True, data=True)
     p.add_argument("--lr-center", type=float, default=None,
-                   help="centre of the rate grid (default: the direction's default rate, 1e-4 l2s, 1e-3 s2l)")
+                   help="centre of the rate grid (default: the profile's recipe centre, else its rate for the direction)")
     p.add_argument("--grid-size", type=int, default=None,
                    help="rates in the first grid (default: profile.lr_grid_size)")
     p.add_argument("--max-extensions", type=int, default=None,
-                   help="half-decade steps added past an edge winner, at most (default 4; --quick: 1)")
+                   help="half-decade steps added past an edge winner, at most (default: the profile's; --quick: 1)")
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="seeds at the chosen rate; the first one runs the search (default: profile.recipe_seeds)")
     p.add_argument("--updates", type=int, default=None,
-                   help="distillation updates per training cell (default: the profile's)")
+                   help="distillation updates per training cell (default: the profile's recipe budget)")
     p.add_argument("--quick", action="store_true",
                    help="a reduced recipe for checks: 2 rates, the first seed only, at most 1 extension "
                    "(explicit --grid-size/--seeds/--max-extensions win)")
@@ -113,8 +117,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-args", default="", help="extra train_translator.py flags, e.g. --train-args='--batch 2'")
     p.add_argument("--benchmark-args", default="", help="extra benchmark.py flags, e.g. --benchmark-args=--allow-cv")
     p.add_argument("--ifeval-args", default="", help="extra ifeval.py flags, e.g. --ifeval-args='--max-new-tokens 64'")
-    p.add_argument("--artifacts", default="artifacts", help="artifacts root (maps and checkpoints)")
-    p.add_argument("--results", default="results", help="results root (reports)")
     p.add_argument("--resume", action="store_true",
                    help="keep finished cells whose key matches, continue an interrupted one, refuse changed settings")
     return p.parse_args(argv)
@@ -129,39 +131,43 @@ def passthrough(stage: str, text: str) -> tuple[str, ...]:
     return tokens
 
 
-def make_config(args) -> RecipeConfig:
+def make_config(args, pair: PairConfig) -> RecipeConfig:
     profile = get_profile(args.profile)
     grid = args.grid_size if args.grid_size is not None else (min(2, profile.lr_grid_size) if args.quick
                                                              else profile.lr_grid_size)
     seeds = tuple(args.seeds) if args.seeds else (profile.recipe_seeds[:1] if args.quick else profile.recipe_seeds)
-    ext = args.max_extensions if args.max_extensions is not None else (1 if args.quick else 4)
-    center = args.lr_center if args.lr_center is not None else DEFAULT_LR[args.direction]
-    if grid < 1 or ext < 0 or not center > 0 or (args.updates is not None and args.updates < 0):
+    ext = args.max_extensions if args.max_extensions is not None else (
+        min(1, profile.recipe_max_extensions) if args.quick else profile.recipe_max_extensions)
+    center = args.lr_center if args.lr_center is not None else (profile.recipe_lr_center or
+                                                                profile.lr_for(pair.direction))
+    updates = args.updates if args.updates is not None else (profile.recipe_updates or profile.updates)
+    if grid < 1 or ext < 0 or not center > 0 or updates < 0:
         raise SystemExit("recipe: --grid-size must be ≥ 1, --max-extensions ≥ 0, --lr-center > 0 and --updates ≥ 0")
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"recipe: --seeds {' '.join(map(str, seeds))} repeats a seed")
     return RecipeConfig(
-        run=args.run or f"{profile.name}-{args.direction}", profile=profile.name, data=args.data or f"data/{profile.name}",
-        large=args.large, small=args.small, direction=args.direction, device=resolve_device(args.device),
-        dtype=args.dtype, lr_center=center, grid_size=grid, max_extensions=ext, seeds=seeds, updates=args.updates,
+        run=run_paths(args).run, profile=profile.name, data=str(args.data or default_data(profile.name)),
+        lr_center=center, grid_size=grid, max_extensions=ext, seeds=seeds, updates=updates,
         evals=tuple(e for e in EVALS if e not in args.skip), ifeval_source=args.ifeval_source,
         ifeval_data_root=args.ifeval_data_root, train_args=passthrough("train", args.train_args),
         benchmark_args=passthrough("benchmark", args.benchmark_args), ifeval_args=passthrough("ifeval", args.ifeval_args),
-        artifacts=args.artifacts, results=args.results,
+        artifacts=args.artifacts, results=args.results, pair=pair,
     )
 
 
 # --------------------------------------------------------------------------- the cells
 class Plan:
-    """Builds each cell's flags and input hashes from the config."""
+    """Builds each cell's flags and input hashes from the config. A cell's run is RUN/<cell>."""
 
-    def __init__(self, cfg: RecipeConfig, models: dict):
+    def __init__(self, cfg: RecipeConfig):
         self.cfg = cfg
-        self.art, self.res = Path(cfg.artifacts) / cfg.run, Path(cfg.results) / cfg.run
-        self.pair = {"--large": cfg.large, "--small": cfg.small, "--direction": cfg.direction,
-                     "--device": cfg.device, "--dtype": cfg.dtype}
+        self.paths = RunPaths(cfg.run, cfg.artifacts, cfg.results)
+        self.art, self.res = self.paths.art, self.paths.res
+        p = cfg.pair
+        self.flags = {"--profile": cfg.profile, "--large": p.large, "--small": p.small, "--direction": p.direction,
+                      "--device": p.device, "--dtype": p.dtype, "--artifacts": cfg.artifacts, "--results": cfg.results}
         try:
-            self.common = {"data": K.data_hash(cfg.data), "models": models}
+            self.common = {"data": K.data_hash(cfg.data), "models": p.identities()}
         except ValueError as e:
             raise SystemExit(f"recipe: {e}") from e
         self.ifeval_data = self._ifeval_data() if "ifeval" in cfg.evals else None
@@ -178,53 +184,50 @@ class Plan:
         return {"manifest_sha256": sha256_file(manifest)}
 
     def maps_sha(self, sub: str, kind: str) -> str:
-        return sha256_file(self.art / sub / kind / "maps.safetensors")
+        return sha256_file(self.paths.nested(sub).translator(kind) / "maps.safetensors")
+
+    def cell(self, stage: str, sub: str, flags: dict, inputs: dict, report: str, **kw) -> K.Cell:
+        script = SCRIPTS[stage]
+        return K.Cell(f"{stage}/{sub}", stage, str(script), {**self.flags, "--run": self.paths.nested(sub).run, **flags},
+                      str(self.paths.nested(sub).report(report)),
+                      {**self.common, "code_sha256": code_hash(script), **inputs}, **kw)
 
     def train(self, sub: str, seed: int, lr: float | None = None) -> K.Cell:
-        """The closed-form cell (lr None) or a distillation cell started from the closed-form maps."""
+        """The closed-form cell (lr None) or a distillation cell started from the closed-form translator."""
         closed = lr is None
-        flags = {"--profile": self.cfg.profile, "--data": self.cfg.data, "--run": f"{self.cfg.run}/{sub}", **self.pair,
-                 "--seed": seed, "--artifacts": self.cfg.artifacts, "--results": self.cfg.results}
-        inputs = {**self.common, "code_sha256": code_hash(SCRIPTS["train"])}
+        flags, inputs = {"--data": self.cfg.data, "--seed": seed}, {}
         if closed:
             flags["--closed-form-only"] = True
         else:
-            flags.update({"--init-from": str(self.art / "closed" / "closed_form"), "--lr": repr(lr),
+            flags.update({"--init-from": str(self.paths.nested("closed").translator("closed_form")), "--lr": repr(lr),
                           "--updates": self.cfg.updates})
             inputs["closed_form_sha256"] = self.maps_sha("closed", "closed_form")
-        return K.Cell(f"train/{sub}", "train", str(SCRIPTS["train"]), flags, str(self.res / sub / "train.json"), inputs,
-                      outputs=(str(self.art / sub / ("closed_form" if closed else "distilled") / "maps.safetensors"),),
-                      extra=self.cfg.train_args, resume_flag="--resume")
+        kind = "closed_form" if closed else "distilled"
+        return self.cell("train", sub, flags, inputs, "train",
+                         outputs=(str(self.paths.nested(sub).translator(kind) / "maps.safetensors"),),
+                         extra=self.cfg.train_args, resume_flag="--resume")
 
-    def benchmark(self, sub: str, maps: bool) -> K.Cell:
-        flags = {"--data": self.cfg.data, "--run": f"{self.cfg.run}/{sub}", "--profile": self.cfg.profile,
-                 "--artifacts-dir": str(self.art / sub), "--out-dir": str(self.res / sub), **self.pair,
-                 "--skip-missing-maps": not maps}
-        inputs = {**self.common, "code_sha256": code_hash(SCRIPTS["benchmark"])}
-        if maps:
-            inputs.update(closed_form_sha256=self.maps_sha(sub, "closed_form"),
-                          distilled_sha256=self.maps_sha(sub, "distilled"))
-        return K.Cell(f"benchmark/{sub}", "benchmark", str(SCRIPTS["benchmark"]), flags,
-                      str(self.res / sub / "benchmark.json"), inputs, extra=self.cfg.benchmark_args, fresh_flag="--force")
+    def benchmark(self, sub: str, trained: bool) -> K.Cell:
+        inputs = {} if not trained else {"closed_form_sha256": self.maps_sha(sub, "closed_form"),
+                                         "distilled_sha256": self.maps_sha(sub, "distilled")}
+        return self.cell("benchmark", sub, {"--data": self.cfg.data, "--skip-missing": not trained}, inputs,
+                         "benchmark", extra=self.cfg.benchmark_args, fresh_flag="--force")
 
-    def ifeval(self, sub: str, maps: bool) -> K.Cell:
-        flags = {"--run": f"{self.cfg.run}/{sub}", "--profile": self.cfg.profile, "--results": self.cfg.results,
-                 "--data-root": self.cfg.ifeval_data_root, "--source": self.cfg.ifeval_source, **self.pair,
-                 "--native": not maps, "--maps-dir": str(self.art / sub / "distilled") if maps else None}
-        inputs = {**self.common, "code_sha256": code_hash(SCRIPTS["ifeval"]), "ifeval_data": self.ifeval_data}
-        before = None
-        if maps:
+    def ifeval(self, sub: str, trained: bool) -> K.Cell:
+        flags = {"--data-root": self.cfg.ifeval_data_root, "--source": self.cfg.ifeval_source, "--native": not trained}
+        inputs, before = {"ifeval_data": self.ifeval_data}, None
+        if trained:
             inputs["distilled_sha256"] = self.maps_sha(sub, "distilled")
             # The native target's answers are the same for every seed: the native cell's rows, copied beside
             # this run, are reused by ifeval.py wherever their input hash matches instead of regenerated.
-            native_rows, here = self.res / "native" / "ifeval-native.rows.jsonl", self.res / sub / "ifeval-native.rows.jsonl"
+            native_rows = self.paths.nested("native").beside("ifeval-native", ".rows.jsonl")
+            here = self.paths.nested(sub).beside("ifeval-native", ".rows.jsonl")
             before = lambda: K.copy_file(native_rows, here)  # noqa: E731
-        report = self.res / sub / ("ifeval.json" if maps else "ifeval-native.json")
-        return K.Cell(f"ifeval/{sub}", "ifeval", str(SCRIPTS["ifeval"]), flags, str(report), inputs,
-                      extra=self.cfg.ifeval_args, resume_flag="--resume", before=before)
+        return self.cell("ifeval", sub, flags, inputs, "ifeval" if trained else "ifeval-native",
+                         extra=self.cfg.ifeval_args, resume_flag="--resume", before=before)
 
-    def evaluation(self, stage: str, sub: str, maps: bool) -> K.Cell:
-        return {"benchmark": self.benchmark, "ifeval": self.ifeval}[stage](sub, maps)
+    def evaluation(self, stage: str, sub: str, trained: bool) -> K.Cell:
+        return {"benchmark": self.benchmark, "ifeval": self.ifeval}[stage](sub, trained)
 
 
 def cell_sub(lr: float, seed: int) -> str:
@@ -254,22 +257,20 @@ def plot_lr(path: Path, search: dict, title: str) -> None:
     atomic_write_bytes(path, figure_png(fig))
 
 
+@refusals_exit("recipe")
 def main(argv=None, runner=K.run_stage) -> dict:
     args = parse_args(argv)
     t0 = time.time()
-    cfg = make_config(args)
-    models = {"large": ModelSpec.parse(cfg.large).identity(), "small": ModelSpec.parse(cfg.small).identity()}
-    plan = Plan(cfg, models)
-    try:
-        ledger = K.Ledger(plan.res / K.LEDGER_FILE, asdict(cfg), args.resume)
-    except K.ResumeRefused as e:
-        raise SystemExit(f"recipe: {e}") from e
+    pair, _ = pair_config_from_args(args)  # refuses a bad pair before any cell runs
+    cfg = make_config(args, pair)
+    plan = Plan(cfg)
+    ledger = K.Ledger(plan.res / K.LEDGER_FILE, asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner)
     seed0 = cfg.seeds[0]
 
     try:
         # ----------------------------------------------------------------------- 1. native rows
-        native = {stage: cells.ensure(plan.evaluation(stage, "native", maps=False)) for stage in cfg.evals}
+        native = {stage: cells.ensure(plan.evaluation(stage, "native", trained=False)) for stage in cfg.evals}
         # ----------------------------------------------------------------------- 2. closed form, once
         closed = cells.ensure(plan.train("closed", seed0))
         # ----------------------------------------------------------------------- 3. learning-rate search
@@ -290,13 +291,13 @@ def main(argv=None, runner=K.run_stage) -> dict:
             sub = cell_sub(chosen, seed)
             per_seed[str(seed)] = {"train": K.train_metrics(cells.ensure(plan.train(sub, seed, chosen)))}
             for stage in cfg.evals:
-                report = cells.ensure(plan.evaluation(stage, sub, maps=True))
+                report = cells.ensure(plan.evaluation(stage, sub, trained=True))
                 if stage == "ifeval":
                     per_seed[str(seed)]["ifeval"], item_level[str(seed)] = K.ifeval_metrics(report)
                 else:
                     per_seed[str(seed)]["benchmark"] = K.benchmark_metrics(report)
-    except K.ResumeRefused as e:
-        raise SystemExit(f"recipe: {e}") from e
+    except REFUSALS:
+        raise
     except K.StageFailed as e:
         raise SystemExit(f"recipe: {e}. The ledger marks that cell failed; fix the cause, then re-run with "
                          "--resume (finished cells are kept)") from e
@@ -313,29 +314,27 @@ def main(argv=None, runner=K.run_stage) -> dict:
     search_cells = [{"step": k, "lr": K.lr_for_step(cfg.lr_center, k), "val_kl": search["val_kl"][k],
                      "closed_form_val_kl": train_reports[k]["results"].get("closed_form_val_kl"),
                      "cell": f"train/{cell_sub(K.lr_for_step(cfg.lr_center, k), seed0)}"} for k in search["order"]]
-    results = {
-        "pair": f"large {cfg.large}, small {cfg.small}", "direction": cfg.direction, "profile": cfg.profile,
-        "seeds": list(cfg.seeds),
-        "lr_search": {"center": cfg.lr_center, "grid_size": cfg.grid_size, "search_seed": seed0,
+    results = RecipeResults(
+        pair=f"large {cfg.pair.large}, small {cfg.pair.small}", direction=cfg.pair.direction, profile=cfg.profile,
+        seeds=list(cfg.seeds),
+        lr_search={"center": cfg.lr_center, "grid_size": cfg.grid_size, "search_seed": seed0,
                       "metric": f"train.json results.{K.SELECTION_METRIC}: final validation-split KL; "
                                 "the test split takes no part in the choice",
                       "cells": search_cells, "order": search["order"], "chosen_step": search["winner"],
                       "chosen_lr": chosen, "extensions": search["extensions"], "max_extensions": cfg.max_extensions,
                       "cap_hit": search["cap_hit"], "closed_form_val_kl": closed["results"].get("closed_form_val_kl")},
-        "closed_form": {"val_kl": closed["results"].get("closed_form_val_kl"),
-                        "maps_sha256": plan.maps_sha("closed", "closed_form")},
-        "native": {**({"benchmark": native["benchmark"]["results"]["quality"]["arms"]} if "benchmark" in native else {}),
-                   **({"ifeval": native["ifeval"]["results"]["paths"]} if "ifeval" in native else {})},
-        "per_seed": per_seed,
-        "ifeval_item_level": item_level,
-        "across_seeds": K.across_seeds(per_seed),
-        "cells": cell_rows,
-    }
-    plot_lr(plan.res / "recipe.png", results["lr_search"], f"{cfg.run}: {cfg.direction}, {cfg.profile}")
-    summary = K.summary_markdown(cfg.run, results, cell_rows, "recipe.png")
-    atomic_write_text(plan.res / "recipe.md", summary)
-    report = make_report(
-        "recipe", config=cfg,
+        closed_form={"val_kl": closed["results"].get("closed_form_val_kl"),
+                     "maps_sha256": plan.maps_sha("closed", "closed_form")},
+        native={**({"benchmark": native["benchmark"]["results"]["quality"]["arms"]} if "benchmark" in native else {}),
+                **({"ifeval": native["ifeval"]["results"]["paths"]} if "ifeval" in native else {})},
+        per_seed=per_seed, ifeval_item_level=item_level, across_seeds=K.across_seeds(per_seed), cells=cell_rows,
+    )
+    plot = plan.paths.beside("recipe", ".png")
+    plot_lr(plot, results.lr_search, f"{cfg.run}: {cfg.pair.direction}, {cfg.profile}")
+    atomic_write_text(plan.paths.beside("recipe", ".md"), K.summary_markdown(cfg.run, asdict(results), cell_rows,
+                                                                            "recipe.png"))
+    report = Report(
+        "recipe", config=cfg, metrics=RecipeResults.METRICS,
         inputs={**plan.common, "ifeval_data": plan.ifeval_data,
                 "code_sha256": code_hash(__file__, *SCRIPTS.values()),
                 "ledger": {"path": str(ledger.path), "sha256": sha256_file(ledger.path)},
@@ -343,12 +342,12 @@ def main(argv=None, runner=K.run_stage) -> dict:
                           for c in cell_rows}},
         results=results,
         n_samples={"cells": len(cell_rows), "lr_cells": len(search["order"]), "seeds": len(cfg.seeds)},
-        seeds=list(cfg.seeds), wall_time_s=time.time() - t0, device=cfg.device, dtype=cfg.dtype,
-    )
-    atomic_write_json(plan.res / "recipe.json", report)
+        seeds=list(cfg.seeds), wall_time_s=time.time() - t0, device=cfg.pair.device, dtype=cfg.pair.dtype,
+        files={plot.name: sha256_file(plot)},
+    ).write(plan.paths.report("recipe"))
     print(fmt_table(["cell", "this run", "runs", "wall s"],
                     [[c["cell"], c["action"], c["runs"], c["wall_time_s"]] for c in cell_rows], ".3g"))
-    print(f"chosen lr {chosen:g}; report {plan.res / 'recipe.json'}, summary {plan.res / 'recipe.md'}")
+    print(f"chosen lr {chosen:g}; report {plan.paths.report('recipe')}, summary {plan.paths.beside('recipe', '.md')}")
     return report
 
 

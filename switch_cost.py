@@ -1,8 +1,5 @@
 """Switch cost against history length: re-reading a chat vs switching models by translating its cache.
 
-Usage:
-    python switch_cost.py --data data/pilot --run pilot-l2s [--lengths 4000 8000] [--device cuda]
-
 A chat of each length is built by joining held-out (test split) conversations' token ids
 (prefix then reply, in file order) and cropping; when the split holds too few tokens for the
 longest length, the conversations are joined again from the start, and the report says so
@@ -14,50 +11,62 @@ new turn the next k (--new-turn-tokens). Two paths end at the new turn's first-t
                 target runs the new turn (timing path source_cache_handoff)
 
 Each path is timed on its own (warm-ups, then trials; raw trials kept). Writes
-results/<run>/switch.json (report, last), switch.md (the table, also printed) and switch.png
-(median time against length, whiskers from the fastest to the slowest trial).
-Exit status: nonzero, after the files are written, when a CV exceeds --cv-limit and
---allow-cv is not given.
+RESULTS/RUN/switch.json (report, last), switch.md (the table, also printed) and switch.png
+(median time against length, whiskers from the fastest to the slowest trial). The same
+at real model shapes with random weights is `perf.py` (`make perf`).
+Exit status: 1, after the files are written, when a CV exceeds --cv-limit and neither
+--allow-cv nor the profile allows it; 2 when an input is refused.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmark import finish, load_test_split, load_translator, maps_folders, profile_for, up_to_date
-from kvlingo import timing
-from kvlingo.handoff import as_ids
-from kvlingo.maps import MANIFEST_FILE, Translator
-from kvlingo.models import ModelSpec, add_pair_args, dtype_name, pair_from_args, resolve_device, resolve_dtype
-from kvlingo.profiles import get_profile
-from kvlingo.report import atomic_write_bytes, code_hash, figure_png, fmt_table, make_report, read_json, sha256_file, sha256_json
+from kvlingo.core.handoff import as_ids
+from kvlingo.core.translator import load_translator
+from kvlingo.eval import timing
+from kvlingo.io import atomic_write_bytes, sha256_file
+from kvlingo.run import resume
+from kvlingo.run.data import open_prepared, read_split
+from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
+from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
+from kvlingo.run.profiles import get_profile
+from kvlingo.run.report import Metric, Report, figure_png, fmt_table, publish
+from kvlingo.run.stage import add_timing_args, refusals_exit, stage_parser
 
+SCRIPT = Path(__file__).resolve()
 PATHS = {"re_reading": "target_reprefill", "switching": "source_cache_handoff"}
 
 
 @dataclass(frozen=True)
 class SwitchConfig:
-    data: str  # prepared data folder (data/<profile>); its test split supplies the chats
     profile: str  # profile whose timing defaults apply
-    run: str  # run name: maps from artifacts/<run>, report to results/<run>
-    maps: str  # which trained maps translate: distilled or closed_form
+    run: str  # run name: translator from ARTIFACTS/RUN, report to RESULTS/RUN
+    data: str  # prepared data folder; its test split supplies the chats
+    translator: str  # which trained translator: distilled or closed_form
     lengths: tuple[int, ...]  # history lengths in tokens
     new_turn_tokens: int  # k: tokens of the new turn after the history
-    large: str  # larger model (Hub id[@rev] or folder)
-    small: str  # smaller model
-    direction: str  # l2s: large builds the cache, small continues
-    device: str  # device the models run on
-    dtype: str  # model dtype
     timing_warmups: int  # untimed warm-up runs before each timed path
     timing_repeats: int  # timed trials per path and length
     cv_limit: float  # a timing with CV above this is flagged
     allow_cv: bool  # flagged timings do not fail the run
+    threads: int  # torch intra-op threads
+    pair: PairConfig  # the resolved pair
+
+
+@dataclass
+class SwitchResults:
+    lengths: list  # per history length: both paths' trials, median, CV, and the speedup
+    chat: dict  # how the chat was built from the test split (conversations used, passes, repeated)
+    paths: dict  # label → timing path name
+    checks: dict
+
+    METRICS = (Metric("lengths.*.speedup", True, "median re-reading time / median switching time"),)
 
 
 def join_chat(convs: list[dict], n_tokens: int) -> tuple[list[int], dict]:
@@ -97,123 +106,88 @@ def plot(points: list[dict], title: str) -> bytes:
     return figure_png(fig)
 
 
+@refusals_exit("switch_cost")
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python switch_cost.py --data data/pilot --run pilot-l2s --device cuda\n"
-               "  python switch_cost.py --data data/pilot --run pilot-l2s --lengths 4000 8000",
-    )
-    parser.add_argument("--data", default="data/pilot", help="prepared data folder (data/<profile>); its test split is joined into chats")
-    parser.add_argument("--run", default=None, help="run name: reads artifacts/<run>/, writes results/<run>/ (required unless --random-weights)")
-    parser.add_argument("--random-weights", action="store_true",
-                        help="architecture-exact random Qwen3-1.7B/0.6B, random maps and random token ids: no data or maps "
-                             "needed; writes results/perf/switch.json unless --out-dir")
-    parser.add_argument("--random-arch", choices=("qwen3", "tiny"), default="qwen3", help="with --random-weights: real shapes or a 2-layer stand-in")
-    parser.add_argument("--profile", default=None, help="profile for timing defaults (default: the --data folder's name)")
-    parser.add_argument("--maps", choices=("distilled", "closed_form"), default="distilled", help="which trained maps translate")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000, 8000], help="history lengths (tokens)")
-    parser.add_argument("--new-turn-tokens", type=int, default=16, help="k: tokens of the new turn after the history")
-    parser.add_argument("--artifacts-dir", default=None, help="maps folder root (default artifacts/<run>)")
-    parser.add_argument("--out-dir", default=None, help="report folder (default results/<run>)")
-    parser.add_argument("--timing-warmups", type=int, default=None, help="untimed warm-ups per path (default: the profile's)")
-    parser.add_argument("--timing-repeats", type=int, default=None, help="timed trials per path (default: the profile's)")
-    parser.add_argument("--cv-limit", type=float, default=timing.CV_LIMIT, help="flag timings whose CV exceeds this")
-    parser.add_argument("--allow-cv", action="store_true", help="do not fail the run on CV flags; they stay in the report")
+    parser = stage_parser(__doc__, ["python switch_cost.py --profile pilot --run pilot-l2s --device cuda",
+                                    "python switch_cost.py --profile pilot --run pilot-l2s --lengths 4000 8000"], common=True, data=True)
+    parser.add_argument("--translator", choices=TRANSLATORS, default="distilled", help="which trained translator translates")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="history lengths (tokens; default: the profile's)")
+    add_timing_args(parser)
     parser.add_argument("--force", action="store_true", help="re-run even when a passed report with the same inputs exists")
-    add_pair_args(parser)
     args = parser.parse_args(argv)
     t_start = time.time()
 
-    if min(args.lengths) < 1 or args.new_turn_tokens < 1:
-        raise SystemExit("--lengths and --new-turn-tokens must be positive")
-    if not args.run and not args.random_weights:
-        parser.error("--run is required (the trained run), unless --random-weights")
-    profile = get_profile(profile_for(args.data, args.profile))
-    artifacts = Path(args.artifacts_dir or f"artifacts/{args.run}")
-    out_dir = Path(args.out_dir or ("results/perf" if args.random_weights else f"results/{args.run}"))
-    if args.random_weights:
-        folder, convs, split_path = None, [], None
-    else:
-        other = "closed_form" if args.maps == "distilled" else "distilled"
-        folder = maps_folders(artifacts, [args.maps], args.run, f" (or pass --maps {other})")[0][args.maps]
-        convs, split_path = load_test_split(args.data, "natural")
+    profile = get_profile(args.profile)
+    lengths = tuple(sorted(set(args.lengths or profile.switch_lengths)))
+    if min(lengths) < 1 or args.new_turn_tokens < 1:
+        raise SystemExit("switch_cost: --lengths and --new-turn-tokens must be positive")
+    paths = run_paths(args)
+    pair_cfg, tokenizer = pair_config_from_args(args)
+    folder = paths.translator(args.translator)
+    if not (folder / "manifest.json").is_file():
+        other = "closed_form" if args.translator == "distilled" else "distilled"
+        raise SystemExit(f"switch_cost: no trained translator at {folder}: run `make train RUN={paths.run}` first "
+                         f"(or pass --translator {other})")
+    data_dir = Path(args.data) if args.data else default_data(profile.name)
+    manifest = open_prepared(data_dir, pair_cfg)
+    convs = read_split(data_dir, "test", "natural")
     cfg = SwitchConfig(
-        data=args.data, profile=profile.name, run=args.run, maps=args.maps, lengths=tuple(sorted(set(args.lengths))),
-        new_turn_tokens=args.new_turn_tokens, large=args.large, small=args.small, direction=args.direction,
-        device=args.device, dtype=args.dtype,
+        profile=profile.name, run=paths.run, data=str(data_dir), translator=args.translator, lengths=lengths,
+        new_turn_tokens=args.new_turn_tokens,
         timing_warmups=profile.timing_warmups if args.timing_warmups is None else args.timing_warmups,
         timing_repeats=profile.timing_repeats if args.timing_repeats is None else args.timing_repeats,
-        cv_limit=args.cv_limit, allow_cv=args.allow_cv,
+        cv_limit=args.cv_limit, allow_cv=args.allow_cv or profile.allow_cv, threads=timing.threads(), pair=pair_cfg,
     )
-    if args.random_weights:
-        inputs = {"random_weights": args.random_arch, "code_sha256": code_hash(__file__, "benchmark.py")}
-    else:
-        inputs = {"test_split": {"path": str(split_path), "sha256": sha256_file(split_path)},
-                  args.maps: {"path": str(folder), "maps_sha256": read_json(folder / MANIFEST_FILE)["maps_sha256"]},
-                  "large": ModelSpec.parse(args.large).identity(), "small": ModelSpec.parse(args.small).identity(),
-                  "code_sha256": code_hash(__file__, "benchmark.py")}
-    resume_key = sha256_json({"config": asdict(cfg), "inputs": inputs})
-    if not args.force and up_to_date(out_dir / "switch.json", resume_key):
-        print(f"{out_dir / 'switch.json'} is up to date (same config, inputs and code); --force re-runs it")
+    inputs = {"test_split": {"path": str(data_dir / "test.natural.jsonl"), "sha256": manifest["files"]["test.natural.jsonl"]},
+              args.translator: {"path": str(folder), "manifest_sha256": sha256_file(folder / "manifest.json")}}
+    identity = resume.identity(cfg, inputs, pair_cfg.identities(), resume.code_hash(SCRIPT))
+    key = resume.resume_key(identity)
+    old = None if args.force else resume.finished(paths.report("switch"), key)
+    if old is not None and old["results"]["checks"]["passed"]:
+        print(f"{paths.report('switch')} is up to date (same config, inputs and code); --force re-runs it")
         return
 
     k = cfg.new_turn_tokens
-    if args.random_weights:
-        from kvlingo.arch import random_maps, random_pair
-        from kvlingo.perf import random_ids
-
-        device = resolve_device(args.device)
-        pair = random_pair(args.random_arch, args.direction, device,
-                           resolve_dtype(args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")))
-        stream = random_ids(pair.target.config.vocab_size, max(cfg.lengths) + k, 0, "cpu")[0].tolist()
-        chat = {"random_token_ids": True, "repeated": False}
-    else:
-        stream, chat = join_chat(convs, max(cfg.lengths) + k)
-        if chat["repeated"]:
-            print(f"note: the test split holds {chat['split_tokens']} tokens, fewer than {max(cfg.lengths) + k}; "
-                  f"its conversations were joined {chat['passes']} times over", file=sys.stderr)
-        pair = pair_from_args(args)
+    stream, chat = join_chat(convs, max(cfg.lengths) + k)
+    if chat["repeated"]:
+        print(f"note: the test split holds {chat['split_tokens']} tokens, fewer than {max(cfg.lengths) + k}; "
+              f"its conversations were joined {chat['passes']} times over", file=sys.stderr)
+    pair = load_pair(pair_cfg, tokenizer)
     limit = min(pair.source.config.max_position_embeddings, pair.target.config.max_position_embeddings)
     if max(cfg.lengths) + k > limit:
-        raise SystemExit(f"--lengths up to {max(cfg.lengths)} plus {k} new tokens exceed the models' "
+        raise SystemExit(f"switch_cost: --lengths up to {max(cfg.lengths)} plus {k} new tokens exceed the models' "
                          f"max_position_embeddings {limit}; use shorter lengths")
-    if args.random_weights:
-        translator = Translator(random_maps(pair.source, pair.target), pair.source, pair.target)
-    else:
-        translator = load_translator(folder, pair)[0]
+    translator = load_translator(folder, pair)[0]
 
     points, noisy = [], []
     for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr):
         ids = as_ids(stream[:n + k], pair.device)  # [1, n + k]
-        paths = timing.HandoffPaths(pair.source, pair.target, translator, ids[:, :n], ids[:, n:],
-                                    need=tuple(PATHS.values()))
-        summaries = {label: timing.time_paths(paths, [name], cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)[name]
+        handoff = timing.HandoffPaths(pair.source, pair.target, translator, ids[:, :n], ids[:, n:],
+                                      need=tuple(PATHS.values()))
+        summaries = {label: timing.time_paths(handoff, [name], cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)[name]
                      for label, name in PATHS.items()}
         points.append({"context_tokens": n, "new_turn_tokens": k, "paths": summaries,
                        "speedup": summaries["re_reading"]["median_s"] / summaries["switching"]["median_s"]})
         noisy += timing.noisy_timings(summaries, f"{n}/")
-        del paths
+        del handoff
 
-    failed = [] if not noisy or cfg.allow_cv else [f"CV > {cfg.cv_limit:g} in {', '.join(noisy)} (--allow-cv waives this)"]
+    checks = timing.cv_checks(noisy, cfg.cv_limit, cfg.allow_cv)
     title = f"{Path(str(pair.source_spec.name_or_path)).name} → {Path(str(pair.target_spec.name_or_path)).name}, " \
-            f"{dtype_name(pair.dtype)}, {pair.device}"
-    atomic_write_bytes(out_dir / "switch.png", plot(points, title))
-    results = {"lengths": points, "chat": chat, "plot": "switch.png", "maps": cfg.maps,
-               "paths": PATHS, "checks": {"noisy_timings": noisy, "cv_allowed": cfg.allow_cv, "failed": failed,
-                                          "passed": not failed}}
+            f"{pair_cfg.dtype}, {pair.device}, {cfg.threads} thread(s)"
+    plot_path = paths.beside("switch", ".png")
+    atomic_write_bytes(plot_path, plot(points, title))
+    results = SwitchResults(lengths=points, chat=chat, paths=PATHS, checks=checks)
     rows = [[p["context_tokens"], label, 1e3 * s["median_s"], s["cv"], s["n"], "NOISY" if s["noisy"] else "",
              p["speedup"] if label == "switching" else None] for p in points for label, s in p["paths"].items()]
     md = (f"## Switch cost ({title}; {cfg.timing_repeats} trials after {cfg.timing_warmups} warm-ups)\n"
           + ("(test conversations repeated to reach the longest length)\n" if chat["repeated"] else "")
           + fmt_table(["history tokens", "path", "median ms", "CV", "trials", "flag", "speedup"], rows)
-          + f"\nChecks: {'PASSED' if not failed else 'FAILED: ' + '; '.join(failed)}\n")
-    report = make_report("switch_cost", config=cfg, inputs=inputs, results=results,
-                         n_samples={"lengths": len(points), "trials_per_path": cfg.timing_repeats},
-                         seeds=None, wall_time_s=time.time() - t_start, device=pair.device,
-                         dtype=dtype_name(pair.dtype), resume_key=resume_key, plot_sha256=sha256_file(out_dir / "switch.png"))
-    finish(out_dir, "switch", report, None, md)
-    if failed:
-        raise SystemExit("switch-cost checks failed: " + "; ".join(failed))
+          + timing.checks_line(checks))
+    report = Report("switch_cost", config=cfg, inputs=inputs, results=results, metrics=SwitchResults.METRICS,
+                    n_samples={"lengths": len(points), "trials_per_path": cfg.timing_repeats},
+                    wall_time_s=time.time() - t_start, device=pair.device, dtype=pair_cfg.dtype, resume_key=key,
+                    files={plot_path.name: sha256_file(plot_path)})
+    publish(report, paths.report("switch"), None, md, checks=checks)
 
 
 if __name__ == "__main__":

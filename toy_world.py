@@ -4,7 +4,7 @@ tokenizer and a toy Qwen3 pair ("large" and "small"), so every stage runs on a C
 Usage:
     python toy_world.py --out artifacts/toy                  # install the packaged pair: seconds
     python toy_world.py --out artifacts/toy --train          # train it from scratch: ~26 CPU-minutes
-    python toy_world.py --out artifacts/toy --train --export kvlingo/toy_pair   # ... and re-package it
+    python toy_world.py --out artifacts/toy --train --export kvlingo/toy/pair   # ... and re-package it
     python toy_world.py --out /tmp/toy --mini                # seconds: tiny corpus and models
 
 Writes under --out: corpus/{train_chats,chats,chats.meta,ifeval,ifeval.ref,arc,arc.ref,gsm8k}.jsonl,
@@ -20,7 +20,7 @@ import argparse
 import os
 from pathlib import Path
 
-from kvlingo.toytrain import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
+from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
         "  python toy_world.py --out artifacts/toy\n"
-        "  python toy_world.py --out artifacts/toy --train --export kvlingo/toy_pair\n"
+        "  python toy_world.py --out artifacts/toy --train --export kvlingo/toy/pair\n"
         "  python toy_world.py --out /tmp/toy-short --train --minutes-per-model 6\n"
         "  python toy_world.py --out /tmp/toy-mini --mini",
     )
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--train", action="store_true",
                         help=f"train the full pair from scratch instead of installing the packaged one ({PACKAGED})")
     parser.add_argument("--export", type=Path, default=None, metavar="DIR",
-                        help="after a full --train, copy tokenizer, models and manifest into DIR (e.g. kvlingo/toy_pair)")
+                        help="after a full --train, copy tokenizer, models and manifest into DIR (e.g. kvlingo/toy/pair)")
     parser.add_argument("--seed", type=int, default=0, help="with --train/--mini: seed for corpus, tokenizer order and weights (default 0)")
     parser.add_argument("--minutes-per-model", type=float, default=None,
                         help="with --train/--mini: training budget per model in CPU-minutes, turned into a fixed "

@@ -1,6 +1,8 @@
 import torch
 
-from kvlingo.arch import QWEN3_ARCH, qwen3_config, translation_flops
+from kvlingo.core.headwise import Headwise
+from kvlingo.core.translator import Geometry
+from kvlingo.eval.shapes import QWEN3_ARCH, qwen3_config
 
 
 def test_architecture_values_match_published_parameter_counts():
@@ -19,6 +21,6 @@ def test_architecture_values_match_published_parameter_counts():
 
 def test_translation_flops_match_issue_arithmetic():
     # 28 layers × 8 KV heads × 2 (K, V) × 128² multiply-adds ≈ 7.3M per token ≈ 14.7 MFLOP
-    assert abs(translation_flops(28, 8, 128, 1) - 14.68e6) < 0.01e6
+    assert abs(Headwise(Geometry(28, 8, 128, 28, 8, 128)).flops_per_token() - 14.68e6) < 0.01e6
     a, b = QWEN3_ARCH["Qwen/Qwen3-0.6B"], QWEN3_ARCH["Qwen/Qwen3-1.7B"]
     assert (a["num_hidden_layers"], a["num_key_value_heads"], a["head_dim"]) == (b["num_hidden_layers"], b["num_key_value_heads"], b["head_dim"])

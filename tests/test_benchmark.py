@@ -16,15 +16,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlingo import quality, timing
-from kvlingo.controls import native_controls, tolerances_for
-from kvlingo.fit import NormalEquations
-from kvlingo.handoff import as_ids
-from kvlingo.maps import HeadwiseMaps, Translator, save_maps, target_key_features
-from kvlingo.models import ModelSpec, load_model, load_tokenizer, render_ids
-from kvlingo.report import atomic_write_json, atomic_write_jsonl, read_json, read_jsonl, sha256_file
-from kvlingo.rope import RopeCache
-from kvlingo.cache import capture
+from kvlingo.eval import quality, timing
+from kvlingo.eval.controls import native_controls, tolerances_for
+from kvlingo.core.fit import NormalEquations
+from kvlingo.core.handoff import as_ids, prefill
+from kvlingo.core.headwise import Headwise
+from kvlingo.core.translator import Geometry, save_translator
+from kvlingo.run.models import ModelSpec, load_model, load_tokenizer, render_ids
+from kvlingo.io import atomic_write_json, atomic_write_jsonl, read_json, read_jsonl, sha256_file
+from kvlingo.core.cache import capture
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the cat sat on a mat while ada wrote code in the lab remember what was said before yes no Paris Rome blue red".split()
@@ -46,30 +46,28 @@ def conversations(tok, n: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_split(folder: Path, test_rows: list[dict]) -> Path:
-    atomic_write_jsonl(folder / "test.natural.jsonl", test_rows)
-    atomic_write_json(folder / "manifest.json", {"stage": "prepare", "files": {"test.natural.jsonl": sha256_file(folder / "test.natural.jsonl")}})
-    return folder
+def write_split(folder: Path, tok, test_rows: list[dict]) -> Path:
+    from tinypair import write_prepared
+
+    return write_prepared(folder, tok, {"test": test_rows})
 
 
-def fit_maps(source, target, convs: list[dict], key_space: str, ridges: tuple[float, ...]) -> list[HeadwiseMaps]:
-    """Closed-form maps fitted on whole conversations (source features → target features), one per ridge."""
-    tr = Translator(HeadwiseMaps.for_pair(source, target, key_space), source, target)
-    ne = NormalEquations(*tr.maps.shape)
+def fit_maps(source, target, convs: list[dict], key_space: str, ridges: tuple[float, ...]) -> list[Headwise]:
+    """Closed-form head-wise maps fitted on whole conversations (source features → target features), one per ridge."""
+    geometry = Geometry.of(source, target)
+    tr = Headwise(geometry, key_space).bind(source, target)
+    ne = NormalEquations(*tr.fit_blocks())
     with torch.no_grad():
         for c in convs:
             ids = as_ids(c["prefix_ids"] + c["reply_ids"], "cpu")
             s, t = capture(source, ids), capture(target, ids)
-            ne.update(0, tr.key_features(s), target_key_features(t, key_space, RopeCache(target)))
-            ne.update(1, s.values, t.values)
+            ne.update(0, tr.design(0, s), tr.space.target_keys(t))
+            ne.update(1, tr.design(1, s), t.values)
     out = []
     for ridge in ridges:
-        maps = HeadwiseMaps.for_pair(source, target, key_space)
-        w, b = ne.solve(ridge)
-        with torch.no_grad():
-            maps.weight.copy_(w.float())
-            maps.bias.copy_(b.float())
-        out.append(maps)
+        maps = Headwise(geometry, key_space)
+        maps.set_solution(*ne.solve(ridge))
+        out.append(maps.bind(source, target))
     return out
 
 
@@ -83,13 +81,13 @@ def setup(tiny_pair_paths, tmp_path_factory):
     small = load_model(ModelSpec.parse(str(small_p)), "cpu", torch.float32)
     test_rows = conversations(tok, 6, seed=1)
     train_rows = conversations(tok, 10, seed=2)
-    data = write_split(root / "data" / "tiny", test_rows)
+    data = write_split(root / "data" / "tiny", tok, test_rows)
     art = root / "artifacts"
     cf, stand_in = fit_maps(large, small, train_rows, "prenorm", (1e-3, 1e-1))  # a second ridge stands in for distilled maps
-    save_maps(art / "closed_form", cf, {"direction": "l2s", "kind": "closed_form"})
-    save_maps(art / "distilled", stand_in, {"direction": "l2s", "kind": "distilled"})
+    save_translator(art / "t" / "closed_form", cf, {"direction": "l2s", "kind": "closed_form"})
+    save_translator(art / "t" / "distilled", stand_in, {"direction": "l2s", "kind": "distilled"})
     only_cf = root / "artifacts_cf_only"
-    save_maps(only_cf / "closed_form", cf, {"direction": "l2s", "kind": "closed_form"})
+    save_translator(only_cf / "t" / "closed_form", cf, {"direction": "l2s", "kind": "closed_form"})
     return {"root": root, "large": large, "small": small, "large_p": large_p, "small_p": small_p, "tok": tok,
             "test": test_rows, "data": data, "art": art, "cf_only": only_cf, "cf": cf}
 
@@ -121,7 +119,7 @@ def test_control_contexts_come_from_other_conversations():
 def test_arms_follow_handoff_split_against_plain_forwards(setup):
     """native_source and no_context NLL vs transformers' plain (cache-free) forward and F.cross_entropy."""
     large, small, conv = setup["large"], setup["small"], setup["test"][0]
-    tr = {"closed_form": Translator(setup["cf"], large, small)}
+    tr = {"closed_form": setup["cf"]}
     other = quality.control_contexts(setup["test"])[0]["context_ids"]
     got = quality.score_conversation(large, small, tr, "closed_form", conv, other, torch.float32)
     assert list(got) == ["native_source", "native_target", "closed_form", "control", "no_context"]
@@ -141,8 +139,7 @@ def test_arms_follow_handoff_split_against_plain_forwards(setup):
 def test_planted_perfect_translator_scores_zero_and_control_does_not(setup):
     """Self-translation (target → target, identity maps): its own arm equals native exactly; the control does not."""
     small = setup["small"]
-    cfg = small.config
-    tr = Translator(HeadwiseMaps.identity(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, "prenorm"), small, small)
+    tr = Headwise.identity(Geometry.of(small, small), "prenorm").bind(small, small)
     convs = setup["test"]
     pairing = quality.control_contexts(convs)
     rows = [{"arms": quality.score_conversation(small, small, {"distilled": tr}, "distilled", c, p["context_ids"], torch.float32)}
@@ -173,14 +170,14 @@ def test_timing_paths_agree_and_keep_raw_trials(setup):
     large, small = setup["large"], setup["small"]
     ids = as_ids(setup["test"][0]["prefix_ids"], "cpu")
     k = 4
-    paths = timing.HandoffPaths(large, small, Translator(setup["cf"], large, small), ids[:, :-k], ids[:, -k:])
+    paths = timing.HandoffPaths(large, small, setup["cf"], ids[:, :-k], ids[:, -k:])
     with torch.inference_mode():
         plain = small(input_ids=ids).logits[0, -1]  # independent reference for the target's own paths
         assert torch.allclose(paths.target_reprefill(), plain, atol=1e-5)
         assert torch.allclose(paths.target_cache_continue(), plain, atol=1e-5)
         assert torch.equal(paths.source_cache_handoff(), paths.source_prefill_handoff())
     with torch.no_grad():  # keeping only the last logits leaves the captured cache unchanged
-        ref, lean = capture(large, ids), timing.prefill_capture(large, ids, want_prenorm=True)
+        ref, lean = capture(large, ids), prefill(large, ids, want_prenorm=True)
     for name in ("keys", "values", "prenorm"):
         assert torch.equal(getattr(ref, name), getattr(lean, name))
     assert torch.allclose(ref.logits[-1:], lean.logits, atol=1e-5)  # one-row vs many-row GEMM rounding
@@ -204,12 +201,13 @@ def run_script(args: list[str]) -> subprocess.CompletedProcess:
 
 def test_benchmark_script_writes_every_row(setup):
     out = setup["root"] / "results_ok"
-    proc = run_script(["benchmark.py", "--data", str(setup["data"]), "--run", "t", "--artifacts-dir", str(setup["art"]),
-                       "--out-dir", str(out), "--dtype", "float32", "--timing-repeats", "3", "--timing-warmups", "1",
+    proc = run_script(["benchmark.py", "--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["art"]),
+                       "--results", str(out), "--dtype", "float32", "--timing-repeats", "3", "--timing-warmups", "1",
                        "--new-turn-tokens", "4", "--allow-cv", *pair_args(setup)])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    out = out / "t"
     rep = read_json(out / "benchmark.json")
-    assert rep["stage"] == "benchmark" and rep["schema_version"] == 1
+    assert rep["stage"] == "benchmark" and rep["schema_version"] == 2
     res = rep["results"]
     arms = res["quality"]["arms"]
     assert list(arms) == list(quality.ARMS)
@@ -232,7 +230,8 @@ def test_benchmark_script_writes_every_row(setup):
     assert t["id"] == max(setup["test"], key=lambda c: len(c["prefix_ids"]))["id"]
     assert set(t["paths"]) == set(timing.PATHS) and all(len(s["trials_s"]) == 3 for s in t["paths"].values())
     assert set(t["breakdown"]) == set(timing.STAGES) and set(t["speedup"]) == set(timing.PATHS[1:])
-    assert res["checks"]["passed"] and rep["rows_sha256"] == sha256_file(out / "benchmark.rows.jsonl")
+    assert res["checks"]["passed"] and rep["files"]["benchmark.rows.jsonl"] == sha256_file(out / "benchmark.rows.jsonl")
+    assert rep["config"]["pair"]["device"] == "cpu" and rep["env"]["threads"] >= 1 and res["timing"]["threads"] >= 1
     assert "| distilled" in (out / "benchmark.md").read_text() and "| distilled" in proc.stdout
 
 
@@ -240,9 +239,10 @@ def test_finished_report_is_not_redone_unless_inputs_change(setup, monkeypatch, 
     import benchmark
 
     # other kvlingo modules may change while this runs; pin the code hash so only our inputs vary
-    monkeypatch.setattr(benchmark, "code_hash", lambda *a: "pinned")
-    out = setup["root"] / "results_resume"
-    args = ["--data", str(setup["data"]), "--run", "t", "--artifacts-dir", str(setup["art"]), "--out-dir", str(out),
+    monkeypatch.setattr(benchmark.resume, "code_hash", lambda *a: "pinned")
+    results = setup["root"] / "results_resume"
+    out = results / "t"
+    args = ["--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["art"]), "--results", str(results),
             "--dtype", "float32", "--control-dtypes", "float32", "--limit", "2", "--timing-conversations", "0",
             *pair_args(setup)]
     benchmark.main(args)
@@ -261,19 +261,19 @@ def test_failed_checks_exit_nonzero_after_writing(setup, capsys):
 
     out = setup["root"] / "results_fail"
     with pytest.raises(SystemExit) as exc:
-        benchmark.main(["--data", str(setup["data"]), "--run", "t", "--artifacts-dir", str(setup["cf_only"]),
-                        "--out-dir", str(out), "--dtype", "bfloat16", "--control-dtypes", "bfloat16",
-                        "--skip-missing-maps", "--tolerance-scale", "-1", "--cv-limit", "0", "--limit", "3",
+        benchmark.main(["--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["cf_only"]),
+                        "--results", str(out), "--dtype", "bfloat16", "--control-dtypes", "bfloat16",
+                        "--skip-missing", "--tolerance-scale", "-1", "--cv-limit", "0", "--limit", "3",
                         "--timing-repeats", "2", "--timing-warmups", "0", "--new-turn-tokens", "4", *pair_args(setup)])
     assert exc.value.code not in (0, None) and "checks failed" in str(exc.value.code)
-    res = read_json(out / "benchmark.json")["results"]
+    res = read_json(out / "t" / "benchmark.json")["results"]
     assert not res["checks"]["passed"] and not res["checks"]["controls_passed"] and res["checks"]["noisy_timings"]
     assert any("CV" in f for f in res["checks"]["failed"]) and any("reconstruction" in f for f in res["checks"]["failed"])
-    assert "distilled" not in res["quality"]["arms"] and res["quality"]["control_maps"] == "closed_form"
-    assert res["quality"]["skipped_maps"] == ["distilled"]
-    # a missing artifact without --skip-missing-maps: a clear error before any model is loaded
+    assert "distilled" not in res["quality"]["arms"] and res["quality"]["control_translator"] == "closed_form"
+    assert res["quality"]["skipped"] == ["distilled"]
+    # a missing artifact without --skip-missing: a clear error before any model is loaded
     with pytest.raises(SystemExit, match="make train"):
-        benchmark.main(["--data", str(setup["data"]), "--run", "t", "--artifacts-dir", str(setup["cf_only"]), *pair_args(setup)])
+        benchmark.main(["--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["cf_only"]), *pair_args(setup)])
     with pytest.raises(SystemExit) as help_exit:
         benchmark.main(["--help"])
     assert help_exit.value.code == 0 and "examples" in capsys.readouterr().out
@@ -285,10 +285,11 @@ def test_switch_cost_script(setup, capsys):
     out = setup["root"] / "results_switch"
     split_tokens = sum(len(c["prefix_ids"]) + len(c["reply_ids"]) for c in setup["test"])
     lengths = [40, split_tokens + 20]  # the longest needs the conversations joined twice over
-    switch_cost.main(["--data", str(setup["data"]), "--run", "t", "--artifacts-dir", str(setup["art"]),
-                      "--out-dir", str(out), "--dtype", "float32", "--lengths", *map(str, lengths),
+    switch_cost.main(["--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["art"]),
+                      "--results", str(out), "--dtype", "float32", "--lengths", *map(str, lengths),
                       "--new-turn-tokens", "4", "--timing-repeats", "3", "--timing-warmups", "1", "--allow-cv",
                       *pair_args(setup)])
+    out = out / "t"
     rep = read_json(out / "switch.json")
     res = rep["results"]
     assert rep["stage"] == "switch_cost" and [p["context_tokens"] for p in res["lengths"]] == lengths

@@ -6,10 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlingo.cache import build_cache, capture, continue_from
-from kvlingo.maps import HeadwiseMaps, Translator, load_maps, rms_norm, rms_norm_, save_maps
-from kvlingo.models import ModelSpec, load_model
-from kvlingo.rope import apply_rope, apply_rope_into, rope_tables, strip_rope
+from kvlingo.core.cache import build_cache, capture, continue_from
+from kvlingo.core.cache import Capture
+from kvlingo.core.headwise import Headwise
+from kvlingo.core.keyspace import rms_norm, rms_norm_
+from kvlingo.core.translator import Geometry, TranslatorError, load_state, read_manifest, save_translator
+from kvlingo.run.models import ModelSpec, load_model
+from kvlingo.core.rope import apply_rope, apply_rope_into, rope_tables, strip_rope
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: one rounding is at most half of this, relatively
 
@@ -135,12 +138,11 @@ def test_strip_source_schedule_reapply_target_matches_transformers(large32, smal
 # --------------------------------------------------------------------------- identity maps
 @pytest.mark.parametrize("key_space", ["prenorm", "cache"])
 def test_identity_maps_reproduce_native_cache(large32, key_space):
-    cfg = large32.config
-    ids = _ids(29, cfg.vocab_size, 4)
-    maps = HeadwiseMaps.identity(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, key_space)
+    ids = _ids(29, large32.config.vocab_size, 4)
+    maps = Headwise.identity(Geometry.of(large32, large32), key_space).bind(large32, large32)
     with torch.no_grad():
         cap = capture(large32, ids[:, :24])
-        keys, values = Translator(maps, large32, large32)(cap)
+        keys, values = maps(cap)
         assert torch.equal(values, cap.values)
         tol = 0.0 if key_space == "prenorm" else 1e-5  # prenorm replays the model's own ops; cache adds strip+apply
         assert (keys - cap.keys).abs().max().item() <= tol
@@ -150,28 +152,36 @@ def test_identity_maps_reproduce_native_cache(large32, key_space):
 
 
 def test_maps_are_one_batched_op_matching_per_head_loop():
-    maps = HeadwiseMaps(3, 2, 8, 8)
+    maps = Headwise(Geometry(3, 2, 8, 3, 2, 8))
     with torch.no_grad():
         maps.weight.normal_()
         maps.bias.normal_()
     x = torch.randn(3, 2, 5, 8)
-    got = maps.apply_one(1, x)
+    got = maps.map(1, Capture(x, x, None, torch.empty(0)), slice(None))
     ref = torch.stack([torch.stack([x[l, h] @ maps.weight[1, l, h] + maps.bias[1, l, h] for h in range(2)]) for l in range(3)])
     assert (got - ref).abs().max().item() <= 1e-5
 
 
 def test_maps_save_load_roundtrip_and_tamper(tmp_path):
-    maps = HeadwiseMaps(2, 2, 4, 4, "cache")
+    maps = Headwise(Geometry(2, 2, 4, 2, 2, 4), "cache")
     with torch.no_grad():
         maps.weight.normal_()
-    save_maps(tmp_path / "m", maps, {"direction": "l2s"})
-    loaded, manifest = load_maps(tmp_path / "m")
+    save_translator(tmp_path / "m", maps, {"direction": "l2s"})
+    manifest = read_manifest(tmp_path / "m")
+    loaded = load_state(tmp_path / "m", manifest)
     assert torch.equal(loaded.weight, maps.weight) and manifest["key_space"] == "cache"
+    assert manifest["family"] == "headwise" and manifest["geometry"]["target_head_dim"] == 4
+    assert isinstance(loaded, Headwise) and loaded.flops_per_token() == maps.flops_per_token()
     blob = bytearray((tmp_path / "m" / "maps.safetensors").read_bytes())
     blob[-3] ^= 0xFF
     (tmp_path / "m" / "maps.safetensors").write_bytes(bytes(blob))
-    with pytest.raises(ValueError, match="does not match its manifest hash"):
-        load_maps(tmp_path / "m")
+    with pytest.raises(TranslatorError, match="does not match its manifest hash"):
+        read_manifest(tmp_path / "m")
+
+
+def test_headwise_refuses_another_layout_naming_the_family_that_works():
+    with pytest.raises(TranslatorError, match="--family crosslayer"):
+        Headwise(Geometry(4, 2, 16, 6, 4, 16))
 
 
 def test_build_cache_rejects_wrong_layout(large32):
@@ -181,7 +191,7 @@ def test_build_cache_rejects_wrong_layout(large32):
 
 # --------------------------------------------------------------------------- KL
 def test_token_kl_matches_f_kl_div():
-    from kvlingo.kl import token_kl, token_nll
+    from kvlingo.core.kl import token_kl, token_nll
 
     p, q = torch.randn(7, 50) * 3, torch.randn(7, 50) * 3
     ref = F.kl_div(F.log_softmax(q, -1), F.log_softmax(p, -1), log_target=True, reduction="none").sum(-1)
@@ -197,12 +207,12 @@ def test_chunked_translation_equals_per_head_reference(large32, small32):
     """The batched, layer-chunked path against a plain per-(layer, head) loop."""
     ids = _ids(21, large32.config.vocab_size, 6)
     for key_space in ("prenorm", "cache"):
-        maps = HeadwiseMaps.for_pair(large32, small32, key_space)
+        maps = Headwise(Geometry.of(large32, small32), key_space).bind(large32, small32)
         with torch.no_grad():
             maps.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
             maps.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
             cap = capture(large32, ids)
-            tr = Translator(maps, large32, small32)
+            tr = maps
             full = tr(cap, chunk_elements=1 << 30)
             chunked = tr(cap, chunk_elements=1)  # one layer at a time
         assert torch.equal(full[0], chunked[0]) and torch.equal(full[1], chunked[1])

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvlingo import ifeval_grader, toytrain
-from kvlingo.report import read_json
-from kvlingo.summary import ARMS, summary_rows
+from kvlingo.eval.tasks import grader as ifeval_grader
+from kvlingo.toy import train as toytrain
+from kvlingo.io import read_json
+from kvlingo.eval.summary import ARMS, summary_rows
 
 
 @pytest.mark.slow

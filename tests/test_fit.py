@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlingo.fit import NormalEquations
+from kvlingo.core.fit import NormalEquations
 
 
 def _reference(x, y, w=None, ridge=0.0):

@@ -1,7 +1,12 @@
 import torch
 
-from kvlingo.handoff import greedy_generate, native_cache
-from kvlingo.models import ModelSpec, load_model
+from kvlingo.core.handoff import capture_source, greedy_generate
+from kvlingo.run.models import ModelSpec, load_model
+
+
+def native_cache(model, ids):
+    cap = capture_source(model, ids)
+    return cap.keys, cap.values
 
 
 def test_greedy_on_injected_cache_equals_transformers_generate(tiny_pair_paths):

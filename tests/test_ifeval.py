@@ -4,16 +4,18 @@ stage script end to end on the tiny pair (native, translated, resume, the accura
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import ifeval
-from kvlingo import ifeval_grader as grader
-from kvlingo.itemrows import read_rows
-from kvlingo.maps import HeadwiseMaps, save_maps
-from kvlingo.models import ModelSpec, load_model
-from kvlingo.report import read_json
+from kvlingo.eval.tasks import grader
+from kvlingo.eval.itemrows import read_rows
+from kvlingo.core.headwise import Headwise
+from kvlingo.core.translator import Geometry, save_translator
+from kvlingo.run.models import ModelSpec, load_model
+from kvlingo.io import read_json
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +131,9 @@ def test_unknown_instruction_is_refused(punkt_home):
 def ifeval_world(tiny_pair_paths, tmp_path_factory, punkt_home):
     root = tmp_path_factory.mktemp("ifeval_world")
     large, small = tiny_pair_paths
-    c = load_model(ModelSpec.parse(str(large)), "cpu", torch.float32).config
-    maps = HeadwiseMaps.identity(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)  # same head_dim both sides
-    save_maps(root / "maps", maps, {"direction": "l2s"})
+    m = load_model(ModelSpec.parse(str(large)), "cpu", torch.float32)
+    maps = Headwise.identity(Geometry.of(m, m))  # same head_dim both sides
+    save_translator(root / "artifacts" / "t" / "distilled", maps, {"direction": "l2s"})
     docs = [_doc(["punctuation:no_comma"], [{}], "Describe the cat on the mat. Do not use commas."),
             _doc([SENT, "change_case:english_lowercase"], [{"relation": "less than", "num_sentences": 2}, {}],
                  "Answer in lowercase, in one sentence: what did ada write?")]
@@ -139,8 +141,8 @@ def ifeval_world(tiny_pair_paths, tmp_path_factory, punkt_home):
     (root / "ifeval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     base = ["--large", str(large), "--small", str(small), "--dtype", "float32", "--device", "cpu", "--profile", "tiny",
             "--run", "t", "--results", str(root / "results"), "--source", str(root / "ifeval.jsonl"),
-            "--max-new-tokens", "4"]
-    return {"root": root, "base": base, "maps": str(root / "maps"), "out": root / "results" / "t"}
+            "--max-new-tokens", "4", "--artifacts", str(root / "artifacts")]
+    return {"root": root, "base": base, "maps": str(root / "artifacts" / "t" / "distilled"), "out": root / "results" / "t"}
 
 
 def test_native_then_translated_then_gate(ifeval_world):
@@ -155,12 +157,12 @@ def test_native_then_translated_then_gate(ifeval_world):
     s = native["results"]["paths"]["native_target"]
     assert s["hit_cap"] == sum(r["new_tokens"] == 4 and r["path"] == "native_target" for r in nrows)
 
-    translated = w["base"] + ["--maps-dir", w["maps"]]
+    translated = w["base"]
     ifeval.main(translated)
     rep = read_json(w["out"] / "ifeval.json")
     assert set(rep["results"]["paths"]) == {"translated", "native_target", "control", "no_context"}
     # the native target's answers come from the native run's rows (same input hash), not regenerated
-    assert rep["rows"] == {"generated": 6, "resumed": 0, "reused_from_sibling": 2, "dropped_torn_line": False}
+    assert rep["results"]["rows"] == {"generated": 6, "resumed": 0, "reused_from_sibling": 2, "dropped_torn_line": False}
     trows = read_rows(w["out"] / "ifeval.rows.jsonl")[1]
     by = {(r["path"], r["doc_key"]): r for r in trows}
     k0, k1 = sorted({r["doc_key"] for r in trows})
@@ -170,8 +172,8 @@ def test_native_then_translated_then_gate(ifeval_world):
     assert by[("control", k1)]["new_ids"] == by[("translated", k0)]["new_ids"]
     assert "translated_vs_no_context" in rep["results"]["comparison"]
     assert rep["results"]["paths"]["native_target"] == s
-    manifest = json.loads((w["root"] / "maps" / "manifest.json").read_text())
-    assert rep["inputs"]["maps"]["maps_sha256"] == manifest["maps_sha256"]
+    manifest = json.loads((Path(w["maps"]) / "manifest.json").read_text())
+    assert rep["inputs"]["translator"]["maps_sha256"] == manifest["maps_sha256"]
 
     # the gate, on resumed rows (nothing regenerated): exit nonzero iff the loss exceeds POINTS
     loss = -rep["results"]["comparison"]["translated_vs_native_target"]["prompt_level_strict_acc"]["delta_points"]
@@ -179,12 +181,13 @@ def test_native_then_translated_then_gate(ifeval_world):
         ifeval.main(translated + ["--resume", f"--max-accuracy-loss={loss - 0.5}"])
     assert e.value.code not in (0, None) and "gate failed" in str(e.value.code)
     gated = read_json(w["out"] / "ifeval.json")
-    assert gated["results"]["gate"]["passed"] is False and gated["rows"]["generated"] == 0
+    assert gated["results"]["gate"]["passed"] is False and gated["results"]["rows"]["generated"] == 0
     ifeval.main(translated + ["--resume", f"--max-accuracy-loss={loss + 0.5}"])
     assert read_json(w["out"] / "ifeval.json")["results"]["gate"]["passed"] is True
 
-    with pytest.raises(SystemExit, match="max_new_tokens: 4 -> 5"):
+    with pytest.raises(SystemExit) as e:
         ifeval.main(translated + ["--resume", "--max-new-tokens", "5"])
+    assert e.value.code == 2
     with pytest.raises(SystemExit, match="drop --native"):
         ifeval.main(w["base"] + ["--native", "--max-accuracy-loss", "1"])
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlingo.models import ModelSpec, PairError, check_batch, check_pair, load_pair, load_tokenizer
-from kvlingo.tokenizer import train_chat_tokenizer
-from tinypair import corpus, qwen3_config
+from kvlingo.core.cache import check_batch
+from kvlingo.run.models import ModelSpec, PairError, check_pair, load_tokenizer, resolve_pair
+from kvlingo.toy.tokenizer import train_chat_tokenizer
+from tinypair import corpus, load_tiny_pair, qwen3_config
 
 
 def cfg(**kw):
@@ -17,10 +18,13 @@ def cfg(**kw):
 
 
 def test_real_tiny_pair_passes(tiny_pair_paths):
-    pair = load_pair(ModelSpec.parse(str(tiny_pair_paths[0])), ModelSpec.parse(str(tiny_pair_paths[1])), "l2s", "cpu", "float32")
+    pair = load_tiny_pair(tiny_pair_paths)
     assert pair.source.config.hidden_size == 96 and pair.target.config.hidden_size == 64
-    swapped = load_pair(ModelSpec.parse(str(tiny_pair_paths[0])), ModelSpec.parse(str(tiny_pair_paths[1])), "s2l", "cpu", "float32")
+    swapped = load_tiny_pair(tiny_pair_paths, direction="s2l")
     assert swapped.source.config.hidden_size == 64
+    cfg_, _ = resolve_pair(str(tiny_pair_paths[0]), str(tiny_pair_paths[1]), "l2s", "auto", "bf16")
+    assert cfg_.device == "cpu" and cfg_.dtype == "bfloat16"  # resolved values, never "auto"
+    assert cfg_.source["weights_sha256"] != cfg_.target["weights_sha256"] and len(cfg_.tokenizer_sha256) == 64
     assert all(not p.requires_grad for p in pair.target.parameters())
 
 
@@ -81,11 +85,11 @@ def test_chat_template_rendering_must_match_but_text_may_differ(tiny_pair_paths)
 
 def test_batch_larger_than_one_refused():
     check_batch(torch.zeros(1, 5, dtype=torch.long))
-    with pytest.raises(PairError, match="batch-one"):
+    with pytest.raises(ValueError, match="batch-one"):
         check_batch(torch.zeros(2, 5, dtype=torch.long))
 
 
 def test_missing_hub_model_offline_says_what_to_do(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(SystemExit, match="pass a local folder"):
+    with pytest.raises(PairError, match="pass a local folder"):
         load_tokenizer(ModelSpec.parse("Qwen/Qwen3-0.6B"))

@@ -16,18 +16,25 @@ from pathlib import Path
 
 import pytest
 
-from kvlingo.data import (
+from kvlingo.run.data import (
     SPLITS,
     VARIANTS,
     SplitIntegrityError,
-    load_split,
+    open_prepared,
     prepare,
+    split_path,
     tokenizer_digest,
     verify_split,
 )
-from kvlingo.profiles import get_profile
-from kvlingo.report import read_json, sha256_file
-from kvlingo.tokenizer import save_tokenizer, train_chat_tokenizer
+from kvlingo.run.profiles import get_profile
+from kvlingo.io import read_json, read_jsonl, sha256_file
+from kvlingo.toy.tokenizer import save_tokenizer, train_chat_tokenizer
+
+
+def load_split(data_dir, split, variant):
+    """Rows of one prepared file after checking the folder against its manifest (what every stage does)."""
+    open_prepared(data_dir)
+    return read_jsonl(split_path(data_dir, split, variant))
 
 TOPICS = "apple river stone cloud lamp garden violin copper meadow harbor pepper candle".split()
 SYSTEM = "You are concise."
@@ -319,7 +326,7 @@ def test_hub_without_network_fails_fast_naming_source(world, tmp_path, monkeypat
 
 
 def test_hub_path_streams_until_pools_fill_and_records_commit(world, tmp_path, monkeypatch):
-    import kvlingo.data as data
+    import kvlingo.run.data as data
 
     consumed = []
 
@@ -343,7 +350,7 @@ def test_hub_path_streams_until_pools_fill_and_records_commit(world, tmp_path, m
 def test_hub_unreachable_fails_with_clear_message(monkeypatch):
     import huggingface_hub
 
-    from kvlingo.data import NEMOTRON, resolve_hub_revision
+    from kvlingo.run.data import NEMOTRON, resolve_hub_revision
 
     def unreachable(self, *a, **k):
         raise ConnectionError("no route to host")
@@ -356,12 +363,16 @@ def test_hub_unreachable_fails_with_clear_message(monkeypatch):
 
 
 def test_check_tokenizer(world):
-    from kvlingo.data import check_tokenizer
+    from kvlingo.run.data import check_tokenizer
 
-    check_tokenizer(world["result"].manifest, world["tok"])
+    from kvlingo.io import sha256_json
+
+    tok = world["tok"]
+    check_tokenizer(world["result"].manifest, tokenizer_digest(tok), sha256_json(tok.chat_template))
     other = train_chat_tokenizer(["a completely different corpus of words"] * 20, vocab_size=300)
-    with pytest.raises(ValueError, match="tokenized with"):
-        check_tokenizer(world["result"].manifest, other)
+    with pytest.raises(SplitIntegrityError, match="tokenized with") as e:
+        check_tokenizer(world["result"].manifest, tokenizer_digest(other), sha256_json(other.chat_template))
+    assert tokenizer_digest(other)[:16] in str(e.value) and tokenizer_digest(tok)[:16] in str(e.value)
 
 
 def test_cli_builds_then_reports_up_to_date(world, tmp_path, capsys):

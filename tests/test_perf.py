@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_make_perf_smoke(tmp_path):
     out = tmp_path / "perf"
-    args = f"--random-arch tiny --lengths 16 32 --new-turn-tokens 4 --timing-warmups 0 --timing-repeats 2 --out-dir {out}"
+    args = (f"--arch tiny --lengths 16 32 --new-turn-tokens 4 --timing-warmups 0 --timing-repeats 2 "
+            f"--results {tmp_path}")
     proc = subprocess.run(["make", "-s", "perf", "DEVICE=cpu", f"PERF_ARGS={args}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -23,8 +24,8 @@ from pathlib import Path
 import pytest
 
 import recipe
-from kvlingo import recipe as K
-from kvlingo.report import atomic_write_json, atomic_write_text, read_json, sha256_file
+from kvlingo.run import recipe as K
+from kvlingo.io import atomic_write_json, atomic_write_text, read_json, sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,7 +125,7 @@ class FakeStages:
             arms = {a: {"kl_token_mean": 0.0 if a == "native_target" else 2.0, "perplexity": 9.0, "top1_agreement": 0.5,
                         "nll_delta_vs_native_target": 0.1, "kl_conversation": {"mean": 2.0, "se": 0.1, "n": 4}}
                     for a in ("native_source", "native_target", "no_context")}
-            if "--skip-missing-maps" not in f:
+            if "--skip-missing" not in f:
                 seed = int(run.rsplit("-s", 1)[1])
                 arms["distilled"] = {**arms["no_context"], "kl_token_mean": 0.1 * (seed - 40)}
             rep = {"stage": "benchmark", "results": {"quality": {"arms": arms}, "timing": None}}
@@ -146,15 +147,16 @@ class FakeStages:
 
 
 @pytest.fixture
-def world(tmp_path):
+def world(tmp_path, tiny_pair_paths):
     data = tmp_path / "data"
     atomic_write_json(data / "manifest.json", {"stage": "prepare", "files": {}})
     src = tmp_path / "ifeval.jsonl"
     src.write_text('{"key": 1, "prompt": "p", "instruction_id_list": [], "kwargs": []}\n')
-    argv = ["--profile", "tiny", "--data", str(data), "--run", "r", "--large", "Qwen/Qwen3-1.7B",
-            "--small", "Qwen/Qwen3-0.6B", "--device", "cpu", "--dtype", "float32", "--ifeval-source", str(src),
+    large, small = map(str, tiny_pair_paths)  # configs and tokenizers only: the fake stages load no weights
+    argv = ["--profile", "tiny", "--data", str(data), "--run", "r", "--large", large,
+            "--small", small, "--device", "cpu", "--dtype", "float32", "--ifeval-source", str(src),
             "--artifacts", str(tmp_path / "artifacts"), "--results", str(tmp_path / "results")]
-    return {"argv": argv, "root": tmp_path, "res": tmp_path / "results" / "r", "data": data}
+    return {"argv": argv, "root": tmp_path, "res": tmp_path / "results" / "r", "data": data, "large": large}
 
 
 def ledger(world) -> dict:
@@ -190,7 +192,7 @@ def test_recipe_selects_on_validation_kl_and_aggregates_seeds(world):
 
     for argv in fake.calls:  # pair flags, profile and data reach every stage
         f = flags_of(argv)
-        assert f["--large"] == ["Qwen/Qwen3-1.7B"] and f["--device"] == ["cpu"] and f["--dtype"] == ["float32"]
+        assert f["--large"] == [world["large"]] and f["--device"] == ["cpu"] and f["--dtype"] == ["float32"]
         assert f["--profile"] == ["tiny"] and f["--direction"] == ["l2s"]
         if Path(argv[0]).name != "ifeval.py":
             assert f["--data"] == [str(world["data"])]
@@ -252,15 +254,21 @@ def test_resume_reruns_a_cell_whose_report_was_changed(world):
     assert names(fake.calls) == ["benchmark:lr3.16e-04-s43"]
 
 
-def test_resume_refuses_changed_settings_and_inputs_naming_them(world):
+def test_resume_refuses_changed_settings_and_inputs_naming_them(world, capsys):
+    world["capsys"] = capsys
     recipe.main(world["argv"], runner=FakeStages())
-    with pytest.raises(SystemExit, match=r"settings changed: seeds: \[42, 43\] → \[42\]"):
-        recipe.main(world["argv"] + ["--resume", "--seeds", "42"], runner=FakeStages(forbid=True))
-    with pytest.raises(SystemExit, match=r"updates: None → 3"):
-        recipe.main(world["argv"] + ["--resume", "--updates", "3"], runner=FakeStages(forbid=True))
+    def refused(extra, pattern):
+        capsys = world["capsys"]
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            recipe.main(world["argv"] + extra, runner=FakeStages(forbid=True))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and re.search(pattern, err), err
+
+    refused(["--resume", "--seeds", "42"], r"settings changed: seeds: \[42, 43\] → \[42\]")
+    refused(["--resume", "--updates", "3"], r"updates: 4 → 3")
     atomic_write_json(world["data"] / "manifest.json", {"stage": "prepare", "files": {}, "edited": True})
-    with pytest.raises(SystemExit, match=r"cell benchmark/native .*inputs\.data\.manifest_sha256"):
-        recipe.main(world["argv"] + ["--resume"], runner=FakeStages(forbid=True))
+    refused(["--resume"], r"cell benchmark/native .*inputs\.data\.manifest_sha256")
     fake = FakeStages()  # a fresh recipe (no --resume) starts over
     recipe.main(world["argv"], runner=fake)
     assert names(fake.calls) == EXPECTED
@@ -281,8 +289,8 @@ def test_cell_key_covers_flags_and_inputs_but_not_the_hook():
 def test_passthrough_may_not_override_what_the_recipe_sets(world):
     with pytest.raises(SystemExit, match="may not set --lr"):
         recipe.main(world["argv"] + ["--train-args=--lr 1e-3"], runner=FakeStages(forbid=True))
-    with pytest.raises(SystemExit, match="may not set --out-dir"):
-        recipe.main(world["argv"] + ["--benchmark-args=--out-dir=x"], runner=FakeStages(forbid=True))
+    with pytest.raises(SystemExit, match="may not set --force"):
+        recipe.main(world["argv"] + ["--benchmark-args=--force"], runner=FakeStages(forbid=True))
 
 
 def test_quick_and_explicit_shrinking(world):
@@ -303,27 +311,16 @@ def test_help_has_examples(capsys):
 
 # --------------------------------------------------------------------------- end to end on the tiny pair
 def split_rows(tok, n: int, seed: int, tag: str) -> list[dict]:
-    from tinypair import WORDS
+    from tinypair import chat_rows
 
-    rng = random.Random(seed)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    rows = []
-    for i in range(n):
-        user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 24)))
-        reply = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))
-        prefix = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=True, add_generation_prompt=True,
-                                         enable_thinking=False)["input_ids"]
-        rows.append({"id": f"{tag}{i}", "prefix_ids": list(prefix),
-                     "reply_ids": tok.encode(reply, add_special_tokens=False) + [end], "prefix_text": user,
-                     "reply_text": reply, "reasoning": False, "source_ids": [f"{tag}{i}"]})
-    return rows
+    return chat_rows(tok, n, seed, tag, user_words=(8, 24), reply_words=(3, 8))
 
 
 @pytest.mark.slow
 def test_tiny_recipe_killed_mid_cell_then_resumed(tiny_pair_paths, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from kvlingo import ifeval_grader
+    from kvlingo.eval.tasks import grader as ifeval_grader
 
     large, small = tiny_pair_paths
     tok = AutoTokenizer.from_pretrained(large)
@@ -333,7 +330,10 @@ def test_tiny_recipe_killed_mid_cell_then_resumed(tiny_pair_paths, tmp_path, mon
         path = data / f"{split}.natural.jsonl"
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in split_rows(tok, n, seed, split)))
         files[path.name] = sha256_file(path)
-    atomic_write_json(data / "manifest.json", {"stage": "prepare", "files": files})
+    from tinypair import write_prepared
+
+    write_prepared(data, tok, {split: [json.loads(x) for x in (data / f"{split}.natural.jsonl").read_text().splitlines()]
+                               for split in ("train", "validation", "test")})
     docs = [{"key": 1, "prompt": "Describe the cat on the mat. Do not use commas.",
              "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]},
             {"key": 2, "prompt": "Answer in lowercase: what did ada write?",

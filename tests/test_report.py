@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlingo import report
+from kvlingo import io as report
+from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table, read_report
 
 
 def test_interrupted_write_leaves_previous_file(tmp_path, monkeypatch):
@@ -34,7 +35,7 @@ def test_sigkill_during_write_leaves_previous_file(tmp_path):
     root = Path(__file__).resolve().parent.parent
     code = (
         "import sys; sys.path.insert(0, %r)\n"
-        "from kvlingo.report import atomic_write_bytes\n"
+        "from kvlingo.io import atomic_write_bytes\n"
         "print('go', flush=True)\n"
         "while True: atomic_write_bytes(%r, b'x' * (256 << 20))\n" % (str(root), str(target))
     )
@@ -51,16 +52,25 @@ def test_hashes_and_schema(tmp_path):
     p = report.atomic_write_text(tmp_path / "a.txt", "hello")
     assert report.sha256_file(p) == report.sha256_bytes(b"hello")
     assert report.sha256_json({"a": 1, "b": 2}) == report.sha256_json({"b": 2, "a": 1})
-    r = report.make_report("unit", config={"x": 1}, inputs={"a": report.sha256_file(p)}, results={"m": 0.5},
-                           n_samples=3, seeds=[0], wall_time_s=0.1, device="cpu", dtype="float32")
-    for key in ("schema_version", "stage", "config", "inputs", "env", "seeds", "results", "n_samples", "wall_time_s"):
+    r = Report("unit", config={"x": 1}, inputs={"a": report.sha256_file(p)}, results={"m": 0.5},
+               n_samples={"n": 3}, seeds=[0], wall_time_s=0.1, device="cpu", dtype="float32",
+               metrics=(Metric("m", False, "a test metric"),)).write(tmp_path / "unit.json")
+    for key in ("schema_version", "stage", "config", "inputs", "env", "seeds", "results", "n_samples", "wall_time_s",
+                "metrics", "files", "resume_key"):
         assert key in r
-    assert {"git_sha", "git_dirty", "python", "torch", "transformers", "device", "dtype"} <= set(r["env"])
+    assert {"git_sha", "git_dirty", "python", "torch", "transformers", "device", "dtype", "threads"} <= set(r["env"])
+    assert r["metrics"] == {"m": {"higher_is_better": False, "definition": "a test metric"}}
+    assert read_report(tmp_path / "unit.json", "unit")["results"] == {"m": 0.5}
+    with pytest.raises(ValueError, match="not 'train'"):
+        read_report(tmp_path / "unit.json", "train")
 
 
-def test_fmt_table():
-    t = report.fmt_table(["row", "kl"], [["native", 0.0], ["control", 1.23456]])
+def test_fmt_table_and_pm():
+    t = fmt_table(["row", "kl"], [["native", 0.0], ["control", 1.23456]])
     assert "| control | 1.235 |" in t and t.count("\n") == 4
+    assert fmt_pm({"mean": 0.5, "se": 0.01, "n": 9}, 100.0, ".1f") == "50.0 ± 1.0"
+    assert fmt_pm({"mean": 0.5, "se": float("nan"), "n": 1}) == "0.5"
+    assert fmt_pm(None) == "—" and fmt_pm({"mean": 0.0, "se": 0.0, "n": 0}, missing="-") == "-"
 
 
 def test_atomic_files_get_ordinary_permissions(tmp_path):

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from kvlingo import stats
+from kvlingo.eval import stats
 
 
 def test_mean_se_and_cv():

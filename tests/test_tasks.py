@@ -15,12 +15,15 @@ import pytest
 import torch
 
 import task_eval
-from kvlingo.itemrows import ItemRows, RowsError, SettingsChanged, read_rows
-from kvlingo.maps import HeadwiseMaps, save_maps
-from kvlingo.models import ModelSpec, load_model
-from kvlingo.report import read_json
-from kvlingo.tasks import (arc_item, gsm8k_item, parse_choice, parse_gold_number, parse_number, plain_ids, score,
-                           user_prompt_ids)
+from kvlingo.core.headwise import Headwise
+from kvlingo.core.translator import Geometry, TranslatorError, load_translator, save_translator
+from kvlingo.eval.itemrows import ItemRows, RowsError, read_rows
+from kvlingo.eval.tasks.parsers import parse_choice, parse_gold_number, parse_number, score
+from kvlingo.eval.tasks.prompts import arc_item, gsm8k_item, plain_ids, user_prompt_ids
+from kvlingo.io import read_json
+from kvlingo.run.models import ModelSpec, load_model
+from kvlingo.run.resume import ResumeRefused
+from tinypair import load_tiny_pair
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,9 +120,16 @@ def test_rows_damaged_line_before_the_end_is_refused(tmp_path):
 def test_rows_resume_refuses_changed_settings_by_name(tmp_path):
     path = tmp_path / "x.rows.jsonl"
     ItemRows(path, {"cap": 4, "models": {"target": "a"}, "dtype": "float32"}, resume=False)
-    with pytest.raises(SettingsChanged) as e:
+    with pytest.raises(ResumeRefused) as e:
         ItemRows(path, {"cap": 8, "models": {"target": "b"}, "dtype": "float32"}, resume=True)
-    assert "cap: 4 -> 8" in str(e.value) and "models.target: 'a' -> 'b'" in str(e.value) and "dtype" not in str(e.value)
+    assert "cap: 4 → 8" in str(e.value) and "models.target: a → b" in str(e.value) and "dtype" not in str(e.value)
+
+
+def test_rows_of_other_code_are_never_reused(tmp_path):
+    donor = ItemRows(tmp_path / "native.rows.jsonl", {"code": "old"}, resume=False)
+    donor.append("k1", {"v": 7})
+    assert ItemRows(tmp_path / "a.rows.jsonl", {"code": "new"}, resume=False, donors=[donor.path]).get("k1") is None
+    assert ItemRows(tmp_path / "b.rows.jsonl", {"code": "old"}, resume=False, donors=[donor.path]).get("k1")["v"] == 7
 
 
 def test_rows_from_a_sibling_log_are_reused_by_key(tmp_path):
@@ -137,19 +147,18 @@ def world(tiny_pair_paths, tmp_path_factory):
     root = tmp_path_factory.mktemp("task_world")
     large, small = tiny_pair_paths
     src = load_model(ModelSpec.parse(str(large)), "cpu", torch.float32)
-    c = src.config
-    maps = HeadwiseMaps.identity(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)  # same head_dim both sides
-    save_maps(root / "maps", maps, {"direction": "l2s"})
+    maps = Headwise.identity(Geometry.of(src, src))  # same head_dim both sides
+    save_translator(root / "artifacts" / "t" / "distilled", maps, {"direction": "l2s"})
     gsm = [{"question": f"Ada has {i} cats and buys {i + 2} more. How many cats now?",
             "answer": f"{i} + {i + 2} = {2 * i + 2}\n#### {2 * i + 2}"} for i in range(40)]
     (root / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm))
-    return {"root": root, "large": str(large), "small": str(small), "maps": str(root / "maps"),
-            "gsm8k": str(root / "gsm8k.jsonl")}
+    return {"root": root, "large": str(large), "small": str(small), "artifacts": str(root / "artifacts"),
+            "maps": str(root / "artifacts" / "t" / "distilled"), "gsm8k": str(root / "gsm8k.jsonl")}
 
 
 def _args(world, results, *extra):
     return ["--large", world["large"], "--small", world["small"], "--dtype", "float32", "--device", "cpu",
-            "--profile", "tiny", "--run", "t", "--results", str(results), "--maps-dir", world["maps"],
+            "--profile", "tiny", "--run", "t", "--results", str(results), "--artifacts", world["artifacts"],
             "--task", "gsm8k", "--source", world["gsm8k"], "--max-new-tokens", "6", *extra]
 
 
@@ -188,7 +197,8 @@ def test_resume_after_kill_regenerates_nothing_finished(world, tmp_path):
     new_session = {r["session"] for r in after[len(before):]}
     assert len(new_session) == 1 and new_session.isdisjoint({r["session"] for r in before})
     report = read_json(results / "t" / "task-gsm8k.json")
-    assert report["rows"]["generated"] == 4 * limit - len(before) and report["rows"]["resumed"] == len(before)
+    rows = report["results"]["rows"]
+    assert rows["generated"] == 4 * limit - len(before) and rows["resumed"] == len(before)
 
     # the resumed run equals an uninterrupted one
     task_eval.main(_args(world, tmp_path / "fresh", "--limit", str(limit)))
@@ -201,8 +211,9 @@ def test_resume_after_kill_regenerates_nothing_finished(world, tmp_path):
     fresh_report = read_json(tmp_path / "fresh" / "t" / "task-gsm8k.json")
     assert timeless(fresh_report["results"]["paths"]) == timeless(report["results"]["paths"])
 
-    with pytest.raises(SystemExit, match="max_new_tokens: 6 -> 7"):
+    with pytest.raises(SystemExit) as e:
         task_eval.main(_args(world, results, "--limit", str(limit), "--resume", "--max-new-tokens", "7"))
+    assert e.value.code == 2
 
 
 def test_trace_handoff_against_transformers_generate(world, tmp_path):
@@ -248,18 +259,16 @@ def test_trace_handoff_against_transformers_generate(world, tmp_path):
     assert first[3]["new_ids"] == floor
 
 
-def test_maps_for_another_direction_or_pair_are_refused(world, tmp_path):
-    from kvlingo.tasks import load_translator
-
-    large = load_model(ModelSpec.parse(world["large"]), "cpu", torch.float32)
-    small = load_model(ModelSpec.parse(world["small"]), "cpu", torch.float32)
-    c = large.config
-    maps = HeadwiseMaps.identity(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
-    save_maps(tmp_path / "s2l", maps, {"direction": "s2l"})
-    with pytest.raises(ValueError, match="direction 's2l'"):
-        load_translator(tmp_path / "s2l", large, small, "l2s")
-    save_maps(tmp_path / "other", maps, {"direction": "l2s", "models": {"source": {"id": "elsewhere"}}})
-    with pytest.raises(ValueError, match="another source model"):
-        load_translator(tmp_path / "other", large, small, "l2s", {"source": {"id": "here"}, "target": {}})
-    _, info = load_translator(world["maps"], large, small, "l2s")
+def test_maps_for_another_direction_or_pair_are_refused(world, tiny_pair_paths, tmp_path):
+    pair = load_tiny_pair(tiny_pair_paths)
+    maps = Headwise.identity(Geometry.of(pair.source, pair.source))
+    save_translator(tmp_path / "s2l", maps, {"direction": "s2l"})
+    with pytest.raises(TranslatorError, match="direction 's2l'"):
+        load_translator(tmp_path / "s2l", pair)
+    save_translator(tmp_path / "other", maps, {"direction": "l2s", "models": {"source": {"id": "elsewhere"}}})
+    with pytest.raises(TranslatorError, match="another source model"):
+        load_translator(tmp_path / "other", pair)
+    with pytest.raises(TranslatorError, match="family is 'headwise'"):
+        load_translator(world["maps"], pair, family="crosshead")
+    _, info = load_translator(world["maps"], pair)
     assert info["maps_sha256"] == json.loads((Path(world["maps"]) / "manifest.json").read_text())["maps_sha256"]

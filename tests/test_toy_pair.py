@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlingo import toytrain
-from kvlingo.report import read_json, sha256_file
+from kvlingo.toy import train as toytrain
+from kvlingo.io import read_json, sha256_file
 
 PACKAGED = toytrain.PACKAGED
 
@@ -31,7 +31,7 @@ def installed(tmp_path_factory) -> Path:
 
 def test_packaged_pair_is_complete_small_and_bf16():
     manifest = read_json(PACKAGED / "manifest.json")
-    assert manifest["stage"] == "toy_world" and manifest["mini"] is False
+    assert manifest["stage"] == "toy_world" and not toytrain.is_mini(manifest)
     shipped = [p for p in PACKAGED.rglob("*") if p.is_file()]
     listed = {rel for rel in manifest["files"] if rel.split("/")[0] in toytrain.PACKAGED_PARTS}
     assert {p.relative_to(PACKAGED).as_posix() for p in shipped} == listed | {"manifest.json"}
@@ -94,19 +94,19 @@ def test_install_refuses_a_changed_corpus_or_tampered_weights(tmp_path, installe
 def test_full_pair_reproduces_its_scores_and_a_fit_carries_the_context(installed, tmp_path):
     """The installed pair scores exactly what its manifest says, and a closed-form translator
     fitted on 64 chats beats the wrong-document control and the no-context floor on 24 more."""
-    from kvlingo.data import load_split, prepare
-    from kvlingo.maps import Translator
-    from kvlingo.models import ModelSpec, load_pair
-    from kvlingo.profiles import get_profile
-    from kvlingo.quality import control_contexts, score_conversation
-    from kvlingo.train import fit_closed_form
+    from kvlingo.core.headwise import Headwise
+    from kvlingo.core.translator import Geometry
+    from kvlingo.eval.quality import control_contexts, score_conversation
+    from kvlingo.run.data import prepare, read_split
+    from kvlingo.run.profiles import get_profile
+    from kvlingo.train.closed_form import fit_closed_form
+    from tinypair import load_tiny_pair
 
     manifest = read_json(installed / "manifest.json")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the build scored on one thread
     try:
-        pair = load_pair(ModelSpec.parse(str(installed / "large")), ModelSpec.parse(str(installed / "small")),
-                         "l2s", "cpu", torch.float32)
+        pair = load_tiny_pair((installed / "large", installed / "small"))
         world = toytrain.toyworld.WORLD_FILES
         files = {name: installed / "corpus" / f"{name}.jsonl" for name in world}
         cfg = toytrain.ToyConfig(world=toytrain.toyworld.WorldConfig())
@@ -120,10 +120,10 @@ def test_full_pair_reproduces_its_scores_and_a_fit_carries_the_context(installed
 
         profile = get_profile("demo", n_train=64, n_validation=8, n_test=24, n_fit=64, n_packed=1)
         prepare(pair.tokenizer, profile, source=files["chats"], out_root=tmp_path / "data")
-        train, test = (load_split(tmp_path / "data" / "demo", split) for split in ("train", "test"))
-        maps, stats = fit_closed_form(pair.source, pair.target, train, "prenorm")
+        train, test = (read_split(tmp_path / "data" / "demo", split) for split in ("train", "test"))
+        translator = Headwise(Geometry.of(pair.source, pair.target)).bind(pair.source, pair.target)
+        stats = fit_closed_form(pair.source, pair.target, translator, train)
         assert stats["n_conversations"] == 64
-        translator = Translator(maps, pair.source, pair.target)
         controls = control_contexts(test)
         rows = [score_conversation(pair.source, pair.target, {"closed_form": translator}, "closed_form", conv,
                                    ctl["context_ids"], torch.float32) for conv, ctl in zip(test, controls)]

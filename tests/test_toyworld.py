@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlingo import toyworld, toytrain
-from kvlingo.report import read_json, read_jsonl, sha256_file
+from kvlingo.toy import train as toytrain
+from kvlingo.toy import world as toyworld
+from kvlingo.io import read_json, read_jsonl, sha256_file
 
 MINI_WORLD = toytrain.mini_config(0).world
 NEMOTRON_KEYS = {"input", "output", "reasoning", "system_prompt", "category"}
@@ -106,7 +107,8 @@ def test_ifeval_rows_use_lm_eval_ids_and_kwarg_names(corpus):
 
 
 def test_arc_and_gsm8k_rows(corpus):
-    from kvlingo.tasks import arc_item, gsm8k_item, score
+    from kvlingo.eval.tasks.parsers import score
+    from kvlingo.eval.tasks.prompts import arc_item, gsm8k_item
 
     refs = {r["id"]: r["reply"] for r in corpus["arc.ref"]}
     for row in corpus["arc"]:
@@ -278,7 +280,7 @@ def test_teacher_forced_hits_match_greedy_generation(mini, corpus):
 def test_saved_pair_reloads_and_passes_the_pair_check(mini):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvlingo.models import check_pair
+    from kvlingo.run.models import check_pair
 
     large = AutoModelForCausalLM.from_pretrained(mini / "large")
     small = AutoModelForCausalLM.from_pretrained(mini / "small")
@@ -293,7 +295,7 @@ def test_saved_pair_reloads_and_passes_the_pair_check(mini):
     assert tok_l.eos_token == "<|im_end|>" and tok_l.pad_token == "<|endoftext|>"
 
     manifest = read_json(mini / "manifest.json")
-    assert manifest["stage"] == "toy_world" and manifest["mini"] is True
+    assert manifest["stage"] == "toy_world" and toytrain.is_mini(manifest)
     for name in ("large", "small"):
         scores = manifest["results"]["exact_reply"][name]
         assert set(scores) == {f"chat_{k}" for k in toyworld.KINDS} | {"ifeval_file", "arc_file", "gsm8k_file"}

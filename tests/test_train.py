@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -20,13 +21,21 @@ import numpy as np
 import pytest
 import torch
 
-from kvlingo import train as T
-from kvlingo.cache import capture
-from kvlingo.handoff import as_ids
-from kvlingo.maps import HeadwiseMaps, Translator, load_maps, target_key_features
-from kvlingo.models import ModelSpec, load_model, load_pair
-from kvlingo.report import sha256_file
-from kvlingo.rope import RopeCache
+from kvlingo.core.cache import capture
+from kvlingo.core.handoff import as_ids
+from kvlingo.core.headwise import Headwise
+from kvlingo.core.translator import Geometry, load_state, load_translator, read_manifest
+from kvlingo.core.rope import RopeCache
+from kvlingo.io import sha256_file
+from kvlingo.run.models import ModelSpec, load_model
+from kvlingo.train import checkpoints as C
+from kvlingo.train import distill as D
+from kvlingo.train import frozen as F
+from kvlingo.train import rng as R
+from kvlingo.train import rows as O
+from kvlingo.train import weighting as W
+from kvlingo.train.closed_form import fit_closed_form
+from tinypair import chat_rows, load_tiny_pair, write_prepared
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_translator.py"
@@ -43,34 +52,24 @@ def one_thread():
 
 # --------------------------------------------------------------------------- data and pair
 def make_rows(tok, n: int, seed: int, tag: str) -> list[dict]:
-    """Rows in the prepared-split format: a chat prefix through the generation prompt, a reply ending in <|im_end|>."""
-    from tinypair import WORDS
-
-    rng = random.Random(seed)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    rows = []
-    for i in range(n):
-        user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 30)))
-        reply = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10)))
-        msgs = ([{"role": "system", "content": "be brief"}] if i % 3 == 0 else []) + [{"role": "user", "content": user}]
-        prefix = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, enable_thinking=False)
-        rows.append({"id": f"{tag}{i}", "prefix_ids": list(prefix["input_ids"]),
-                     "reply_ids": tok.encode(reply, add_special_tokens=False) + [end],
-                     "prefix_text": user, "reply_text": reply, "reasoning": False, "source_ids": [f"{tag}{i}"]})
-    return rows
+    return chat_rows(tok, n, seed, tag, system_every=3)
 
 
 def write_split(folder: Path, train: list[dict], val: list[dict]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", train), ("validation", val)):
-        (folder / f"{name}.natural.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return folder
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TOK[0])
+    return write_prepared(folder, tok, {"train": train, "validation": val})
+
+
+TOK: list = []  # the tiny pair's tokenizer folder, set by the data fixture
 
 
 @pytest.fixture(scope="module")
 def data(tiny_pair_paths, tmp_path_factory):
     from transformers import AutoTokenizer
 
+    TOK[:] = [tiny_pair_paths[0]]
     tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
     train, val = make_rows(tok, 24, 0, "train"), make_rows(tok, 6, 1, "val")
     return write_split(tmp_path_factory.mktemp("data"), train, val), train, val
@@ -78,8 +77,14 @@ def data(tiny_pair_paths, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair32(tiny_pair_paths):
-    large, small = (ModelSpec.parse(str(p)) for p in tiny_pair_paths)
-    return load_pair(large, small, "l2s", "cpu", torch.float32)
+    return load_tiny_pair(tiny_pair_paths)
+
+
+def fitted(pair, rows, key_space="prenorm", weighting="uniform", ridge=0.0):
+    """A head-wise translator fitted in closed form on `rows`, bound to the pair, and its fit statistics."""
+    tr = Headwise(Geometry.of(pair.source, pair.target), key_space).bind(pair.source, pair.target)
+    stats = fit_closed_form(pair.source, pair.target, tr, rows, weighting, ridge)
+    return tr, stats
 
 
 def cli(paths, data_dir, root, run, *extra) -> list[str]:
@@ -103,30 +108,29 @@ def trained(tiny_pair_paths, data, tmp_path_factory):
 
 
 def maps_equal(a: Path, b: Path) -> bool:
-    ma, _ = load_maps(a)
-    mb, _ = load_maps(b)
+    ma, mb = load_state(a), load_state(b)
     return torch.equal(ma.weight, mb.weight) and torch.equal(ma.bias, mb.bias)
 
 
 # --------------------------------------------------------------------------- closed-form fit
-def _features(pair, translator, rows, key_space):
+def _features(pair, translator, rows):
     """Stacked fit inputs/outputs over rows: (xk, yk, xv, yv), each [layers, heads, tokens, dim] in FP64."""
-    rope, parts = RopeCache(pair.target), []
+    parts = []
     for r in rows:
         ids = as_ids(r["prefix_ids"] + r["reply_ids"], "cpu")
         with torch.no_grad():
             s, t = capture(pair.source, ids), capture(pair.target, ids)
-        parts.append((translator.key_features(s), target_key_features(t, key_space, rope), s.values, t.values))
+        parts.append((translator.source(0, s), translator.space.target_keys(t), s.values, t.values))
     return [torch.cat([p[i] for p in parts], dim=2).double() for i in range(4)]
 
 
 @pytest.mark.parametrize("key_space,weighting", [("prenorm", "uniform"), ("cache", "attention")])
 def test_closed_form_matches_lstsq_and_beats_baselines_on_held_out(pair32, data, key_space, weighting):
     _, train, val = data
-    maps, stats = T.fit_closed_form(pair32.source, pair32.target, train[:12], key_space, weighting)
+    maps, stats = fitted(pair32, train[:12], key_space, weighting)
     assert stats["n_conversations"] == 12 and maps.weight.dtype == torch.float32
-    tr = Translator(maps, pair32.source, pair32.target)
-    xk_fit, yk_fit, _, yv_fit = _features(pair32, tr, train[:12], key_space)
+    tr = maps
+    xk_fit, yk_fit, _, yv_fit = _features(pair32, tr, train[:12])
     assert stats["n_tokens"] == xk_fit.shape[2]
     if weighting == "uniform":  # independent reference: per-block lstsq on [x, 1]
         for l, h in [(0, 0), (1, 1)]:
@@ -138,20 +142,19 @@ def test_closed_form_matches_lstsq_and_beats_baselines_on_held_out(pair32, data,
     # Held out: MSE of translated vs target K/V, in the space the maps write (what least squares minimises).
     # In `cache` space that equals the error of the final cached keys (RoPE is a rotation); in `prenorm` space
     # it is the error before the target's k_norm, a non-linear step the fit does not see.
-    xk, yk, xv, yv = _features(pair32, tr, val, key_space)
+    xk, yk, xv, yv = _features(pair32, tr, val)
 
     def mse(m):
         with torch.no_grad():
-            k, v = m(xk.float(), xv.float())
+            k, v = m._affine(0, xk.float(), slice(None), None), m._affine(1, xv.float(), slice(None), None)
         return torch.stack([(k.double() - yk).pow(2).mean(), (v.double() - yv).pow(2).mean()])
 
-    L, H, d, _ = maps.shape
-    mean_only = HeadwiseMaps(L, H, d, d, key_space)  # the train mean: what the bias alone could learn
+    g = maps.geometry
+    mean_only = Headwise(g, key_space)  # the train mean: what the bias alone could learn
     with torch.no_grad():
         mean_only.bias.copy_(torch.stack([yk_fit.mean(2), yv_fit.mean(2)]).float())
     fit = mse(maps)
-    baselines = {"zero": HeadwiseMaps(L, H, d, d, key_space), "identity": HeadwiseMaps.identity(L, H, d, key_space),
-                 "train mean": mean_only}
+    baselines = {"zero": Headwise(g, key_space), "identity": Headwise.identity(g, key_space), "train mean": mean_only}
     for name, base in baselines.items():
         assert (fit < mse(base)).all(), (name, fit, mse(base))
 
@@ -161,11 +164,12 @@ def test_self_pair_fit_recovers_identity(tiny_pair_paths, data, key_space):
     """Source == target: the exact answer is the identity map, and the translated cache is the model's own."""
     model = load_model(ModelSpec.parse(str(tiny_pair_paths[0])), "cpu", torch.float32)
     _, train, val = data
-    maps, _ = T.fit_closed_form(model, model, train[:4], key_space, "attention")
+    maps = Headwise(Geometry.of(model, model), key_space).bind(model, model)
+    fit_closed_form(model, model, maps, train[:4], "attention")
     assert (maps.weight - torch.eye(16)).abs().max().item() < 1e-3 and maps.bias.abs().max().item() < 1e-3
     with torch.no_grad():
         cap = capture(model, as_ids(val[0]["prefix_ids"], "cpu"))
-        k, v = Translator(maps, model, model)(cap)
+        k, v = maps(cap)
     assert (k - cap.keys).abs().max().item() < 1e-3 and (v - cap.values).abs().max().item() < 1e-3
 
 
@@ -176,14 +180,14 @@ def test_attention_weights_match_eager_output_attentions(tiny_pair_paths, pair32
     eager = load_model(ModelSpec.parse(str(tiny_pair_paths[1])), "cpu", torch.float32, attn="eager")
     with torch.no_grad():
         attn = eager(input_ids=ids, output_attentions=True).attentions  # per layer [1, q_heads, T, T]
-        cap, q = T.capture_with_queries(pair32.target, ids, False, q_start=P - 1, n_q=R)
+        cap, q = W.capture_with_queries(pair32.target, ids, False, q_start=P - 1, n_q=R)
     H = pair32.target.config.num_key_value_heads
     # scored rows P-1..P+R-2 (they predict the reply), context columns 0..P-2; mean over rows, then over each GQA group
     ref = torch.stack([a[0, :, P - 1:P - 1 + R, :P - 1].mean(1).view(H, -1, P - 1).mean(1) for a in attn]).double()
     for chunk in (256, 3):
-        got = T.scored_attention(pair32.target, cap.keys, q, P - 1, P - 1, RopeCache(pair32.target), chunk=chunk)
+        got = W.scored_attention(pair32.target, cap.keys, q, P - 1, P - 1, RopeCache(pair32.target), chunk=chunk)
         assert (got - ref).abs().max().item() < 1e-6
-    w = T.attention_fit_weights(got, P + R)
+    w = W.attention_fit_weights(got, P + R)
     assert torch.allclose(w[..., :P - 1].mean(-1), torch.ones(2, H, dtype=torch.float64))
     assert torch.equal(w[..., P - 1:], torch.ones(2, H, R + 1, dtype=torch.float64))
     assert w[..., :P - 1].std() > 0.1  # really non-uniform
@@ -192,10 +196,10 @@ def test_attention_weights_match_eager_output_attentions(tiny_pair_paths, pair32
 # --------------------------------------------------------------------------- distillation
 def test_gradient_matches_finite_difference_and_flows_through_bf16_cast(tiny_pair_paths, pair32, data):
     _, train, _ = data
-    maps, _ = T.fit_closed_form(pair32.source, pair32.target, train[:6], "prenorm")
-    tr = Translator(maps, pair32.source, pair32.target)
+    maps, _ = fitted(pair32, train[:6])
+    tr = maps
     row = train[7]
-    loss = T.distill_loss(pair32.source, pair32.target, tr, row, torch.float32)
+    loss = D.distill_loss(pair32.source, pair32.target, tr, row, torch.float32)
     loss.backward()
     g = maps.weight.grad.clone()
     direction = torch.randn(maps.weight.shape, generator=torch.Generator().manual_seed(0))
@@ -204,18 +208,17 @@ def test_gradient_matches_finite_difference_and_flows_through_bf16_cast(tiny_pai
     for s in (1, -1):
         with torch.no_grad():
             maps.weight.copy_(base + s * eps * direction)
-            vals.append(T.distill_loss(pair32.source, pair32.target, tr, row, torch.float32).item())
+            vals.append(D.distill_loss(pair32.source, pair32.target, tr, row, torch.float32).item())
     fd, an = (vals[0] - vals[1]) / (2 * eps), (g * direction).sum().item()
     assert abs(fd - an) <= 0.05 * abs(an), (fd, an)
     assert all(p.grad is None for m in (pair32.source, pair32.target) for p in m.parameters())
 
     # BF16 models: the translated K/V are cast to bf16 inside Translator, and gradients still reach the FP32 maps.
-    large, small = (ModelSpec.parse(str(p)) for p in tiny_pair_paths)
-    bf = load_pair(large, small, "l2s", "cpu", torch.bfloat16)
-    maps16 = HeadwiseMaps.for_pair(bf.source, bf.target)
+    bf = load_tiny_pair(tiny_pair_paths, torch.bfloat16)
+    maps16 = Headwise(Geometry.of(bf.source, bf.target)).bind(bf.source, bf.target)
     with torch.no_grad():
         maps16.weight.copy_(base)
-    T.distill_loss(bf.source, bf.target, Translator(maps16, bf.source, bf.target), row, torch.bfloat16).backward()
+    D.distill_loss(bf.source, bf.target, maps16, row, torch.bfloat16).backward()
     for which in (0, 1):
         grad = maps16.weight.grad[which]
         assert maps16.weight.dtype == torch.float32 and torch.isfinite(grad).all() and grad.abs().sum() > 0
@@ -228,13 +231,13 @@ def test_distillation_lowers_validation_kl_and_writes_outputs(trained, pair32):
     assert [p["update"] for p in res["val_kl_curve"]] == [0, 4, 8] and len(res["loss_curve"]) == 8
     assert res["frozen_weights"]["verified"] and all(m["match"] for m in res["frozen_weights"]["models"].values())
     art, out = root / "artifacts" / "base", root / "results" / "base"
-    cf, manifest = load_maps(art / "closed_form")
-    dist, dmanifest = load_maps(art / "distilled")
+    cf, manifest = load_state(art / "closed_form"), read_manifest(art / "closed_form")
+    dist, dmanifest = load_state(art / "distilled"), read_manifest(art / "distilled")
     assert not torch.equal(cf.weight, dist.weight)
-    assert dmanifest["direction"] == "l2s" and dmanifest["key_space"] == "prenorm"
+    assert dmanifest["direction"] == "l2s" and dmanifest["key_space"] == "prenorm" and dmanifest["family"] == "headwise"
     assert dmanifest["closed_form_sha256"] == manifest["maps_sha256"]
-    translator, _ = T.load_translator(art / "distilled", pair32, key_space="prenorm")  # how later stages load it
-    assert torch.equal(translator.maps.weight, dist.weight)
+    translator, _ = load_translator(art / "distilled", pair32, key_space="prenorm")  # how later stages load it
+    assert torch.equal(translator.weight, dist.weight)
     saved = json.loads((out / "train.json").read_text())
     assert saved["stage"] == "train" and saved["config"]["lr"] == 3e-3 and set(saved["inputs"]["data"]) == {
         "train.natural.jsonl", "validation.natural.jsonl"}
@@ -251,26 +254,32 @@ def test_init_from_reuses_the_closed_form(tiny_pair_paths, data, trained, tmp_pa
     assert maps_equal(src, tmp_path / "artifacts" / "reuse" / "closed_form")
     assert rep["results"]["distilled_val_kl"] is None
     assert rep["results"]["closed_form_val_kl"] == base["results"]["closed_form_val_kl"]
-    with pytest.raises(SystemExit, match="key space 'prenorm'"):
+    with pytest.raises(SystemExit) as e:
         main(cli(tiny_pair_paths, data[0], tmp_path, "reuse2", "--init-from", str(src), "--key-space", "cache"))
+    assert e.value.code == 2
 
 
 # --------------------------------------------------------------------------- resume guards and checkpoints
-def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trained, tmp_path):
+def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trained, tmp_path, capsys):
     root, args, _ = trained
     ckpts = root / "artifacts" / "base" / "checkpoints"
     before = {p.name: p.read_bytes() for p in ckpts.iterdir()}
 
-    with pytest.raises(SystemExit, match=r"refusing to resume: settings changed: lr 0.003 → 0.001;.*drop --resume"):
-        main([*args, "--resume", "--lr", "1e-3"])
-    with pytest.raises(SystemExit, match="refusing to resume: code changed: kvlingo"):
-        main([*args, "--resume", "--code-salt", "an edit"])
+    def refused(argv, pattern):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err  # one line, no traceback
+        assert re.search(pattern, err), err
+
+    refused([*args, "--resume", "--lr", "1e-3"], r"refusing to resume base.*settings changed: settings\.lr: 0\.003 → 0\.001;.*drop --resume")
+    refused([*args, "--resume", "--code-salt", "an edit"], r"refusing to resume.*code changed: code: \w+… → \w+…")
     # data: same folder layout elsewhere, one reply token changed
     rows = [json.loads(line) for line in (data[0] / "train.natural.jsonl").read_text().splitlines()]
     rows[3]["reply_ids"][0] = (rows[3]["reply_ids"][0] + 1) % 300
     changed = write_split(tmp_path / "data", rows, data[2])
-    with pytest.raises(SystemExit, match=r"refusing to resume: data changed: train\.natural\.jsonl sha256 \w+… → \w+…"):
-        main([*args, "--resume", "--data", str(changed)])
+    refused([*args, "--resume", "--data", str(changed)], r"data changed: inputs\.data\.train\.natural\.jsonl: \w+… → \w+…")
     # model: a copy of the small model with one weight nudged
     from transformers import AutoModelForCausalLM
 
@@ -280,8 +289,7 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
     with torch.no_grad():
         m.model.norm.weight[0] += 0.5
     m.save_pretrained(small)
-    with pytest.raises(SystemExit, match="refusing to resume: models changed: target"):
-        main([*args, "--resume", "--small", str(small)])
+    refused([*args, "--resume", "--small", str(small)], r"models changed: pair\.target\.")
     assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before  # a refusal touches nothing
 
     # Unchanged inputs (and a resume-safe setting) resume from the last checkpoint and change nothing.
@@ -291,41 +299,40 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
     assert rep["results"]["resumed_from_update"] == 8 and dist.read_bytes() == old
 
 
-def test_split_files_are_checked_against_the_data_manifest(tiny_pair_paths, data, tmp_path):
+def test_split_files_are_checked_against_the_data_manifest(tiny_pair_paths, data, tmp_path, capsys):
     folder = write_split(tmp_path / "data", data[1], data[2])
-    files = {f.name: sha256_file(f) for f in folder.iterdir()}
-    (folder / "manifest.json").write_text(json.dumps({"stage": "prepare", "files": files}))
     with (folder / "validation.natural.jsonl").open("a") as f:
         f.write(json.dumps(data[2][0]) + "\n")
-    with pytest.raises(SystemExit, match="validation.natural.jsonl was changed after preparation"):
+    with pytest.raises(SystemExit) as e:
         main(cli(tiny_pair_paths, folder, tmp_path, "manifest", "--updates", "1"))
+    assert e.value.code == 2 and "validation.natural.jsonl was changed after preparation" in capsys.readouterr().err
 
 
 def test_damaged_checkpoints_are_detected(tmp_path):
     folder = tmp_path / "ck"
     for u in (1, 2, 3):
-        T.save_checkpoint(folder, u, {"x": torch.full((100,), float(u))})
-    T.save_checkpoint(folder, 4, {"x": torch.zeros(3)})
-    T.checkpoint_paths(folder, 4)[1].unlink()  # killed between the file and its marker: incomplete, not a candidate
-    path3 = T.checkpoint_paths(folder, 3)[0]
+        C.save_checkpoint(folder, u, {"x": torch.full((100,), float(u))})
+    C.save_checkpoint(folder, 4, {"x": torch.zeros(3)})
+    C.checkpoint_paths(folder, 4)[1].unlink()  # killed between the file and its marker: incomplete, not a candidate
+    path3 = C.checkpoint_paths(folder, 3)[0]
     path3.write_bytes(path3.read_bytes()[:-50])  # truncated
     warnings: list[str] = []
-    state = T.newest_checkpoint(folder, warn=warnings.append)
+    state = C.newest_checkpoint(folder, warn=warnings.append)
     assert state["update"] == 2 and torch.equal(state["x"], torch.full((100,), 2.0))
     assert "ckpt_000003.pt" in warnings[0] and "does not match its DONE marker" in warnings[0]
     for u in (1, 2):  # flip one byte: same length, different hash
-        p = T.checkpoint_paths(folder, u)[0]
+        p = C.checkpoint_paths(folder, u)[0]
         blob = bytearray(p.read_bytes())
         blob[len(blob) // 2] ^= 0xFF
         p.write_bytes(bytes(blob))
-    with pytest.raises(T.CheckpointError, match="no intact checkpoint"):
-        T.newest_checkpoint(folder, warn=warnings.append)
-    assert T.newest_checkpoint(tmp_path / "none") is None
+    with pytest.raises(C.CheckpointError, match="no intact checkpoint"):
+        C.newest_checkpoint(folder, warn=warnings.append)
+    assert C.newest_checkpoint(tmp_path / "none") is None
     # temp files a kill leaves behind go on resume; checkpoints go only for a fresh run
     (folder / ".ckpt_000005.pt.abc123.tmp").write_bytes(b"half")
     (folder / "notes.txt").write_text("keep")
-    assert T.clear_checkpoints(folder, temp_only=True) == 1 and (folder / "ckpt_000001.pt").exists()
-    assert T.clear_checkpoints(folder) == 7 and sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    assert C.clear_checkpoints(folder, temp_only=True) == 1 and (folder / "ckpt_000001.pt").exists()
+    assert C.clear_checkpoints(folder) == 7 and sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
 
 
 def test_resume_after_truncated_checkpoint_falls_back_and_matches(tiny_pair_paths, data, trained, tmp_path):
@@ -341,7 +348,9 @@ def test_resume_after_truncated_checkpoint_falls_back_and_matches(tiny_pair_path
 
 
 def test_frozen_weights_are_verified(tiny_pair_paths, data, tmp_path, monkeypatch):
-    real = T.distill_step
+    import train_translator
+
+    real = train_translator.distill_step
 
     def tampering_step(source, target, *a, **kw):
         out = real(source, target, *a, **kw)
@@ -349,15 +358,15 @@ def test_frozen_weights_are_verified(tiny_pair_paths, data, tmp_path, monkeypatc
             target.model.norm.weight[0] += 1e-3
         return out
 
-    monkeypatch.setattr(T, "distill_step", tampering_step)
+    monkeypatch.setattr(train_translator, "distill_step", tampering_step)
     with pytest.raises(SystemExit, match="frozen model weights changed during training: target"):
         main(cli(tiny_pair_paths, data[0], tmp_path, "tamper", "--updates", "1"))
     assert not (tmp_path / "artifacts" / "tamper" / "distilled").exists()
 
     model = load_model(ModelSpec.parse(str(tiny_pair_paths[1])), "cpu", torch.float32)
     model.lm_head.weight.requires_grad_(True)
-    with pytest.raises(T.FrozenWeightsChanged, match="trainable parameters"):
-        T.check_frozen({"target": model})
+    with pytest.raises(F.FrozenWeightsChanged, match="trainable parameters"):
+        F.check_frozen({"target": model})
 
 
 # --------------------------------------------------------------------------- determinism
@@ -365,25 +374,25 @@ def test_rng_state_roundtrips_through_a_checkpoint(tmp_path):
     def draw():
         return random.random(), float(np.random.rand()), torch.rand(3)
 
-    with T.preserved_rng():  # leave the session's RNGs as they were
-        T.seed_everything(7)
-        T.save_checkpoint(tmp_path, 1, {"rng": T.rng_state()})
+    with R.preserved_rng():  # leave the session's RNGs as they were
+        R.seed_everything(7)
+        C.save_checkpoint(tmp_path, 1, {"rng": R.rng_state()})
         first = draw()
-        T.set_rng_state(T.newest_checkpoint(tmp_path)["rng"])
+        R.set_rng_state(C.newest_checkpoint(tmp_path)["rng"])
         again = draw()
         assert first[:2] == again[:2] and torch.equal(first[2], again[2])
-        T.seed_everything(7)
-        with T.preserved_rng():
+        R.seed_everything(7)
+        with R.preserved_rng():
             draw()
         after = draw()
         assert after[:2] == first[:2] and torch.equal(after[2], first[2])
 
 
 def test_data_order_is_a_function_of_the_seed():
-    a, b = T.data_order(10, 1, 25), T.data_order(10, 1, 25)
-    assert a == b and a != T.data_order(10, 2, 25)
+    a, b = O.data_order(10, 1, 25), O.data_order(10, 1, 25)
+    assert a == b and a != O.data_order(10, 2, 25)
     assert sorted(a[:10]) == list(range(10)) and sorted(a[10:20]) == list(range(10)) and a[:10] != a[10:20]
-    assert T.fit_selection(10, 4, 3) == T.seeded_order(10, 3, "fit")[:4]
+    assert O.fit_selection(10, 4, 3) == O.seeded_order(10, 3, "fit")[:4]
 
 
 def test_help_has_examples(capsys):

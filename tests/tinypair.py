@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvlingo.tokenizer import save_tokenizer, train_chat_tokenizer
+from kvlingo.toy.tokenizer import save_tokenizer, train_chat_tokenizer
 
 WORDS = (
     "the cat sat on a mat while ada wrote code K7-42 in the lab . numbers 0 1 2 3 4 5 6 7 8 9 "
@@ -58,3 +58,53 @@ def build_tiny_pair(root: str | Path, seed: int = 0) -> tuple[Path, Path]:
         save_tokenizer(tok, path)
         paths.append(path)
     return paths[0], paths[1]
+
+
+def load_tiny_pair(paths, dtype=torch.float32, direction: str = "l2s"):
+    """The checked, loaded pair of two local folders (large, small) on the CPU."""
+    from kvlingo.run.models import load_pair, resolve_pair
+
+    cfg, tok = resolve_pair(str(paths[0]), str(paths[1]), direction, "cpu", str(dtype).removeprefix("torch."))
+    return load_pair(cfg, tok)
+
+
+def write_prepared(folder: str | Path, tok, splits: dict[str, list[dict]], name: str = "test tokenizer") -> Path:
+    """A complete prepared data folder, as paper_data.py writes it: the split files, then a manifest
+    holding their sha256 and the tokenizer's digest and chat template hash."""
+    import json
+
+    from kvlingo.io import atomic_write_json, sha256_file, sha256_json
+    from kvlingo.run.models import tokenizer_digest
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split, rows in splits.items():
+        path = folder / f"{split}.natural.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        files[path.name] = sha256_file(path)
+    atomic_write_json(folder / "manifest.json", {
+        "stage": "prepare", "files": files,
+        "inputs": {"tokenizer": {"name": name, "digest": tokenizer_digest(tok),
+                                 "chat_template_sha256": sha256_json(tok.chat_template)}}})
+    return folder
+
+
+def chat_rows(tok, n: int, seed: int, tag: str, system_every: int = 0, user_words=(8, 30), reply_words=(3, 10)) -> list[dict]:
+    """Rows in the prepared-split format: a chat prefix through the generation prompt (a system message on
+    every `system_every`-th row), and a reply ending in <|im_end|>."""
+    import random
+
+    rng = random.Random(seed)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = []
+    for i in range(n):
+        user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*user_words)))
+        reply = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*reply_words)))
+        system = [{"role": "system", "content": "be brief"}] if system_every and i % system_every == 0 else []
+        prefix = tok.apply_chat_template(system + [{"role": "user", "content": user}], tokenize=True,
+                                         add_generation_prompt=True, enable_thinking=False)
+        rows.append({"id": f"{tag}{i}", "prefix_ids": list(prefix["input_ids"]),
+                     "reply_ids": tok.encode(reply, add_special_tokens=False) + [end],
+                     "prefix_text": user, "reply_text": reply, "reasoning": False, "source_ids": [f"{tag}{i}"]})
+    return rows

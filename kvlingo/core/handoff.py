@@ -1,0 +1,89 @@
+"""The handoff, written once: the source reads a context, its cache is translated, the target goes on.
+
+    capture_source  the source prefills the context (keeping pre-norm key features when a
+                    translator needs them, and only the last position's logits)
+    translate       capture → translator → target-layout (keys, values)
+    continue_target the target runs new tokens on top of injected (keys, values)
+    greedy_generate the target (or any model) decodes greedily on top of an injected cache
+
+Every stage that scores, times, trains or generates after a handoff (benchmark, controls,
+timing, distillation, IFEval, tasks) calls these; none re-assembles the steps itself.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from .cache import Capture, build_cache, capture, continue_from, run_with_cache
+
+
+def as_ids(ids, device) -> torch.Tensor:
+    return torch.as_tensor(list(ids), dtype=torch.long, device=device)[None]  # [1, tokens]
+
+
+def device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def prefill(model, ids: torch.Tensor, want_prenorm: bool = False) -> Capture:
+    """A prefill as a real handoff runs it: `cache.capture` of ids [1, T], keeping the last position's logits only."""
+    return capture(model, ids, want_prenorm=want_prenorm, logits_to_keep=1)
+
+
+def capture_source(source, context_ids, translators: Iterable = ()) -> Capture:
+    """The source's capture of `context_ids` (a sequence or a [1, T] tensor), with pre-norm key
+    features when any of `translators` needs them."""
+    ids = context_ids if torch.is_tensor(context_ids) else as_ids(context_ids, device_of(source))
+    with torch.no_grad():
+        return prefill(source, ids, want_prenorm=any(t.needs_prenorm for t in translators))
+
+
+def translate(source, translator, context_ids=None, out_dtype: torch.dtype | None = None,
+              cap: Capture | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target-layout (keys, values) of a context: from an existing source capture `cap`, or a fresh
+    prefill of `context_ids`. Differentiable in the translator's parameters when gradients are on."""
+    if cap is None:
+        cap = capture_source(source, context_ids, [translator])
+    return translator(cap, out_dtype)
+
+
+def continue_target(target, kv: tuple[torch.Tensor, torch.Tensor], new_ids, **kwargs):
+    """The target's forward of `new_ids` on a fresh cache holding kv; positions continue after it."""
+    ids = new_ids if torch.is_tensor(new_ids) else as_ids(new_ids, device_of(target))
+    return continue_from(target, kv[0], kv[1], ids, **kwargs)
+
+
+@torch.no_grad()
+def greedy_generate(model, new_ids: Sequence[int], kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    max_new_tokens: int = 64, eos_ids: set[int] | None = None) -> tuple[list[int], bool]:
+    """Greedy decoding of up to `max_new_tokens` after `new_ids`, on top of an optional injected cache.
+
+    Returns (generated ids without the stop token, hit_cap). `new_ids` must be non-empty:
+    its last position yields the first generated token.
+    """
+    device = device_of(model)
+    cache = build_cache(model, *kv) if kv is not None else None
+    x = as_ids(new_ids, device)
+    out_ids: list[int] = []
+    eos_ids = eos_ids or set()
+    for _ in range(max_new_tokens):
+        out, _ = run_with_cache(model, x, cache=cache)
+        cache = out.cache
+        nxt = int(out.logits[0, -1].argmax())
+        if nxt in eos_ids:
+            return out_ids, False
+        out_ids.append(nxt)
+        x = torch.tensor([[nxt]], device=device)
+    return out_ids, True
+
+
+def stop_ids(tokenizer) -> set[int]:
+    """Token ids that end an assistant turn."""
+    ids = {tokenizer.eos_token_id}
+    for t in ("<|im_end|>", "<|endoftext|>"):
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id:
+            ids.add(i)
+    return {i for i in ids if i is not None}

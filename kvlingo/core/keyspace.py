@@ -1,0 +1,108 @@
+"""Key spaces: what a translator reads from the source's keys and what it must hand the target.
+
+Values carry no RoPE and no norm: a translator reads and writes them as cached. Keys are
+cached after k_norm and RoPE, so a translator works in one of two key spaces:
+
+- `prenorm`: the source's k_proj outputs (pre k_norm, pre RoPE; captured beside the cache)
+  map to the target's k_proj outputs; the target's own k_norm and RoPE follow.
+- `cache`: the source's cached keys with the source's RoPE stripped map to the target's
+  post-norm keys; the target's RoPE follows. Needs nothing beyond an ordinary cache.
+
+`KeySpace` binds one of these to a pair's models: the RoPE tables of both (grown on demand)
+and the target's k_norm. Every translator family owns one and goes through it, so no caller
+ever branches on the key space.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import Capture
+from .rope import RopeCache, apply_rope, apply_rope_into, strip_rope
+
+KEY_SPACES = ("prenorm", "cache")
+
+
+def k_norm_params(model) -> tuple[torch.Tensor, float]:
+    """The model's per-layer k_norm weights [layers, head_dim] (FP32) and its epsilon."""
+    layers = model.model.layers
+    w = torch.stack([l.self_attn.k_norm.weight.detach().float() for l in layers])
+    return w, layers[0].self_attn.k_norm.variance_epsilon
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3RMSNorm over head_dim for x [layers, heads, tokens, dim], weight [layers, dim], in FP32."""
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight[:, None, None, :] * x
+
+
+def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, squares: torch.Tensor) -> torch.Tensor:
+    """`rms_norm` in place on FP32 x (same operations, same bits); `squares` is x-sized scratch."""
+    var = torch.pow(x, 2, out=squares).mean(-1, keepdim=True)
+    x.mul_(torch.rsqrt(var.add_(eps)))
+    return x.mul_(weight[:, None, None, :])
+
+
+class KeySpace:
+    """One key space bound to a source and a target model."""
+
+    def __init__(self, name: str, source, target, device=None):
+        if name not in KEY_SPACES:
+            raise ValueError(f"key space {name!r} is not one of {KEY_SPACES}")
+        self.name = name
+        self.source_rope = RopeCache(source)
+        self.target_rope = RopeCache(target)
+        w, eps = k_norm_params(target)
+        self.k_norm_weight = w if device is None else w.to(device)  # [target layers, head_dim] FP32
+        self.k_norm_eps = eps
+
+    @property
+    def needs_prenorm(self) -> bool:
+        """Whether a capture of the source must keep its pre-norm key features."""
+        return self.name == "prenorm"
+
+    def to(self, device) -> "KeySpace":
+        self.k_norm_weight = self.k_norm_weight.to(device)
+        return self
+
+    # ------------------------------------------------------------------ source side
+    def source_keys(self, cap: Capture, layers=slice(None)) -> torch.Tensor:
+        """Source key inputs [layers, heads, tokens, d_in] in FP32 for the selected source layers."""
+        if self.name == "prenorm":
+            if cap.prenorm is None:
+                raise ValueError("key space 'prenorm' needs the source's pre-norm key features; capture with "
+                                 "want_prenorm=True")
+            return cap.prenorm[layers].float()
+        cos, sin = self.source_rope(cap.n_tokens, device=cap.keys.device)
+        return strip_rope(cap.keys[layers].float(), cos, sin)
+
+    # ------------------------------------------------------------------ target side
+    def target_keys(self, target_cap: Capture) -> torch.Tensor:
+        """What a translator's key output should be for the target's own capture (the fit's targets)."""
+        if self.name == "prenorm":
+            return target_cap.prenorm.float()
+        cos, sin = self.target_rope(target_cap.n_tokens, device=target_cap.keys.device)
+        return strip_rope(target_cap.keys.float(), cos, sin)
+
+    def finish_keys(self, yk: torch.Tensor, layers=slice(None)) -> torch.Tensor:
+        """Translated key features [n, heads, tokens, d_out] of target `layers` → the target's cached keys."""
+        if self.name == "prenorm":
+            yk = rms_norm(yk, self.k_norm_weight[layers], self.k_norm_eps)
+        cos, sin = self.target_rope(yk.shape[2], device=yk.device)
+        return apply_rope(yk, cos, sin)
+
+    def finish_keys_into(self, yk: torch.Tensor, layers: slice, k_out: torch.Tensor, scratch) -> None:
+        """`finish_keys` in place: yk (FP32 scratch) is normed in place and RoPE writes into k_out.
+
+        The same operations in the same order as `finish_keys` (so the same bits). For a
+        non-FP32 output, RoPE writes into one FP32 staging chunk that is rounded once.
+        """
+        n = yk.shape[0]
+        if self.name == "prenorm":
+            rms_norm_(yk, self.k_norm_weight[layers], self.k_norm_eps, scratch.take("sq", n))
+        cos, sin = self.target_rope(yk.shape[2], device=yk.device)
+        dest = k_out if k_out.dtype == torch.float32 else scratch.take("out", n)
+        apply_rope_into(yk, cos, sin, dest, scratch.take("half", n))
+        if dest is not k_out:
+            k_out.copy_(dest)  # the one rounding to the output dtype

@@ -1,0 +1,106 @@
+"""Small, dependency-free statistics for honest reporting: means with SE, paired tests, CV."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+
+def mean_se(xs: Sequence[float]) -> dict[str, float]:
+    """Mean, standard error (sample SD / √n) and n. SE is NaN for n < 2."""
+    n = len(xs)
+    if n == 0:
+        return {"mean": float("nan"), "se": float("nan"), "n": 0}
+    m = sum(xs) / n
+    if n < 2:
+        return {"mean": m, "se": float("nan"), "n": n}
+    var = sum((x - m) ** 2 for x in xs) / (n - 1)
+    return {"mean": m, "se": math.sqrt(var / n), "n": n}
+
+
+def _t_sf(t: float, df: int) -> float:
+    """Two-sided p-value of Student's t via the regularised incomplete beta function."""
+    if df <= 0 or math.isnan(t):
+        return float("nan")
+    x = df / (df + t * t)
+    return _betainc(df / 2.0, 0.5, x)
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction for the incomplete beta function (modified Lentz)."""
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / (c if abs(c) > tiny else tiny)
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def paired_t(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """Paired t-test of a - b over the same items: mean difference, SE, t, two-sided p, n."""
+    if len(a) != len(b):
+        raise ValueError(f"paired test needs equal lengths (got {len(a)} and {len(b)})")
+    d = [x - y for x, y in zip(a, b)]
+    s = mean_se(d)
+    if s["n"] < 2:
+        return {"mean_diff": s["mean"], "se": s["se"], "t": float("nan"), "p": float("nan"), "n": s["n"]}
+    if s["se"] == 0:
+        return {"mean_diff": s["mean"], "se": 0.0, "t": float("inf") if s["mean"] else 0.0,
+                "p": 0.0 if s["mean"] else 1.0, "n": s["n"]}
+    t = s["mean"] / s["se"]
+    return {"mean_diff": s["mean"], "se": s["se"], "t": t, "p": _t_sf(t, s["n"] - 1), "n": s["n"]}
+
+
+def mcnemar_exact(a: Sequence[bool], b: Sequence[bool]) -> dict[str, float]:
+    """Exact (binomial) McNemar test on paired correctness: b01 = a wrong/b right, b10 = a right/b wrong."""
+    if len(a) != len(b):
+        raise ValueError(f"McNemar needs paired items (got {len(a)} and {len(b)})")
+    b10 = sum(1 for x, y in zip(a, b) if x and not y)
+    b01 = sum(1 for x, y in zip(a, b) if y and not x)
+    n = b10 + b01
+    k = min(b10, b01)
+    p = min(1.0, 2.0 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+    return {"a_only": b10, "b_only": b01, "discordant": n, "p": p, "n": len(a)}
+
+
+def cv(xs: Sequence[float]) -> float:
+    """Coefficient of variation (sample SD / mean)."""
+    s = mean_se(xs)
+    if s["n"] < 2 or s["mean"] == 0:
+        return float("nan")
+    return s["se"] * math.sqrt(s["n"]) / abs(s["mean"])
+
+
+def median(xs: Sequence[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    if not n:
+        return float("nan")
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+def paired_accuracy(a: Sequence[bool], b: Sequence[bool]) -> dict:
+    """a vs b on the same items: the difference in points and the exact McNemar test."""
+    n = len(a)
+    delta = 100.0 * (sum(a) - sum(b)) / n if n else float("nan")
+    return {"delta_points": delta, "mcnemar": mcnemar_exact(list(a), list(b))}

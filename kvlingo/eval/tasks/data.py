@@ -1,0 +1,142 @@
+"""Evaluation data (IFEval, ARC-Challenge, GSM8K): pinned Hub sources, row checks, prepared copies.
+
+Each data set is named by Hub repo, config, split and revision. `prepare_data` writes
+`<root>/<name>/<name>.jsonl` and, last, `<root>/<name>/manifest.json` (origin, resolved
+commit sha, row count, file sha256), either from the Hub or from a local JSONL with the
+same fields (`--source`). The revisions are "main" because no commit sha could be checked
+offline when this was written; each Hub prepare resolves "main" to a commit sha and records
+it in the manifest. Pin that sha here before a paper run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ...io import atomic_write_json, atomic_write_jsonl, read_json, sha256_file
+from ...run.models import hub_offline
+from .parsers import parse_gold_number
+
+
+@dataclass(frozen=True)
+class HubData:
+    name: str  # short name; also the folder and file name under the data root
+    repo_id: str  # dataset repository on the Hugging Face Hub
+    config: str | None  # dataset config (subset), None for the default
+    split: str  # split that is scored
+    revision: str  # git revision; only a commit sha pins the data
+
+
+IFEVAL = HubData("ifeval", "google/IFEval", None, "train", "main")
+ARC = HubData("arc", "allenai/ai2_arc", "ARC-Challenge", "test", "main")
+GSM8K = HubData("gsm8k", "openai/gsm8k", "main", "test", "main")
+DATASETS = {d.name: d for d in (IFEVAL, ARC, GSM8K)}
+
+
+def check_ifeval_row(row: dict[str, Any], where: str) -> None:
+    if not isinstance(row.get("key"), int) or not isinstance(row.get("prompt"), str):
+        raise ValueError(f"{where}: an IFEval row needs an int 'key' and a str 'prompt'")
+    ids, kw = row.get("instruction_id_list"), row.get("kwargs")
+    if not isinstance(ids, list) or not isinstance(kw, list) or len(ids) != len(kw):
+        raise ValueError(f"{where}: 'instruction_id_list' and 'kwargs' must be lists of equal length")
+
+
+def check_arc_row(row: dict[str, Any], where: str) -> None:
+    ch = row.get("choices")
+    if not isinstance(row.get("question"), str) or not isinstance(ch, dict):
+        raise ValueError(f"{where}: an ARC row needs 'question' (str) and 'choices' {{'text': [...], 'label': [...]}}")
+    if len(ch.get("text", [])) != len(ch.get("label", [])) or len(ch.get("label", [])) < 2:
+        raise ValueError(f"{where}: choices.text and choices.label must have the same length (at least 2)")
+    if row.get("answerKey") not in ch["label"]:
+        raise ValueError(f"{where}: answerKey {row.get('answerKey')!r} is not one of the labels {ch['label']}")
+
+
+def check_gsm8k_row(row: dict[str, Any], where: str) -> None:
+    if not isinstance(row.get("question"), str) or "####" not in str(row.get("answer", "")):
+        raise ValueError(f"{where}: a GSM8K row needs 'question' and an 'answer' ending in '#### <number>'")
+    if parse_gold_number(row["answer"]) is None:
+        raise ValueError(f"{where}: no number after '####' in the answer")
+
+
+CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
+    "ifeval": check_ifeval_row, "arc": check_arc_row, "gsm8k": check_gsm8k_row,
+}
+
+
+def read_source(path: str | os.PathLike, name: str) -> list[dict[str, Any]]:
+    """Rows of a local JSONL, each checked against the data set's format (errors name the line)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"--source {path} does not exist")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{i} is not valid JSON ({e})") from None
+            CHECKS[name](row, f"{path}:{i}")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no rows")
+    return rows
+
+
+def fetch_hub_rows(data: HubData, timeout_s: float = 10.0) -> tuple[list[dict[str, Any]], str]:
+    """(rows, commit sha) from the Hub; fails fast offline, naming the --source fix."""
+    fix = f"Without Hub access, pass a local JSONL of {data.name} rows with --source PATH."
+    if hub_offline():
+        raise ValueError(f"cannot fetch {data.repo_id}: Hugging Face Hub access is off (HF_HUB_OFFLINE=1). {fix}")
+    from huggingface_hub import HfApi
+
+    try:
+        commit = HfApi().dataset_info(data.repo_id, revision=data.revision, timeout=timeout_s).sha
+        from datasets import load_dataset
+
+        ds = load_dataset(data.repo_id, data.config, split=data.split, revision=commit)
+    except Exception as e:  # network, auth or a bad revision: all end the same way
+        raise ValueError(f"cannot fetch {data.repo_id}@{data.revision} ({type(e).__name__}: {e}). {fix}") from e
+    rows = [dict(r) for r in ds]
+    for i, r in enumerate(rows):
+        CHECKS[data.name](r, f"{data.repo_id} row {i}")
+    return rows, commit
+
+
+def prepare_data(data: HubData, root: str | os.PathLike, source: str | None = None) -> dict[str, Any]:
+    """Write `<root>/<name>/<name>.jsonl`, then its manifest; return the manifest."""
+    folder = Path(root) / data.name
+    if source:
+        rows = read_source(source, data.name)
+        origin = {"local_source": str(Path(source).resolve()), "source_sha256": sha256_file(source)}
+    else:
+        rows, commit = fetch_hub_rows(data)
+        origin = {"repo_id": data.repo_id, "config": data.config, "split": data.split,
+                  "revision_requested": data.revision, "commit": commit}
+    path = atomic_write_jsonl(folder / f"{data.name}.jsonl", rows)
+    manifest = {"data": data.name, "origin": origin, "rows": len(rows), "file": path.name, "sha256": sha256_file(path)}
+    atomic_write_json(folder / "manifest.json", manifest)
+    return manifest
+
+
+def load_data(data: HubData, root: str | os.PathLike,
+              source: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(rows, data provenance) from --source, else from the prepared copy under `root`."""
+    if source:
+        return read_source(source, data.name), {"source": str(Path(source).resolve()), "sha256": sha256_file(source)}
+    folder = Path(root) / data.name
+    mpath = folder / "manifest.json"
+    if not mpath.exists():
+        raise ValueError(f"{folder} holds no prepared {data.name} data; run the stage with --prepare "
+                         "(needs Hub access), or pass a local JSONL with --source PATH")
+    manifest = read_json(mpath)
+    path = folder / manifest["file"]
+    digest = sha256_file(path)
+    if digest != manifest["sha256"]:
+        raise ValueError(f"{path} does not match its manifest's sha256 (edited or damaged); re-run --prepare")
+    info = {"prepared": str(path.resolve()), "sha256": digest, "origin": manifest["origin"]}
+    return read_source(path, data.name), info

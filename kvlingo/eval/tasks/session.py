@@ -1,0 +1,110 @@
+"""What the generative evaluations (ifeval.py, task_eval.py) share: their flags, the pair and translator
+they answer with, and the checksummed rows log they resume from.
+
+Order of work: the pair is resolved from configs and tokenizers and the translator folder is
+checked first; weights load only after every refusal had its chance (`open_session`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from ...core.handoff import stop_ids
+from ...core.translator import load_translator, read_manifest
+from ...io import sha256_file
+from ...run import resume
+from ...run.models import load_pair, pair_config_from_args
+from ...run.paths import TRANSLATORS, RunPaths
+from ...run.stage import add_common_args
+from ..itemrows import ItemRows
+from .data import HubData, prepare_data
+from .generate import CONTROL_PATHS
+
+# Stage settings a resume may change: they pick which rows are reported, never what a row holds.
+ROW_SAFE = ("settings.limit", "settings.controls", "settings.max_accuracy_loss")
+
+
+def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None:
+    """The flags IFEval and the task evaluation share (besides --profile, the pair and the run folders)."""
+    add_common_args(ap)
+    ap.add_argument("--limit", type=int, default=None, help=f"{items_help} (default: the profile's)")
+    ap.add_argument("--native", action="store_true", help="score the native paths only (native source, native target)")
+    ap.add_argument("--translator", choices=TRANSLATORS, default="distilled",
+                    help="which translator of the run answers: ARTIFACTS/RUN/{distilled,closed_form}")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="greedy generation cap per answer (default: the profile's max_new_tokens)")
+    ap.add_argument("--thinking", action="store_true",
+                    help="render the prompt with enable_thinking=True (default False: an empty think block)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep finished rows whose input hash matches; refuse if a setting, input or the code changed")
+    ap.add_argument("--source", default=None, metavar="PATH",
+                    help="local JSONL of the data set's rows (offline); with --prepare, copied into the data root")
+    ap.add_argument("--data-root", default="data", help=f"prepared data root: DATA_ROOT/{data_folder}/")
+    ap.add_argument("--prepare", action="store_true",
+                    help=f"fetch {data_help} into DATA_ROOT/{data_folder}/ (or copy --source there) and exit")
+    ap.add_argument("--no-controls", action="store_true",
+                    help="translated runs: skip the control (another item's translated cache) and no-context "
+                    "(target from the last prompt token alone) paths, which double the generation work")
+
+
+def prepare_and_exit(data: HubData, args, stage: str) -> None:
+    """`--prepare`: copy or fetch the data set into DATA_ROOT/<name>/, say so, and stop."""
+    try:
+        manifest = prepare_data(data, args.data_root, args.source)
+    except ValueError as e:
+        raise SystemExit(f"{stage}: {e}") from None
+    print(f"wrote {manifest['rows']} {data.name} rows to {Path(args.data_root) / data.name} ({manifest['origin']})")
+
+
+def control_paths(args, n_items: int) -> tuple[str, ...]:
+    """The floors a translated run scores (none for --native, --no-controls or a single item)."""
+    if args.native or args.no_controls:
+        return ()
+    if n_items < 2:
+        print("note: one item only; the control path needs two, so the controls are skipped")
+        return ()
+    return CONTROL_PATHS
+
+
+class Session:
+    """A checked, loaded pair (and translator) plus the run's rows log and what happened to each row."""
+
+    def __init__(self, args, paths: RunPaths):
+        self.pair_cfg, tokenizer = pair_config_from_args(args)  # refuses a bad pair before any weights load
+        self.translator_dir: Path | None = None
+        self.translator_info: dict[str, Any] | None = None
+        if not args.native:
+            self.translator_dir = paths.translator(args.translator)
+            read_manifest(self.translator_dir)  # refuses a missing or damaged translator before any weights load
+        self.pair = load_pair(self.pair_cfg, tokenizer)
+        self.translator = None
+        if self.translator_dir is not None:
+            self.translator, info = load_translator(self.translator_dir, self.pair)
+            self.translator_info = {k: info[k] for k in ("path", "family", "key_space", "maps_sha256", "manifest_sha256")}
+        self.eos = stop_ids(self.pair.tokenizer)
+        self.log: ItemRows | None = None
+        self.counts = {"generated": 0, "resumed": 0, "reused_from_sibling": 0}
+
+    @property
+    def translator_inputs(self) -> dict[str, Any]:
+        return {"translator_manifest_sha256": self.translator_info["manifest_sha256"] if self.translator_info else None}
+
+    def open_rows(self, path: Path, settings: Any, inputs: dict[str, Any], code: str, resume_: bool,
+                  sibling: Path) -> ItemRows:
+        """The rows log, whose header holds this run's resume identity (settings, inputs, pair, code)."""
+        ident = resume.identity(settings, inputs, self.pair_cfg.identities(), code)
+        self.log = ItemRows(path, ident, resume_, donors=[sibling], ignore=ROW_SAFE)
+        return self.log
+
+    def finished(self, key: str, make: Callable[[], dict]) -> dict:
+        """The row for `key`: resumed, copied from the sibling log, or made now and appended."""
+        how = "resumed" if key in self.log else "reused_from_sibling"
+        row = self.log.get(key)
+        if row is None:
+            how, row = "generated", self.log.append(key, make())
+        self.counts[how] += 1
+        return row
+
+    def rows_input(self) -> dict[str, Any]:
+        return {"path": str(self.log.path), "sha256": sha256_file(self.log.path)}

@@ -1,0 +1,126 @@
+"""Files: atomic writes, JSON and JSONL, and content hashes.
+
+Every file the suite produces goes through `atomic_write_*`: the bytes land in a temp
+file in the same folder, are fsynced, and replace the target with `os.replace`. A kill
+at any moment leaves either the old file or the new one, never half of either. A kill
+can leave the temp file itself behind (`.NAME.*.tmp`); `remove_stale_temps` clears
+those on the next run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
+
+
+# --------------------------------------------------------------------------- atomic writes
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give them the usual permissions
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # The previous file (if any) is untouched; only the temp file is dropped.
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return to_jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 1) == 0:
+        return obj.item()  # numpy / torch scalars
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(to_jsonable(obj), indent=2, sort_keys=False, allow_nan=True) + "\n"
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, dumps(obj))
+
+
+def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> Path:
+    text = "".join(json.dumps(to_jsonable(r), sort_keys=True) + "\n" for r in rows)
+    return atomic_write_text(path, text)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# --------------------------------------------------------------------------- hashes
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Hash of a JSON-able object in canonical form (sorted keys, no whitespace)."""
+    text = json.dumps(to_jsonable(obj), sort_keys=True, separators=(",", ":"))
+    return sha256_bytes(text.encode("utf-8"))
+
+
+def sha256_tree(paths: Iterable[str | os.PathLike], root: str | os.PathLike = ROOT) -> str:
+    """One hash over several files, keyed by their path relative to `root`."""
+    h = hashlib.sha256()
+    for p in sorted(Path(p).resolve() for p in paths):
+        h.update(str(p.relative_to(Path(root).resolve())).encode())
+        h.update(b"\0")
+        h.update(sha256_file(p).encode())
+    return h.hexdigest()
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temp files a killed `atomic_write_bytes` left in `folder` (not recursive)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    stale = [p for p in folder.iterdir() if p.is_file() and p.name.startswith(".") and p.name.endswith(".tmp")]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale

@@ -1,0 +1,1 @@
+"""Running stages: the pair and its config, run folders, profiles, reports, resume keys, data preparation, the recipe."""

@@ -1,0 +1,366 @@
+"""The source/target pair: naming, resolving and checking it before any weights load, then loading it.
+
+A model is named by a Hub id plus a pinned commit revision, or by a local folder saved
+with `save_pretrained`. `resolve_pair` reads only the two configs and tokenizers, refuses a
+pair no translator can join (`check_pair`: each refusal names the field, both values and
+the fix), and returns a `PairConfig` of resolved values (device, dtype, model identities,
+tokenizer digest) that every stage config nests and every resume key includes.
+`load_pair` then loads the weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Pinned Hub revisions (commit shas) of the default pair.
+LARGE_ID = "Qwen/Qwen3-1.7B"
+SMALL_ID = "Qwen/Qwen3-0.6B"
+PINNED_REVISIONS = {
+    LARGE_ID: "70d244cc86ccca08cf5af4e1e306ecf908b1ad5e",
+    SMALL_ID: "c1899de289a04d12100db370d81485cdf75e47ca",
+}
+DIRECTIONS = ("l2s", "s2l")  # l2s: large builds the cache, small continues
+
+
+class PairError(ValueError):
+    """A source/target pair (or an input) the adapter cannot serve."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name_or_path: str  # Hub id or local folder
+    revision: str | None = None  # commit sha for Hub ids; None for local folders
+
+    @property
+    def is_local(self) -> bool:
+        return Path(self.name_or_path).exists()
+
+    @classmethod
+    def parse(cls, text: str, revision: str | None = None) -> "ModelSpec":
+        """`id`, `id@revision` or a local path. Known Hub ids get their pinned revision."""
+        if Path(text).exists():
+            return cls(str(Path(text)), None)
+        name, _, rev = text.partition("@")
+        return cls(name, revision or rev or PINNED_REVISIONS.get(name, "main"))
+
+    def identity(self) -> dict[str, Any]:
+        """What a resume compares: id + revision for the Hub, a weights digest for folders."""
+        if self.is_local:
+            return {"path": str(Path(self.name_or_path).resolve()), "weights_sha256": local_weights_digest(self.name_or_path)}
+        return {"id": self.name_or_path, "revision": self.revision}
+
+
+def pair_specs(direction: str, large: ModelSpec, small: ModelSpec) -> tuple[ModelSpec, ModelSpec]:
+    """(source, target) for a direction."""
+    if direction not in DIRECTIONS:
+        raise PairError(f"direction {direction!r} is not one of {DIRECTIONS}; use DIRECTION=l2s or DIRECTION=s2l")
+    return (large, small) if direction == "l2s" else (small, large)
+
+
+def local_weights_digest(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(path).iterdir() if p.suffix in {".safetensors", ".bin"} or p.name == "config.json")
+    if not files:
+        raise PairError(f"{path} holds no weights (*.safetensors); save the model there with save_pretrained")
+    for p in files:
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- device and dtype
+def resolve_device(device: str | None = None) -> str:
+    """'auto' (or None/'') picks cuda, then mps, then cpu."""
+    if device and device != "auto":
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise PairError(f"DEVICE={device} but torch sees no CUDA device; use DEVICE=cpu or DEVICE=auto")
+        if device == "mps" and not torch.backends.mps.is_available():
+            raise PairError("DEVICE=mps but MPS is not available; use DEVICE=cpu or DEVICE=auto")
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise PairError(f"DTYPE={dtype} is not supported; use one of bfloat16, float32, float16")
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- loading
+def hub_offline() -> bool:
+    """Whether the environment switches Hugging Face Hub access off (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)."""
+    on = {"1", "true", "yes", "on"}
+    return any(os.environ.get(v, "").strip().lower() in on for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _hub_hint(spec: ModelSpec, err: Exception) -> "PairError":
+    offline = hub_offline()
+    return PairError(
+        f"could not load {spec.name_or_path} (revision {spec.revision}): {type(err).__name__}: {err}\n"
+        + ("HF_HUB_OFFLINE=1 is set, so only locally cached models load. " if offline else "")
+        + "Download it once with network access (`huggingface-cli download "
+        f"{spec.name_or_path} --revision {spec.revision}`), or pass a local folder."
+    )
+
+
+def load_tokenizer(spec: ModelSpec):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(spec.name_or_path, revision=spec.revision)
+    except (OSError, ValueError) as err:
+        raise _hub_hint(spec, err) from err
+
+
+def load_model(spec: ModelSpec, device: str = "cpu", dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
+    """A frozen model in eval mode. Built outside inference_mode: CPU BF16 kernels are far slower inside it."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.name_or_path, revision=spec.revision, dtype=dtype, attn_implementation=attn
+        )
+    except (OSError, ValueError) as err:
+        raise _hub_hint(spec, err) from err
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def weights_fingerprint(model) -> str:
+    """sha256 over every parameter's bytes: proves the frozen models were not touched."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- the pair check
+def tokenizer_digest(tok) -> str:
+    """sha256 over vocabulary, merges and special/added tokens (not the chat template text)."""
+    state = json.loads(tok.backend_tokenizer.to_str())
+    model = state.get("model", {})
+    payload = {
+        "type": model.get("type"),
+        "vocab": sorted(model.get("vocab", {}).items(), key=lambda kv: kv[1]),
+        "merges": model.get("merges", []),
+        "added": sorted((t["id"], t["content"], t.get("special", False)) for t in state.get("added_tokens", [])),
+        "special_ids": sorted(set(tok.all_special_ids)),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def tokenizer_difference(a, b) -> str:
+    """What differs between two tokenizers, in words: vocabulary size, the first differing ids, added tokens."""
+    sa, sb = json.loads(a.backend_tokenizer.to_str()), json.loads(b.backend_tokenizer.to_str())
+    va, vb = sa.get("model", {}).get("vocab", {}), sb.get("model", {}).get("vocab", {})
+    added_a = {(t["id"], t["content"]) for t in sa.get("added_tokens", [])}
+    added_b = {(t["id"], t["content"]) for t in sb.get("added_tokens", [])}
+    parts = []
+    if len(va) != len(vb) or len(added_a) != len(added_b):
+        parts.append(f"vocabulary {len(va)}+{len(added_a)} added vs {len(vb)}+{len(added_b)} added")
+    ids_a, ids_b = {i: t for t, i in va.items()}, {i: t for t, i in vb.items()}
+    diff = sorted(i for i in set(ids_a) | set(ids_b) if ids_a.get(i) != ids_b.get(i))
+    if diff:
+        i = diff[0]
+        parts.append(f"{len(diff)} ids map to other tokens, first id {i}: {ids_a.get(i)!r} vs {ids_b.get(i)!r}")
+    only = sorted(added_a ^ added_b)
+    if only:
+        parts.append(f"added tokens differ, e.g. {only[0]}")
+    if not parts and sa.get("model", {}).get("merges") != sb.get("model", {}).get("merges"):
+        parts.append("same vocabulary, different merges")
+    if not parts:
+        parts.append("special token ids differ")
+    return "; ".join(parts)
+
+
+PROBE_CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Remember the code K7-42 and the name Ada."},
+    {"role": "assistant", "content": "Noted: K7-42, Ada."},
+    {"role": "user", "content": "What was the code?"},
+]
+
+
+def render_ids(tok, messages, enable_thinking: bool) -> list[int]:
+    out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, enable_thinking=enable_thinking)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _refuse(field: str, src: Any, tgt: Any, fix: str) -> None:
+    raise PairError(f"pair refused: {field} differs (source={src!r}, target={tgt!r}). {fix}")
+
+
+def check_pair(src_cfg, tgt_cfg, src_tok=None, tgt_tok=None) -> None:
+    """Refuse a pair the head-wise adapter cannot join. Configs are model.config objects."""
+    for name, cfg in (("source", src_cfg), ("target", tgt_cfg)):
+        if getattr(cfg, "model_type", None) != "qwen3":
+            raise PairError(
+                f"pair refused: the {name} model is {getattr(cfg, 'model_type', None)!r}, not 'qwen3'. "
+                "The adapter handles Qwen3 dense models only (k_norm, default RoPE); pick a Qwen3 checkpoint."
+            )
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+            raise PairError(
+                f"pair refused: the {name} model uses non-full attention (use_sliding_window="
+                f"{getattr(cfg, 'use_sliding_window', None)}, layer_types={sorted(set(layer_types))}). "
+                "A sliding-window cache holds a different token set per layer; set use_sliding_window=false."
+            )
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        # transformers v5 folds any legacy `rope_scaling` into rope_parameters["rope_type"]
+        if rope.get("rope_type", "default") != "default":
+            raise PairError(
+                f"pair refused: the {name} model's RoPE is {rope!r}, not the default schedule. "
+                "Scaled RoPE (yarn, linear, dynamic...) is not stripped exactly; remove rope_scaling."
+            )
+    checks = [
+        ("num_hidden_layers", "the maps are one per layer; pick models with the same depth."),
+        ("num_key_value_heads", "the maps are one per KV head; pick models with the same KV-head count."),
+        ("head_dim", "RoPE frequencies are per head dimension; pick models with the same head_dim."),
+    ]
+    for field, fix in checks:
+        a, b = getattr(src_cfg, field), getattr(tgt_cfg, field)
+        if a != b:
+            _refuse(field, a, b, fix)
+    if src_tok is not None and tgt_tok is not None:
+        a, b = tokenizer_digest(src_tok), tokenizer_digest(tgt_tok)
+        if a != b:
+            _refuse(f"tokenizer ({tokenizer_difference(src_tok, tgt_tok)})", a[:16], b[:16],
+                    "a cache is indexed by token ids, so both models must share one tokenizer.")
+        for thinking in (True, False):
+            ra, rb = render_ids(src_tok, PROBE_CONVERSATION, thinking), render_ids(tgt_tok, PROBE_CONVERSATION, thinking)
+            if ra != rb:
+                first = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+                _refuse(f"chat template rendering (enable_thinking={thinking}, first differing token {first})",
+                        ra[first:first + 8], rb[first:first + 8],
+                        "both chat templates must render identical token ids; use the same chat_template.")
+
+
+# --------------------------------------------------------------------------- the resolved pair
+@dataclass(frozen=True)
+class PairConfig:
+    """A pair as every stage config records it: resolved values only, never "auto"."""
+
+    large: str  # larger model as given: Hub id[@rev] or local folder
+    small: str  # smaller model as given
+    direction: str  # l2s: large builds the cache, small continues; s2l the reverse
+    device: str  # resolved device (cuda, mps or cpu)
+    dtype: str  # model dtype name (bfloat16, float32, float16)
+    source: dict  # identity of the source: {"id", "revision"} (Hub) or {"path", "weights_sha256"} (folder)
+    target: dict  # identity of the target, the same way
+    tokenizer_sha256: str  # tokenizer_digest of the shared tokenizer (vocab, merges, special ids)
+    chat_template_sha256: str  # sha256 of the target tokenizer's chat template text
+
+    def specs(self) -> tuple[ModelSpec, ModelSpec]:
+        return pair_specs(self.direction, ModelSpec.parse(self.large), ModelSpec.parse(self.small))
+
+    def identities(self) -> dict[str, Any]:
+        return {"source": self.source, "target": self.target}
+
+
+def load_config(spec: ModelSpec):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision)
+    except (OSError, ValueError) as err:
+        raise _hub_hint(spec, err) from err
+
+
+def resolve_pair(large: str, small: str, direction: str = "l2s", device: str = "auto",
+                 dtype: str = "bfloat16") -> tuple[PairConfig, Any]:
+    """Check a pair from its configs and tokenizers alone (no weights), and resolve it.
+
+    Returns (PairConfig, the target's tokenizer). Raises PairError before any weights load.
+    """
+    src_spec, tgt_spec = pair_specs(direction, ModelSpec.parse(large), ModelSpec.parse(small))
+    device, dt = resolve_device(device), resolve_dtype(dtype)
+    src_tok, tgt_tok = load_tokenizer(src_spec), load_tokenizer(tgt_spec)
+    check_pair(load_config(src_spec), load_config(tgt_spec), src_tok, tgt_tok)
+    from ..io import sha256_json
+
+    cfg = PairConfig(large=large, small=small, direction=direction, device=device, dtype=dtype_name(dt),
+                     source=src_spec.identity(), target=tgt_spec.identity(),
+                     tokenizer_sha256=tokenizer_digest(tgt_tok),
+                     chat_template_sha256=sha256_json(getattr(tgt_tok, "chat_template", None)))
+    return cfg, tgt_tok
+
+
+@dataclass
+class Pair:
+    """A checked source/target pair, resident on one device."""
+
+    source: Any
+    target: Any
+    tokenizer: Any  # the shared tokenizer (None for random-weight pairs)
+    config: PairConfig
+
+    @property
+    def direction(self) -> str:
+        return self.config.direction
+
+    @property
+    def device(self) -> str:
+        return self.config.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return resolve_dtype(self.config.dtype)
+
+    @property
+    def source_spec(self) -> ModelSpec:
+        return self.config.specs()[0]
+
+    @property
+    def target_spec(self) -> ModelSpec:
+        return self.config.specs()[1]
+
+    def identities(self) -> dict[str, Any]:
+        return self.config.identities()
+
+
+def load_pair(cfg: PairConfig, tokenizer=None, attn: str = "sdpa") -> Pair:
+    """Load both models' weights for a resolved (already checked) pair."""
+    src_spec, tgt_spec = cfg.specs()
+    dtype = resolve_dtype(cfg.dtype)
+    source = load_model(src_spec, cfg.device, dtype, attn)
+    target = load_model(tgt_spec, cfg.device, dtype, attn)
+    return Pair(source, target, tokenizer if tokenizer is not None else load_tokenizer(tgt_spec), cfg)
+
+
+def add_pair_args(parser, default_dtype: str = "bfloat16") -> None:
+    """The flags every stage uses to name its pair."""
+    parser.add_argument("--large", default=LARGE_ID, help=f"larger model: Hub id[@rev] or local folder (default {LARGE_ID} @ pinned rev)")
+    parser.add_argument("--small", default=SMALL_ID, help=f"smaller model: Hub id[@rev] or local folder (default {SMALL_ID} @ pinned rev)")
+    parser.add_argument("--direction", choices=DIRECTIONS, default="l2s", help="l2s: large builds the cache, small continues; s2l the reverse")
+    parser.add_argument("--device", default="auto", help="cuda, mps, cpu or auto (cuda, then mps, then cpu)")
+    parser.add_argument("--dtype", default=default_dtype, help="model dtype: bfloat16 or float32")
+
+
+def pair_config_from_args(args) -> tuple[PairConfig, Any]:
+    """`resolve_pair` of the --large/--small/--direction/--device/--dtype flags."""
+    return resolve_pair(args.large, args.small, args.direction, args.device, args.dtype)

@@ -1,0 +1,80 @@
+"""Where a run's files live, decided in one place.
+
+    ARTIFACTS/RUN/closed_form/   translator fitted in closed form
+    ARTIFACTS/RUN/distilled/     the same after distillation
+    ARTIFACTS/RUN/checkpoints/   distillation checkpoints
+    RESULTS/RUN/<stage>.json     each stage's report (with .md, .png and .rows.jsonl beside it)
+    DATA/<profile>/              prepared chat data (paper_data.py)
+
+RUN defaults to PROFILE-DIRECTION (`default_run`); every stage takes the same three flags
+(`add_run_args`: --run, --artifacts, --results) and builds its folders with `RunPaths`.
+A run nested in another (the recipe's cells) is just a longer run name, `RUN/cell`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+TRANSLATORS = ("closed_form", "distilled")  # the translator folders a training run writes
+
+
+def default_run(profile: str, direction: str) -> str:
+    return f"{profile}-{direction}"
+
+
+def default_data(profile: str, root: str | Path = "data") -> Path:
+    return Path(root) / profile
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    run: str  # run name; may hold '/' for a run nested in another
+    artifacts_root: str = "artifacts"
+    results_root: str = "results"
+
+    @property
+    def art(self) -> Path:
+        return Path(self.artifacts_root) / self.run
+
+    @property
+    def res(self) -> Path:
+        return Path(self.results_root) / self.run
+
+    def translator(self, kind: str = "distilled") -> Path:
+        if kind not in TRANSLATORS:
+            raise ValueError(f"translator {kind!r} is not one of {TRANSLATORS}")
+        return self.art / kind
+
+    def translators(self, kinds=TRANSLATORS) -> tuple[dict[str, Path], list[str]]:
+        """({kind: folder} of the complete translators among `kinds`, [kinds that are missing])."""
+        found = {k: self.translator(k) for k in kinds if (self.translator(k) / "manifest.json").is_file()}
+        return found, [k for k in kinds if k not in found]
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.art / "checkpoints"
+
+    def report(self, stem: str) -> Path:
+        return self.res / f"{stem}.json"
+
+    def beside(self, stem: str, suffix: str) -> Path:
+        """A file next to a report: results/RUN/<stem><suffix> (.md, .png, .rows.jsonl)."""
+        return self.res / f"{stem}{suffix}"
+
+    def nested(self, name: str) -> "RunPaths":
+        return RunPaths(f"{self.run}/{name}", self.artifacts_root, self.results_root)
+
+
+def add_run_args(parser, required: bool = False) -> None:
+    """--run, --artifacts and --results: the same three flags on every stage."""
+    parser.add_argument("--run", required=required, default=None,
+                        help="run name: files go to ARTIFACTS/RUN/ and RESULTS/RUN/ (default PROFILE-DIRECTION)")
+    parser.add_argument("--artifacts", default="artifacts", help="artifacts root: translators and checkpoints")
+    parser.add_argument("--results", default="results", help="results root: reports")
+
+
+def run_paths(args) -> RunPaths:
+    """RunPaths of parsed stage flags (--run, or PROFILE-DIRECTION from --profile and --direction)."""
+    run = args.run or default_run(args.profile, args.direction)
+    return RunPaths(run, args.artifacts, args.results)

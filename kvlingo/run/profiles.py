@@ -1,0 +1,89 @@
+"""Run profiles: the budgets every stage reads. Data, not branches.
+
+A profile fixes how much data each split holds, how long distillation runs and at which
+learning rate, the token caps, the evaluation sizes, the timing screen and the recipe's
+budget. Stages look a profile up by name with `get_profile`; a flag given on the command
+line wins over the profile's value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str  # profile name, also the folder under data/
+    n_train: int  # training conversations (natural variant)
+    n_validation: int  # validation conversations: learning-rate selection only
+    n_test: int  # held-out test conversations: reported numbers only
+    n_fit: int  # train conversations used by the closed-form fit
+    updates: int  # distillation optimiser updates
+    batch: int  # conversations accumulated per update (the adapter is batch-one)
+    prefix_cap: int  # max prefix tokens; longer prefixes are cropped at a turn boundary
+    reply_cap: int  # max reply tokens; longer replies are cropped
+    ifeval_prompts: int  # IFEval prompts scored (541 is the full set)
+    task_items: int  # ARC-Challenge / GSM8K items scored
+    val_every: int  # validation KL every N updates
+    checkpoint_every: int  # atomic checkpoint every N updates
+    n_packed: int  # packed (long-context) examples per split
+    timing_warmups: int  # untimed warm-up runs before each timed path
+    timing_repeats: int  # timed trials per path
+    max_new_tokens: int  # generation cap for IFEval / tasks
+    lr_grid_size: int  # learning rates in the recipe's first grid (half-decade spaced)
+    recipe_seeds: tuple[int, ...]  # seeds trained at the chosen learning rate
+    lr: tuple[float, float] = (1e-4, 1e-3)  # AdamW learning rate for (l2s, s2l)
+    fit_weighting: str = "uniform"  # closed-form weighting: uniform, or attention (the target's reply-time attention)
+    recipe_lr_center: float | None = None  # centre of the recipe's rate grid (None: the profile's rate)
+    recipe_updates: int | None = None  # distillation updates per recipe cell (None: `updates`)
+    recipe_max_extensions: int = 4  # half-decade steps the recipe's grid may grow past an edge winner
+    switch_lengths: tuple[int, ...] = (1000, 2000, 4000, 8000)  # history lengths of switch_cost.py
+    allow_cv: bool = False  # timings over the CV limit are reported, not fatal (a shared CPU)
+
+    def lr_for(self, direction: str) -> float:
+        return self.lr[0] if direction == "l2s" else self.lr[1]
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in [
+        Profile(
+            name="pilot", n_train=256, n_validation=64, n_test=64, n_fit=256, updates=100, batch=1,
+            prefix_cap=1024, reply_cap=128, ifeval_prompts=32, task_items=64, val_every=25,
+            checkpoint_every=100, n_packed=16, timing_warmups=5, timing_repeats=30,
+            max_new_tokens=1024, lr_grid_size=5, recipe_seeds=(42, 43, 44),
+        ),
+        Profile(
+            name="paper-budget", n_train=40_000, n_validation=64, n_test=64, n_fit=400, updates=5_000,
+            batch=8, prefix_cap=16_384, reply_cap=2_048, ifeval_prompts=541, task_items=1_172,
+            val_every=250, checkpoint_every=100, n_packed=64, timing_warmups=5, timing_repeats=30,
+            max_new_tokens=1024, lr_grid_size=5, recipe_seeds=(42, 43, 44),
+        ),
+        # The offline toy world on a 2-core CPU: every stage runs for real, in minutes.
+        Profile(
+            name="demo", n_train=512, n_validation=32, n_test=48, n_fit=128, updates=400, batch=4,
+            prefix_cap=384, reply_cap=48, ifeval_prompts=32, task_items=48, val_every=40,
+            checkpoint_every=40, n_packed=8, timing_warmups=2, timing_repeats=8,
+            max_new_tokens=48, lr_grid_size=2, recipe_seeds=(42,),
+            # The toy pair's maps learn fastest near 3e-3 (the recipe's validation-only choice on this
+            # pair: 3.16e-3 of 1e-3 / 3.16e-3 / 1e-2); the attention-weighted fit starts lower.
+            lr=(3e-3, 3e-3), fit_weighting="attention",
+            # The demo's recipe is small: two rates around 1e-3, 100 updates per cell, one seed.
+            recipe_lr_center=1e-3, recipe_updates=100, recipe_max_extensions=1,
+            switch_lengths=(250, 500, 1000), allow_cv=True,
+        ),
+        # Seconds, for the test suite's end-to-end pass.
+        Profile(
+            name="tiny", n_train=24, n_validation=6, n_test=6, n_fit=12, updates=4, batch=2,
+            prefix_cap=96, reply_cap=16, ifeval_prompts=4, task_items=4, val_every=2,
+            checkpoint_every=2, n_packed=2, timing_warmups=1, timing_repeats=3,
+            max_new_tokens=12, lr_grid_size=2, recipe_seeds=(42, 43),
+        ),
+    ]
+}
+
+
+def get_profile(name: str, **overrides) -> Profile:
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile {name!r}; choose one of {sorted(PROFILES)}")
+    return replace(PROFILES[name], **overrides) if overrides else PROFILES[name]

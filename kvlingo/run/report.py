@@ -1,0 +1,219 @@
+"""The one report schema every stage writes, its provenance, and the small formatters of its tables.
+
+A report is a `Report`: what ran (stage, config), on what (inputs with their hashes), where
+(env: git sha and dirty flag, library versions, device, dtype, threads), what came out
+(results, one dataclass per stage), how much of it (n_samples), and which direction each
+headline metric should move (`metrics`). Raw per-item rows go in a file beside the report,
+named with its sha256 in `files`; the report is written last, so its presence marks a
+finished stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..io import ROOT, atomic_write_json, atomic_write_jsonl, atomic_write_text, read_json, sha256_file, sha256_json, to_jsonable
+
+SCHEMA_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One headline number of a stage's results: where it lives and which way is better."""
+
+    name: str  # dotted path inside `results`, e.g. "distilled_val_kl" or "arms.distilled.kl_token_mean"
+    higher_is_better: bool
+    definition: str
+
+
+# --------------------------------------------------------------------------- provenance
+def git_state(root: str | os.PathLike = ROOT) -> dict[str, Any]:
+    def run(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    sha = run("rev-parse", "HEAD")
+    status = run("status", "--porcelain", "--untracked-files=no")
+    return {"git_sha": sha, "git_dirty": bool(status) if status is not None else None}
+
+
+def environment(device: str | None = None, dtype: str | None = None) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    env: dict[str, Any] = {
+        **git_state(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+    }
+    if device and device.startswith("cuda") and torch.cuda.is_available():
+        env["device_name"] = torch.cuda.get_device_name(0)
+    return env
+
+
+# --------------------------------------------------------------------------- the schema
+@dataclass
+class Report:
+    stage: str  # which stage wrote it (prepare, train, benchmark, ...)
+    config: Any  # the stage's frozen config dataclass (the pair config nested in it)
+    inputs: dict[str, Any]  # every input by name, each with its sha256 (or a dict holding one)
+    results: Any  # the stage's results dataclass
+    n_samples: dict[str, Any]  # sample sizes behind the results
+    wall_time_s: float
+    device: str | None = None
+    dtype: str | None = None
+    seeds: Any = None
+    resume_key: str | None = None  # the resume key (kvlingo.run.resume) the outputs were made under
+    metrics: tuple[Metric, ...] = ()  # directions of the headline numbers in `results`
+    files: dict[str, str] = field(default_factory=dict)  # output files beside the report → sha256
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "stage": self.stage,
+            "created_unix": time.time(),
+            "config": to_jsonable(self.config),
+            "config_sha256": sha256_json(self.config),
+            "inputs": to_jsonable(self.inputs),
+            "env": environment(self.device, self.dtype),
+            "seeds": to_jsonable(self.seeds),
+            "n_samples": to_jsonable(self.n_samples),
+            "wall_time_s": self.wall_time_s,
+            "resume_key": self.resume_key,
+            "metrics": {m.name: {"higher_is_better": m.higher_is_better, "definition": m.definition}
+                        for m in self.metrics},
+            "files": dict(self.files),
+            "results": to_jsonable(self.results),
+        }
+
+    def write(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Write the report atomically; return what was written."""
+        data = self.to_dict()
+        atomic_write_json(path, data)
+        return data
+
+
+def publish(report: Report, path: str | os.PathLike, rows: list | None = None, markdown: str | None = None,
+            echo: bool = True, checks: dict | None = None) -> dict[str, Any]:
+    """A stage's outputs in order: the rows file and the markdown summary beside the report, then the
+    report itself (last: its presence marks a finished stage, and it holds the rows file's sha256).
+
+    With `checks` ({"passed", "failed"}), a failed check ends the stage with exit status 1 once
+    everything is written.
+    """
+    path = Path(path)
+    stem = path.name.removesuffix(".json")
+    if rows is not None:
+        rows_path = path.with_name(f"{stem}.rows.jsonl")
+        atomic_write_jsonl(rows_path, rows)
+        report.files[rows_path.name] = sha256_file(rows_path)
+    if markdown is not None:
+        atomic_write_text(path.with_name(f"{stem}.md"), markdown)
+        if echo:
+            print(markdown)
+    data = report.write(path)
+    if echo:
+        print(f"wrote {path}")
+    if checks is not None and not checks["passed"]:
+        raise SystemExit(f"{report.stage} checks failed: " + "; ".join(checks["failed"]))
+    return data
+
+
+def read_report(path: str | os.PathLike, stage: str | None = None) -> dict[str, Any]:
+    """A report from disk, refusing one of another stage. ValueError names the file and the problem."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable report ({type(e).__name__}: {e})") from e
+    if stage is not None and data.get("stage") != stage:
+        raise ValueError(f"{path} is a {data.get('stage')!r} report, not {stage!r}")
+    return data
+
+
+def results_of(cls, data: dict[str, Any]):
+    """A stage's results dataclass rebuilt from a report's `results` (unknown keys are refused)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = set(data) - names
+    if extra:
+        raise ValueError(f"{cls.__name__} has no fields {sorted(extra)}; the report was written by other code")
+    return cls(**data)
+
+
+# --------------------------------------------------------------------------- formatting
+def figure_png(fig) -> bytes:
+    """A matplotlib figure as PNG bytes (then closed), ready for `atomic_write_bytes`."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def fmt_table(headers: list[str], rows: list[list[Any]], floatfmt: str = ".4g") -> str:
+    """A small GitHub-markdown table (also readable on stdout)."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return "" if v is None else str(v)
+
+    body = [[cell(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in body)]) + "\n"
+
+
+def fmt_pm(stat: Any, scale: float = 1.0, fmt: str = ".4g", se_fmt: str | None = None, missing: str = "—") -> str:
+    """'mean ± SE' of a `stats.mean_se` dict, both times `scale`; the SE is left out when it is NaN,
+    and `missing` stands for no value at all (None, no mean, or n = 0)."""
+    if not isinstance(stat, dict) or stat.get("mean") is None or stat.get("n") == 0:
+        return missing
+    mean, se = scale * stat["mean"], stat.get("se")
+    if not isinstance(se, (int, float)) or se != se:
+        return f"{mean:{fmt}}"
+    return f"{mean:{fmt}} ± {scale * se:{se_fmt or fmt}}"
+
+
+def fmt_line_plot(series: dict[str, tuple[list[float], list[float]]], *, xlabel: str, ylabel: str, title: str,
+                  logx: bool = False, logy: bool = False, marker: str = "o") -> bytes:
+    """PNG of named (x, y) series on one axis: the suite's curves (KL against updates, time against length)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker=marker, label=label, lw=1)
+    if logx:
+        ax.set_xscale("log", base=2 if all(float(x).is_integer() for s in series.values() for x in s[0]) else 10)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return figure_png(fig)
+

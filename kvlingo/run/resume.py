@@ -1,0 +1,162 @@
+"""Resume by hash: one identity per stage run, one key from it, one diff and one refusal.
+
+A stage's identity is everything its outputs depend on:
+
+    {"settings": the stage's config (the pair config nested in it),
+     "inputs":   {name: sha256 or {path, sha256, ...}} of every file it reads,
+     "pair":     the source and target identities (Hub id + revision, or a weights digest),
+     "code":     `code_hash` of the stage script and the kvlingo modules it imports}
+
+`resume_key(identity)` is its canonical sha256. The same three answers come from it
+everywhere: a finished output whose recorded key equals the current one is up to date;
+an interrupted one with an equal key is resumed; any difference is refused with
+`ResumeRefused`, whose message names every changed leaf (`diff`) and the fix.
+
+Code hash. A stage hashes its own script plus the closure of `kvlingo` modules it imports,
+found statically from the import statements of each file (function-level imports
+included), so an edit to a module the stage never imports (the toy world, say) leaves its
+key alone, and the hash does not depend on which branch happened to import what.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..io import ROOT, sha256_json, sha256_tree, to_jsonable
+
+PACKAGE = "kvlingo"
+
+
+class ResumeRefused(ValueError):
+    """A resume (or an up-to-date check) against outputs made from other settings, inputs, models or code."""
+
+
+# --------------------------------------------------------------------------- code hash
+def _module_file(name: str) -> Path | None:
+    """The source file of module `name` (dotted) inside the package, or None when it is not ours."""
+    if name != PACKAGE and not name.startswith(PACKAGE + "."):
+        return None
+    base = ROOT / Path(*name.split("."))
+    for cand in (base.with_suffix(".py"), base / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _module_name(path: Path) -> str:
+    rel = path.resolve().relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Dotted names of every module a file imports (absolute and relative, at any depth)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    here = _module_name(path) if path.resolve().is_relative_to(ROOT / PACKAGE) else ""
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if package else []
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)  # `from pkg import module`
+    return out
+
+
+def imported_files(*scripts: str | os.PathLike) -> list[Path]:
+    """The scripts plus every kvlingo source file they import, directly or not, sorted."""
+    todo = [ROOT / s if not Path(s).is_absolute() else Path(s) for s in scripts]
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop().resolve()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in _imports(path):
+            # Importing a.b.c runs a/__init__ and a/b/__init__ too.
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):
+                f = _module_file(".".join(parts[:i]))
+                if f is not None and f.resolve() not in seen:
+                    todo.append(f)
+    return sorted(seen)
+
+
+def code_hash(*scripts: str | os.PathLike) -> str:
+    """sha256 over the scripts and the kvlingo modules they import (relative names from the repository root)."""
+    return sha256_tree(imported_files(*scripts))
+
+
+# --------------------------------------------------------------------------- identity and key
+def identity(settings: Any, inputs: dict[str, Any], pair: Any, code: str) -> dict[str, Any]:
+    return to_jsonable({"settings": settings, "inputs": inputs, "pair": pair, "code": code})
+
+
+def resume_key(ident: dict[str, Any]) -> str:
+    return sha256_json(ident)
+
+
+def finished(report_path: str | os.PathLike, key: str) -> dict[str, Any] | None:
+    """The report at `report_path` when it was made under resume key `key` (up to date), else None."""
+    from ..io import read_json
+
+    try:
+        old = read_json(report_path)
+    except (OSError, ValueError):
+        return None
+    return old if old.get("resume_key") == key else None
+
+
+def _short(v: Any) -> str:
+    s = str(v)
+    return s[:12] + "…" if len(s) == 64 and all(c in "0123456789abcdef" for c in s) else s
+
+
+def diff(old: Any, new: Any, prefix: str = "", ignore: Iterable[str] = ()) -> list[str]:
+    """'name: old → new' for every leaf that differs between two JSON-able trees (dotted names).
+
+    Leaves named in `ignore` (full dotted names) are skipped.
+    """
+    old, new, ignore = to_jsonable(old), to_jsonable(new), set(ignore)
+    if prefix in ignore:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new)):
+            name = f"{prefix}.{k}" if prefix else str(k)
+            out += diff(old.get(k, "(absent)"), new.get(k, "(absent)"), name, ignore)
+        return out
+    return [] if old == new else [f"{prefix or 'value'}: {_short(old)} → {_short(new)}"]
+
+
+def describe(changes: list[str]) -> str:
+    """Group `diff` lines by what changed (settings, inputs, pair, code) for a refusal message."""
+    words = {"settings": "settings changed", "inputs": "data changed", "pair": "models changed",
+             "code": "code changed"}
+    parts = []
+    for line in changes:
+        head = line.split(".")[0].split(":")[0]
+        parts.append(f"{words.get(head, 'changed')}: {line}")
+    return "; ".join(parts)
+
+
+def check(saved: dict[str, Any] | None, current: dict[str, Any], what: str,
+          fix: str = "start a fresh run (drop --resume) or restore the original inputs",
+          ignore: Iterable[str] = ()) -> None:
+    """Raise ResumeRefused unless `saved` equals `current` (up to `ignore`), naming every change."""
+    if saved is None:
+        raise ResumeRefused(f"refusing to resume {what}: it records no identity (made by older code); {fix}")
+    changes = diff(saved, current, ignore=ignore)
+    if changes:
+        raise ResumeRefused(f"refusing to resume {what}: {describe(changes)}; {fix}")

@@ -1,0 +1,78 @@
+"""What the stage scripts share: the common flags, and refusals that end a run with one clear line.
+
+A refusal is an input the stage will not work on: a pair no translator can join, a resume
+against other settings, a translator or data folder made for something else. It is raised as
+one of `REFUSALS` before anything on disk is touched, and `refusals_exit` turns it into one
+line on stderr ("stage: why, and the fix") and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from typing import Callable
+
+from ..core.translator import TranslatorError
+from ..eval.itemrows import RowsError
+from ..eval.timing import CV_LIMIT
+from .data import SplitIntegrityError
+from .models import PairError, add_pair_args
+from .paths import add_run_args
+from .profiles import PROFILES
+from .resume import ResumeRefused
+
+REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError)
+REFUSED_STATUS = 2
+
+
+def refuse(stage: str, message: str) -> None:
+    print(f"{stage}: {message}", file=sys.stderr)
+    raise SystemExit(REFUSED_STATUS)
+
+
+def refusals_exit(stage: str) -> Callable:
+    """Decorator for a stage's main(): a refusal becomes one line and exit status 2."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def main(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except REFUSALS as e:
+                refuse(stage, str(e))
+
+        return main
+
+    return wrap
+
+
+def stage_parser(doc: str, examples: list[str], common: bool = False, data: bool = False) -> argparse.ArgumentParser:
+    """A stage's parser: the first paragraph of its docstring, `--help` ending with examples, and (with
+    `common`) the flags every stage shares (`add_common_args`)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="examples:\n" + "".join(f"  {e}\n" for e in examples))
+    if common:
+        add_common_args(parser, data)
+    return parser
+
+
+def add_timing_args(parser, warmups: str = "the profile's", repeats: str = "the profile's") -> None:
+    """The timing flags: new-turn length, warm-ups, trials and the CV screen (`warmups`/`repeats`: their defaults, in words)."""
+    parser.add_argument("--new-turn-tokens", type=int, default=16, help="k: tokens of the new turn after the context")
+    parser.add_argument("--timing-warmups", type=int, default=None, help=f"untimed warm-ups per path (default: {warmups})")
+    parser.add_argument("--timing-repeats", type=int, default=None, help=f"timed trials per path (default: {repeats})")
+    parser.add_argument("--cv-limit", type=float, default=CV_LIMIT, help="flag timings whose CV exceeds this")
+    parser.add_argument("--allow-cv", action="store_true",
+                        help="do not fail the run on CV flags; they stay in the report (default: the profile's)")
+
+
+def add_common_args(parser, data: bool = False, default_profile: str = "pilot") -> None:
+    """--profile, the pair flags and the run-folder flags (and --data for stages that read prepared chats)."""
+    parser.add_argument("--profile", default=default_profile, choices=sorted(PROFILES),
+                        help=f"run profile: budgets and settings (default {default_profile})")
+    add_pair_args(parser)
+    add_run_args(parser)
+    if data:
+        parser.add_argument("--data", default=None, help="prepared data folder (default data/<profile>)")

@@ -1,0 +1,80 @@
+"""Random-weight models at real or tiny shapes, and random translators for them: timing fixtures.
+
+Weights are drawn N(0, 0.02) directly in the run dtype (no denormals, no NaNs: those would
+distort CPU timings). Values are irrelevant to timing, so these measure speed at the exact
+shapes of kvlingo.eval.shapes without any download.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.headwise import Headwise
+from ..core.translator import Geometry
+from ..eval.shapes import QWEN3_ARCH, RANDOM_PAIRS, qwen3_config
+
+
+def random_model(name: str, device: str, dtype: torch.dtype, seed: int = 0):
+    """A frozen, eval-mode Qwen3 of `name`'s exact shape with small random weights.
+
+    Weights are drawn N(0, 0.02) directly in the run dtype (no denormals, no NaNs: those
+    would distort CPU timings). Built outside inference_mode (CPU BF16 matmuls
+    of a model built inside it ran about 10× slower).
+    """
+    from transformers import Qwen3ForCausalLM
+
+    cfg = qwen3_config(name)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty breaks the embedding/LM-head tie
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if "norm" in name_:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+        # to_empty leaves buffers uninitialised: recompute RoPE's inverse frequencies.
+        rot = model.model.rotary_emb
+        inv_freq, _ = rot.compute_default_rope_parameters(cfg)
+        rot.inv_freq = inv_freq.to(device)
+        rot.original_inv_freq = inv_freq.to(device)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def random_maps(source, target, key_space: str = "prenorm", seed: int = 0) -> HeadwiseMaps:
+    """Near-identity random maps for a pair (values are irrelevant to timing, but kept finite and tame)."""
+    maps = HeadwiseMaps.for_pair(source, target, key_space)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        L, H, d_in, d_out = maps.shape
+        maps.weight.copy_(torch.eye(d_in, d_out) + 0.01 * torch.randn(2, L, H, d_in, d_out, generator=g))
+    return maps.to(next(target.parameters()).device)
+
+
+def random_translator(source, target, key_space: str = "prenorm", seed: int = 0) -> Headwise:
+    """Near-identity random head-wise maps bound to a pair (values are irrelevant to timing, but finite and tame)."""
+    g = Geometry.of(source, target)
+    maps = Headwise(g, key_space)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        shape = maps.weight.shape
+        maps.weight.copy_(torch.eye(g.source_head_dim, g.target_head_dim) + 0.01 * torch.randn(*shape, generator=gen))
+    return maps.to(next(target.parameters()).device).bind(source, target).requires_grad_(False)
+
+
+def random_pair(arch: str = "qwen3", direction: str = "l2s", device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """A `Pair` of random-weight models (no tokenizer): the large/small of `arch` in `direction`."""
+    from ..run.models import ModelSpec, Pair, PairConfig, check_pair, dtype_name, pair_specs
+
+    large, small = RANDOM_PAIRS[arch]
+    src, tgt = pair_specs(direction, ModelSpec(large, "random-weights"), ModelSpec(small, "random-weights"))
+    source = random_model(src.name_or_path, device, dtype, seed=1)
+    target = random_model(tgt.name_or_path, device, dtype, seed=2)
+    check_pair(source.config, target.config)
+    cfg = PairConfig(large=f"{large}@random-weights", small=f"{small}@random-weights", direction=direction,
+                     device=device, dtype=dtype_name(dtype), source=src.identity(), target=tgt.identity(),
+                     tokenizer_sha256="none (random weights, random token ids)", chat_template_sha256="none")
+    return Pair(source, target, None, cfg)

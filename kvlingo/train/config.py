@@ -1,0 +1,56 @@
+"""The training stage's config: one frozen dataclass, written into every checkpoint, translator and report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..run.models import PairConfig
+from ..run.report import Metric
+
+# Settings that decide only when things are measured or written, never the translator: a resume may change them.
+RESUME_SAFE = ("settings.val_every", "settings.checkpoint_every")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    profile: str  # run profile name (data budget, updates, batch)
+    family: str  # translator family (kvlingo.core.translator.FAMILIES)
+    family_settings: dict = field(default_factory=dict)  # the family's own settings (k, rank, base family ...)
+    key_space: str = "prenorm"  # prenorm or cache: what the key maps read and write (kvlingo.core.keyspace)
+    fit_weighting: str = "uniform"  # uniform, or attention: context positions weighted by the target's reply-time attention
+    ridge: float = 0.0  # ridge λ of the closed-form fit (the bias is not shrunk)
+    n_fit: int = 0  # train conversations in the closed-form fit (the first n_fit of a seeded order)
+    updates: int = 0  # distillation optimiser updates
+    batch: int = 1  # conversations accumulated per update (the adapter is batch-one)
+    lr: float = 1e-4  # AdamW learning rate, constant
+    weight_decay: float = 0.0  # AdamW decoupled weight decay; 0 so that the maps are not pulled toward zero, away from the fit
+    max_grad_norm: float = 1.0  # clip of the translator's gradient norm per update; 0 turns it off
+    val_every: int = 1  # validation KL every N updates (and at the end)
+    checkpoint_every: int = 1  # checkpoint every N updates (and at the end)
+    seed: int = 42  # data order and every RNG
+    pair: PairConfig | None = None  # the resolved pair: models, direction, device, dtype, tokenizer digest
+
+    def fit_settings(self) -> dict:
+        """What the closed form depends on (besides data, code and the pair)."""
+        return {"family": self.family, "family_settings": self.family_settings, "key_space": self.key_space,
+                "fit_weighting": self.fit_weighting, "ridge": self.ridge, "n_fit": self.n_fit, "seed": self.seed}
+
+
+@dataclass
+class TrainResults:
+    closed_form_val_kl: float  # validation KL of the closed-form translator (before any update)
+    distilled_val_kl: float | None  # validation KL after the last update (None with --closed-form-only)
+    loss_curve: list  # [{"update", "loss"}]: batch KL per update
+    val_kl_curve: list  # [{"update", "val_kl"}]
+    fit: dict | None  # closed-form fit statistics
+    frozen_weights: dict  # fingerprints before/after of both frozen models
+    resumed_from_update: int | None
+    wall_time_s_total: float  # across resumed segments
+    translator: dict  # family, parameter count, FLOPs per token
+    artifacts: dict  # translator folders, their maps sha256, checkpoints, plot
+
+    METRICS = (
+        Metric("closed_form_val_kl", False, "mean over validation conversations of the mean reply-token "
+               "KL(native target || target on the closed-form translated cache), nats"),
+        Metric("distilled_val_kl", False, "the same for the distilled translator"),
+    )

@@ -1,0 +1,63 @@
+"""Distillation: the translator learns to make the frozen target behave as on its own cache.
+
+Loss per conversation: mean over reply tokens of KL(native target || target on the
+translated cache), in FP32 (`kl.token_kl`). The native arm reads the real prefix + reply[:-1]
+in one pass; the translated arm reads the translated cache of prefix[:-1] and runs
+prefix[-1:] + reply[:-1] itself (`cache.handoff_split`, `handoff.translate`). A batch loss is
+the mean over its conversations (gradient accumulation: the adapter is batch-one).
+Gradients reach the FP32 translator through the frozen target and through the cast to the
+model dtype inside `Translator.forward`.
+
+Validation KL: the same per-conversation mean, averaged over the validation conversations.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..core.cache import handoff_split
+from ..core.handoff import as_ids, continue_target, device_of, translate
+from ..core.kl import token_kl
+from ..core.translator import Translator
+from .rng import preserved_rng
+
+
+def distill_loss(source, target, translator: Translator, row: dict, dtype: torch.dtype) -> torch.Tensor:
+    """Mean over reply tokens of KL(native target || target on the translated cache); FP32 scalar with grad."""
+    context, new, _ = handoff_split(row["prefix_ids"], row["reply_ids"])
+    with torch.no_grad():
+        # The native arm reads the real prefix and the reply; its last len(new) positions predict the reply.
+        native = target(input_ids=as_ids(context + new, device_of(target)), use_cache=False,
+                        logits_to_keep=len(new)).logits[0]
+    kv = translate(source, translator, context, dtype)  # [layers, kv_heads, context, head_dim] each, differentiable
+    out = continue_target(target, kv, new)
+    return token_kl(native, out.logits[0]).mean()  # [new] → scalar
+
+
+def distill_step(source, target, translator: Translator, rows: list[dict], optimizer, dtype: torch.dtype,
+                 max_grad_norm: float = 0.0) -> float:
+    """One optimiser update over `rows` (gradient accumulation); returns the batch's mean loss."""
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for row in rows:
+        loss = distill_loss(source, target, translator, row, dtype) / len(rows)
+        loss.backward()
+        total += loss.item()
+    if max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(translator.parameters(), max_grad_norm)
+    optimizer.step()
+    return total
+
+
+def validation_kl(source, target, translator: Translator, rows: list[dict], dtype: torch.dtype,
+                  progress: Callable | None = None) -> float:
+    """Mean over conversations of the per-conversation mean reply-token KL. Leaves every RNG as it found it."""
+    with preserved_rng(), torch.no_grad():
+        kls = [distill_loss(source, target, translator, r, dtype).item() for r in (progress(rows) if progress else rows)]
+    return sum(kls) / len(kls)
+
+
+def make_optimizer(translator: Translator, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(translator.parameters(), lr=lr, weight_decay=weight_decay)
