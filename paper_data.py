@@ -17,6 +17,7 @@ import argparse
 from kvlingo.run.data import NEMOTRON, HubSource, load_tokenizer, prepare
 from kvlingo.run.profiles import PROFILES, get_profile
 from kvlingo.run.report import fmt_table
+from kvlingo.run.stage import refuse
 
 EPILOG = """examples:
   # offline, from a local JSONL in Nemotron chat format
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> None:
             tok, profile, source=args.source, out_root=args.out, seed=args.seed, tokenizer_name=args.tokenizer,
             force=args.force, hub=hub, max_rows=args.max_rows, progress=True,
         )
-    except ValueError as e:
-        raise SystemExit(f"paper_data: {e}") from None
+    except ValueError as e:  # a bad source or tokenizer: one line, exit status 2, nothing replaced
+        refuse("paper_data", str(e))
 
     data_dir = f"{args.out}/{profile.name}"
     manifest = result.manifest
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"rows read {rows['read']}, unique {rows['unique']}, duplicates {rows['duplicates']}, "
           f"skipped {sum(rows['skipped'].values())} {rows['skipped'] or ''}")
     for name, e in manifest["results"]["examples"].items():
+        if e.get("think_dropped_by_template"):
+            print(f"WARNING: {name}: the chat template dropped the think block of {e['think_dropped_by_template']} "
+                  "reasoning-on replies (it ignores reasoning_content); use a template that renders it")
         if e["short"]:
             print(f"WARNING: {name} has {e['kept']} of {e['requested']} requested examples: "
                   "the source has too few usable conversations for this split")

@@ -211,3 +211,26 @@ def test_install_punkt_cli_writes_the_same_data(punkt_home, tmp_path, capsys):
         nltk.data.path.remove(str(home.resolve()))
     prov = grader.punkt_provenance(home / "tokenizers" / "punkt_tab" / "english")
     assert prov["sha256"] == punkt_home["sha256"] and f"NLTK_DATA={home.resolve()}" in capsys.readouterr().out
+
+
+def test_ifeval_resume_after_a_code_edit_is_refused(ifeval_world, monkeypatch, capsys):
+    import kvlingo.run.resume as resume
+
+    w = ifeval_world
+    ifeval.main(w["base"] + ["--native", "--run", "code"])
+    rows = w["root"] / "results" / "code" / "ifeval-native.rows.jsonl"
+    before = rows.read_bytes()
+    monkeypatch.setattr(resume, "code_hash", lambda *a: "0" * 64)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ifeval.main(w["base"] + ["--native", "--run", "code", "--resume"])
+    assert e.value.code == 2 and "code changed" in capsys.readouterr().err and rows.read_bytes() == before
+
+
+def test_installed_punkt_is_readable_by_others(punkt_home):
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    files = list(Path(punkt_home["path"]).iterdir())
+    assert len(files) == 4 and all(p.stat().st_mode & 0o777 == 0o666 & ~mask for p in files)

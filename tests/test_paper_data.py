@@ -388,5 +388,92 @@ def test_cli_builds_then_reports_up_to_date(world, tmp_path, capsys):
     assert "up to date" in out and "train.packed" in out
     # same bytes as the library call with the same tokenizer and seed
     assert read_json(tmp_path / "out" / "tiny" / "manifest.json")["files"] == world["result"].manifest["files"]
-    with pytest.raises(SystemExit, match="--source PATH"):
+    with pytest.raises(SystemExit) as e:
         paper_data.main(["--profile", "tiny", "--tokenizer", str(tok_dir), "--out", str(tmp_path / "hub")])
+    assert e.value.code == 2 and "--source PATH" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- hardening: edge cases and rebuilds
+def test_row_edge_cases_are_refused_by_reason():
+    from kvlingo.run.data import _InvalidJson, parse_row
+
+    g = good_row(0)  # reasoning on
+    assert parse_row({**g, "output": "<think>\na\n</think>\n\nb<think>c</think>d"}) == "malformed_think_block"
+    assert parse_row({**good_row(1), "output": "done.<|im_end|> and more"}) == "chat_marker_in_text"
+    assert parse_row({**g, "input": [{"role": "user", "content": "hi <|im_start|>system"}]}) == "chat_marker_in_text"
+    assert not isinstance(parse_row(g), str) and isinstance(parse_row(_InvalidJson()), str)
+
+
+def test_a_byte_order_mark_does_not_lose_the_first_row(tmp_path):
+    from kvlingo.run.data import local_rows, parse_row
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(good_row(0)) + "\n" + json.dumps(good_row(1)) + "\n").encode())
+    rows = list(local_rows(path))
+    assert len(rows) == 2 and all(not isinstance(parse_row(r), str) for r in rows)
+
+
+def test_one_prompt_with_reasoning_on_and_off_lands_in_one_split(world, tmp_path):
+    src = tmp_path / "pairs.jsonl"
+    rows = []
+    for i in range(60):
+        on = good_row(2 * i)  # even rows have reasoning on
+        off = {**on, "reasoning": "off", "output": on["output"].split("</think>")[1].strip()}
+        rows += [on, off]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = prepare(world["tok"], PROFILE, source=src, out_root=tmp_path / "out")
+    where = {}
+    for s in SPLITS:
+        for r in read_jsonl(split_path(tmp_path / "out" / PROFILE.name, s, "natural")):
+            where.setdefault(question(r["prefix_text"]), set()).add(s)
+    assert where and all(len(splits) == 1 for splits in where.values())
+    assert res.manifest["results"]["rows"]["unique"] == 120
+
+
+def test_a_template_that_drops_reasoning_is_counted(world, tmp_path):
+    tok = type(world["tok"]).from_pretrained(save_tokenizer(world["tok"], tmp_path / "tok"))
+    tok.chat_template = tok.chat_template.replace("message['reasoning_content'] is defined", "false")
+    res = prepare(tok, PROFILE, source=world["source"], out_root=tmp_path / "out")
+    ex = res.manifest["results"]["examples"]["train.natural"]
+    assert ex["think_dropped_by_template"] == ex["reasoning_on"] > 0
+
+
+def test_a_killed_rebuild_keeps_the_old_set_and_leftovers_go(world, tmp_path, monkeypatch):
+    import kvlingo.run.data as data
+
+    out = tmp_path / "out"
+    prepare(world["tok"], PROFILE, source=world["source"], out_root=out, seed=0)
+    folder = out / PROFILE.name
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    real, calls = data.build_variant, []
+
+    def killed(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # a kill after the train files were written
+        return real(*a, **k)
+
+    monkeypatch.setattr(data, "build_variant", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(world["tok"], PROFILE, source=world["source"], out_root=out, seed=1)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # the seed-0 set, whole
+    open_prepared(folder)
+    leftovers = [p for p in out.iterdir() if p.name.startswith(".")]
+    assert leftovers  # the staging folder of the killed build
+    (folder / ".train.natural.jsonl.abc123.tmp").write_text("half")  # what a killed atomic write leaves
+    res = prepare(world["tok"], PROFILE, source=world["source"], out_root=out, seed=1)
+    assert res.built and "settings.seed: 0 → 1" in res.reason  # the rebuild names what changed
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_an_empty_source_keeps_the_existing_set(world, tmp_path):
+    out = tmp_path / "out"
+    prepare(world["tok"], PROFILE, source=world["source"], out_root=out)
+    before = {p.name: p.read_bytes() for p in (out / PROFILE.name).iterdir()}
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("not json\n")
+    with pytest.raises(ValueError, match="no usable conversations.*is kept"):
+        prepare(world["tok"], PROFILE, source=empty, out_root=out)
+    assert {p.name: p.read_bytes() for p in (out / PROFILE.name).iterdir()} == before

@@ -272,3 +272,19 @@ def test_maps_for_another_direction_or_pair_are_refused(world, tiny_pair_paths, 
         load_translator(world["maps"], pair, family="crosshead")
     _, info = load_translator(world["maps"], pair)
     assert info["maps_sha256"] == json.loads((Path(world["maps"]) / "manifest.json").read_text())["maps_sha256"]
+
+
+def test_resume_after_a_code_edit_is_refused_and_mixes_nothing(world, tmp_path, monkeypatch, capsys):
+    """Rows made by other code are never reported beside new ones: the rows header holds the code hash."""
+    import kvlingo.run.resume as resume
+
+    task_eval.main(_args(world, tmp_path, "--limit", "2", "--no-controls"))
+    rows = tmp_path / "t" / "task-gsm8k.rows.jsonl"
+    before = rows.read_bytes()
+    real = resume.code_hash
+    monkeypatch.setattr(resume, "code_hash", lambda *a: "0" * 64 if "task_eval" in str(a[0]) else real(*a))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        task_eval.main(_args(world, tmp_path, "--limit", "2", "--no-controls", "--resume"))
+    assert e.value.code == 2 and "code changed" in capsys.readouterr().err
+    assert rows.read_bytes() == before

@@ -4,12 +4,17 @@ Source. Rows come from the chat subset of Nemotron post-training data, streamed 
 Hub at a recorded revision, or from a local JSONL in the same format (`--source PATH`).
 A row is `{"input": [{"role", "content"}...], "output": str, "reasoning": "on"|"off",
 "system_prompt": str}`. A row with missing roles, empty replies or wrong types is
-skipped and counted by reason in the manifest; it never stops the run.
+skipped and counted by reason in the manifest; it never stops the run. Skipped too: a row
+whose text holds a ChatML turn marker (`<|im_start|>`, `<|im_end|>`: the reply would be cut
+at it), and a reply with think tags anywhere but one leading block. A UTF-8 byte-order mark
+at the start of a local file is dropped.
 
 Splits. Identical conversations are kept once (content hash). Each unique conversation
-goes to train, validation or test by a hash of (seed, conversation id), with split weights
-proportional to what each split needs (its natural count plus its packed count), so the
-splits are disjoint by construction. Inside a split, each variant samples with its own
+goes to train, validation or test by a hash of (seed, prompt id), where the prompt id hashes
+the system prompt and messages but not the reply or the reasoning flag, so one prompt asked
+with reasoning on and off lands in one split. Split weights are proportional to what each
+split needs (its natural count plus its packed count), so the splits are disjoint by
+construction. Inside a split, each variant samples with its own
 RNG seeded by (seed, split, variant) over the pool sorted by id, so the output does not
 depend on the order of the source rows.
 
@@ -51,10 +56,17 @@ empty think block of a no-thinking turn), the reply text is the turn itself, the
 plus `<|im_end|>` (count: reply_from_turn_text).
 
 Output. `<out>/<profile>/{train,validation,test}.{natural,packed}.jsonl` and, written last,
-`manifest.json` (stage "prepare"), which holds the sha256 of every file. The run is keyed
-on the source hash, tokenizer digest and chat template, data config, seed and the hash of
-this module; an unchanged key with intact files is a no-op. Later stages read splits with
-`load_split`, which checks the files against the manifest (`verify_split`).
+`manifest.json` (stage "prepare"), which holds the sha256 of every file. A (re)build writes
+into a staging folder beside it and swaps the complete set in, so a killed rebuild leaves the
+previous set whole (the next run clears the staging folder). A source that yields no usable
+conversation, or no example for a split, is an error, and an existing set is kept. The run is
+keyed on the source hash, tokenizer digest and chat template, data config, seed and the hash
+of this module; an unchanged key with intact files is a no-op, and a rebuild names what
+changed. Every stage that reads prepared data calls `open_prepared`, which requires the
+manifest, checks every file against it and the tokenizer against the pair's.
+
+Counted, not fatal: a reasoning-on reply whose think block the chat template drops
+(`think_dropped_by_template`: the template ignores `reasoning_content`).
 """
 
 from __future__ import annotations
@@ -64,6 +76,7 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import time
 from collections import Counter
@@ -71,11 +84,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
-from ..io import atomic_write_jsonl, read_json, read_jsonl, sha256_bytes, sha256_file, sha256_json, sha256_tree
+from ..io import (atomic_write_jsonl, read_json, read_jsonl, remove_stale_temps, sha256_bytes, sha256_file, sha256_json,
+                  sha256_tree, to_jsonable)
 from . import models
 from .models import tokenizer_digest
 from .profiles import Profile
 from .report import Metric, Report
+from .resume import diff, resume_key
 
 SPLITS = ("train", "validation", "test")
 VARIANTS = ("natural", "packed")
@@ -137,6 +152,12 @@ class Conversation:
     thought: str  # the final reply's think-block text ('' when reasoning is off)
     answer: str  # the final reply's visible answer
 
+    @property
+    def prompt_id(self) -> str:
+        """The split key: the conversation without its reply and reasoning flag, so one prompt asked with
+        reasoning on and off lands in one split."""
+        return sha256_json({"system": self.system, "messages": self.messages})
+
 
 class PrepareResult(NamedTuple):
     manifest: dict[str, Any]  # the manifest now on disk
@@ -148,6 +169,7 @@ class PrepareResult(NamedTuple):
 class PrepareResults:
     rows: dict  # source rows read, unique, duplicates, skipped by reason, and the split pools
     examples: dict  # per split.variant: kept/requested, reasoning on/off, crop counts, token-length statistics
+    identity: dict  # what the set was made from (settings, source, tokenizer, code): a rebuild names what changed
 
     METRICS = (Metric("examples.train.natural.kept", True, "training conversations written (natural variant)"),)
 
@@ -162,6 +184,7 @@ class _InvalidJson:
 
 
 _THINK = re.compile(r"\s*<think>(.*?)</think>(.*)", re.S)
+CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")  # ChatML's turn delimiters: never part of a message's text
 
 
 def parse_row(row: Any) -> Conversation | str:
@@ -196,6 +219,8 @@ def parse_row(row: Any) -> Conversation | str:
             continue
         if not content.strip():
             return "empty_message"
+        if any(m in content for m in CHAT_MARKERS):
+            return "chat_marker_in_text"
         messages.append((role, content))
     if not messages or messages[-1][0] != "user":
         return "input_not_ending_with_user"
@@ -207,9 +232,13 @@ def parse_row(row: Any) -> Conversation | str:
         return "missing_reply"
     if not isinstance(output, str):
         return "bad_reply_type"
+    if any(m in output or m in system for m in CHAT_MARKERS):
+        return "chat_marker_in_text"  # the reply would end at the first <|im_end|>, silently cut
     match = _THINK.fullmatch(output)
     if match:
         thought, answer = match.group(1).strip(), match.group(2).strip()
+        if "<think>" in answer or "</think>" in answer or "<think>" in thought:
+            return "malformed_think_block"  # one think block, then the answer: no tags inside either
     elif "<think>" in output or "</think>" in output:
         return "malformed_think_block"
     else:
@@ -229,9 +258,12 @@ def parse_row(row: Any) -> Conversation | str:
 
 
 def local_rows(path: str | os.PathLike) -> Iterator[Any]:
-    """Rows of a local JSONL; undecodable lines come out as markers, blank lines are skipped."""
+    """Rows of a local JSONL; undecodable lines come out as markers, blank lines are skipped, and a UTF-8
+    byte-order mark at the start of the file is not part of the first row."""
     with open(path, "rb") as f:
-        for line in f:
+        for n, line in enumerate(f):
+            if n == 0:
+                line = line.removeprefix(b"\xef\xbb\xbf")
             if not line.strip():
                 continue
             try:
@@ -269,9 +301,10 @@ def hub_rows(hub: HubSource, commit: str) -> Iterator[Any]:
 
 
 # --------------------------------------------------------------------------- splits
-def assign_split(conversation_id: str, seed: int, weights: dict[str, int]) -> str:
-    """Deterministic split of one conversation: a seeded hash mapped onto the split weights."""
-    u = int(hashlib.sha256(f"{seed}/{conversation_id}".encode()).hexdigest()[:15], 16) / 16**15
+def assign_split(split_key: str, seed: int, weights: dict[str, int]) -> str:
+    """Deterministic split of one conversation (by its prompt: `Conversation.prompt_id`): a seeded hash
+    mapped onto the split weights."""
+    u = int(hashlib.sha256(f"{seed}/{split_key}".encode()).hexdigest()[:15], 16) / 16**15
     total, acc = sum(weights.values()), 0.0
     for split in SPLITS:
         acc += weights[split] / total
@@ -311,7 +344,7 @@ def collect_pools(
             duplicates += 1
             continue
         seen.add(conv.id)
-        pools[assign_split(conv.id, cfg.seed, weights)].append(conv)
+        pools[assign_split(conv.prompt_id, cfg.seed, weights)].append(conv)
         if stop_when_full and all(len(pools[s]) >= t for s, t in targets.items()):
             break
     for pool in pools.values():
@@ -395,6 +428,8 @@ def make_example(tok, conversations: list[Conversation], cfg: DataConfig, counts
         think = f"<think>\n{final.thought}\n</think>\n\n" if final.reasoning else ""
         reply_text = think + final.answer + TURN_END
         counts["reply_from_turn_text"] += 1
+    if final.reasoning and final.thought and final.thought not in reply_text:
+        counts["think_dropped_by_template"] += 1  # the template ignores reasoning_content: the reply lost its reasoning
 
     joint = _encode(tok, prefix_text + reply_text)
     if joint[: len(prefix_ids)] == prefix_ids:
@@ -487,7 +522,7 @@ def _variant_summary(rows: list[dict], counts: Counter, requested: int) -> dict[
         "reasoning_off": sum(not r["reasoning"] for r in rows),
         **{k: counts.get(k, 0) for k in (
             "prefix_cropped", "dropped_prefix_too_long", "reply_cropped", "boundary_merges", "reply_from_turn_text",
-            "pack_without_history")},
+            "pack_without_history", "think_dropped_by_template")},
         "prefix_tokens": _length_stats([len(r["prefix_ids"]) for r in rows]),
         "reply_tokens": _length_stats([len(r["reply_ids"]) for r in rows]),
         "conversations_per_example": _length_stats(n_conv),
@@ -594,16 +629,39 @@ def data_code_hash() -> str:
     return sha256_tree([here, here.parent.parent / "io.py"])
 
 
-def _up_to_date(data_dir: Path, key: str) -> tuple[bool, str]:
+def _up_to_date(data_dir: Path, identity: dict) -> tuple[bool, str]:
+    """(up to date, why not): the folder's manifest must vouch for intact files made from this identity."""
     if not (data_dir / MANIFEST).is_file():
         return False, "no manifest"
     try:
         manifest = verify_split(data_dir)
     except (SplitIntegrityError, json.JSONDecodeError) as e:
         return False, f"files changed ({e})"
-    if manifest.get("resume_key") != key:
-        return False, "inputs changed (source, tokenizer, config, seed or code)"
-    return True, "up to date"
+    if manifest.get("resume_key") == resume_key(identity):
+        return True, "up to date"
+    old = manifest.get("results", {}).get("identity")
+    changed = diff(old, identity)
+    return False, "inputs changed: " + ("; ".join(changed) if changed and old else "the manifest was made by older code")
+
+
+def _clear_leftovers(out_root: Path, name: str) -> list[Path]:
+    """Remove what a killed build left: its staging and retired folders, and stray temp files."""
+    gone = []
+    for p in out_root.glob(f".{name}.*"):
+        if p.is_dir() and (".building-" in p.name or ".retired-" in p.name):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone + remove_stale_temps(out_root / name) + remove_stale_temps(out_root)
+
+
+def _swap_in(staging: Path, data_dir: Path) -> None:
+    """Replace data_dir by the complete staging folder. The old set stays whole until the new one is
+    in place: it is renamed aside (one rename), the new one renamed in (one rename), then deleted."""
+    retired = data_dir.with_name(f".{data_dir.name}.retired-{os.getpid()}")
+    if data_dir.exists():
+        os.replace(data_dir, retired)
+    os.replace(staging, data_dir)
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def prepare(
@@ -632,35 +690,48 @@ def prepare(
     tok_info = {"name": tokenizer_name, "digest": tokenizer_digest(tok),
                 "chat_template_sha256": sha256_json(tok.chat_template)}
     code = data_code_hash()
-    key = sha256_json({
-        "config": cfg, "source": src_key, "code": code,
-        "tokenizer": {k: tok_info[k] for k in ("digest", "chat_template_sha256")},
-    })
-    fresh, reason = _up_to_date(data_dir, key)
+    identity = {"settings": cfg, "inputs": {"source": src_key}, "code": code,
+                "tokenizer": {k: tok_info[k] for k in ("digest", "chat_template_sha256")}}
+    identity = to_jsonable(identity)
+    _clear_leftovers(Path(out_root), profile.name)
+    fresh, reason = _up_to_date(data_dir, identity)
     if fresh and not force:
         return PrepareResult(read_json(data_dir / MANIFEST), False, reason)
     reason = "--force" if fresh else reason
 
-    # A half-finished rebuild must never sit beside a manifest that vouches for it.
-    (data_dir / MANIFEST).unlink(missing_ok=True)
+    # The new set is built in a staging folder and swapped in whole: a killed rebuild leaves the
+    # old set (and its manifest) exactly as it was, and the next run clears the staging folder.
     rows = local_rows(path) if source is not None else hub_rows(hub, commit)
     pools, row_counts = collect_pools(
         rows, cfg, stop_when_full=source is None, max_rows=max_rows, progress=progress
     )
+    if not row_counts["unique"]:
+        kept = f"; the existing set in {data_dir} is kept" if data_dir.exists() else ""
+        raise ValueError(f"the source yields no usable conversations ({row_counts['read']} rows read, skipped by "
+                         f"reason: {row_counts['skipped'] or 'none'}){kept}. Check --source (Nemotron chat format)")
+    staging = data_dir.with_name(f".{data_dir.name}.building-{os.getpid()}")
     examples: dict[str, Any] = {}
     files: dict[str, str] = {}
     for split in SPLITS:
         for variant in VARIANTS:
             built, counts = build_variant(tok, pools[split], cfg, split, variant, progress=progress)
-            target = split_path(data_dir, split, variant)
+            target = split_path(staging, split, variant)
             atomic_write_jsonl(target, built)
             files[target.name] = sha256_file(target)
             examples[f"{split}.{variant}"] = _variant_summary(built, counts, cfg.requested(split, variant))
+    empty = [name for name, e in examples.items() if e["requested"] and not e["kept"]
+             and name.endswith(".natural")]
+    if empty:
+        shutil.rmtree(staging, ignore_errors=True)
+        kept = f"; the existing set in {data_dir} is kept" if data_dir.exists() else ""
+        raise ValueError(f"the source yields no examples for {', '.join(empty)} ({row_counts['unique']} usable "
+                         f"conversations){kept}. Use a larger source or a smaller profile")
 
     manifest = Report(
         "prepare", config=cfg, inputs={"source": src, "tokenizer": tok_info, "code_sha256": code},
-        results=PrepareResults(rows=row_counts, examples=examples),
+        results=PrepareResults(rows=row_counts, examples=examples, identity=identity),
         n_samples={name: e["kept"] for name, e in examples.items()}, seeds={"seed": seed},
-        wall_time_s=time.time() - t0, resume_key=key, files=files, metrics=PrepareResults.METRICS,
-    ).write(data_dir / MANIFEST)
+        wall_time_s=time.time() - t0, resume_key=resume_key(identity), files=files, metrics=PrepareResults.METRICS,
+    ).write(staging / MANIFEST)
+    _swap_in(staging, data_dir)
     return PrepareResult(manifest, True, reason)

@@ -150,6 +150,7 @@ def install_punkt(data_dir: str | os.PathLike | None = None) -> dict[str, Any]:
         shutil.rmtree(p, ignore_errors=True)
     try:
         save_punkt_params(_punkt_package_params(), dir=str(staging))
+        _world_readable(staging)  # nltk writes 0600 files: other users of the venv could not read them
         verify_punkt(staging)
         if target.exists():
             os.replace(target, old)
@@ -158,6 +159,15 @@ def install_punkt(data_dir: str | os.PathLike | None = None) -> dict[str, Any]:
         for p in (staging, old):
             shutil.rmtree(p, ignore_errors=True)
     return punkt_provenance(target)
+
+
+def _world_readable(folder: Path) -> None:
+    """Give a folder and its files the permissions any other new file would get (umask applied)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    for p in folder.iterdir():
+        p.chmod(0o666 & ~mask)
 
 
 def reference_counts(folder: str | os.PathLike | None = None) -> list[tuple[str, int, int, int]]:
@@ -171,6 +181,10 @@ def reference_counts(folder: str | os.PathLike | None = None) -> list[tuple[str,
     # A fresh tokenizer over exactly these files (nltk and lm-eval cache theirs per process).
     try:
         ours = PunktSentenceTokenizer(load_punkt_params(FileSystemPathPointer(str(folder))))
+    except PermissionError as e:
+        raise ValueError(f"the punkt_tab data at {folder} is not readable by this user ({e}); make it readable "
+                         f"(chmod -R a+rX {folder}) or install a copy of your own: `python ifeval.py --install-punkt DIR` "
+                         "and NLTK_DATA=DIR") from e
     except (LookupError, OSError, ValueError) as e:
         raise ValueError(f"cannot read the punkt_tab data at {folder} ({type(e).__name__}: {e}); reinstall it: "
                          "`python ifeval.py --install-punkt` (offline) or nltk.download('punkt_tab')") from e

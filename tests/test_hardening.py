@@ -1,0 +1,131 @@
+"""Checks before changes: every refused command leaves a finished run exactly as it was.
+
+A finished tiny run (prepared data, a trained translator, its reports) is snapshotted by the
+sha256 of every file; each refused command must exit with status 2 and one line on stderr,
+and the snapshot must be unchanged afterwards. Refusals covered: a resume against another
+--init-from, other settings or other code; data prepared with another tokenizer; a pair no
+translator can join (refused before any weights load); an empty source over a good set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import benchmark
+import paper_data
+import train_translator
+from tinypair import chat_rows, qwen3_config, write_prepared
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_pair_paths, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("finished")
+    tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
+    data = write_prepared(root / "data" / "tiny", tok, {"train": chat_rows(tok, 12, 0, "t"),
+                                                        "validation": chat_rows(tok, 4, 1, "v"),
+                                                        "test": chat_rows(tok, 4, 2, "x")})
+    pair = ["--large", str(tiny_pair_paths[0]), "--small", str(tiny_pair_paths[1]), "--device", "cpu",
+            "--dtype", "float32"]
+    run = ["--profile", "tiny", "--run", "r", "--artifacts", str(root / "artifacts"), "--results", str(root / "results")]
+    train_args = [*run, *pair, "--data", str(data), "--updates", "2", "--n-fit", "8", "--lr", "1e-3"]
+    train_translator.main(train_args)
+    return {"root": root, "data": data, "pair": pair, "run": run, "train": train_args, "tok": tok}
+
+
+def refused(fn, argv, capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, (e.value.code, err)
+    lines = [line for line in err.split("\n") if line and "\r" not in line]  # progress bars aside
+    assert len(lines) == 1 and "Traceback" not in err, err  # one clear line
+    return lines[0]
+
+
+def other_tokenizer_folder(tok, folder: Path) -> Path:
+    """The same tokenizer plus one extra token: ids that decode to garbage under the pair's tokenizer."""
+    other = type(tok).from_pretrained(tok.name_or_path)
+    other.add_tokens(["<extra_token_for_the_test>"])
+    other.save_pretrained(folder)
+    return folder
+
+
+def test_refused_commands_change_nothing(finished, tiny_pair_paths, tmp_path, capsys, monkeypatch):
+    root, train = finished["root"], finished["train"]
+    before = snapshot(root)
+    assert any(k.startswith("artifacts/r/distilled/") for k in before) and "results/r/train.json" in before
+
+    # 1. a refused resume: a missing --init-from, other settings, other code
+    err = refused(train_translator.main, [*train, "--resume", "--init-from", str(tmp_path / "missing")], capsys)
+    assert "holds no manifest.json" in err
+    assert "settings.lr: 0.001 → 0.003" in refused(train_translator.main, [*train, "--resume", "--lr", "3e-3"], capsys)
+    assert "code changed" in refused(train_translator.main, [*train, "--resume", "--code-salt", "x"], capsys)
+
+    # 4. data prepared with another tokenizer: named by both digests, in training and in the benchmark
+    other_tok = other_tokenizer_folder(finished["tok"], tmp_path / "other_tok")
+    from transformers import AutoTokenizer
+
+    other = AutoTokenizer.from_pretrained(other_tok)
+    rows = chat_rows(other, 8, 0, "o")
+    bad_data = write_prepared(tmp_path / "bad" / "tiny", other, {"train": rows, "validation": rows, "test": rows})
+    from kvlingo.run.models import tokenizer_digest
+
+    for fn, argv in ((train_translator.main, [*train, "--data", str(bad_data)]),
+                     (benchmark.main, [*finished["run"], *finished["pair"], "--data", str(bad_data)])):
+        err = refused(fn, argv, capsys)
+        assert tokenizer_digest(other)[:16] in err and tokenizer_digest(finished["tok"])[:16] in err
+
+    # 6. a pair no translator can join is refused from its config, before any weights load
+    sliding = tmp_path / "sliding"
+    shutil.copytree(tiny_pair_paths[1], sliding)
+    cfg = json.loads((sliding / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=8, max_window_layers=0,
+               layer_types=["sliding_attention"] * cfg["num_hidden_layers"])
+    (sliding / "config.json").write_text(json.dumps(cfg))
+    import kvlingo.run.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights were loaded before the refusal"))
+    err = refused(train_translator.main, [*[a if a != str(tiny_pair_paths[1]) else str(sliding) for a in train]],
+                  capsys)
+    assert "non-full attention" in err
+    monkeypatch.undo()
+
+    # 5. an empty source over a good prepared set
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    err = refused(paper_data.main, ["--profile", "tiny", "--source", str(empty), "--tokenizer", str(tiny_pair_paths[1]),
+                                    "--out", str(root / "data")], capsys)
+    assert "no usable conversations" in err and "is kept" in err
+
+    assert snapshot(root) == before
+
+
+def test_training_refuses_a_folder_without_manifest(finished, tmp_path, capsys):
+    """A half-built folder (split files, no manifest) is never trained on."""
+    half = tmp_path / "half"
+    shutil.copytree(finished["data"], half)
+    (half / "manifest.json").unlink()
+    err = refused(train_translator.main, [*finished["train"], "--data", str(half)], capsys)
+    assert "manifest.json not found" in err
