@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvlingo.core.translator import (FAMILIES, MANIFEST_FILE, Geometry, check_expected, load_state, read_manifest,
+from kvlingo.core.translator import (FAMILIES, MANIFEST_FILE, check_expected, load_state, read_manifest,
                                      save_translator, state_bytes)
 from kvlingo.core.translator import build as build_translator
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_bytes, sha256_file, sha256_json
@@ -101,9 +101,9 @@ def plot_curves(path: Path, loss: list, val: list, title: str) -> None:
 
 
 def closed_form_start(init_from: str | None, init: dict | None, pair, cfg: TrainConfig, fit_rows: list[dict],
-                      cf_dir: Path, fit_key: str):
+                      cf_dir: Path, fit_key: str, empty):
     """The run's closed-form translator, in memory: from --init-from (its checked manifest `init`), reused
-    when cf_dir's fit key matches, or fitted. Returns (translator, fit stats, provenance to save, or None
+    when cf_dir's fit key matches, or fitted into `empty` (an unfitted translator of the run's family). Returns (translator, fit stats, provenance to save, or None
     when cf_dir already holds it)."""
     if init_from:
         translator = load_state(init_from, init, pair.device).bind(pair.source, pair.target)
@@ -118,9 +118,7 @@ def closed_form_start(init_from: str | None, init: dict | None, pair, cfg: Train
         if old.get("fit_key") == fit_key:
             print(f"closed-form fit up to date (same data, code, models and fit settings): {cf_dir}")
             return load_state(cf_dir, old, pair.device).bind(pair.source, pair.target), old.get("fit"), None
-    translator = build_translator({"family": cfg.family, "key_space": cfg.key_space, "settings": cfg.family_settings,
-                                   "geometry": asdict(Geometry.of(pair.source, pair.target))})
-    translator = translator.to(pair.device).bind(pair.source, pair.target)
+    translator = empty.to(pair.device).bind(pair.source, pair.target)
     bar = lambda rows: tqdm(rows, desc="closed-form fit", unit="conv")  # noqa: E731
     stats = fit_closed_form(pair.source, pair.target, translator, fit_rows, cfg.fit_weighting, cfg.ridge, progress=bar)
     return translator, stats, {"fit_key": fit_key, "fit": stats}
@@ -163,6 +161,9 @@ def main(argv=None) -> dict:
         state = ckpt.newest_checkpoint(ckpt_dir, warn=lambda m: tqdm.write(m))
         if state is not None:
             resume.check(state["identity"], identity, f"{paths.run} from its checkpoint", ignore=RESUME_SAFE)
+    # The family is built from the configs' geometry now, so a geometry it cannot map is refused before weights load.
+    empty = build_translator({"family": cfg.family, "key_space": cfg.key_space, "settings": cfg.family_settings,
+                              "geometry": pair_cfg.geometry})
     init = None
     if args.init_from:
         init = read_manifest(args.init_from)  # refuses a missing or damaged folder before anything is written
@@ -181,7 +182,7 @@ def main(argv=None) -> dict:
         print(f"note: the train split holds {len(train_rows)} conversations, fewer than n_fit={cfg.n_fit}; fitting on all")
     fit_key = sha256_json({"fit": cfg.fit_settings(), "pair": pair_cfg, "data": data_hashes["train.natural.jsonl"],
                            "code": code_sha})
-    translator, fit_stats, to_save = closed_form_start(args.init_from, init, pair, cfg, fit_rows, cf_dir, fit_key)
+    translator, fit_stats, to_save = closed_form_start(args.init_from, init, pair, cfg, fit_rows, cf_dir, fit_key, empty)
     cf_sha = sha256_bytes(state_bytes(translator)) if to_save is not None else sha256_file(cf_dir / "maps.safetensors")
     if state is not None and state["closed_form_sha256"] != cf_sha:
         raise resume.ResumeRefused(

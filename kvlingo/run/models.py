@@ -216,7 +216,12 @@ def _refuse(field: str, src: Any, tgt: Any, fix: str) -> None:
 
 
 def check_pair(src_cfg, tgt_cfg, src_tok=None, tgt_tok=None) -> None:
-    """Refuse a pair the head-wise adapter cannot join. Configs are model.config objects."""
+    """Refuse a pair no translator can join. Configs are model.config objects.
+
+    Depths, KV-head counts and head_dim may differ: each translator family refuses the
+    geometries it cannot map (head-wise maps need equal depth and KV-head counts), naming the
+    family that would work.
+    """
     for name, cfg in (("source", src_cfg), ("target", tgt_cfg)):
         if getattr(cfg, "model_type", None) != "qwen3":
             raise PairError(
@@ -237,15 +242,6 @@ def check_pair(src_cfg, tgt_cfg, src_tok=None, tgt_tok=None) -> None:
                 f"pair refused: the {name} model's RoPE is {rope!r}, not the default schedule. "
                 "Scaled RoPE (yarn, linear, dynamic...) is not stripped exactly; remove rope_scaling."
             )
-    checks = [
-        ("num_hidden_layers", "the maps are one per layer; pick models with the same depth."),
-        ("num_key_value_heads", "the maps are one per KV head; pick models with the same KV-head count."),
-        ("head_dim", "RoPE frequencies are per head dimension; pick models with the same head_dim."),
-    ]
-    for field, fix in checks:
-        a, b = getattr(src_cfg, field), getattr(tgt_cfg, field)
-        if a != b:
-            _refuse(field, a, b, fix)
     if src_tok is not None and tgt_tok is not None:
         a, b = tokenizer_digest(src_tok), tokenizer_digest(tgt_tok)
         if a != b:
@@ -274,6 +270,7 @@ class PairConfig:
     target: dict  # identity of the target, the same way
     tokenizer_sha256: str  # tokenizer_digest of the shared tokenizer (vocab, merges, special ids)
     chat_template_sha256: str  # sha256 of the target tokenizer's chat template text
+    geometry: dict  # cache shapes on both sides (kvlingo.core.translator.Geometry as a dict)
 
     def specs(self) -> tuple[ModelSpec, ModelSpec]:
         return pair_specs(self.direction, ModelSpec.parse(self.large), ModelSpec.parse(self.small))
@@ -300,13 +297,18 @@ def resolve_pair(large: str, small: str, direction: str = "l2s", device: str = "
     src_spec, tgt_spec = pair_specs(direction, ModelSpec.parse(large), ModelSpec.parse(small))
     device, dt = resolve_device(device), resolve_dtype(dtype)
     src_tok, tgt_tok = load_tokenizer(src_spec), load_tokenizer(tgt_spec)
-    check_pair(load_config(src_spec), load_config(tgt_spec), src_tok, tgt_tok)
+    src_cfg, tgt_cfg = load_config(src_spec), load_config(tgt_spec)
+    check_pair(src_cfg, tgt_cfg, src_tok, tgt_tok)
+    from dataclasses import asdict
+
+    from ..core.translator import Geometry
     from ..io import sha256_json
 
     cfg = PairConfig(large=large, small=small, direction=direction, device=device, dtype=dtype_name(dt),
                      source=src_spec.identity(), target=tgt_spec.identity(),
                      tokenizer_sha256=tokenizer_digest(tgt_tok),
-                     chat_template_sha256=sha256_json(getattr(tgt_tok, "chat_template", None)))
+                     chat_template_sha256=sha256_json(getattr(tgt_tok, "chat_template", None)),
+                     geometry=asdict(Geometry.of(src_cfg, tgt_cfg)))
     return cfg, tgt_tok
 
 

@@ -7,6 +7,8 @@ shapes of kvlingo.eval.shapes without any download.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 
 from ..core.headwise import Headwise
@@ -76,5 +78,6 @@ def random_pair(arch: str = "qwen3", direction: str = "l2s", device: str = "cpu"
     check_pair(source.config, target.config)
     cfg = PairConfig(large=f"{large}@random-weights", small=f"{small}@random-weights", direction=direction,
                      device=device, dtype=dtype_name(dtype), source=src.identity(), target=tgt.identity(),
-                     tokenizer_sha256="none (random weights, random token ids)", chat_template_sha256="none")
+                     tokenizer_sha256="none (random weights, random token ids)", chat_template_sha256="none",
+                     geometry=asdict(Geometry.of(source, target)))
     return Pair(source, target, None, cfg)
