@@ -35,7 +35,7 @@ from kvlingo.run.report import Report, figure_png, fmt_table
 from kvlingo.run.stage import refusals_exit, stage_parser
 from kvlingo.train import checkpoints as ckpt
 from kvlingo.train.closed_form import fit_closed_form
-from kvlingo.train.config import RESUME_SAFE, TrainConfig, TrainResults
+from kvlingo.train.config import RESUME_SAFE, TrainConfig, TrainResults, family_settings
 from kvlingo.train.distill import distill_step, make_optimizer, validation_kl
 from kvlingo.train.frozen import FrozenWeightsChanged, check_frozen, fingerprints, verify_frozen
 from kvlingo.train.rng import rng_state, seed_everything, set_rng_state
@@ -51,12 +51,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         "python train_translator.py --profile demo --large PATH --small PATH --device cpu --dtype float32",
         "python train_translator.py --profile pilot --run pilot-l2s --device cuda --resume",
         "python train_translator.py --profile pilot --run lr3e-4 --init-from artifacts/pilot-l2s/closed_form --lr 3e-4"], common=True, data=True)
-    p.add_argument("--family", choices=sorted(FAMILIES), default="headwise", help="translator family")
+    p.add_argument("--family", choices=sorted(FAMILIES), default=None,
+                   help="translator family: headwise, crosshead, crosslayer or residual (default: the profile's)")
+    p.add_argument("--k", type=int, default=None, help="crosslayer: source layers per target layer (default 2)")
+    p.add_argument("--rank", type=int, default=None, help="crosshead/crosslayer: rank of each layer's map (0: full)")
+    p.add_argument("--pairing", choices=("ranked", "proportional"), default=None,
+                   help="crosslayer: source layers ranked by held-out R² (default), or nearest by relative depth")
+    p.add_argument("--base", choices=("headwise", "crosshead", "crosslayer"), default=None,
+                   help="residual: the linear family under the MLP (default headwise)")
+    p.add_argument("--hidden", type=int, default=None, help="residual: the MLP's hidden width (default 64)")
+    p.add_argument("--aux-attn-weight", type=float, default=0.0,
+                   help="weight of the attention-output MSE added to the KL during distillation (default 0)")
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="what the key maps read and write")
     p.add_argument("--fit-weighting", choices=FIT_WEIGHTINGS, default=None,
                    help="closed-form weighting: uniform, or context positions by the target's reply-time attention "
                    "(default: the profile's)")
-    p.add_argument("--ridge", type=float, default=0.0, help="ridge λ of the closed-form fit (default 0)")
+    p.add_argument("--ridge", default=None,
+                   help="ridge λ of the closed-form fit, or 'auto': chosen per block on held-out fit conversations "
+                   "(default: the profile's, auto)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the profile's for the direction)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the translator's gradient norm per update (0: off)")
@@ -75,6 +87,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def given(value, default):
     return default if value is None else value
+
+
+def ridge_value(text):
+    if text == "auto":
+        return "auto"
+    try:
+        return positive("ridge", float(text), allow_zero=True)
+    except ValueError:
+        raise SystemExit(f"--ridge {text} is invalid: a number ≥ 0, or auto") from None
+
+
+def family_from_args(args, profile) -> tuple[str, dict]:
+    """The family and its settings: the flags where given, else the profile's."""
+    name = args.family or profile.family
+    flags = {k: getattr(args, k) for k in ("k", "rank", "pairing", "base", "hidden") if getattr(args, k) is not None}
+    merged = {**(profile.family_args if name == profile.family else {}), **flags}
+    try:
+        return name, family_settings(name, **merged)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--family {name}: {e}") from None
 
 
 def positive(name: str, value, allow_zero: bool = False):
@@ -137,11 +169,13 @@ def main(argv=None) -> dict:
     pair_cfg, tokenizer = pair_config_from_args(args)  # configs and tokenizers only: refuses before weights
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)
+    family, settings = family_from_args(args, profile)
     data_hashes = {f: manifest["files"][f] for f in (split_path(data_dir, s, "natural").name for s in ("train", "validation"))}
     cfg = TrainConfig(
-        profile=profile.name, family=args.family, family_settings={}, key_space=args.key_space,
+        profile=profile.name, family=family, family_settings=settings, key_space=args.key_space,
         fit_weighting=given(args.fit_weighting, profile.fit_weighting),
-        ridge=positive("ridge", args.ridge, allow_zero=True),
+        ridge=ridge_value(str(given(args.ridge, profile.ridge))),
+        aux_attn_weight=positive("aux-attn-weight", args.aux_attn_weight, allow_zero=True),
         n_fit=positive("n-fit", given(args.n_fit, profile.n_fit)),
         updates=positive("updates", given(args.updates, profile.updates), allow_zero=True),
         batch=positive("batch", given(args.batch, profile.batch)),
@@ -239,7 +273,8 @@ def main(argv=None) -> dict:
         bar = tqdm(range(start, cfg.updates), initial=start, total=cfg.updates, desc="distil", unit="update")
         for u in bar:
             rows = [train_rows[i] for i in order[u * cfg.batch:(u + 1) * cfg.batch]]
-            loss = distill_step(pair.source, pair.target, translator, rows, optimizer, pair.dtype, cfg.max_grad_norm)
+            loss = distill_step(pair.source, pair.target, translator, rows, optimizer, pair.dtype, cfg.max_grad_norm,
+                                cfg.aux_attn_weight)
             done = u + 1
             history["loss"].append([done, loss])
             if done % cfg.val_every == 0 or done == cfg.updates:

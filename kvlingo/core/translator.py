@@ -108,6 +108,22 @@ class Translator(nn.Module):
     def from_spec(cls, geometry: Geometry, key_space: str, settings: dict[str, Any]) -> "Translator":
         return cls(geometry, key_space, **settings)
 
+    # ------------------------------------------------------------------ closed form (linear families)
+    # A linear family also provides fit_blocks() → (layers, blocks per layer, d_in, d_out),
+    # design(which, cap) → [layers, blocks, tokens, d_in], block_targets(y), block_weights(w) and
+    # set_solution(weight, bias) or solve_from(ne, ridge); a family without them is trained by
+    # distillation only (see `linear`).
+    needs_plan = False  # whether the closed form must rank source layers first (set_plan)
+
+    @property
+    def linear(self) -> bool:
+        """Whether this family has a closed form."""
+        return hasattr(self, "fit_blocks")
+
+    def solve_from(self, ne, ridge) -> None:
+        """Solve streamed normal equations (kvlingo.core.fit) into the parameters."""
+        self.set_solution(*ne.solve(ridge))
+
     # ------------------------------------------------------------------ shared
     def spec(self) -> dict[str, Any]:
         return {"family": self.family, "key_space": self.key_space, "settings": self.settings(),
@@ -320,4 +336,4 @@ def load_translator(folder: str | Path, pair, *, family: str | None = None,
 
 # The families register themselves on import; importing them here makes every family loadable by name
 # wherever the interface is imported. (At the end: each family module imports the names above.)
-from . import headwise  # noqa: E402,F401
+from . import crosslayer, headwise, residual  # noqa: E402,F401

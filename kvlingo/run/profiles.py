@@ -8,7 +8,7 @@ line wins over the profile's value.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class Profile:
     lr_grid_size: int  # learning rates in the recipe's first grid (half-decade spaced)
     recipe_seeds: tuple[int, ...]  # seeds trained at the chosen learning rate
     lr: tuple[float, float] = (1e-4, 1e-3)  # AdamW learning rate for (l2s, s2l)
+    family: str = "headwise"  # translator family trained by default (kvlingo.core.translator.FAMILIES)
+    family_args: dict = field(default_factory=dict)  # its flags: k, rank, pairing, base, hidden (train --family ...)
+    ridge: float | str = "auto"  # closed-form ridge: a number, or "auto" (chosen per block on held-out conversations)
     fit_weighting: str = "uniform"  # closed-form weighting: uniform, or attention (the target's reply-time attention)
     recipe_lr_center: float | None = None  # centre of the recipe's rate grid (None: the profile's rate)
     recipe_updates: int | None = None  # distillation updates per recipe cell (None: `updates`)

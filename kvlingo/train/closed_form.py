@@ -12,6 +12,13 @@ Weighting "uniform": every position weighs 1. "attention": see `weighting.py`.
 
 The normal equations stream (kvlingo.core.fit): memory is independent of the number of
 tokens, and the solve is one batched FP64 call over every block.
+
+Ridge "auto": every `held_out_every`-th fit conversation is held out, each block's ridge is
+chosen from `fit.RIDGE_GRID` by its held-out error, and the final solve uses all conversations.
+A number fixes λ for every block (0: plain least squares, as the head-wise fit always was).
+
+Families whose layer plan is ranked (cross-layer) first rank source layers per target layer
+on the same conversations (`ranking.rank_layers`: a first pass), then fit with that plan.
 """
 
 from __future__ import annotations
@@ -24,38 +31,66 @@ from ..core.cache import capture
 from ..core.fit import NormalEquations
 from ..core.handoff import as_ids
 from ..core.translator import Translator
+from .ranking import rank_layers
 from .weighting import FIT_WEIGHTINGS, attention_fit_weights, capture_with_queries, scored_attention
 
 
 def fit_closed_form(source, target, translator: Translator, rows: list[dict], weighting: str = "uniform",
-                    ridge: float = 0.0, progress: Callable | None = None) -> dict[str, Any]:
+                    ridge: float | str = 0.0, progress: Callable | None = None,
+                    held_out_every: int = 5) -> dict[str, Any]:
     """FP64 least squares of `translator` (bound to source/target) over `rows`, solved into its parameters.
 
-    Returns the fit's statistics.
+    `ridge` is λ, or "auto" (chosen per block on held-out conversations). Returns the fit's statistics.
     """
     if weighting not in FIT_WEIGHTINGS:
         raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
-    device = next(source.parameters()).device
-    space = translator.space
+    if not translator.linear:
+        raise ValueError(f"the {translator.family} family has no closed form")
+    stats: dict[str, Any] = {"n_conversations": len(rows), "family": translator.family,
+                             "key_space": translator.key_space, "weighting": weighting, "ridge": ridge}
+    if translator.needs_plan:
+        ranked = rank_layers(source, target, translator, rows, held_out_every, progress)
+        translator.set_plan(ranked.pop("plan"))
+        stats["layer_ranking"] = {**ranked, "plan": translator.plan.tolist()}
+    auto = ridge == "auto"
+    if auto and len(rows) < 2 * held_out_every:
+        raise ValueError(f"--ridge auto holds out 1 in {held_out_every} fit conversations and needs at least "
+                         f"{2 * held_out_every}; got {len(rows)}. Raise --n-fit or pass a number")
+    parts = [_equations(translator, source), _equations(translator, source) if auto else None]
+    for i, row in enumerate(progress(rows) if progress else rows):
+        part = int(auto and i % held_out_every == held_out_every - 1)
+        _accumulate(parts[part], source, target, translator, row, weighting)
+    if auto:
+        lam, stats["ridge_choice"] = parts[0].choose_ridge(parts[1])
+        ne = parts[0].merged(parts[1])
+    else:
+        ne, lam = parts[0], float(ridge)
+    translator.solve_from(ne, lam)
+    stats["n_tokens"] = ne.n_tokens
+    return stats
+
+
+def _equations(translator: Translator, source) -> NormalEquations:
     L, B, d_in, d_out = translator.fit_blocks()
-    ne = NormalEquations(L, B, d_in, d_out, device="cuda" if device.type == "cuda" else "cpu")
-    prenorm = translator.needs_prenorm
-    for row in (progress(rows) if progress else rows):
-        prefix, reply = row["prefix_ids"], row["reply_ids"]
-        ids = as_ids(prefix + reply, device)  # [1, tokens]
-        with torch.no_grad():
-            src = capture(source, ids, want_prenorm=prenorm, logits_to_keep=1)
-            if weighting == "attention":
-                n_ctx = len(prefix) - 1  # handoff_split: the cache holds prefix[:-1], the target scores from prefix[-1]
-                tgt, queries = capture_with_queries(target, ids, prenorm, q_start=n_ctx, n_q=len(reply))
-                attn = scored_attention(target, tgt.keys, queries, n_ctx, n_ctx, space.target_rope)
-                weights = attention_fit_weights(attn, ids.shape[1])  # [layers, kv_heads, tokens]
-            else:
-                tgt, weights = capture(target, ids, want_prenorm=prenorm, logits_to_keep=1), None
-            w = translator.block_weights(weights)
-            ne.update(0, translator.design(0, src), translator.block_targets(space.target_keys(tgt)), w)
-            ne.update(1, translator.design(1, src), translator.block_targets(tgt.values), w)
-    W, b = ne.solve(ridge)
-    translator.set_solution(W, b)
-    return {"n_conversations": len(rows), "n_tokens": ne.n_tokens, "family": translator.family,
-            "key_space": translator.key_space, "weighting": weighting, "ridge": ridge}
+    device = next(source.parameters()).device
+    return NormalEquations(L, B, d_in, d_out, device="cuda" if device.type == "cuda" else "cpu")
+
+
+def _accumulate(ne: NormalEquations, source, target, translator: Translator, row: dict, weighting: str) -> None:
+    """Add one conversation's tokens (source design, target features, weights) to `ne`."""
+    device = next(source.parameters()).device
+    space, prenorm = translator.space, translator.needs_prenorm
+    prefix, reply = row["prefix_ids"], row["reply_ids"]
+    ids = as_ids(prefix + reply, device)  # [1, tokens]
+    with torch.no_grad():
+        src = capture(source, ids, want_prenorm=prenorm, logits_to_keep=1)
+        if weighting == "attention":
+            n_ctx = len(prefix) - 1  # handoff_split: the cache holds prefix[:-1], the target scores from prefix[-1]
+            tgt, queries = capture_with_queries(target, ids, prenorm, q_start=n_ctx, n_q=len(reply))
+            attn = scored_attention(target, tgt.keys, queries, n_ctx, n_ctx, space.target_rope)
+            weights = attention_fit_weights(attn, ids.shape[1])  # [layers, kv_heads, tokens]
+        else:
+            tgt, weights = capture(target, ids, want_prenorm=prenorm, logits_to_keep=1), None
+        w = translator.block_weights(weights)
+        ne.update(0, translator.design(0, src), translator.block_targets(space.target_keys(tgt)), w)
+        ne.update(1, translator.design(1, src), translator.block_targets(tgt.values), w)

@@ -7,6 +7,21 @@ from dataclasses import dataclass, field
 from ..run.models import PairConfig
 from ..run.report import Metric
 
+def family_settings(family: str, k: int = 2, rank: int = 0, pairing: str = "ranked", base: str = "headwise",
+                    hidden: int = 64) -> dict:
+    """A family's settings from the training flags (--k, --rank, --pairing, --base, --hidden)."""
+    if family == "crosslayer":
+        return {"k": k, "rank": rank, "pairing": pairing}
+    if family == "crosshead":
+        return {"rank": rank}
+    if family == "residual":
+        if base == "residual":
+            raise ValueError("--base residual: the residual family sits on a linear family (headwise, crosshead, "
+                             "crosslayer)")
+        return {"base": {"family": base, "settings": family_settings(base, k, rank, pairing)}, "hidden": hidden}
+    return {}
+
+
 # Settings that decide only when things are measured or written, never the translator: a resume may change them.
 RESUME_SAFE = ("settings.val_every", "settings.checkpoint_every")
 
@@ -18,7 +33,8 @@ class TrainConfig:
     family_settings: dict = field(default_factory=dict)  # the family's own settings (k, rank, base family ...)
     key_space: str = "prenorm"  # prenorm or cache: what the key maps read and write (kvlingo.core.keyspace)
     fit_weighting: str = "uniform"  # uniform, or attention: context positions weighted by the target's reply-time attention
-    ridge: float = 0.0  # ridge λ of the closed-form fit (the bias is not shrunk)
+    ridge: float | str = "auto"  # ridge λ of the closed-form fit, or "auto": chosen per block on held-out conversations
+    aux_attn_weight: float = 0.0  # weight of the attention-output MSE next to the KL (0: KL only)
     n_fit: int = 0  # train conversations in the closed-form fit (the first n_fit of a seeded order)
     updates: int = 0  # distillation optimiser updates
     batch: int = 1  # conversations accumulated per update (the adapter is batch-one)

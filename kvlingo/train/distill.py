@@ -8,11 +8,18 @@ the mean over its conversations (gradient accumulation: the adapter is batch-one
 Gradients reach the FP32 translator through the frozen target and through the cast to the
 model dtype inside `Translator.forward`.
 
-Validation KL: the same per-conversation mean, averaged over the validation conversations.
+Auxiliary objective (`aux_weight` > 0): at every target layer, the attention block's output
+over the scored positions (its o_proj output, hooked) with the native cache and with the
+translated one; the loss adds aux_weight × the mean over layers of the relative squared error
+|a_translated − a_native|² / |a_native|² (scale-free, so one weight fits every layer and pair).
+
+Validation KL: the same per-conversation mean KL (without the auxiliary term), averaged over
+the validation conversations.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -24,25 +31,46 @@ from ..core.translator import Translator
 from .rng import preserved_rng
 
 
-def distill_loss(source, target, translator: Translator, row: dict, dtype: torch.dtype) -> torch.Tensor:
-    """Mean over reply tokens of KL(native target || target on the translated cache); FP32 scalar with grad."""
+@contextmanager
+def attention_outputs(model, last: int, into: list):
+    """Collect each layer's attention-block output at the last `last` positions while active ([last, hidden] each)."""
+    hooks = [layer.self_attn.register_forward_hook(lambda _m, _i, out: into.append(out[0][0, -last:]))
+             for layer in model.model.layers]
+    try:
+        yield into
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def distill_loss(source, target, translator: Translator, row: dict, dtype: torch.dtype,
+                 aux_weight: float = 0.0) -> torch.Tensor:
+    """Mean over reply tokens of KL(native target || target on the translated cache), plus the weighted
+    attention-output term when aux_weight > 0; FP32 scalar with grad."""
     context, new, _ = handoff_split(row["prefix_ids"], row["reply_ids"])
-    with torch.no_grad():
+    native_attn, ours_attn = [], []
+    with torch.no_grad(), attention_outputs(target, len(new), native_attn) if aux_weight else nullcontext():
         # The native arm reads the real prefix and the reply; its last len(new) positions predict the reply.
         native = target(input_ids=as_ids(context + new, device_of(target)), use_cache=False,
                         logits_to_keep=len(new)).logits[0]
     kv = translate(source, translator, context, dtype)  # [layers, kv_heads, context, head_dim] each, differentiable
-    out = continue_target(target, kv, new)
-    return token_kl(native, out.logits[0]).mean()  # [new] → scalar
+    with attention_outputs(target, len(new), ours_attn) if aux_weight else nullcontext():
+        out = continue_target(target, kv, new)
+    loss = token_kl(native, out.logits[0]).mean()  # [new] → scalar
+    if aux_weight:
+        rel = [(a.float() - b.float()).pow(2).sum() / b.float().pow(2).sum().clamp_min(1e-12)
+               for a, b in zip(ours_attn, native_attn)]
+        loss = loss + aux_weight * torch.stack(rel).mean()
+    return loss
 
 
 def distill_step(source, target, translator: Translator, rows: list[dict], optimizer, dtype: torch.dtype,
-                 max_grad_norm: float = 0.0) -> float:
+                 max_grad_norm: float = 0.0, aux_weight: float = 0.0) -> float:
     """One optimiser update over `rows` (gradient accumulation); returns the batch's mean loss."""
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for row in rows:
-        loss = distill_loss(source, target, translator, row, dtype) / len(rows)
+        loss = distill_loss(source, target, translator, row, dtype, aux_weight) / len(rows)
         loss.backward()
         total += loss.item()
     if max_grad_norm > 0:

@@ -1,0 +1,151 @@
+"""Cross-head and cross-layer families: every target KV head reads every source KV head of some source layers.
+
+For target layer l (and K/V separately), the input is the concatenation over its source layers
+s ∈ plan[l] of all source KV heads' features, x_l [tokens, k·H_s·d_s], and the output is all
+target KV heads at once, y_l [tokens, H_t·d_t]:
+
+    y_l = x_l W_l + b_l                       (full: W_l [k·H_s·d_s, H_t·d_t])
+    y_l = (x_l D_l) U_l + b_l                 (rank r: D_l [k·H_s·d_s, r], U_l [r, H_t·d_t])
+
+so neither the depths, the KV-head counts nor head_dim need to match. The plan (which source
+layers feed each target layer, [2, target layers, k]) is a buffer saved with the state and
+recorded in the manifest's settings.
+
+- `crosshead`: k = 1, the source layer at the same relative depth,
+  round(l · (L_s − 1) / (L_t − 1)) (the layer itself when the depths match).
+- `crosslayer`: the top-k source layers per target layer (and per K/V) by held-out R² of a
+  ridge fit on the fit conversations (`kvlingo.train.ranking`), or, with `pairing="proportional"`,
+  the k source layers nearest to the same relative depth.
+
+Closed form: one least-squares block per (K/V, target layer), weighted per position by the
+mean of the target layer's per-head weights; `rank` keeps the reduced-rank solution of the
+same normal equations (`fit.reduced_rank`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cache import Capture
+from .fit import NormalEquations, reduced_rank
+from .translator import Geometry, Translator, TranslatorError, family
+
+PAIRINGS = ("ranked", "proportional")
+
+
+def proportional_layers(l_target: int, n_target: int, n_source: int, k: int = 1) -> list[int]:
+    """The k source layers nearest to target layer l's relative depth l·(L_s−1)/(L_t−1), nearest first
+    (halves round up, so k = 1 gives round-half-up of that depth)."""
+    centre = l_target * (n_source - 1) / max(1, n_target - 1)
+    order = sorted(range(n_source), key=lambda s: (abs(s - centre), -s))
+    return order[:k]
+
+
+@family
+class CrossLayer(Translator):
+    family = "crosslayer"
+
+    def __init__(self, geometry: Geometry, key_space: str = "prenorm", k: int = 2, rank: int = 0,
+                 pairing: str = "ranked", layers: list | None = None):
+        super().__init__(geometry, key_space)
+        g = geometry
+        if not 1 <= k <= g.source_layers:
+            raise TranslatorError(f"k={k} source layers per target layer, but the source has {g.source_layers}; "
+                                  f"pass --k between 1 and {g.source_layers}")
+        if pairing not in PAIRINGS:
+            raise TranslatorError(f"pairing {pairing!r} is not one of {PAIRINGS}")
+        self.k, self.rank, self.pairing = k, rank, pairing
+        self.d_in, self.d_out = k * g.source_kv_heads * g.source_head_dim, g.target_kv_heads * g.target_head_dim
+        if rank < 0 or rank > min(self.d_in, self.d_out):
+            raise TranslatorError(f"rank {rank} must be 0 (full) or at most min(d_in, d_out) = "
+                                  f"{min(self.d_in, self.d_out)}")
+        L = g.target_layers
+        if layers is None:
+            layers = [[proportional_layers(t, L, g.source_layers, k) for t in range(L)]] * 2
+        self.register_buffer("plan", torch.tensor(layers, dtype=torch.long).view(2, L, k).clone())
+        if rank:
+            self.down = nn.Parameter(torch.zeros(2, L, self.d_in, rank))
+            self.up = nn.Parameter(torch.zeros(2, L, rank, self.d_out))
+        else:
+            self.weight = nn.Parameter(torch.zeros(2, L, self.d_in, self.d_out))
+        self.bias = nn.Parameter(torch.zeros(2, L, self.d_out))
+
+    @property
+    def needs_plan(self) -> bool:
+        """Whether the closed form must rank source layers before fitting."""
+        return self.pairing == "ranked"
+
+    def set_plan(self, layers: torch.Tensor) -> None:
+        """layers [2, target layers, k] source-layer indices."""
+        with torch.no_grad():
+            self.plan.copy_(torch.as_tensor(layers, dtype=torch.long).view_as(self.plan))
+
+    def settings(self) -> dict[str, Any]:
+        return {"k": self.k, "rank": self.rank, "pairing": self.pairing, "layers": self.plan.tolist()}
+
+    def flops_per_token(self) -> float:
+        L = self.geometry.target_layers
+        if self.rank:
+            return 2.0 * 2 * L * self.rank * (self.d_in + self.d_out)
+        return 2.0 * 2 * L * self.d_in * self.d_out
+
+    # ------------------------------------------------------------------ translation
+    def inputs(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
+        """x [n, tokens, k·H_s·d_s] for target `layers`: each one's source layers, heads concatenated."""
+        idx = self.plan[which, layers]  # [n, k]
+        n, k = idx.shape
+        x = self.source(which, cap, idx.reshape(-1).to(cap.values.device))  # [n·k, H_s, T, d_s] FP32
+        H, T, d = x.shape[1:]
+        return x.view(n, k, H, T, d).permute(0, 3, 1, 2, 4).reshape(n, T, k * H * d)
+
+    def map(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
+        x = self.inputs(which, cap, layers)
+        b = self.bias[which, layers][:, None, :]  # [n, 1, d_out]
+        if self.rank:
+            y = torch.baddbmm(b, torch.bmm(x, self.down[which, layers]), self.up[which, layers])
+        else:
+            y = torch.baddbmm(b, x, self.weight[which, layers])  # [n, T, H_t·d_t]
+        g = self.geometry
+        return y.view(y.shape[0], y.shape[1], g.target_kv_heads, g.target_head_dim).transpose(1, 2)
+
+    # ------------------------------------------------------------------ closed form
+    def fit_blocks(self) -> tuple[int, int, int, int]:
+        return self.geometry.target_layers, 1, self.d_in, self.d_out
+
+    def design(self, which: int, cap: Capture) -> torch.Tensor:
+        return self.inputs(which, cap, slice(None))[:, None]  # [L_t, 1, T, d_in]
+
+    @staticmethod
+    def block_targets(y: torch.Tensor) -> torch.Tensor:
+        L, H, T, d = y.shape
+        return y.transpose(1, 2).reshape(L, 1, T, H * d)  # [L_t, 1, T, H_t·d_t]
+
+    @staticmethod
+    def block_weights(w: torch.Tensor | None) -> torch.Tensor | None:
+        return None if w is None else w.mean(1, keepdim=True)  # [L_t, 1, T]: the heads' mean
+
+    def solve_from(self, ne: NormalEquations, ridge) -> None:
+        sol = ne.solve_augmented(ridge)[:, :, 0]  # [2, L_t, d_in+1, d_out]
+        with torch.no_grad():
+            if self.rank:
+                left, right = reduced_rank(sol, ne.A.cpu()[:, :, 0], self.rank)
+                self.down.copy_(left[..., :-1, :].float())
+                self.up.copy_(right.float())
+                self.bias.copy_((left[..., -1:, :] @ right)[..., 0, :].float())
+            else:
+                self.weight.copy_(sol[..., :-1, :].float())
+                self.bias.copy_(sol[..., -1, :].float())
+
+
+@family
+class CrossHead(CrossLayer):
+    family = "crosshead"
+
+    def __init__(self, geometry: Geometry, key_space: str = "prenorm", rank: int = 0, layers: list | None = None):
+        super().__init__(geometry, key_space, k=1, rank=rank, pairing="proportional", layers=layers)
+
+    def settings(self) -> dict[str, Any]:
+        return {"rank": self.rank, "layers": self.plan.tolist()}
