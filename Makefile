@@ -3,10 +3,25 @@
 #   make run DEVICE=cuda DIRECTION=s2l
 #   make recipe PROFILE=paper-budget DEVICE=cuda RUN=qwen-headwise
 
-DEVICE    ?= auto
-DTYPE     ?= bfloat16
 PROFILE   ?= pilot
 DIRECTION ?= l2s
+# The offline toy world (make demo): its pair, corpus and evaluation files.
+TOY       ?= artifacts/toy
+TOY_ARGS  ?=
+# PROFILE=demo runs on the toy world, offline, on the CPU: every stage's inputs default to it.
+ifeq ($(PROFILE),demo)
+DEVICE        ?= cpu
+DTYPE         ?= float32
+LARGE         ?= $(TOY)/large
+SMALL         ?= $(TOY)/small
+SOURCE        ?= $(TOY)/corpus/chats.jsonl
+IFEVAL_SOURCE ?= $(TOY)/corpus/ifeval.jsonl
+TASK_SOURCE_DIR ?= $(TOY)/corpus
+EVAL_ROOT     ?= data/toy-eval
+export HF_HUB_OFFLINE = 1
+endif
+DEVICE    ?= auto
+DTYPE     ?= bfloat16
 # Run name: empty means every stage's default, PROFILE-DIRECTION (kvlingo/run/paths.py).
 RUN       ?=
 TASK      ?= arc
@@ -15,13 +30,12 @@ LARGE     ?= Qwen/Qwen3-1.7B
 SMALL     ?= Qwen/Qwen3-0.6B
 # Evaluation data (IFEval, ARC, GSM8K) is prepared under EVAL_ROOT/<name>/.
 EVAL_ROOT ?= data
-# The offline toy world (make demo): its pair, corpus and evaluation files.
-TOY       ?= artifacts/toy
-TOY_ARGS  ?=
 # Local JSONL sources (offline). Empty: the pinned Hub data sets.
 SOURCE        ?=
 IFEVAL_SOURCE ?=
 TASK_SOURCE   ?=
+# A folder of local task files named <task>.jsonl (the toy world's corpus); wins over TASK_SOURCE.
+TASK_SOURCE_DIR ?=
 PREPARE_ARGS ?=
 TRAIN_ARGS   ?=
 BENCH_ARGS   ?=
@@ -30,6 +44,9 @@ IFEVAL_ARGS  ?=
 TASK_ARGS    ?=
 RECIPE_ARGS  ?=
 PERF_ARGS    ?=
+ABLATE_ARGS  ?=
+# make ablate runs both directions
+ABLATE_DIRECTIONS ?= l2s s2l
 # perf: float32 on a CPU (its BF16 kernels are slow for small steps), bfloat16 on a GPU
 PERF_DTYPE   ?= auto
 
@@ -41,7 +58,7 @@ PAIR   = --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DI
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast run demo toy toy-train prepare train benchmark switch ifeval ifeval-native task task-native perf recipe summary
+.PHONY: help venv test test-fast run demo toy toy-train prepare train benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate
 
 help: ## list the targets
 	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(or $(RUN),PROFILE-DIRECTION)):"
@@ -88,19 +105,15 @@ toy-train: $(VENV)/.synced ## retrain the toy pair from scratch (~26 CPU-minutes
 
 # Every stage on the toy pair, offline, on the CPU. The demo profile holds every setting (learning
 # rate, fit weighting, switch lengths, the recipe's budget; timing CV flags reported, not fatal).
-DEMO_VARS = HF_HUB_OFFLINE=1 PROFILE=demo DEVICE=cpu DTYPE=float32 DIRECTION=$(DIRECTION) \
-	LARGE=$(TOY)/large SMALL=$(TOY)/small SOURCE=$(TOY)/corpus/chats.jsonl \
-	IFEVAL_SOURCE=$(TOY)/corpus/ifeval.jsonl EVAL_ROOT=data/toy-eval
 demo: toy ## the whole suite offline on a CPU with the toy pair, ending in a summary table
 	@status=0; \
-	$(MAKE) run $(DEMO_VARS) || status=1; \
-	$(MAKE) switch $(DEMO_VARS) || status=1; \
+	$(MAKE) run PROFILE=demo || status=1; \
+	$(MAKE) switch PROFILE=demo || status=1; \
 	for task in arc gsm8k; do for mode in prompt trace; do \
-	  $(MAKE) task-native task $(DEMO_VARS) TASK=$$task HANDOFF=$$mode TASK_SOURCE=$(TOY)/corpus/$$task.jsonl \
-	    TASK_ARGS="--resume" || status=1; \
+	  $(MAKE) task-native task PROFILE=demo TASK=$$task HANDOFF=$$mode TASK_ARGS="--resume" || status=1; \
 	done; done; \
-	$(MAKE) recipe $(DEMO_VARS) RUN=demo-$(DIRECTION)-recipe || status=1; \
-	$(MAKE) summary $(DEMO_VARS) || status=1; \
+	$(MAKE) recipe PROFILE=demo RUN=demo-$(DIRECTION)-recipe || status=1; \
+	$(MAKE) summary PROFILE=demo || status=1; \
 	exit $$status
 
 # ---------------------------------------------------------------- stages
@@ -126,7 +139,8 @@ ifeval: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval after the handoff (
 	$(PY) ifeval.py --data-root $(EVAL_ROOT) $(PAIR) $(IFEVAL_ARGS)
 
 $(EVAL_ROOT)/arc/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json: | $(VENV)/.synced
-	$(PY) task_eval.py --task $(notdir $(@D)) --prepare --data-root $(EVAL_ROOT) $(if $(TASK_SOURCE),--source $(TASK_SOURCE))
+	$(PY) task_eval.py --task $(notdir $(@D)) --prepare --data-root $(EVAL_ROOT) \
+	  $(if $(TASK_SOURCE_DIR),--source $(TASK_SOURCE_DIR)/$(notdir $(@D)).jsonl,$(if $(TASK_SOURCE),--source $(TASK_SOURCE)))
 
 task: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff (TASK=arc|gsm8k HANDOFF=prompt|trace)
 	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --data-root $(EVAL_ROOT) $(PAIR) $(TASK_ARGS)
@@ -143,3 +157,10 @@ recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL
 
 summary: $(VENV)/.synced ## one table of the run's reports → results/RUN/summary.md
 	$(PY) -m kvlingo.eval.summary --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))
+
+ablate: $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## every translator family on the same budget, default chosen on validation KL → results/PROFILE-DIRECTION-ablate/ablation.{json,md,png} (both directions)
+	$(MAKE) prepare
+	@status=0; for d in $(ABLATE_DIRECTIONS); do \
+	  $(PY) ablate.py --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $$d --device $(DEVICE) \
+	    --dtype $(DTYPE) --data-root $(EVAL_ROOT) $(ABLATE_ARGS) || status=1; \
+	done; exit $$status
