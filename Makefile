@@ -45,6 +45,9 @@ TASK_ARGS    ?=
 RECIPE_ARGS  ?=
 PERF_ARGS    ?=
 ABLATE_ARGS  ?=
+FRONTIER_ARGS ?=
+# Refresh setting of the handoff stages (benchmark, switch, ifeval, task): none, tail:W, layers:K, select:R
+REFRESH      ?=
 # make ablate runs both directions
 ABLATE_DIRECTIONS ?= l2s s2l
 # perf: float32 on a CPU (its BF16 kernels are slow for small steps), bfloat16 on a GPU
@@ -55,10 +58,11 @@ PY    := $(VENV)/bin/python
 UV    := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
 PAIR   = --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) --device $(DEVICE) \
 	--dtype $(DTYPE) $(if $(RUN),--run $(RUN))
+REFRESH_FLAG = $(if $(REFRESH),--refresh $(REFRESH))
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast run demo toy toy-train prepare train benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate
+.PHONY: help venv test test-fast run demo toy toy-train prepare train benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate frontier
 
 help: ## list the targets
 	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(or $(RUN),PROFILE-DIRECTION)):"
@@ -124,10 +128,10 @@ train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, r
 	$(PY) train_translator.py $(PAIR) $(TRAIN_ARGS)
 
 benchmark: $(VENV)/.synced ## KL/perplexity rows, native controls, four timing paths → results/RUN/benchmark.json
-	$(PY) benchmark.py $(PAIR) $(BENCH_ARGS)
+	$(PY) benchmark.py $(PAIR) $(REFRESH_FLAG) $(BENCH_ARGS)
 
 switch: $(VENV)/.synced ## switch cost against re-reading on long chats → results/RUN/switch.json (SWITCH_ARGS="--lengths 4000 8000")
-	$(PY) switch_cost.py $(PAIR) $(SWITCH_ARGS)
+	$(PY) switch_cost.py $(PAIR) $(REFRESH_FLAG) $(SWITCH_ARGS)
 
 $(EVAL_ROOT)/ifeval/manifest.json: | $(VENV)/.synced
 	$(PY) ifeval.py --prepare --data-root $(EVAL_ROOT) $(if $(IFEVAL_SOURCE),--source $(IFEVAL_SOURCE))
@@ -136,14 +140,14 @@ ifeval-native: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval, native sour
 	$(PY) ifeval.py --native --data-root $(EVAL_ROOT) $(PAIR) $(IFEVAL_ARGS)
 
 ifeval: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval after the handoff (distilled maps) → results/RUN/ifeval.json
-	$(PY) ifeval.py --data-root $(EVAL_ROOT) $(PAIR) $(IFEVAL_ARGS)
+	$(PY) ifeval.py --data-root $(EVAL_ROOT) $(PAIR) $(REFRESH_FLAG) $(IFEVAL_ARGS)
 
 $(EVAL_ROOT)/arc/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json: | $(VENV)/.synced
 	$(PY) task_eval.py --task $(notdir $(@D)) --prepare --data-root $(EVAL_ROOT) \
 	  $(if $(TASK_SOURCE_DIR),--source $(TASK_SOURCE_DIR)/$(notdir $(@D)).jsonl,$(if $(TASK_SOURCE),--source $(TASK_SOURCE)))
 
 task: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff (TASK=arc|gsm8k HANDOFF=prompt|trace)
-	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --data-root $(EVAL_ROOT) $(PAIR) $(TASK_ARGS)
+	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --data-root $(EVAL_ROOT) $(PAIR) $(REFRESH_FLAG) $(TASK_ARGS)
 
 task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the native source and target
 	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --data-root $(EVAL_ROOT) $(PAIR) $(TASK_ARGS)
@@ -164,3 +168,8 @@ ablate: $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(
 	  $(PY) ablate.py --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $$d --device $(DEVICE) \
 	    --dtype $(DTYPE) --data-root $(EVAL_ROOT) $(ABLATE_ARGS) || status=1; \
 	done; exit $$status
+
+frontier: $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## quality against cost from pure translation to re-prefill (refresh settings) → results/RUN/frontier.{json,md,png}
+	$(MAKE) prepare
+	$(MAKE) train TRAIN_ARGS="--resume $(TRAIN_ARGS)"
+	$(PY) frontier.py $(PAIR) --data-root $(EVAL_ROOT) $(FRONTIER_ARGS)

@@ -13,7 +13,6 @@ validation KL among settings costing at most 10% of re-prefill.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -74,19 +73,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run_in_process(argv, report) -> dict:
-    """Run a stage's main() in this interpreter (no start-up cost per cell); its report, or StageFailed."""
-    module = importlib.import_module(Path(argv[0]).stem)
-    try:
-        module.main(list(argv[1:]))
-    except SystemExit as e:
-        if e.code not in (0, None):
-            raise K.StageFailed(f"{Path(argv[0]).name} exited with {e.code!r}") from None
-    if not Path(report).is_file():
-        raise K.StageFailed(f"{Path(argv[0]).name} wrote no {report}")
-    return read_json(report)
-
-
 class Plan:
     def __init__(self, cfg: AblationConfig):
         self.cfg, self.paths = cfg, RunPaths(cfg.run, cfg.artifacts, cfg.results)
@@ -109,7 +95,7 @@ class Plan:
 
     def benchmark(self, sub: str) -> K.Cell:
         return self.cell("benchmark", sub, {"--data": self.cfg.data, "--timing-conversations": 0,
-                                            "--control-dtypes": self.cfg.pair.dtype}, "benchmark", fresh_flag="--force")
+                                            "--control-dtypes": "none"}, "benchmark", fresh_flag="--force")
 
     def generative(self, task: str, sub: str, native: bool) -> K.Cell:
         stage, report = ("ifeval", "ifeval") if task == "ifeval" else ("task", "task-gsm8k")
@@ -203,7 +189,7 @@ def main(argv=None) -> dict:
                          tasks=tasks, artifacts=args.artifacts, results=args.results, pair=pair)
     plan = Plan(cfg)
     ledger = K.Ledger(plan.paths.res / K.LEDGER_FILE, asdict(cfg), args.resume)
-    cells = K.Cells(ledger, args.resume, runner=run_in_process)
+    cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
     chosen = [s for s in A.SETTINGS if s.name in cfg.settings]
     toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
     try:

@@ -38,7 +38,7 @@ from kvlingo.run.models import PairConfig, dtype_name, load_model, load_pair, pa
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table, publish
-from kvlingo.run.stage import add_timing_args, refusals_exit, stage_parser
+from kvlingo.run.stage import add_refresh_arg, add_timing_args, refusals_exit, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 
@@ -59,6 +59,7 @@ class BenchmarkConfig:
     timing_repeats: int  # timed trials per path
     cv_limit: float  # a timing with CV above this is flagged
     allow_cv: bool  # flagged timings do not fail the run
+    refresh: str  # the part of each translated context the target recomputes (kvlingo/core/refresh.py)
     pair: PairConfig  # the resolved pair
 
 
@@ -88,12 +89,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="score only the first N test conversations")
     parser.add_argument("--skip-missing", action="store_true",
                         help="leave out the closed-form/distilled rows whose translator is missing instead of stopping")
-    parser.add_argument("--control-dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"),
-                        help="dtypes the native controls run in (default: both)")
+    parser.add_argument("--control-dtypes", nargs="+", default=["bfloat16", "float32"],
+                        choices=("bfloat16", "float32", "none"),
+                        help="dtypes the native controls run in (default: both; none: skip them, e.g. in an ablation)")
     parser.add_argument("--tolerance-scale", type=float, default=1.0,
                         help="multiply every control tolerance (1: as justified in kvlingo/eval/controls.py; "
                              "a negative value forces every control to fail, to test the exit path)")
     add_timing_args(parser)
+    add_refresh_arg(parser)
     parser.add_argument("--timing-conversations", type=int, default=1,
                         help="time the paths on the N test conversations with the longest prefixes (0: no timing)")
     parser.add_argument("--force", action="store_true", help="re-run even when a passed report with the same inputs exists")
@@ -113,11 +116,12 @@ def timing_table(contexts: list[dict]) -> str:
     return fmt_table(["context", "tokens", "path", "median ms", "CV", "speedup", "flag"], rows)
 
 
-def summary_markdown(results: BenchmarkResults, dtype: str) -> str:
+def summary_markdown(results: BenchmarkResults, dtype: str, refresh: str = "none") -> str:
     q = results.quality
     arm_rows = [[arm, m["kl_token_mean"], fmt_pm(m["kl_conversation"]), m["perplexity"], m["top1_agreement"],
                  m["nll_delta_vs_native_target"], m["n_conversations"], m["n_tokens"]] for arm, m in q["arms"].items()]
-    text = [f"## Benchmark quality ({dtype}; KL(native target ‖ arm) over reply tokens)\n",
+    text = [f"## Benchmark quality ({dtype}; KL(native target ‖ arm) over reply tokens"
+            + (f"; refresh {refresh}" if refresh != "none" else "") + ")\n",
             fmt_table(["arm", "KL/token", "KL/conv ± SE", "ppl", "top-1", "ΔNLL", "convs", "tokens"], arm_rows),
             f"control: {q['control_translator']} translator on another test conversation's source cache of the same "
             f"length; no_context: {q['no_context']} (the floor)."
@@ -162,12 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     cfg = BenchmarkConfig(
         profile=profile.name, run=paths.run, data=str(data_dir), variant=args.variant, limit=args.limit,
         skipped_translators=tuple(missing),
-        control_dtypes=tuple(dtype_name(resolve_dtype(d)) for d in args.control_dtypes),
+        control_dtypes=tuple(dtype_name(resolve_dtype(d)) for d in args.control_dtypes if d != "none"),
         tolerance_scale=args.tolerance_scale, new_turn_tokens=args.new_turn_tokens,
         timing_conversations=args.timing_conversations,
         timing_warmups=profile.timing_warmups if args.timing_warmups is None else args.timing_warmups,
         timing_repeats=profile.timing_repeats if args.timing_repeats is None else args.timing_repeats,
-        cv_limit=args.cv_limit, allow_cv=args.allow_cv or profile.allow_cv, pair=pair_cfg,
+        cv_limit=args.cv_limit, allow_cv=args.allow_cv or profile.allow_cv, refresh=str(args.refresh), pair=pair_cfg,
     )
     test_file = f"test.{args.variant}.jsonl"
     inputs = {"test_split": {"path": str(data_dir / test_file), "sha256": manifest["files"][test_file]},
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for conv, ctl in zip(tqdm(convs, desc="quality", file=sys.stderr), pairing):
         arms = quality.score_conversation(pair.source, pair.target, translators, control_name, conv,
-                                          ctl["context_ids"], pair.dtype)
+                                          ctl["context_ids"], pair.dtype, args.refresh)
         rows.append({"id": conv["id"], "context_tokens": len(conv["prefix_ids"]) - 1,
                      "reply_tokens": len(conv["reply_ids"]),
                      "control_pairing": {"ids": ctl["ids"], "kind": ctl["kind"], "translator": control_name},
@@ -222,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
         contexts = []
         for conv in tqdm(timed, desc="timing", file=sys.stderr):
             ids = as_ids(conv["prefix_ids"], pair.device)  # [1, prefix]; tokenisation stays out of the clock
-            paths_ = timing.HandoffPaths(pair.source, pair.target, translators[control_name], ids[:, :-k], ids[:, -k:])
+            paths_ = timing.HandoffPaths(pair.source, pair.target, translators[control_name], ids[:, :-k], ids[:, -k:],
+                                         refresh=args.refresh)
             summaries = timing.time_paths(paths_, timing.PATHS, cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
             breakdown = timing.time_breakdown(paths_, cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
             contexts.append({"id": conv["id"], "context_tokens": ids.shape[1] - k, "new_turn_tokens": k,
@@ -246,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                    "timing_contexts": len(timing_results["contexts"]) if timing_results else 0},
         wall_time_s=time.time() - t_start, device=pair.device, dtype=pair_cfg.dtype, resume_key=key,
     )
-    publish(report, paths.report("benchmark"), rows, summary_markdown(results, pair_cfg.dtype), checks=checks)
+    publish(report, paths.report("benchmark"), rows, summary_markdown(results, pair_cfg.dtype, cfg.refresh), checks=checks)
 
 
 if __name__ == "__main__":

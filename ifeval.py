@@ -60,6 +60,7 @@ class IFEvalConfig:
     enable_thinking: bool  # the chat template's thinking switch for the prompt
     max_accuracy_loss: float | None  # gate on strict prompt-level accuracy, in points; None: no gate
     controls: tuple[str, ...]  # floors scored beside a translated run (control, no_context), or none
+    refresh: str  # the part of each translated prompt the target recomputes (kvlingo/core/refresh.py)
     pair: PairConfig  # the resolved pair
 
 
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     controls = control_paths(args, len(docs))
     config = IFEvalConfig(profile.name, paths.run, "native" if args.native else "translated",
                           None if args.native else args.translator, len(docs), cap, args.thinking,
-                          args.max_accuracy_loss, controls, session.pair_cfg)
+                          args.max_accuracy_loss, controls, str(args.refresh), session.pair_cfg)
 
     # ---------------------------------------------------------------- rows
     models = pair.identities()
@@ -160,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     path_inputs = {
         "native_source": {"model": models["source"]},
         "native_target": {"model": models["target"]},
-        "translated": {**models, "maps_sha256": session.translator_info["maps_sha256"] if session.translator_info else None},
+        "translated": {**models, "maps_sha256": session.translator_info["maps_sha256"] if session.translator_info else None,
+                       **({"refresh": str(args.refresh)} if args.refresh.kind != "none" else {})},
         "no_context": {"model": models["target"]},
     }
     path_inputs["control"] = path_inputs["translated"]
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         other_ids = all_prompt_ids[control_partner(i, len(docs))] if controls else None
 
         def make(path: str) -> dict:
-            gen = generate(path, pair, session.translator, prompt_ids, cap, session.eos, other_ids)
+            gen = generate(path, pair, session.translator, prompt_ids, cap, session.eos, other_ids, args.refresh)
             response = answer_text(tok, gen.ids)
             return {"path": path, "doc_key": doc["key"], "instruction_id_list": doc["instruction_id_list"],
                     "prompt_tokens": len(prompt_ids), "new_ids": gen.ids, "new_tokens": len(gen.ids),

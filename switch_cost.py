@@ -37,7 +37,7 @@ from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_table, publish
-from kvlingo.run.stage import add_timing_args, refusals_exit, stage_parser
+from kvlingo.run.stage import add_refresh_arg, add_timing_args, refusals_exit, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 PATHS = {"re_reading": "target_reprefill", "switching": "source_cache_handoff"}
@@ -56,6 +56,7 @@ class SwitchConfig:
     cv_limit: float  # a timing with CV above this is flagged
     allow_cv: bool  # flagged timings do not fail the run
     threads: int  # torch intra-op threads
+    refresh: str  # the part of the translated history the target recomputes (kvlingo/core/refresh.py)
     pair: PairConfig  # the resolved pair
 
 
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--translator", choices=TRANSLATORS, default="distilled", help="which trained translator translates")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="history lengths (tokens; default: the profile's)")
     add_timing_args(parser)
+    add_refresh_arg(parser)
     parser.add_argument("--force", action="store_true", help="re-run even when a passed report with the same inputs exists")
     args = parser.parse_args(argv)
     t_start = time.time()
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         new_turn_tokens=args.new_turn_tokens,
         timing_warmups=profile.timing_warmups if args.timing_warmups is None else args.timing_warmups,
         timing_repeats=profile.timing_repeats if args.timing_repeats is None else args.timing_repeats,
-        cv_limit=args.cv_limit, allow_cv=args.allow_cv or profile.allow_cv, threads=timing.threads(), pair=pair_cfg,
+        cv_limit=args.cv_limit, allow_cv=args.allow_cv or profile.allow_cv, threads=timing.threads(), refresh=str(args.refresh),
+        pair=pair_cfg,
     )
     inputs = {"test_split": {"path": str(data_dir / "test.natural.jsonl"), "sha256": manifest["files"]["test.natural.jsonl"]},
               args.translator: {"path": str(folder), "manifest_sha256": sha256_file(folder / "manifest.json")}}
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr):
         ids = as_ids(stream[:n + k], pair.device)  # [1, n + k]
         handoff = timing.HandoffPaths(pair.source, pair.target, translator, ids[:, :n], ids[:, n:],
-                                      need=tuple(PATHS.values()))
+                                      need=tuple(PATHS.values()), refresh=args.refresh)
         summaries = {label: timing.time_paths(handoff, [name], cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)[name]
                      for label, name in PATHS.items()}
         points.append({"context_tokens": n, "new_turn_tokens": k, "paths": summaries,

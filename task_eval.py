@@ -66,6 +66,7 @@ class TaskConfig:
     trace_tokens: int | None  # greedy cap on the reasoning trace (trace mode)
     enable_thinking: bool  # the chat template's thinking switch for the prompt (always on in trace mode)
     controls: tuple[str, ...]  # floors scored beside a translated run (control, no_context), or none
+    refresh: str  # the part of each translated prefix the target recomputes (kvlingo/core/refresh.py)
     pair: PairConfig  # the resolved pair
 
 
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     controls = control_paths(args, len(items))
     config = TaskConfig(profile.name, paths.run, args.task, args.handoff, "native" if args.native else "translated",
                         None if args.native else args.translator, len(items), cap, trace_cap, thinking, controls,
-                        session.pair_cfg)
+                        str(args.refresh), session.pair_cfg)
 
     # ---------------------------------------------------------------- rows
     models = pair.identities()
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def answer(path: str, prefix: list[int], item, extra: dict | None = None, other: list[int] | None = None) -> dict:
         gen = generate("native_target" if path == "native_target_with_trace" else path, pair, session.translator,
-                       prefix, cap, eos, other)
+                       prefix, cap, eos, other, args.refresh)
         reply = answer_text(tok, gen.ids)
         pred, correct = score(args.task, item, reply)
         return {"path": path, "item_id": item.id, "gold": item.gold, "pred": pred, "correct": correct,
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         prepared.append((item, prompt_ids, prefix, common, trace_key))
 
     by_path: dict[str, list[dict]] = {p: [] for p in scored}
-    translated_ident = {"source": models["source"], "target": models["target"], "maps_sha256": maps_sha}
+    translated_ident = {"source": models["source"], "target": models["target"], "maps_sha256": maps_sha,
+                        **({"refresh": str(args.refresh)} if args.refresh.kind != "none" else {})}
     for i, (item, prompt_ids, prefix, common, trace_key) in enumerate(
             tqdm(prepared, desc=f"{args.task} {args.handoff} {config.mode}", unit="item")):
         other = prepared[control_partner(i, len(prepared))][2] if controls else None

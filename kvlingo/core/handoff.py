@@ -41,11 +41,21 @@ def capture_source(source, context_ids, translators: Iterable = ()) -> Capture:
 
 
 def translate(source, translator, context_ids=None, out_dtype: torch.dtype | None = None,
-              cap: Capture | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              cap: Capture | None = None, refresh=None, target=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Target-layout (keys, values) of a context: from an existing source capture `cap`, or a fresh
-    prefill of `context_ids`. Differentiable in the translator's parameters when gradients are on."""
+    prefill of `context_ids`. Differentiable in the translator's parameters when gradients are on.
+
+    `refresh` (kvlingo.core.refresh.Refresh) has the `target` recompute part of the context
+    natively on top of the translated rest; it needs the context's token ids.
+    """
     if cap is None:
         cap = capture_source(source, context_ids, [translator])
+    if refresh is not None and refresh.kind != "none":
+        from .refresh import refreshed_kv
+
+        if target is None or context_ids is None:
+            raise ValueError("a refresh needs the target model and the context's token ids")
+        return refreshed_kv(source, target, translator, context_ids, refresh, out_dtype, cap)
     return translator(cap, out_dtype)
 
 

@@ -175,25 +175,28 @@ class Translator(nn.Module):
         per_layer = g.target_kv_heads * n_tokens * g.target_head_dim
         return max(1, min(g.target_layers, chunk_elements // max(1, per_layer)))
 
-    def forward(self, cap: Capture, out_dtype: torch.dtype | None = None,
-                chunk_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Translate a capture: target (keys, values), each [target layers, kv_heads, tokens, head_dim]."""
+    def forward(self, cap: Capture, out_dtype: torch.dtype | None = None, chunk_elements: int | None = None,
+                target_layers: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Translate a capture: target (keys, values), each [target layers, kv_heads, tokens, head_dim]
+        (only the target layers in `target_layers`, when given: a refresh computes the others natively)."""
         if self.space is None:
             raise RuntimeError("translator is not bound to a pair: call .bind(source, target) first")
         out_dtype = out_dtype or cap.keys.dtype
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            keys, values = self.translate_layers(cap)
+            keys, values = self.translate_layers(cap, target_layers)
             return keys.to(out_dtype), values.to(out_dtype)
         g, T, device = self.geometry, cap.n_tokens, cap.values.device
-        L, H, d = g.target_layers, g.target_kv_heads, g.target_head_dim
+        first, stop, _ = target_layers.indices(g.target_layers)
+        H, d = g.target_kv_heads, g.target_head_dim
         step = self.chunk_layers(T, device, chunk_elements)
-        keys = torch.empty(L, H, T, d, dtype=out_dtype, device=device)
+        keys = torch.empty(max(0, stop - first), H, T, d, dtype=out_dtype, device=device)
         values = torch.empty_like(keys)
         scratch = Scratch((step, H, T, d), device)
         with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False):
-            for start in range(0, L, step):
-                layers = slice(start, min(L, start + step))
-                self._translate_into(cap, layers, keys[layers], values[layers], scratch)
+            for start in range(first, stop, step):
+                layers = slice(start, min(stop, start + step))
+                out = slice(start - first, layers.stop - first)
+                self._translate_into(cap, layers, keys[out], values[out], scratch)
         return keys, values
 
     def _translate_into(self, cap: Capture, layers: slice, k_out: torch.Tensor, v_out: torch.Tensor,

@@ -94,9 +94,11 @@ def score_logits(ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor)
 
 @torch.no_grad()
 def score_conversation(source, target, translators: dict[str, Translator], control_translator: str | None,
-                       conv: dict, control_context: Sequence[int], out_dtype: torch.dtype) -> dict[str, dict]:
+                       conv: dict, control_context: Sequence[int], out_dtype: torch.dtype,
+                       refresh=None) -> dict[str, dict]:
     """Per-arm sums for one conversation. Arms whose maps are absent from `translators` are left out;
-    the control arm runs when `control_translator` names one of them."""
+    the control arm runs when `control_translator` names one of them. A `refresh` (kvlingo.core.refresh)
+    applies to every translated cache, the control's included."""
     device = device_of(target)
     context, new, targets = handoff_split(conv["prefix_ids"], conv["reply_ids"])
     new_t, tgt = as_ids(new, device), torch.as_tensor(targets, device=device)
@@ -111,11 +113,12 @@ def score_conversation(source, target, translators: dict[str, Translator], contr
     arms = {"native_target": score_logits(ref, ref, tgt)}
     arms["native_source"] = score_logits(ref, continue_target(source, (src.keys, src.values), new_t).logits[0], tgt)
     for name, translator in translators.items():
-        kv = translate(source, translator, out_dtype=out_dtype, cap=src)
+        kv = translate(source, translator, context, out_dtype, cap=src, refresh=refresh, target=target)
         arms[name] = score_logits(ref, continue_target(target, kv, new_t).logits[0], tgt)
     del src
     if control_translator is not None:
-        kv = translate(source, translators[control_translator], control_context, out_dtype)
+        kv = translate(source, translators[control_translator], control_context, out_dtype, refresh=refresh,
+                       target=target)
         arms["control"] = score_logits(ref, continue_target(target, kv, new_t).logits[0], tgt)
     no_ctx = target(input_ids=new_t, use_cache=False).logits[0]
     arms["no_context"] = score_logits(ref, no_ctx, tgt)

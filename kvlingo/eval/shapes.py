@@ -43,3 +43,35 @@ def prefill_flops(model, tokens: int) -> float:
     if getattr(model.config, "tie_word_embeddings", False):
         n += model.model.embed_tokens.weight.numel()  # the tied LM head still runs a matmul
     return 2.0 * n * tokens
+
+
+def real_settings(settings: dict, width_ratio: float) -> dict:
+    """A family's settings carried to other shapes: the layer plan dropped (re-derived there), the rank
+    scaled by the ratio of the target widths (so a rank that is half the width stays half)."""
+    out = {k: v for k, v in settings.items() if k != "layers"}
+    if out.get("rank"):
+        out["rank"] = max(1, round(out["rank"] * width_ratio))
+    if isinstance(out.get("base"), dict):
+        out["base"] = {**out["base"], "settings": real_settings(out["base"].get("settings", {}), width_ratio)}
+    return out
+
+
+def translator_at(family: str, settings: dict, source_cfg, target_cfg, key_space: str = "prenorm",
+                  from_width: int | None = None):
+    """A translator of `family` at the shapes of two configs, on the meta device (for counting), its settings
+    carried over from a target of width `from_width` (kv_heads · head_dim) when given."""
+    from dataclasses import asdict
+
+    from ..core.translator import Geometry, build
+
+    geometry = Geometry.of(source_cfg, target_cfg)
+    width = geometry.target_kv_heads * geometry.target_head_dim
+    carried = real_settings(settings, width / from_width if from_width else 1.0)
+    with torch.device("meta"):
+        return build({"family": family, "key_space": key_space, "settings": carried, "geometry": asdict(geometry)})
+
+
+def real_pair_configs(direction: str, arch: str = "qwen3"):
+    """(source config, target config) of the real shapes for a direction."""
+    large, small = RANDOM_PAIRS[arch]
+    return (qwen3_config(large), qwen3_config(small)) if direction == "l2s" else (qwen3_config(small), qwen3_config(large))

@@ -101,9 +101,10 @@ class HandoffPaths:
     """
 
     def __init__(self, source, target, translator: Translator, context_ids: torch.Tensor, new_ids: torch.Tensor,
-                 out_dtype: torch.dtype | None = None, need: tuple[str, ...] = PATHS):
+                 out_dtype: torch.dtype | None = None, need: tuple[str, ...] = PATHS, refresh=None):
         self.source, self.target, self.translator = source, target, translator
         self.context_ids, self.new_ids = context_ids, new_ids
+        self.refresh = refresh  # the part of the context the target recomputes in a handoff (kvlingo.core.refresh)
         self.full_ids = torch.cat([context_ids, new_ids], dim=1)  # [1, T + k]: tokenisation is not timed
         self.out_dtype = out_dtype or next(target.parameters()).dtype
         self.want_prenorm = translator.needs_prenorm
@@ -134,7 +135,8 @@ class HandoffPaths:
         return new_turn_logits(self.target, self.new_ids, build_cache(self.target, *self.target_kv))
 
     def _handoff(self, cap: Capture, mark: Callable[[str], None] | None = None) -> torch.Tensor:
-        keys, values = translate(self.source, self.translator, out_dtype=self.out_dtype, cap=cap)
+        keys, values = translate(self.source, self.translator, self.context_ids, self.out_dtype, cap=cap,
+                                 refresh=self.refresh, target=self.target)
         if mark:
             mark("translate")
         cache = build_cache(self.target, keys, values)

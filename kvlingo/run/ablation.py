@@ -19,12 +19,11 @@ scores never choose.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 MAX_COST_FRACTION = 0.10  # the default's translation FLOPs, at most this fraction of re-prefill at the real shapes
 LONG_FACTOR = 2  # the longer budget of the best two settings, in multiples of the profile's updates
-REAL_PAIR = ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-0.6B")  # (large, small) whose shapes price every setting
 
 
 @dataclass(frozen=True)
@@ -63,28 +62,24 @@ SETTINGS = (
 def real_cost(setting: Setting, direction: str, toy_target_width: int) -> dict[str, float]:
     """Translation FLOPs per context token at the real shapes, as a fraction of the target's re-prefill."""
     import torch
-
-    from ..core.translator import Geometry, build
-    from ..eval.shapes import prefill_flops, qwen3_config
-    from ..train.config import family_settings
     from transformers import Qwen3ForCausalLM
 
-    large, small = REAL_PAIR
-    src, tgt = (large, small) if direction == "l2s" else (small, large)
-    s_cfg, t_cfg = qwen3_config(src), qwen3_config(tgt)
-    geometry = Geometry.of(s_cfg, t_cfg)
-    args = setting.family_args()
-    real_width = geometry.target_kv_heads * geometry.target_head_dim
-    if args.get("rank"):
-        args["rank"] = max(1, round(args["rank"] * real_width / toy_target_width))
+    from ..eval.shapes import prefill_flops, real_pair_configs, real_settings, translator_at
+    from ..train.config import family_settings
+
+    src_cfg, tgt_cfg = real_pair_configs(direction)
+    settings = family_settings(setting.family, **setting.family_args())
+    translator = translator_at(setting.family, settings, src_cfg, tgt_cfg, from_width=toy_target_width)
     with torch.device("meta"):
-        translator = build({"family": setting.family, "key_space": "prenorm",
-                            "settings": family_settings(setting.family, **args), "geometry": asdict(geometry)})
-        target = Qwen3ForCausalLM(t_cfg)
+        target = Qwen3ForCausalLM(tgt_cfg)
     flops, reprefill = translator.flops_per_token(), prefill_flops(target, 1)
     return {"translate_flops_per_token": flops, "reprefill_flops_per_token": reprefill,
             "fraction_of_reprefill": flops / reprefill, "ceiling_speedup": reprefill / flops,
-            "real_settings": args}
+            "real_settings": real_settings(settings, _width(tgt_cfg) / toy_target_width)}
+
+
+def _width(cfg) -> int:
+    return cfg.num_key_value_heads * cfg.head_dim
 
 
 def choose_default(rows: list[dict]) -> dict[str, Any]:

@@ -250,6 +250,24 @@ def run_stage(argv: Sequence[str], report: str | Path) -> dict[str, Any]:
     return read_json(report)
 
 
+def run_in_process(argv: Sequence[str], report: str | Path) -> dict[str, Any]:
+    """Run a stage script's main() in this interpreter (no start-up cost per cell), then read its report."""
+    import importlib
+
+    script = Path(argv[0])
+    if str(script.parent) not in sys.path:
+        sys.path.insert(0, str(script.parent))
+    module = importlib.import_module(script.stem)
+    try:
+        module.main(list(argv[1:]))
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise StageFailed(f"{script.name} exited with {e.code!r}") from None
+    if not Path(report).is_file():
+        raise StageFailed(f"{script.name} exited cleanly but wrote no {report}")
+    return read_json(report)
+
+
 class Cells:
     """Runs cells through a ledger: finished cells are read back, the rest are run (and recorded)."""
 

@@ -68,6 +68,21 @@ def add_timing_args(parser, warmups: str = "the profile's", repeats: str = "the 
                         help="do not fail the run on CV flags; they stay in the report (default: the profile's)")
 
 
+def add_refresh_arg(parser) -> None:
+    parser.add_argument("--refresh", default="none", type=refresh_setting,
+                        help="recompute part of the translated context natively: none, tail:W, layers:K "
+                        "(W, K: a count or a percentage) or select:R (a fraction); see kvlingo/core/refresh.py")
+
+
+def refresh_setting(text: str):
+    from ..core.refresh import Refresh, RefreshError
+
+    try:
+        return Refresh.parse(text)
+    except RefreshError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_common_args(parser, data: bool = False, default_profile: str = "pilot") -> None:
     """--profile, the pair flags and the run-folder flags (and --data for stages that read prepared chats)."""
     parser.add_argument("--profile", default=default_profile, choices=sorted(PROFILES),

@@ -12,7 +12,7 @@ from dataclasses import asdict
 import torch
 
 from ..core.headwise import Headwise
-from ..core.translator import Geometry
+from ..core.translator import Geometry, build
 from ..eval.shapes import QWEN3_ARCH, RANDOM_PAIRS, qwen3_config
 
 
@@ -56,14 +56,22 @@ def random_maps(source, target, key_space: str = "prenorm", seed: int = 0) -> He
     return maps.to(next(target.parameters()).device)
 
 
-def random_translator(source, target, key_space: str = "prenorm", seed: int = 0) -> Headwise:
-    """Near-identity random head-wise maps bound to a pair (values are irrelevant to timing, but finite and tame)."""
+def random_translator(source, target, key_space: str = "prenorm", seed: int = 0, family: str = "headwise",
+                      settings: dict | None = None):
+    """A random translator of `family` bound to a pair (values are irrelevant to timing, but finite and tame):
+    near-identity head-wise maps, or every parameter drawn N(0, 0.02) for the other families."""
     g = Geometry.of(source, target)
-    maps = Headwise(g, key_space)
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        shape = maps.weight.shape
-        maps.weight.copy_(torch.eye(g.source_head_dim, g.target_head_dim) + 0.01 * torch.randn(*shape, generator=gen))
+    if family == "headwise":
+        maps = Headwise(g, key_space)
+        with torch.no_grad():
+            shape = maps.weight.shape
+            maps.weight.copy_(torch.eye(g.source_head_dim, g.target_head_dim) + 0.01 * torch.randn(*shape, generator=gen))
+    else:
+        maps = build({"family": family, "key_space": key_space, "settings": settings or {}, "geometry": asdict(g)})
+        with torch.no_grad():
+            for p in maps.parameters():
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
     return maps.to(next(target.parameters()).device).bind(source, target).requires_grad_(False)
 
 

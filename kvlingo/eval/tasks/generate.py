@@ -60,11 +60,11 @@ def control_partner(i: int, n: int) -> int:
 
 
 def generate(path: str, pair, translator, prompt_ids: Sequence[int], max_new_tokens: int, eos: set[int],
-             other_ids: Sequence[int] | None = None) -> Generated:
+             other_ids: Sequence[int] | None = None, refresh=None) -> Generated:
     """Greedy answer of one path (see the module docstring) to a prompt of token ids.
 
-    `other_ids` is the control's stand-in prefix (another item's); `translator` is used by the
-    translated and control paths only.
+    `other_ids` is the control's stand-in prefix (another item's); `translator` (and `refresh`,
+    kvlingo.core.refresh) are used by the translated and control paths only.
     """
     if path not in PATHS:
         raise ValueError(f"unknown answering path {path!r}; one of {PATHS}")
@@ -77,7 +77,7 @@ def generate(path: str, pair, translator, prompt_ids: Sequence[int], max_new_tok
         cached = prompt_ids if path == "translated" else list(other_ids or [])
         if len(cached) < 2:
             raise ValueError(f"the {path} path needs a prefix of at least 2 tokens to hand over")
-        kv = translate(pair.source, translator, cached[:-1], pair.dtype)
+        kv = translate(pair.source, translator, cached[:-1], pair.dtype, refresh=refresh, target=pair.target)
         start = prompt_ids[-1:]
     elif path == "no_context":
         start = prompt_ids[-1:]

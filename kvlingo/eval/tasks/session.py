@@ -16,7 +16,7 @@ from ...io import sha256_file
 from ...run import resume
 from ...run.models import load_pair, pair_config_from_args
 from ...run.paths import TRANSLATORS, RunPaths
-from ...run.stage import add_common_args
+from ...run.stage import add_common_args, add_refresh_arg
 from ..itemrows import ItemRows
 from .data import HubData, prepare_data
 from .generate import CONTROL_PATHS
@@ -43,6 +43,7 @@ def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None
     ap.add_argument("--data-root", default="data", help=f"prepared data root: DATA_ROOT/{data_folder}/")
     ap.add_argument("--prepare", action="store_true",
                     help=f"fetch {data_help} into DATA_ROOT/{data_folder}/ (or copy --source there) and exit")
+    add_refresh_arg(ap)
     ap.add_argument("--no-controls", action="store_true",
                     help="translated runs: skip the control (another item's translated cache) and no-context "
                     "(target from the last prompt token alone) paths, which double the generation work")

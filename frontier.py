@@ -1,0 +1,322 @@
+"""The refresh frontier: quality against cost, from pure translation to re-prefill.
+
+For every refresh setting (kvlingo/core/refresh.py) on a trained run's translator: the test
+split's KL/top-1 (benchmark.py --refresh), IFEval and GSM8K after a prompt handoff (with the
+native target's rows scored once and shared), the setting's FLOPs as a fraction of re-prefill
+at the real Qwen3 shapes (4,096-token context), and its measured time at those shapes with
+random weights (the handoff from an existing source cache, including the refresh, against the
+target's re-prefill; raw trials kept). Every step is a resumable cell; --resume continues.
+
+Writes RESULTS/RUN/frontier.{json,md,png}: pure translation at one end, re-prefill
+(`tail:100%`) at the other, and the cheapest setting that keeps ≥ 95% of the native target's
+IFEval and GSM8K accuracy named. `--runs` adds other trained runs (other families).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvlingo.core.refresh import Refresh, refresh_flops
+from kvlingo.eval import timing
+from kvlingo.eval.shapes import real_pair_configs, translator_at
+from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
+from kvlingo.run import recipe as K
+from kvlingo.run.models import PairConfig, pair_config_from_args
+from kvlingo.run.paths import RunPaths, default_data, run_paths
+from kvlingo.run.profiles import get_profile
+from kvlingo.run.report import Metric, Report, figure_png, fmt_pm, fmt_table
+from kvlingo.run.resume import code_hash
+from kvlingo.run.stage import REFUSALS, refusals_exit, stage_parser
+
+ROOT = Path(__file__).resolve().parent
+SETTINGS = ("none", "tail:10%", "tail:25%", "tail:50%", "layers:25%", "layers:50%", "layers:75%",
+            "select:0.1", "select:0.25", "select:0.5", "tail:100%")
+KEEP = 0.95  # the goal: keep this fraction of the native target's IFEval and GSM8K accuracy
+REAL_TOKENS = 4096  # context length of the real-shape costs and timings
+SCRIPTS = {"benchmark": "benchmark.py", "ifeval": "ifeval.py", "task": "task_eval.py"}
+
+
+@dataclass(frozen=True)
+class FrontierConfig:
+    run: str  # the trained run whose distilled translator is refreshed
+    runs: tuple[str, ...]  # every run on the frontier (the first is `run`)
+    profile: str
+    data: str
+    settings: tuple[str, ...]  # refresh settings, cheapest first
+    eval_root: str  # prepared IFEval and GSM8K data
+    tasks: tuple[str, ...]
+    real_tokens: int  # context length of the real-shape costs and timings
+    timing_warmups: int
+    timing_repeats: int
+    artifacts: str
+    results: str
+    pair: PairConfig
+
+
+@dataclass
+class FrontierResults:
+    rows: list  # per (run, setting): costs, measured time, quality and task scores, kept fraction of native
+    native: dict  # the native target's IFEval and GSM8K
+    cheapest_meeting_goal: dict | None  # the cheapest setting keeping ≥ 95% of native accuracy, per run
+    timing: dict  # re-prefill at the real shapes, threads
+
+    METRICS = (Metric("rows.*.fraction_of_reprefill", False, "handoff FLOPs / re-prefill FLOPs at the real shapes"),
+               Metric("rows.*.test_kl_token", False, "test KL(native target ‖ refreshed handoff) per reply token"),
+               Metric("rows.*.ifeval_strict_prompt", True, "IFEval strict prompt accuracy"),
+               Metric("rows.*.gsm8k", True, "GSM8K accuracy"))
+
+
+def parse_args(argv=None):
+    p = stage_parser(__doc__, ["python frontier.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+                               "--device cpu --dtype float32 --data-root data/toy-eval",
+                               "python frontier.py --profile demo ... --runs demo-l2s-ablate/crosshead --resume"],
+                     common=True, data=True)
+    p.add_argument("--runs", nargs="*", default=[], help="other trained runs to put on the frontier (other families)")
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), help="refresh settings (default: the grid)")
+    p.add_argument("--data-root", default="data", help="prepared IFEval and GSM8K data root")
+    p.add_argument("--skip-tasks", nargs="*", choices=("ifeval", "gsm8k"), default=[])
+    p.add_argument("--real-tokens", type=int, default=REAL_TOKENS, help="context length of the real-shape timing")
+    p.add_argument("--no-timing", action="store_true", help="skip the real-shape timing (costs from FLOPs only)")
+    p.add_argument("--timing-warmups", type=int, default=1, help="warm-ups per timed path")
+    p.add_argument("--timing-repeats", type=int, default=3, help="timed trials per path")
+    p.add_argument("--resume", action="store_true", help="keep finished cells whose key matches")
+    return p.parse_args(argv)
+
+
+def slug(setting: str) -> str:
+    return setting.replace(":", "-").replace("%", "pct")
+
+
+class Plan:
+    def __init__(self, cfg: FrontierConfig):
+        self.cfg, self.paths = cfg, RunPaths(cfg.run, cfg.artifacts, cfg.results)
+        p = cfg.pair
+        self.flags = {"--profile": cfg.profile, "--large": p.large, "--small": p.small, "--direction": p.direction,
+                      "--device": p.device, "--dtype": p.dtype, "--artifacts": cfg.artifacts, "--results": cfg.results}
+        self.inputs = {"data": K.data_hash(cfg.data), "models": p.identities()}
+
+    def sub(self, run: str, setting: str) -> RunPaths:
+        return RunPaths(run, self.cfg.artifacts, self.cfg.results).nested(f"frontier/{slug(setting)}")
+
+    def stage_translator(self, run: str, setting: str) -> None:
+        """The run's distilled translator, copied under the setting's own run folder (each cell is the real stage)."""
+        src = RunPaths(run, self.cfg.artifacts, self.cfg.results).translator("distilled")
+        dst = self.sub(run, setting).translator("distilled")
+        if not (dst / "manifest.json").is_file() or sha256_file(dst / "maps.safetensors") != \
+                sha256_file(src / "maps.safetensors"):
+            tmp = dst.with_name(".distilled.copy")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(src, tmp)
+            shutil.rmtree(dst, ignore_errors=True)
+            tmp.rename(dst)
+
+    def cell(self, stage: str, run: str, setting: str, flags: dict, report: str, **kw) -> K.Cell:
+        script = str(ROOT / SCRIPTS[stage])
+        sub = self.sub(run, setting)
+        src = RunPaths(run, self.cfg.artifacts, self.cfg.results).translator("distilled")
+        inputs = {**self.inputs, "code_sha256": code_hash(script), "translator": sha256_file(src / "maps.safetensors")}
+        return K.Cell(f"{stage}/{run}/{slug(setting)}", stage, script,
+                      {**self.flags, "--run": sub.run, "--refresh": setting, **flags}, str(sub.report(report)),
+                      inputs, **kw)
+
+    def generative(self, task: str, run: str, setting: str) -> K.Cell:
+        stage, report = ("ifeval", "ifeval") if task == "ifeval" else ("task", "task-gsm8k")
+        flags = {"--data-root": self.cfg.eval_root, "--no-controls": True, **({"--task": "gsm8k"} if task == "gsm8k" else {})}
+        rows = f"{report}-native.rows.jsonl"
+        native = self.paths.nested("frontier/native").beside(f"{report}-native", ".rows.jsonl")
+
+        def before() -> None:  # the translator under the setting's folder, the native rows beside it
+            self.stage_translator(run, setting)
+            K.copy_file(native, self.sub(run, setting).res / rows)
+
+        return self.cell(stage, run, setting, flags, report, resume_flag="--resume", before=before)
+
+    def native(self, task: str) -> K.Cell:
+        stage, report = ("ifeval", "ifeval-native") if task == "ifeval" else ("task", "task-gsm8k-native")
+        script = str(ROOT / SCRIPTS[stage])
+        sub = self.paths.nested("frontier/native")
+        flags = {**self.flags, "--run": sub.run, "--data-root": self.cfg.eval_root, "--native": True,
+                 **({"--task": "gsm8k"} if task == "gsm8k" else {})}
+        return K.Cell(f"{stage}/native", stage, script, flags, str(sub.report(report)),
+                      {**self.inputs, "code_sha256": code_hash(script)}, resume_flag="--resume")
+
+
+def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: int) -> dict:
+    """Re-prefill and each (run, setting)'s handoff at the real shapes with random weights (seconds)."""
+    from kvlingo.eval.perf import random_ids
+    from kvlingo.eval.shapes import real_settings
+    from kvlingo.toy.random import random_pair, random_translator
+
+    device = cfg.pair.device
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    pair = random_pair("qwen3", cfg.pair.direction, device, dtype)
+    T, k = cfg.real_tokens, 16
+    ids = random_ids(pair.target.config.vocab_size, T + k, 0, device)
+    width = pair.target.config.num_key_value_heads * pair.target.config.head_dim
+    out = {"tokens": T, "new_turn_tokens": k, "threads": timing.threads(), "dtype": str(dtype).removeprefix("torch."),
+           "handoff": {}}
+    for run, spec in family_specs.items():
+        tr = random_translator(pair.source, pair.target, spec["key_space"], family=spec["family"],
+                               settings=real_settings(spec["settings"], width / toy_width))
+        # One source capture per translator (the source's prefill is not timed: the handoff starts from it).
+        paths = timing.HandoffPaths(pair.source, pair.target, tr, ids[:, :T], ids[:, T:], need=("source_cache_handoff",))
+        if "reprefill" not in out:
+            out["reprefill"] = timing.summarize(timing.run_trials(paths.target_reprefill, device, cfg.timing_warmups,
+                                                                  cfg.timing_repeats))
+        for setting in cfg.settings:
+            paths.refresh = Refresh.parse(setting)
+            out["handoff"][f"{run}|{setting}"] = timing.summarize(
+                timing.run_trials(paths.source_cache_handoff, device, cfg.timing_warmups, cfg.timing_repeats))
+        del paths, tr
+    return out
+
+
+def kept(score: dict | None, native: dict | None) -> float | None:
+    if not score or not native or not native.get("mean"):
+        return None
+    return score["mean"] / native["mean"]
+
+
+def markdown(cfg: FrontierConfig, rows: list[dict], native: dict, best: dict, t: dict) -> str:
+    pct = lambda s: fmt_pm(s, 100.0, ".1f")  # noqa: E731
+    table = fmt_table(
+        ["run", "refresh", "% of re-prefill FLOPs", "time ms", "speedup", "test KL/token", "KL/conv ± SE", "top-1",
+         "IFEval strict %", "kept", "GSM8K %", "kept"],
+        [[r["run"], r["setting"], f"{100 * r['fraction_of_reprefill']:.1f}",
+          None if r.get("time_s") is None else 1e3 * r["time_s"],
+          None if r.get("speedup") is None else f"{r['speedup']:.1f}×", r["test_kl_token"],
+          fmt_pm(r["test_kl_conversation"]), r["top1"], pct(r.get("ifeval_strict_prompt")),
+          _frac(r.get("ifeval_kept")), pct(r.get("gsm8k")), _frac(r.get("gsm8k_kept"))] for r in rows])
+    head = (f"# Refresh frontier: {cfg.pair.large} / {cfg.pair.small}, {cfg.pair.direction}, profile {cfg.profile}\n\n"
+            f"Costs at the real Qwen3-1.7B/0.6B shapes with a {cfg.real_tokens}-token context"
+            + (f"; times measured there with random weights ({t['threads']} thread(s), {t['dtype']}, "
+               f"{cfg.timing_repeats} trials after {cfg.timing_warmups} warm-up(s); re-prefill "
+               f"{1e3 * t['reprefill']['median_s']:.0f} ms)" if t else "") + ".\n\n")
+    goal = "\n".join(f"- {run}: " + (f"**{b['setting']}**, {100 * b['fraction_of_reprefill']:.1f}% of re-prefill FLOPs"
+                                     + (f", {b['speedup']:.1f}× faster than re-prefill" if b.get("speedup") else "")
+                                     if b else "no setting keeps ≥ 95% of both") for run, b in best.items())
+    return (head + table + f"\nNative target: IFEval strict {pct(native.get('ifeval'))}, GSM8K {pct(native.get('gsm8k'))}."
+            + f"\n\nCheapest setting keeping ≥ {KEEP:.0%} of the native target's IFEval and GSM8K:\n{goal}\n\n"
+            "![quality against cost](frontier.png)\n")
+
+
+def _frac(x):
+    return None if x is None else f"{100 * x:.0f}%"
+
+
+def plot(rows: list[dict], title: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run in dict.fromkeys(r["run"] for r in rows):
+        rs = sorted((r for r in rows if r["run"] == run), key=lambda r: r["fraction_of_reprefill"])
+        xs = [100 * r["fraction_of_reprefill"] for r in rs]
+        axes[0].errorbar(xs, [r["test_kl_token"] for r in rs], fmt="o-", label=run)
+        for key, style in (("ifeval_strict_prompt", "o-"), ("gsm8k", "s--")):
+            pts = [(x, r[key]) for x, r in zip(xs, rs) if r.get(key)]
+            if pts:
+                axes[1].errorbar([x for x, _ in pts], [100 * s["mean"] for _, s in pts],
+                                 yerr=[100 * s["se"] if s["se"] == s["se"] else 0 for _, s in pts], fmt=style,
+                                 label=f"{run} {key.split('_')[0]}", capsize=2)
+        for x, r in zip(xs, rs):
+            axes[0].annotate(r["setting"], (x, r["test_kl_token"]), fontsize=6, xytext=(2, 2), textcoords="offset points")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("handoff FLOPs, % of re-prefill (real shapes)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("test KL per reply token")
+    axes[1].set_ylabel("accuracy %")
+    fig.suptitle(title, fontsize=9)
+    return figure_png(fig)
+
+
+@refusals_exit("frontier")
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t0 = time.time()
+    profile = get_profile(args.profile)
+    pair, _ = pair_config_from_args(args)
+    settings = tuple(str(Refresh.parse(s)) for s in args.settings)
+    tasks = tuple(t for t in ("ifeval", "gsm8k") if t not in args.skip_tasks)
+    run = run_paths(args).run
+    cfg = FrontierConfig(run=run, runs=(run, *args.runs), profile=profile.name,
+                         data=str(args.data or default_data(profile.name)), settings=settings, eval_root=args.data_root,
+                         tasks=tasks, real_tokens=args.real_tokens, timing_warmups=args.timing_warmups,
+                         timing_repeats=args.timing_repeats, artifacts=args.artifacts, results=args.results, pair=pair)
+    specs = {}
+    for r in cfg.runs:
+        folder = RunPaths(r, cfg.artifacts, cfg.results).translator("distilled")
+        if not (folder / "manifest.json").is_file():
+            raise SystemExit(f"frontier: no trained translator at {folder}: train the run first (make train RUN={r})")
+        m = read_json(folder / "manifest.json")
+        specs[r] = {"family": m["family"], "key_space": m["key_space"], "settings": m["settings"]}
+    toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
+    plan = Plan(cfg)
+    ledger = K.Ledger(plan.paths.res / "frontier-state.json", asdict(cfg), args.resume)
+    cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
+    try:
+        native = {t: cells.ensure(plan.native(t))["results"]["paths"]["native_target"][
+            "prompt_level_strict_acc" if t == "ifeval" else "accuracy"] for t in tasks}
+        rows = []
+        src_cfg, tgt_cfg = real_pair_configs(pair.direction)
+        for r in cfg.runs:
+            spec = specs[r]
+            per_token = translator_at(spec["family"], spec["settings"], src_cfg, tgt_cfg, spec["key_space"],
+                                      toy_width).flops_per_token()
+            for setting in settings:
+                bench = plan.cell("benchmark", r, setting, {"--data": cfg.data, "--timing-conversations": 0,
+                                                            "--control-dtypes": "none", "--skip-missing": True},
+                                  "benchmark", fresh_flag="--force", before=lambda r=r, s=setting: plan.stage_translator(r, s))
+                arms = cells.ensure(bench)["results"]["quality"]["arms"]["distilled"]
+                cost = refresh_flops(Refresh.parse(setting), src_cfg, tgt_cfg, per_token, cfg.real_tokens)
+                row = {"run": r, "setting": setting, **cost, "test_kl_token": arms["kl_token_mean"],
+                       "test_kl_conversation": arms["kl_conversation"], "top1": arms["top1_agreement"],
+                       "nll_delta": arms["nll_delta_vs_native_target"]}
+                for t in tasks:
+                    rep = cells.ensure(plan.generative(t, r, setting))["results"]["paths"]["translated"]
+                    score = rep["prompt_level_strict_acc" if t == "ifeval" else "accuracy"]
+                    key = "ifeval_strict_prompt" if t == "ifeval" else "gsm8k"
+                    row[key], row[f"{t}_kept"] = score, kept(score, native.get(t))
+                rows.append(row)
+    except REFUSALS:
+        raise
+    except K.StageFailed as e:
+        raise SystemExit(f"frontier: {e}. Fix the cause, then re-run with --resume") from None
+
+    t = None
+    if not args.no_timing:
+        print(f"timing at the real shapes ({cfg.real_tokens} tokens, random weights)...", file=sys.stderr)
+        t = real_timings(cfg, specs, toy_width)
+        for row in rows:
+            h = t["handoff"][f"{row['run']}|{row['setting']}"]
+            row["time_s"], row["speedup"] = h["median_s"], t["reprefill"]["median_s"] / h["median_s"]
+            row["time_trials_s"] = h["trials_s"]
+    best = {}
+    for r in cfg.runs:
+        ok = [row for row in rows if row["run"] == r and all((row.get(f"{x}_kept") or 0) >= KEEP for x in tasks)]
+        best[r] = min(ok, key=lambda row: row["fraction_of_reprefill"]) if ok else None
+    results = FrontierResults(rows=rows, native=native, cheapest_meeting_goal=best, timing=t or {})
+    png = plan.paths.beside("frontier", ".png")
+    atomic_write_bytes(png, plot(rows, f"{pair.direction}, profile {cfg.profile}"))
+    md = markdown(cfg, rows, native, best, t)
+    atomic_write_text(plan.paths.beside("frontier", ".md"), md)
+    report = Report("frontier", config=cfg, inputs={**plan.inputs, "code_sha256": code_hash(__file__)}, results=results,
+                    metrics=FrontierResults.METRICS, n_samples={"settings": len(rows)}, wall_time_s=time.time() - t0,
+                    device=pair.device, dtype=pair.dtype, files={png.name: sha256_file(png)})
+    data = report.write(plan.paths.report("frontier"))
+    print(md)
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Refresh: recompute part of a translated context natively, on top of the translated rest.
+
+Translation is cheap and approximate; re-prefill is exact and slow. A refresh setting picks a
+point between them:
+
+    none        pure translation
+    tail:W      translate the first T−W context tokens; the target prefills the last W itself,
+                attending to the translated cache of the others
+    layers:K    the target computes its first K layers natively for the whole context (a forward
+                stopped before layer K); the translator supplies layers K..L−1
+    select:R    the fraction R of context tokens whose translated cache deviates most from the
+                target's own is recomputed: deviation measured at the target's first layer
+                (whose K/V needs only the embeddings, so it is cheap to compute exactly), then
+                the chosen tokens run through all layers at their true positions, attending
+                causally to the translated cache of the others (a 4-D attention mask and
+                position ids, through transformers' public forward)
+
+W and K are counts, or a percentage of the context / of the target's layers (`tail:10%`,
+`layers:25%`). The result is always the target's full cache [layers, kv_heads, T, head_dim],
+in position order, so everything after a handoff is unchanged.
+
+Costs (`refresh_flops`): dense FLOPs (2 × parameters touched per token) plus attention
+(4 × query heads × head_dim per query-key pair) of what the target recomputes, and the
+translator's FLOPs for what it translates; `kvlingo.eval.shapes` prices them at the real shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .cache import Capture, build_cache, capture
+
+KINDS = ("none", "tail", "layers", "select")
+
+
+class RefreshError(ValueError):
+    """A refresh setting that cannot be parsed or applied."""
+
+
+@dataclass(frozen=True)
+class Refresh:
+    kind: str = "none"  # none, tail, layers or select
+    amount: float = 0.0  # tokens (tail), layers (layers), fraction (select); with `relative`, a fraction
+    relative: bool = False  # tail/layers given as a percentage of the context / of the layers
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Refresh":
+        if not text or text == "none":
+            return cls()
+        m = re.fullmatch(r"(tail|layers|select):([0-9.]+)(%?)", text.strip())
+        if not m:
+            raise RefreshError(f"refresh {text!r} is not none, tail:W, layers:K or select:R "
+                               "(W and K: a count or a percentage such as 10%; R: a fraction in [0, 1])")
+        kind, value, pct = m.group(1), float(m.group(2)), bool(m.group(3))
+        if kind == "select":
+            value = value / 100 if pct else value
+            if not 0 <= value <= 1:
+                raise RefreshError(f"select:{m.group(2)}{m.group(3)}: the fraction must be within [0, 1]")
+            return cls(kind, value)
+        if pct:
+            if value > 100:
+                raise RefreshError(f"{text}: a percentage above 100")
+            return cls(kind, value / 100, True)
+        if value != int(value):
+            raise RefreshError(f"{text}: {kind} counts whole {'tokens' if kind == 'tail' else 'layers'}")
+        return cls(kind, value)
+
+    def __str__(self) -> str:
+        if self.kind == "none":
+            return "none"
+        if self.relative:
+            return f"{self.kind}:{100 * self.amount:g}%"
+        return f"{self.kind}:{self.amount:g}" if self.kind == "select" else f"{self.kind}:{int(self.amount)}"
+
+    def tail_tokens(self, n_tokens: int) -> int:
+        w = round(self.amount * n_tokens) if self.relative else int(self.amount)
+        return min(max(w, 0), n_tokens)
+
+    def native_layers(self, n_layers: int) -> int:
+        k = round(self.amount * n_layers) if self.relative else int(self.amount)
+        if k > n_layers:
+            raise RefreshError(f"layers:{k} but the target has {n_layers} layers")
+        return max(k, 0)
+
+    def selected_count(self, n_tokens: int) -> int:
+        return min(n_tokens, round(self.amount * n_tokens))
+
+
+# --------------------------------------------------------------------------- native parts
+class _Stop(Exception):
+    pass
+
+
+def native_prefix_layers(target, ids: torch.Tensor, n_layers: int):
+    """The target's own cache of ids [1, T] for its first n_layers only: a forward stopped before layer n_layers.
+
+    Returns (keys, values), each [n_layers, kv_heads, T, head_dim].
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    layers = target.model.layers
+    hook = None
+    if n_layers < len(layers):
+        def stop(_module, _args):
+            raise _Stop
+        hook = layers[n_layers].register_forward_pre_hook(stop)
+    try:
+        with torch.no_grad():
+            target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    except _Stop:
+        pass
+    finally:
+        if hook is not None:
+            hook.remove()
+    keys = torch.stack([cache.layers[i].keys[0] for i in range(n_layers)]) if n_layers else None
+    values = torch.stack([cache.layers[i].values[0] for i in range(n_layers)]) if n_layers else None
+    return keys, values
+
+
+def selection_mask(selected: list[int], kept: list[int], device) -> torch.Tensor:
+    """Bool attention mask [1, 1, n_sel, n_kept + n_sel]: query at position p sees keys at positions ≤ p.
+
+    Keys are the kept (translated) tokens followed by the selected ones, in that order.
+    """
+    q = torch.tensor(selected, device=device)
+    kv = torch.tensor(kept + selected, device=device)
+    return (kv[None, :] <= q[:, None])[None, None]
+
+
+def refreshed_kv(source, target, translator, context_ids, refresh: Refresh, out_dtype=None,
+                 cap: Capture | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's cache of `context_ids` under `refresh`: (keys, values) [layers, kv_heads, T, head_dim]."""
+    device = next(target.parameters()).device
+    ids = context_ids if torch.is_tensor(context_ids) else torch.as_tensor(list(context_ids), device=device)[None]
+    T = ids.shape[1]
+    if cap is None:
+        with torch.no_grad():
+            cap = capture(source, ids, want_prenorm=translator.needs_prenorm, logits_to_keep=1)
+    if refresh.kind == "none":
+        return translator(cap, out_dtype)
+    if refresh.kind == "tail":
+        return _tail(target, translator, cap, ids, refresh.tail_tokens(T), out_dtype)
+    if refresh.kind == "layers":
+        k = refresh.native_layers(target.config.num_hidden_layers)
+        keys, values = translator(cap, out_dtype, target_layers=slice(k, None))
+        if k == 0:
+            return keys, values
+        nk, nv = native_prefix_layers(target, ids, k)
+        return torch.cat([nk.to(keys.dtype), keys]), torch.cat([nv.to(values.dtype), values])
+    return _select(target, translator, cap, ids, refresh.selected_count(T), out_dtype)
+
+
+def _tail(target, translator, cap: Capture, ids: torch.Tensor, w: int, out_dtype):
+    T = ids.shape[1]
+    if w == 0:
+        return translator(cap, out_dtype)
+    head = T - w
+    if head == 0:  # everything natively: the target's own prefill
+        with torch.no_grad():
+            own = capture(target, ids, want_prenorm=False, logits_to_keep=1)
+        return own.keys, own.values
+    sliced = Capture(cap.keys[:, :, :head], cap.values[:, :, :head],
+                     None if cap.prenorm is None else cap.prenorm[:, :, :head], cap.logits)
+    keys, values = translator(sliced, out_dtype)
+    with torch.no_grad():
+        out = target(input_ids=ids[:, head:], cache=build_cache(target, keys, values), use_cache=True, logits_to_keep=1)
+    return _stack(out.cache)
+
+
+def _select(target, translator, cap: Capture, ids: torch.Tensor, n_sel: int, out_dtype):
+    keys, values = translator(cap, out_dtype)
+    T = ids.shape[1]
+    if n_sel == 0:
+        return keys, values
+    if n_sel == T:  # every token recomputed: the target's own prefill
+        return _tail(target, translator, cap, ids, T, out_dtype)
+    nk, nv = native_prefix_layers(target, ids, 1)  # the target's own layer 0: embeddings → K/V
+    dev = (nk.float() - keys[:1].float()).pow(2).sum((0, 1, 3)) + (nv.float() - values[:1].float()).pow(2).sum((0, 1, 3))
+    selected = sorted(dev.topk(n_sel).indices.tolist())  # [n_sel] positions, by deviation
+    chosen = set(selected)
+    kept = [t for t in range(T) if t not in chosen]
+    cache = build_cache(target, keys[:, :, kept], values[:, :, kept])
+    device = ids.device
+    with torch.no_grad():
+        out = target(input_ids=ids[:, selected], cache=cache, use_cache=True, logits_to_keep=1,
+                     position_ids=torch.tensor([selected], device=device),
+                     attention_mask=selection_mask(selected, kept, device))
+    k_all, v_all = _stack(out.cache)  # kept tokens, then selected ones
+    order = torch.tensor(kept + selected, device=device).argsort()
+    return k_all[:, :, order], v_all[:, :, order]
+
+
+def _stack(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.stack([layer.keys[0] for layer in cache.layers]),
+            torch.stack([layer.values[0] for layer in cache.layers]))
+
+
+# --------------------------------------------------------------------------- cost
+def forward_flops(cfg, n_query: int, n_keys: int, layers: int | None = None, lm_head: bool = False) -> float:
+    """FLOPs of `layers` decoder layers (all by default) for n_query tokens attending to n_keys keys each (on
+    average): 2 × the layer parameters per token, plus 4 × query heads × head_dim per query-key pair."""
+    L = cfg.num_hidden_layers if layers is None else layers
+    h, d, Hq, Hkv, ff = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
+        cfg.intermediate_size
+    per_layer = h * Hq * d * 2 + h * Hkv * d * 2 + 3 * h * ff  # q, o; k, v; gate, up, down
+    dense = 2.0 * L * per_layer * n_query
+    attention = 4.0 * L * Hq * d * n_query * n_keys
+    head = 2.0 * h * cfg.vocab_size if lm_head else 0.0
+    return dense + attention + head
+
+
+def refresh_flops(refresh: Refresh, source_cfg, target_cfg, translator_flops_per_token: float, T: int) -> dict:
+    """FLOPs of a handoff of a T-token context under `refresh`, and of re-prefilling it, at these configs."""
+    tcfg = target_cfg
+    reprefill = forward_flops(tcfg, T, (T + 1) / 2, lm_head=True)
+    L = tcfg.num_hidden_layers
+    if refresh.kind == "tail":
+        w = refresh.tail_tokens(T)
+        native = forward_flops(tcfg, w, T - w + (w + 1) / 2)
+        translated = translator_flops_per_token * (T - w)
+    elif refresh.kind == "layers":
+        k = refresh.native_layers(L)
+        native = forward_flops(tcfg, T, (T + 1) / 2, layers=k)
+        translated = translator_flops_per_token * T * (L - k) / L
+    elif refresh.kind == "select":
+        n = refresh.selected_count(T)
+        layer0 = 2.0 * tcfg.hidden_size * tcfg.num_key_value_heads * tcfg.head_dim * 2 * T  # k and v of layer 0
+        native = forward_flops(tcfg, n, (T + 1) / 2) + (layer0 if n else 0.0)
+        translated = translator_flops_per_token * T
+    else:
+        native, translated = 0.0, translator_flops_per_token * T
+    total = native + translated
+    return {"native_flops": native, "translate_flops": translated, "handoff_flops": total,
+            "reprefill_flops": reprefill, "fraction_of_reprefill": total / reprefill,
+            "ceiling_speedup": reprefill / total if total else math.inf}

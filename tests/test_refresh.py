@@ -1,0 +1,123 @@
+"""Refresh settings: their two ends against pure translation and the target's own prefill (bit for bit, FP32),
+`select` against a token-by-token reference, and the FLOP counts against a hand count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlingo.core.cache import build_cache, capture
+from kvlingo.core.handoff import as_ids, translate
+from kvlingo.core.headwise import Headwise
+from kvlingo.core.refresh import (Refresh, RefreshError, forward_flops, native_prefix_layers, refresh_flops,
+                                  refreshed_kv, selection_mask)
+from kvlingo.core.translator import Geometry
+from tinypair import load_tiny_pair
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_pair_paths):
+    torch.set_num_threads(1)
+    pair = load_tiny_pair(tiny_pair_paths)
+    tr = Headwise(Geometry.of(pair.source, pair.target)).bind(pair.source, pair.target)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        tr.weight.copy_(torch.eye(16) + 0.3 * torch.randn(tr.weight.shape, generator=g))
+        tr.bias.normal_(0, 0.1, generator=g)
+    tr.requires_grad_(False)
+    ids = torch.randint(10, pair.target.config.vocab_size, (1, 37), generator=g)
+    return pair, tr, ids
+
+
+def test_parse_and_print():
+    assert Refresh.parse(None).kind == "none" and str(Refresh.parse("none")) == "none"
+    assert Refresh.parse("tail:64") == Refresh("tail", 64) and str(Refresh.parse("tail:25%")) == "tail:25%"
+    assert Refresh.parse("select:0.1") == Refresh.parse("select:10%") == Refresh("select", 0.1)
+    assert Refresh.parse("layers:50%").native_layers(28) == 14 and Refresh.parse("tail:10%").tail_tokens(4096) == 410
+    for bad in ("tail", "tail:1.5", "select:1.5", "layers:-1", "head:3", "tail:150%"):
+        with pytest.raises(RefreshError):
+            Refresh.parse(bad)
+
+
+def test_the_two_ends_are_exact(setup):
+    pair, tr, ids = setup
+    src, tgt = pair.source, pair.target
+    with torch.no_grad():
+        cap = capture(src, ids, want_prenorm=True, logits_to_keep=1)
+        pure = tr(cap)
+        own = capture(tgt, ids, want_prenorm=False, logits_to_keep=1)
+    L, T = tgt.config.num_hidden_layers, ids.shape[1]
+    for text in ("tail:0", "layers:0", "select:0", "tail:0%", "none"):
+        k, v = refreshed_kv(src, tgt, tr, ids, Refresh.parse(text), cap=cap)
+        assert torch.equal(k, pure[0]) and torch.equal(v, pure[1]), text
+    for text in (f"tail:{T}", f"layers:{L}", "tail:100%", "layers:100%", "select:1"):
+        k, v = refreshed_kv(src, tgt, tr, ids, Refresh.parse(text), cap=cap)
+        assert torch.equal(k, own.keys) and torch.equal(v, own.values), text
+    # in between: the native part is exactly the target's own, the rest is translated
+    k, v = refreshed_kv(src, tgt, tr, ids, Refresh.parse("layers:1"), cap=cap)
+    assert torch.equal(k[:1], own.keys[:1]) and torch.equal(k[1:], pure[0][1:])
+    k, v = refreshed_kv(src, tgt, tr, ids, Refresh.parse("tail:5"), cap=cap)
+    assert torch.equal(k[:, :, :T - 5], pure[0][:, :, :T - 5]) and not torch.equal(k[:, :, -5:], pure[0][:, :, -5:])
+    # the handoff path takes the same setting
+    kk, _ = translate(src, tr, ids, cap=cap, refresh=Refresh.parse("tail:5"), target=tgt)
+    assert torch.equal(kk, k)
+
+
+def test_native_prefix_layers_stop_early_and_match_the_full_forward(setup):
+    pair, _, ids = setup
+    with torch.no_grad():
+        own = capture(pair.target, ids, want_prenorm=False, logits_to_keep=1)
+    k, v = native_prefix_layers(pair.target, ids, 1)
+    assert k.shape[0] == 1 and torch.equal(k, own.keys[:1]) and torch.equal(v, own.values[:1])
+
+
+def test_select_mask_positions_and_logits_against_a_token_by_token_reference(setup):
+    pair, tr, ids = setup
+    tgt, T = pair.target, ids.shape[1]
+    # the mask, against one built by hand
+    m = selection_mask([2, 5], [0, 1, 3, 4, 6], "cpu")[0, 0]
+    hand = torch.tensor([[1, 1, 0, 0, 0, 1, 0], [1, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(m, hand)
+
+    refresh = Refresh.parse("select:0.25")
+    with torch.no_grad():
+        cap = capture(pair.source, ids, want_prenorm=True, logits_to_keep=1)
+        pure = tr(cap)
+    keys, values = refreshed_kv(pair.source, tgt, tr, ids, refresh, cap=cap)
+    refreshed = [t for t in range(T) if not torch.equal(keys[:, :, t], pure[0][:, :, t])]
+    assert len(refreshed) == refresh.selected_count(T)
+    # The selected tokens are the largest layer-0 deviations from the target's own cache.
+    k0, v0 = native_prefix_layers(tgt, ids, 1)
+    dev = (k0 - pure[0][:1]).pow(2).sum((0, 1, 3)) + (v0 - pure[1][:1]).pow(2).sum((0, 1, 3))
+    assert refreshed == sorted(dev.topk(len(refreshed)).indices.tolist())
+    # Reference: each selected token in position order, alone, on a cache of everything before it
+    # (translated for the kept tokens, already refreshed for the selected ones), default causal attention.
+    ref_k, ref_v = pure[0].clone(), pure[1].clone()
+    with torch.no_grad():
+        for s in refreshed:
+            cache = build_cache(tgt, ref_k[:, :, :s], ref_v[:, :, :s])
+            out = tgt(input_ids=ids[:, s:s + 1], cache=cache, use_cache=True)
+            ref_k[:, :, s] = torch.stack([layer.keys[0, :, -1] for layer in out.cache.layers])
+            ref_v[:, :, s] = torch.stack([layer.values[0, :, -1] for layer in out.cache.layers])
+    assert (keys - ref_k).abs().max().item() < 1e-5 and (values - ref_v).abs().max().item() < 1e-5
+    # and a new turn on either cache gives the same logits
+    new = ids[:, -3:]
+    with torch.no_grad():
+        a = tgt(input_ids=new, cache=build_cache(tgt, keys, values), use_cache=True).logits
+        b = tgt(input_ids=new, cache=build_cache(tgt, ref_k, ref_v), use_cache=True).logits
+    assert (a - b).abs().max().item() < 1e-5
+
+
+def test_flop_counts_match_a_hand_count(setup):
+    pair, tr, _ = setup
+    c = pair.target.config  # hidden 64, 4 query heads, 2 KV heads, head_dim 16, MLP 128, 2 layers
+    per_layer = 64 * 4 * 16 * 2 + 64 * 2 * 16 * 2 + 3 * 64 * 128
+    assert forward_flops(c, 10, 20) == 2 * 2 * per_layer * 10 + 4 * 2 * 4 * 16 * 10 * 20
+    T, t = 100, tr.flops_per_token()
+    none = refresh_flops(Refresh(), pair.source.config, c, t, T)
+    assert none["handoff_flops"] == t * T and none["native_flops"] == 0
+    tail = refresh_flops(Refresh.parse("tail:10"), pair.source.config, c, t, T)
+    assert tail["translate_flops"] == t * 90 and tail["native_flops"] == forward_flops(c, 10, 90 + 5.5)
+    full = refresh_flops(Refresh.parse("layers:2"), pair.source.config, c, t, T)
+    assert full["translate_flops"] == 0 and full["native_flops"] == forward_flops(c, T, 50.5)
+    assert none["fraction_of_reprefill"] < tail["fraction_of_reprefill"] < full["fraction_of_reprefill"] < 1
