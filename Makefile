@@ -48,8 +48,9 @@ ABLATE_ARGS  ?=
 FRONTIER_ARGS ?=
 # Refresh setting of the handoff stages (benchmark, switch, ifeval, task): none, tail:W, layers:K, select:R
 REFRESH      ?=
-# make ablate runs both directions
+# make ablate runs both directions at once, one CPU thread each (the toy models are too small to use two)
 ABLATE_DIRECTIONS ?= l2s s2l
+ABLATE_THREADS    ?= 1
 # perf: float32 on a CPU (its BF16 kernels are slow for small steps), bfloat16 on a GPU
 PERF_DTYPE   ?= auto
 
@@ -164,10 +165,15 @@ summary: $(VENV)/.synced ## one table of the run's reports → results/RUN/summa
 
 ablate: $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## every translator family on the same budget, default chosen on validation KL → results/PROFILE-DIRECTION-ablate/ablation.{json,md,png} (both directions)
 	$(MAKE) prepare
-	@status=0; for d in $(ABLATE_DIRECTIONS); do \
-	  $(PY) ablate.py --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $$d --device $(DEVICE) \
-	    --dtype $(DTYPE) --data-root $(EVAL_ROOT) $(ABLATE_ARGS) || status=1; \
-	done; exit $$status
+	@mkdir -p results; status=0; pids=""; \
+	for d in $(ABLATE_DIRECTIONS); do \
+	  echo "ablate $$d: log in results/ablate-$$d.log"; \
+	  OMP_NUM_THREADS=$(ABLATE_THREADS) $(PY) ablate.py --profile $(PROFILE) --large $(LARGE) --small $(SMALL) \
+	    --direction $$d --device $(DEVICE) --dtype $(DTYPE) --data-root $(EVAL_ROOT) $(ABLATE_ARGS) \
+	    > results/ablate-$$d.log 2>&1 & pids="$$pids $$!"; \
+	done; \
+	for p in $$pids; do wait $$p || status=1; done; \
+	for d in $(ABLATE_DIRECTIONS); do tail -n 40 results/ablate-$$d.log; done; exit $$status
 
 frontier: $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## quality against cost from pure translation to re-prefill (refresh settings) → results/RUN/frontier.{json,md,png}
 	$(MAKE) prepare
