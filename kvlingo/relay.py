@@ -13,8 +13,9 @@ in this order and before any weights load:
 4. the pair's identity, direction and geometry against the translator's (the one loader's checks).
 
 The handoff is the suite's own (`kvlingo.core.handoff`): for a prompt of n tokens the source
-prefills the first n-1, its cache is translated, and the target reads the last token on top of it,
-which is the translated arm of the benchmark and of IFEval.
+prefills the first n-1, its cache is translated (with the refresh setting the evidence was
+measured with, `config["refresh"]`), and the target reads the last token on top of it, which is
+the translated arm of the benchmark and of IFEval.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from .core.cache import Capture, build_cache
 from .core.handoff import capture_source, greedy_generate, stop_ids, translate
+from .core.refresh import Refresh
 from .core.translator import Geometry, Translator, TranslatorError, check_expected, load_translator, read_manifest
 from .run.evidence import Gate, Verdict, judge
 from .run.export import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_name, read_export
@@ -54,6 +56,7 @@ class Relay:
         self.evidence = evidence  # its evidence.json (None when absent)
         self.verdict = verdict  # the gate's verdict on that evidence at load time
         self.folder = folder
+        self.refresh = Refresh.parse(config.get("refresh"))  # what the target recomputes after the translation
 
     @classmethod
     def load(cls, path_or_repo: str | Path, *, device: str = "auto", dtype: str | None = None,
@@ -115,11 +118,15 @@ class Relay:
         """Target-layout (keys, values), each [layers, kv_heads, tokens, head_dim], of `source`: messages or
         prompt ids (the cache of all but the last token), a `Capture`, or the source's own DynamicCache."""
         if isinstance(source, Capture) or hasattr(source, "layers"):
+            if self.refresh.kind != "none":
+                raise ValueError(f"these maps hand over with refresh {self.refresh}, which needs the context's token "
+                                 "ids: pass the messages or ids instead of a cache")
             return translate(self.source, self.translator, out_dtype=self.pair.dtype, cap=self._as_capture(source))
         ids = self._ids(source)
         if len(ids) < 2:
             raise ValueError(f"a handoff needs a prompt of at least 2 tokens (got {len(ids)})")
-        return translate(self.source, self.translator, ids[:-1], self.pair.dtype)
+        return translate(self.source, self.translator, ids[:-1], self.pair.dtype, refresh=self.refresh,
+                         target=self.target)
 
     def handoff(self, source: Source) -> "DynamicCache":
         """A fresh target DynamicCache of `source` (see `translate`), ready for `target.generate(ids, cache=...)`

@@ -2,7 +2,8 @@
 use, checked by the gate, and handing chats over exactly as the benchmark's and IFEval's translated arm does.
 
 Two runs are made with the real stages (benchmark.py, ifeval.py, export.py) on closed-form maps fitted here:
-- the toy pair (l2s), whose few-conversation fit fails the gate: the handoff and the refusal of failing figures;
+- the toy pair (l2s), whose few-conversation fit fails the gate, measured with the target recomputing the
+  last 2 context tokens (refresh tail:2): the handoff and the refusal of failing figures;
 - a self pair (the tiny small model as both source and target, cache key space), whose fit recovers the
   identity and so passes the gate honestly: the path of proven maps and of a plain transformers cache.
 """
@@ -24,6 +25,7 @@ import export
 import ifeval
 from kvlingo import Relay
 from kvlingo.core.handoff import stop_ids
+from kvlingo.core.refresh import Refresh
 from kvlingo.core.translator import Geometry, TranslatorError, build, load_state, load_translator, save_translator
 from kvlingo.eval.itemrows import read_rows
 from kvlingo.eval.tasks import grader
@@ -40,6 +42,7 @@ from tinypair import chat_rows, write_prepared
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY = "headwise"  # the family fitted here; nothing below depends on which one it is
+REFRESH = "tail:2"  # the toy run's handoff: the target recomputes the last 2 context tokens
 
 
 def fitted_run(root: Path, run: str, large: Path, small: Path, train: list[dict], key_space: str) -> list[str]:
@@ -58,9 +61,9 @@ def run_flags(root: Path, run: str) -> list[str]:
     return ["--run", run, "--artifacts", str(root / "artifacts"), "--results", str(root / "results")]
 
 
-def bench(root: Path, run: str, pair: list[str], data: Path) -> None:
+def bench(root: Path, run: str, pair: list[str], data: Path, refresh: str = "none") -> None:
     benchmark.main(["--profile", "tiny", *run_flags(root, run), *pair, "--data", str(data), "--skip-missing",
-                    "--timing-conversations", "0", "--control-dtypes", "float32"])
+                    "--timing-conversations", "0", "--control-dtypes", "float32", "--refresh", refresh])
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +76,13 @@ def toy(toy_pair, tmp_path_factory):
     prepare(tok, get_profile("tiny"), source=toy_pair / "corpus" / "chats.jsonl", out_root=root / "data")
     data = root / "data" / "tiny"
     pair = fitted_run(root, "toy", toy_pair / "large", toy_pair / "small", read_split(data, "train")[:6], "prenorm")
-    bench(root, "toy", pair, data)
+    bench(root, "toy", pair, data, REFRESH)
     nltk_home = root / "nltk_data"
     grader.install_punkt(nltk_home)
     try:
         ifeval.main(["--profile", "tiny", *run_flags(root, "toy"), *pair, "--data-root", str(root / "eval"),
-                     "--source", str(toy_pair / "corpus" / "ifeval.jsonl"), "--limit", "3", "--max-new-tokens", "10"])
+                     "--source", str(toy_pair / "corpus" / "ifeval.jsonl"), "--limit", "3", "--max-new-tokens", "10",
+                     "--refresh", REFRESH])
     finally:
         nltk.data.path.remove(str(nltk_home.resolve()))
     export.main(run_flags(root, "toy"))
@@ -125,13 +129,16 @@ def test_chat_is_the_translated_arm_token_for_token(toy):
     pair = load_pair(cfg, tok)
     translator, _ = load_translator(toy["maps"], pair)
     chats = [json.loads(line) for line in (toy["pair"] / "corpus" / "chats.jsonl").read_text().splitlines()[:4]]
+    refresh_mattered = False
     for chat in chats:
         messages = chat["input"]
         ids = render_ids(tok, messages, enable_thinking=False)
-        ref = generate("translated", pair, translator, ids, 24, stop_ids(tok))
+        ref = generate("translated", pair, translator, ids, 24, stop_ids(tok), refresh=Refresh.parse(REFRESH))
         got, hit = relay.reply_ids(messages, max_new_tokens=24)
         assert got == ref.ids and hit == ref.hit_cap
         assert relay.chat(messages, max_new_tokens=24) == tok.decode(ref.ids, skip_special_tokens=True)
+        refresh_mattered |= generate("translated", pair, translator, ids, 24, stop_ids(tok)).ids != ref.ids
+    assert refresh_mattered  # so the relay's recorded refresh setting is what made the answers equal
     rows = [r for r in read_rows(toy["results"] / "ifeval.rows.jsonl")[1] if r["path"] == "translated"]
     docs = {d["key"]: d for d in read_jsonl(toy["pair"] / "corpus" / "ifeval.jsonl")}
     assert len(rows) == 3
@@ -153,8 +160,12 @@ def test_handoff_cache_drives_transformers_generate(toy):
         assert new == got
     else:  # transformers keeps the stop token
         assert new[:-1] == got and new[-1] in stop_ids(relay.tokenizer)
+    plain = relay.source(input_ids=torch.tensor([ids[:-1]]), use_cache=True).cache
+    with pytest.raises(ValueError, match=f"refresh {REFRESH}, which needs the context's token ids"):
+        relay.handoff(plain)
+    relay.refresh = Refresh()
     with pytest.raises(ValueError, match="pre-norm key features"):  # prenorm maps cannot read a plain cache
-        relay.handoff(relay.source(input_ids=torch.tensor([ids[:-1]]), use_cache=True).cache)
+        relay.handoff(plain)
 
 
 def test_export_round_trips_config_and_evidence(toy):
@@ -186,6 +197,7 @@ def test_export_round_trips_config_and_evidence(toy):
     assert ev["ifeval"]["paths"] == {p: s["prompt_level_strict_acc"] for p, s in ife["results"]["paths"].items()}
     assert ev["ifeval"]["paths"]["translated"]["n"] == 3
     assert ev["gate"] == judge(ev).to_dict() == relay.verdict.to_dict()
+    assert ev["refresh"] == cfg["refresh"] == str(relay.refresh) == REFRESH == bench_rep["config"]["refresh"]
     card = (toy["export"] / "README.md").read_text()
     assert f"| translated    | {arms['distilled']['kl_token_mean']:.4g} " in card
     assert ("Gate: PASSED" in card) == relay.verdict.passed

@@ -73,6 +73,9 @@ def collect(benchmark: dict[str, Any], kind: str, ifeval: dict[str, Any] | None 
     evidence = {
         "evidence_version": EVIDENCE_VERSION,
         "translator": kind,
+        # The part of each translated context the target recomputed (kvlingo/core/refresh.py): the figures
+        # hold for the maps used with this setting, so a relay hands over with it too.
+        "refresh": benchmark["config"].get("refresh", "none"),
         "benchmark": {
             "split": benchmark["config"].get("variant", "natural"),
             "test_split_sha256": benchmark["inputs"]["test_split"]["sha256"],
@@ -89,6 +92,9 @@ def collect(benchmark: dict[str, Any], kind: str, ifeval: dict[str, Any] | None 
                    if name.startswith(f"{kind}_vs_")},
         "ifeval": ifeval_evidence(ifeval) if ifeval is not None else None,
     }
+    if ifeval is not None and ifeval["config"].get("refresh", "none") != evidence["refresh"]:
+        raise EvidenceError(f"IFEval ran with refresh {ifeval['config'].get('refresh', 'none')}, the benchmark with "
+                            f"{evidence['refresh']}; run both with the same --refresh")
     return evidence
 
 

@@ -70,6 +70,7 @@ def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> t
                                     f"`make ifeval RUN={paths.run}` (IFEval is part of the evidence when it exists)")
         found = collect(bench, kind, ifeval)
         pair = bench["config"]["pair"]
+    refresh = found["refresh"] if found is not None else "none"
     for role in ("source", "target"):
         trained = manifest.get("models", {}).get(role)
         if trained is not None and not same_model(trained, pair[role]):
@@ -77,12 +78,15 @@ def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> t
                                 f"are for {pair[role]}; re-run the stages of RUN={paths.run}")
     if manifest.get("direction") not in (None, pair["direction"]):
         raise EvidenceError(f"the {kind} translator is {manifest['direction']}, the reports {pair['direction']}")
-    config = export_config(manifest, pair, {"run": paths.run, "translator": kind, "manifest_sha256": manifest_sha})
+    config = export_config(manifest, pair, {"run": paths.run, "translator": kind, "manifest_sha256": manifest_sha},
+                           refresh)
     return maps, config, found
 
 
-def export_config(manifest: dict[str, Any], pair: dict[str, Any], origin: dict[str, Any]) -> dict[str, Any]:
-    """config.json's fields (all but evidence_sha256) from a translator manifest and the run's `PairConfig` dict."""
+def export_config(manifest: dict[str, Any], pair: dict[str, Any], origin: dict[str, Any],
+                  refresh: str = "none") -> dict[str, Any]:
+    """config.json's fields (all but evidence_sha256) from a translator manifest, the run's `PairConfig` dict and
+    the refresh setting its evidence was measured with."""
     large, small = (pair["source"], pair["target"]) if pair["direction"] == "l2s" else (pair["target"], pair["source"])
     spec = {k: manifest[k] for k in SPEC_KEYS if k in manifest}
     spec.setdefault("direction", pair["direction"])
@@ -94,6 +98,7 @@ def export_config(manifest: dict[str, Any], pair: dict[str, Any], origin: dict[s
         "pair": {"direction": pair["direction"], "large": large, "small": small, "dtype": pair["dtype"],
                  "tokenizer_sha256": pair["tokenizer_sha256"], "chat_template_sha256": pair["chat_template_sha256"],
                  "geometry": pair["geometry"]},
+        "refresh": refresh,  # what the target recomputes on top of the translation (kvlingo/core/refresh.py)
         "origin": origin,  # the run and translator folder it was exported from
         "training": {k: v for k, v in manifest.items() if k not in SPEC_KEYS},
     }
@@ -195,7 +200,8 @@ def model_card(config: dict[str, Any], evidence: dict[str, Any] | None, verdict:
     else:
         lines += ["", "## Evidence", "", "None: this translator was exported without benchmark figures."]
     lines += ["", "## Pair", "", f"- direction: {pair['direction']} (source {model_name(source)}, target "
-              f"{model_name(target)})", f"- tokenizer sha256: {pair['tokenizer_sha256']}",
+              f"{model_name(target)})", f"- refresh: {config.get('refresh', 'none')} (the handoff the evidence measured, "
+              "and the one `Relay` runs)", f"- tokenizer sha256: {pair['tokenizer_sha256']}",
               f"- measured in: {pair['dtype']}", f"- geometry: {json.dumps(pair['geometry'])}", "",
               "## Files", "", f"- `{MAPS_FILE}`: sha256 {config['maps_sha256']}",
               f"- `{CONFIG_FILE}`: spec, pair, provenance", f"- `{EVIDENCE_FILE}`: the figures above, in full", ""]
