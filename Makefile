@@ -51,6 +51,7 @@ REFRESH      ?=
 # make ablate runs both directions at once, one CPU thread each (the toy models are too small to use two)
 ABLATE_DIRECTIONS ?= l2s s2l
 ABLATE_THREADS    ?= 1
+EXPORT_ARGS  ?=
 # perf: float32 on a CPU (its BF16 kernels are slow for small steps), bfloat16 on a GPU
 PERF_DTYPE   ?= auto
 
@@ -63,7 +64,7 @@ REFRESH_FLAG = $(if $(REFRESH),--refresh $(REFRESH))
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast run demo toy toy-train prepare train benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate frontier
+.PHONY: help venv test test-fast run demo toy toy-train toy-export prepare train benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate frontier export
 
 help: ## list the targets
 	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(or $(RUN),PROFILE-DIRECTION)):"
@@ -121,6 +122,10 @@ demo: toy ## the whole suite offline on a CPU with the toy pair, ending in a sum
 	$(MAKE) summary PROFILE=demo || status=1; \
 	exit $$status
 
+# A translator to try kvlingo.Relay on, offline: the demo's first three stages on the toy pair, then its export.
+toy-export: toy ## a toy translator with its evidence: prepare → train → benchmark → export on the toy pair → artifacts/demo-l2s/export
+	$(MAKE) prepare train benchmark export PROFILE=demo
+
 # ---------------------------------------------------------------- stages
 prepare: $(VENV)/.synced ## disjoint train/validation/test splits → data/PROFILE (SOURCE=chats.jsonl offline)
 	$(PY) paper_data.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
@@ -159,6 +164,9 @@ perf: $(VENV)/.synced ## speed at real Qwen3 shapes, random weights: 4 paths + s
 recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL, 3 seeds → results/RUN/recipe.{json,md,png} (RECIPE_ARGS=--resume)
 	$(PY) recipe.py $(PAIR) --ifeval-data-root $(EVAL_ROOT) \
 	  $(if $(IFEVAL_SOURCE),--ifeval-source $(IFEVAL_SOURCE)) $(RECIPE_ARGS)
+
+export: $(VENV)/.synced ## the run's translator, its evidence and a model card → artifacts/RUN/export (kvlingo.Relay loads it; EXPORT_ARGS="--out DIR")
+	$(PY) export.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN)) $(EXPORT_ARGS)
 
 summary: $(VENV)/.synced ## one table of the run's reports → results/RUN/summary.md
 	$(PY) -m kvlingo.eval.summary --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))

@@ -7,6 +7,20 @@
     kvlingo.run    the pair and its config, run folders, profiles, reports, resume keys, data, the recipe
     kvlingo.toy    the offline toy world (a fixture: no real run imports it)
     kvlingo.io     atomic writes and hashes
+    kvlingo.Relay  the public entry point: load an exported translator and hand chats from one model to the other
 
 The stage scripts at the top of the repository own the loops and the files; this package owns the maths.
 """
+
+__all__ = ["Relay"]
+
+
+def __getattr__(name: str):
+    # Imported on first use, so `import kvlingo` stays free of torch and transformers; through importlib rather
+    # than an import statement, so the stages' code hashes (kvlingo.run.resume follows import statements, and
+    # every stage imports this package) do not take in an API they never run.
+    if name == "Relay":
+        import importlib
+
+        return importlib.import_module(".relay", __name__).Relay
+    raise AttributeError(f"module 'kvlingo' has no attribute {name!r}")

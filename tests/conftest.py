@@ -17,3 +17,13 @@ def tiny_pair_paths(tmp_path_factory):
     from tinypair import build_tiny_pair
 
     return build_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+@pytest.fixture(scope="session")
+def toy_pair(tmp_path_factory):
+    """The packaged toy pair installed as `make toy` installs it (large/, small/, corpus/), once per session."""
+    from kvlingo.toy import train as toytrain
+
+    out = tmp_path_factory.mktemp("toy_pair") / "toy"
+    toytrain.install_pair(out, log=lambda _msg: None)
+    return out

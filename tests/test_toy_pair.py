@@ -23,10 +23,8 @@ def quiet(_msg: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("toy_pair") / "toy"
-    toytrain.install_pair(out, log=quiet)
-    return out
+def installed(toy_pair) -> Path:
+    return toy_pair
 
 
 def test_packaged_pair_is_complete_small_and_bf16():

@@ -258,20 +258,21 @@ def save_translator(folder: str | Path, translator: Translator, provenance: dict
     return folder
 
 
-def read_manifest(folder: str | Path) -> dict[str, Any]:
-    """A translator folder's manifest, after checking the maps file against its hash."""
+def read_manifest(folder: str | Path, name: str = MANIFEST_FILE) -> dict[str, Any]:
+    """A translator folder's manifest (`name`: manifest.json, or an export's config.json), after checking the
+    maps file against its hash."""
     folder = Path(folder)
-    mpath = folder / MANIFEST_FILE
+    mpath = folder / name
     if not mpath.is_file():
-        raise TranslatorError(f"{folder} holds no {MANIFEST_FILE}: not a complete translator; train it first "
+        raise TranslatorError(f"{folder} holds no {name}: not a complete translator; train it first "
                               "(make train RUN=...) or name a run that has one")
     manifest = json.loads(mpath.read_text())
     if manifest.get("family") not in FAMILIES:
         raise TranslatorError(f"{mpath}: unknown translator family {manifest.get('family')!r} "
                               f"(known: {', '.join(sorted(FAMILIES))}); it was written by other code")
     if not (folder / MAPS_FILE).is_file() or sha256_file(folder / MAPS_FILE) != manifest.get("maps_sha256"):
-        raise TranslatorError(f"{folder / MAPS_FILE} does not match its manifest hash (damaged or replaced); "
-                              "train it again")
+        raise TranslatorError(f"{folder / MAPS_FILE} does not match its manifest hash in {name} (damaged or replaced); "
+                              "train or export it again")
     return manifest
 
 
@@ -290,6 +291,14 @@ def load_state(folder: str | Path, manifest: dict[str, Any] | None = None, devic
     translator = build(manifest)
     translator.load_state_dict(load_file(folder / MAPS_FILE), strict=True)
     return translator.to(device)
+
+
+def same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two model identities name one model: local folders by their weights digest alone (a copied
+    or moved folder holds the same model), Hub models by id and revision."""
+    if "weights_sha256" in a and "weights_sha256" in b:
+        return a["weights_sha256"] == b["weights_sha256"]
+    return a == b
 
 
 def check_expected(manifest: dict[str, Any], *, family: str | None = None, key_space: str | None = None,
@@ -311,21 +320,22 @@ def check_expected(manifest: dict[str, Any], *, family: str | None = None, key_s
                               f"{asdict(geometry)}: it was trained for another pair; check --large/--small/--direction")
     for role, ident in (models or {}).items():
         trained = manifest.get("models", {}).get(role)
-        if trained is not None and trained != ident:
+        if trained is not None and not same_model(trained, ident):
             raise TranslatorError(f"translator was trained for another {role} model ({trained}), not {ident}; "
                                   "use one trained for this pair")
 
 
-def load_translator(folder: str | Path, pair, *, family: str | None = None,
-                    key_space: str | None = None) -> tuple[Translator, dict[str, Any]]:
+def load_translator(folder: str | Path, pair, *, family: str | None = None, key_space: str | None = None,
+                    manifest_file: str = MANIFEST_FILE) -> tuple[Translator, dict[str, Any]]:
     """The one loader: a frozen translator from `folder`, checked against `pair` and bound to its models.
 
     `pair` is a `kvlingo.run.models.Pair` (anything with source, target, direction and
-    `identities()`). Returns (translator, provenance: the manifest plus `path` and `manifest_sha256`).
+    `identities()`). `manifest_file` names the file holding the spec (an exported folder's is
+    config.json). Returns (translator, provenance: the manifest plus `path` and `manifest_sha256`).
     """
     folder = Path(folder)
     try:
-        manifest = read_manifest(folder)
+        manifest = read_manifest(folder, manifest_file)
         check_expected(manifest, family=family, key_space=key_space, direction=pair.direction,
                        models=pair.identities(), geometry=Geometry.of(pair.source, pair.target))
     except TranslatorError as err:
@@ -333,7 +343,7 @@ def load_translator(folder: str | Path, pair, *, family: str | None = None,
     device = next(pair.target.parameters()).device
     translator = load_state(folder, manifest, device).bind(pair.source, pair.target)
     translator.requires_grad_(False)
-    info = {**manifest, "path": str(folder.resolve()), "manifest_sha256": sha256_file(folder / MANIFEST_FILE)}
+    info = {**manifest, "path": str(folder.resolve()), "manifest_sha256": sha256_file(folder / manifest_file)}
     return translator, info
 
 

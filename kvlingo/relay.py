@@ -1,0 +1,211 @@
+"""`Relay`: hand a conversation from one model to another through a trained, proven KV-cache translator.
+
+    relay = Relay.load("artifacts/pilot-l2s/export")   # an exported folder, or a Hub repo id with revision=
+    print(relay.chat(messages, max_new_tokens=64))      # the source reads the chat, the target answers
+
+A relay is an exported translator folder (`kvlingo.run.export`) bound to its pair. `load` checks,
+in this order and before any weights load:
+
+1. the maps file against its recorded sha256 (never waived);
+2. the evidence against the gate (`kvlingo.run.evidence`): a folder without evidence, or whose
+   figures fail the thresholds, is refused unless `allow_unproven=True`;
+3. the pair's tokenizer against the recorded digest (never waived: a cache is indexed by token ids);
+4. the pair's identity, direction and geometry against the translator's (the one loader's checks).
+
+The handoff is the suite's own (`kvlingo.core.handoff`): for a prompt of n tokens the source
+prefills the first n-1, its cache is translated (with the refresh setting the evidence was
+measured with, `config["refresh"]`), and the target reads the last token on top of it, which is
+the translated arm of the benchmark and of IFEval.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence, Union
+
+import torch
+
+from .core.cache import Capture, build_cache
+from .core.handoff import capture_source, greedy_generate, stop_ids, translate
+from .core.refresh import Refresh
+from .core.translator import Geometry, Translator, TranslatorError, check_expected, load_translator, read_manifest
+from .run.evidence import Gate, Verdict, judge
+from .run.export import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_name, read_export
+from .run.models import Pair, load_pair, render_ids, resolve_pair
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+Messages = Sequence[dict[str, Any]]  # chat messages: {"role": ..., "content": ...}
+Source = Union[Messages, Sequence[int], torch.Tensor, Capture, "DynamicCache"]  # what a handoff starts from
+HUB_FILES = [CONFIG_FILE, EVIDENCE_FILE, CARD_FILE, "maps.safetensors"]
+
+
+class UnprovenTranslator(TranslatorError):
+    """Maps without evidence, or whose evidence fails the gate (`allow_unproven=True` loads them anyway)."""
+
+
+class Relay:
+    """A translator bound to its source and target models (build one with `Relay.load`)."""
+
+    def __init__(self, pair: Pair, translator: Translator, config: dict[str, Any], evidence: dict[str, Any] | None,
+                 verdict: Verdict, folder: Path):
+        self.pair = pair
+        self.translator = translator
+        self.config = config  # the folder's config.json
+        self.evidence = evidence  # its evidence.json (None when absent)
+        self.verdict = verdict  # the gate's verdict on that evidence at load time
+        self.folder = folder
+        self.refresh = Refresh.parse(config.get("refresh"))  # what the target recomputes after the translation
+
+    @classmethod
+    def load(cls, path_or_repo: str | Path, *, device: str = "auto", dtype: str | None = None,
+             revision: str | None = None, allow_unproven: bool = False, large: str | None = None,
+             small: str | None = None, gate: Gate = Gate()) -> "Relay":
+        """Load an exported translator and its pair.
+
+        path_or_repo: a local export folder, or a Hub repo id ("owner/name") fetched at `revision`.
+        device: cuda, mps, cpu or auto. dtype: the models' dtype (default: the one the evidence was measured in).
+        large/small: the pair's models (Hub id[@revision] or local folder) in place of those config.json
+        records. allow_unproven: load maps without passing evidence (the hash and tokenizer checks still apply).
+        """
+        folder = locate(path_or_repo, revision)
+        config, evidence, why_none = read_export(folder)
+        read_manifest(folder, CONFIG_FILE)  # the maps hash, before anything else
+        verdict = judge(evidence, gate)
+        if not verdict.passed and not allow_unproven:
+            raise UnprovenTranslator(unproven_message(folder, verdict, why_none))
+        rec = config["pair"]
+        pair_cfg, tok = resolve_pair(large or model_arg(rec["large"], "large"), small or model_arg(rec["small"], "small"),
+                                     config["direction"], device, dtype or rec["dtype"])
+        if pair_cfg.tokenizer_sha256 != rec["tokenizer_sha256"]:
+            raise TranslatorError(
+                f"{folder}: pair refused: its tokenizer (sha256 {pair_cfg.tokenizer_sha256[:16]}…) is not the one these "
+                f"maps were trained with ({rec['tokenizer_sha256'][:16]}…); a cache is indexed by token ids. Load "
+                f"the recorded pair ({model_name(rec['large'])}, {model_name(rec['small'])}) or maps trained for this one")
+        try:  # the loader checks these again; here they refuse before any weights load
+            check_expected(config, direction=pair_cfg.direction, models=pair_cfg.identities(),
+                           geometry=Geometry(**pair_cfg.geometry))
+        except TranslatorError as err:
+            raise TranslatorError(f"{folder}: {err}") from None
+        pair = load_pair(pair_cfg, tok)
+        translator, _ = load_translator(folder, pair, manifest_file=CONFIG_FILE)
+        return cls(pair, translator, config, evidence, verdict, folder)
+
+    # ------------------------------------------------------------------ the pair
+    @property
+    def source(self):
+        return self.pair.source
+
+    @property
+    def target(self):
+        return self.pair.target
+
+    @property
+    def tokenizer(self):
+        return self.pair.tokenizer
+
+    def prompt_ids(self, messages: Messages, enable_thinking: bool = False) -> list[int]:
+        """The chat template's ids of `messages`, through the generation prompt."""
+        return render_ids(self.tokenizer, list(messages), enable_thinking)
+
+    def capture(self, ids: Sequence[int] | torch.Tensor) -> Capture:
+        """The source's capture of `ids` (all of them), with what the translator reads."""
+        return capture_source(self.source, ids, [self.translator])
+
+    # ------------------------------------------------------------------ the handoff
+    def translate(self, source: Source) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target-layout (keys, values), each [layers, kv_heads, tokens, head_dim], of `source`: messages or
+        prompt ids (the cache of all but the last token), a `Capture`, or the source's own DynamicCache."""
+        if isinstance(source, Capture) or hasattr(source, "layers"):
+            if self.refresh.kind != "none":
+                raise ValueError(f"these maps hand over with refresh {self.refresh}, which needs the context's token "
+                                 "ids: pass the messages or ids instead of a cache")
+            return translate(self.source, self.translator, out_dtype=self.pair.dtype, cap=self._as_capture(source))
+        ids = self._ids(source)
+        if len(ids) < 2:
+            raise ValueError(f"a handoff needs a prompt of at least 2 tokens (got {len(ids)})")
+        return translate(self.source, self.translator, ids[:-1], self.pair.dtype, refresh=self.refresh,
+                         target=self.target)
+
+    def handoff(self, source: Source) -> "DynamicCache":
+        """A fresh target DynamicCache of `source` (see `translate`), ready for `target.generate(ids, cache=...)`
+        with the whole prompt `ids`: the target then reads only the uncached last token."""
+        return build_cache(self.target, *self.translate(source))
+
+    def reply_ids(self, messages: Messages, max_new_tokens: int = 256,
+                  enable_thinking: bool = False) -> tuple[list[int], bool]:
+        """The target's greedy reply to `messages` after the handoff: (ids without the stop token, hit the cap)."""
+        ids = self.prompt_ids(messages, enable_thinking)
+        return greedy_generate(self.target, ids[-1:], self.translate(ids), max_new_tokens=max_new_tokens,
+                               eos_ids=stop_ids(self.tokenizer))
+
+    def chat(self, messages: Messages, max_new_tokens: int = 256, enable_thinking: bool = False) -> str:
+        """The source reads `messages`, the target answers (greedy); returns the reply's text."""
+        ids, _ = self.reply_ids(messages, max_new_tokens, enable_thinking)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _ids(self, source: Source) -> list[int]:
+        if torch.is_tensor(source):
+            if source.dim() == 2 and source.shape[0] != 1:
+                raise ValueError(f"prompt ids have shape {tuple(source.shape)}; a relay is batch-one ([1, tokens])")
+            return source.reshape(-1).tolist()
+        source = list(source)
+        return self.prompt_ids(source) if source and isinstance(source[0], dict) else [int(i) for i in source]
+
+    def _as_capture(self, source: Any) -> Capture:
+        if isinstance(source, Capture):
+            cap = source
+        else:  # a transformers cache: [1, kv_heads, tokens, head_dim] per layer
+            cap = Capture(torch.stack([layer.keys[0] for layer in source.layers]),
+                          torch.stack([layer.values[0] for layer in source.layers]), None, torch.empty(0))
+        if self.translator.needs_prenorm and cap.prenorm is None:
+            raise ValueError(f"these maps read the source's pre-norm key features ({self.translator.key_space} key "
+                             "space), which a plain cache lacks: pass the messages or ids, or relay.capture(ids)")
+        return cap
+
+    def __repr__(self) -> str:
+        rec = self.config["pair"]
+        return (f"Relay({self.config['family']} {self.config['direction']}: {model_name(rec['large'])} ↔ "
+                f"{model_name(rec['small'])}, gate {'passed' if self.verdict.passed else 'FAILED'}, {self.folder})")
+
+
+# --------------------------------------------------------------------------- helpers
+def locate(path_or_repo: str | Path, revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a Hub repo id fetched with huggingface_hub at `revision`."""
+    path = Path(path_or_repo)
+    if path.is_dir():
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub repos; {path} is a local folder")
+        return path
+    text = str(path_or_repo)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise TranslatorError(f"{text}: no such folder, and not a Hub repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, revision=revision, allow_patterns=HUB_FILES))
+    except (OSError, ValueError) as err:
+        raise TranslatorError(
+            f"{text}: no such local folder, and the Hub repo could not be fetched at revision {revision or 'main'} "
+            f"({type(err).__name__}: {err}). Check the id and revision; with HF_HUB_OFFLINE=1 only a repo already "
+            "in the local cache loads") from None
+
+
+def model_arg(identity: dict[str, Any], role: str) -> str:
+    """A recorded model identity as a model argument: 'id@revision' or the local folder."""
+    if "id" in identity:
+        return f"{identity['id']}@{identity['revision']}"
+    if not Path(identity["path"]).is_dir():
+        raise TranslatorError(f"the {role} model was the local folder {identity['path']}, which is not here; pass "
+                              f"{role}= a folder holding the same weights (sha256 {identity['weights_sha256'][:12]}…)")
+    return identity["path"]
+
+
+def unproven_message(folder: Path, verdict: Verdict, why_none: str | None) -> str:
+    if why_none is not None:
+        return (f"{folder}: refusing maps without evidence ({why_none}). Fix: benchmark the run and export it with "
+                "its figures (`make benchmark export RUN=...`), or pass allow_unproven=True to use it anyway")
+    return (f"{folder}: refusing maps that fail the evidence gate: {'; '.join(verdict.failures)}. Fix: train better "
+            "maps (more data or updates; `make recipe` searches the rate), benchmark and export them again, or pass "
+            "allow_unproven=True to use these anyway")

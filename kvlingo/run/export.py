@@ -1,0 +1,208 @@
+"""A finished run's translator as a self-describing folder that can be shared (save_pretrained style).
+
+    maps.safetensors  the translator's state, byte for byte the run's
+    evidence.json     what the run measured about these maps (`evidence.collect`) and the gate's verdict
+    README.md         a model card generated from config and evidence
+    config.json       written last, so its presence marks a complete export: the translator's spec
+                      (family, key space, settings, geometry), its direction, the pair (ids with
+                      revisions or local weights digests, tokenizer digest, the dtype it was measured
+                      in), its training provenance, and the sha256 of maps.safetensors and evidence.json
+
+config.json carries every field the one loader (`core.translator.load_translator`) reads from a
+manifest, so an exported folder loads through it unchanged. A re-export first removes config.json:
+a folder caught half-written is never taken for a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..core.translator import MANIFEST_FILE, MAPS_FILE, TranslatorError, read_manifest, same_model
+from ..io import atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_bytes, sha256_file
+from .evidence import EvidenceError, Verdict, collect, judge
+from .paths import RunPaths
+from .report import fmt_pm, fmt_table, read_report
+
+CONFIG_FILE = "config.json"
+EVIDENCE_FILE = "evidence.json"
+CARD_FILE = "README.md"
+FORMAT = "kvlingo-translator"
+FORMAT_VERSION = 1
+SPEC_KEYS = ("family", "key_space", "settings", "geometry", "n_params", "maps_sha256", "direction", "models")
+
+
+# --------------------------------------------------------------------------- from a run
+def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> tuple[bytes, dict, dict | None]:
+    """(maps bytes, config without evidence hash, evidence or None) for run `paths`' `kind` translator.
+
+    Refuses (EvidenceError) reports that scored other maps or another pair, before anything is written.
+    """
+    folder = paths.translator(kind)
+    manifest = read_manifest(folder)  # refuses a missing or damaged translator
+    manifest_sha = sha256_file(folder / MANIFEST_FILE)
+    maps = (folder / MAPS_FILE).read_bytes()
+    if sha256_bytes(maps) != manifest["maps_sha256"]:
+        raise EvidenceError(f"{folder / MAPS_FILE} changed while it was read; export again")
+    bench_path, ifeval_path, train_path = (paths.report(name) for name in ("benchmark", "ifeval", "train"))
+    found = None
+    if not evidence:  # the pair from whichever report the run has
+        pair_from = next((p for p in (bench_path, train_path) if p.is_file()), None)
+        if pair_from is None:
+            raise EvidenceError(f"neither {bench_path} nor {train_path} exists: the pair is read from the run's reports")
+        pair = read_report(pair_from)["config"]["pair"]
+    elif not bench_path.is_file():
+        raise EvidenceError(f"{bench_path} does not exist: a translator is exported with its benchmark figures; "
+                            f"run `make benchmark RUN={paths.run}` first (or export it unproven with --no-evidence)")
+    else:
+        bench = read_report(bench_path, "benchmark")
+        scored = bench["inputs"].get(kind, {}).get("manifest_sha256")
+        if scored != manifest_sha:
+            what = (f"another {kind} translator (manifest {scored[:12]}…, this one {manifest_sha[:12]}…)" if scored
+                    else f"no {kind} translator")
+            raise EvidenceError(f"{bench_path} scored {what}; re-run `make benchmark RUN={paths.run}`")
+        ifeval = read_report(ifeval_path, "ifeval") if ifeval_path.is_file() else None
+        if ifeval is not None:
+            used = (ifeval["inputs"].get("translator") or {}).get("maps_sha256")
+            if ifeval["config"].get("translator") != kind or used != manifest["maps_sha256"]:
+                raise EvidenceError(f"{ifeval_path} answered with other maps than {folder}; re-run "
+                                    f"`make ifeval RUN={paths.run}` (IFEval is part of the evidence when it exists)")
+        found = collect(bench, kind, ifeval)
+        pair = bench["config"]["pair"]
+    refresh = found["refresh"] if found is not None else "none"
+    for role in ("source", "target"):
+        trained = manifest.get("models", {}).get(role)
+        if trained is not None and not same_model(trained, pair[role]):
+            raise EvidenceError(f"the {kind} translator was trained for {role} {trained}, but the run's reports "
+                                f"are for {pair[role]}; re-run the stages of RUN={paths.run}")
+    if manifest.get("direction") not in (None, pair["direction"]):
+        raise EvidenceError(f"the {kind} translator is {manifest['direction']}, the reports {pair['direction']}")
+    config = export_config(manifest, pair, {"run": paths.run, "translator": kind, "manifest_sha256": manifest_sha},
+                           refresh)
+    return maps, config, found
+
+
+def export_config(manifest: dict[str, Any], pair: dict[str, Any], origin: dict[str, Any],
+                  refresh: str = "none") -> dict[str, Any]:
+    """config.json's fields (all but evidence_sha256) from a translator manifest, the run's `PairConfig` dict and
+    the refresh setting its evidence was measured with."""
+    large, small = (pair["source"], pair["target"]) if pair["direction"] == "l2s" else (pair["target"], pair["source"])
+    spec = {k: manifest[k] for k in SPEC_KEYS if k in manifest}
+    spec.setdefault("direction", pair["direction"])
+    spec.setdefault("models", {"source": pair["source"], "target": pair["target"]})
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        **spec,
+        "pair": {"direction": pair["direction"], "large": large, "small": small, "dtype": pair["dtype"],
+                 "tokenizer_sha256": pair["tokenizer_sha256"], "chat_template_sha256": pair["chat_template_sha256"],
+                 "geometry": pair["geometry"]},
+        "refresh": refresh,  # what the target recomputes on top of the translation (kvlingo/core/refresh.py)
+        "origin": origin,  # the run and translator folder it was exported from
+        "training": {k: v for k, v in manifest.items() if k not in SPEC_KEYS},
+    }
+
+
+# --------------------------------------------------------------------------- the folder
+def write_export(out: str | Path, maps: bytes, config: dict[str, Any], evidence: dict[str, Any] | None) -> Verdict:
+    """Write an export folder in order (config.json last); returns the gate's verdict at its default thresholds."""
+    out = Path(out)
+    (out / CONFIG_FILE).unlink(missing_ok=True)
+    atomic_write_bytes(out / MAPS_FILE, maps)
+    verdict = judge(evidence)
+    if evidence is not None:
+        evidence = {**evidence, "gate": verdict.to_dict()}
+        atomic_write_json(out / EVIDENCE_FILE, evidence)
+    else:
+        (out / EVIDENCE_FILE).unlink(missing_ok=True)
+    config = {**config, "maps_sha256": sha256_bytes(maps),
+              "evidence_sha256": sha256_file(out / EVIDENCE_FILE) if evidence is not None else None}
+    atomic_write_text(out / CARD_FILE, model_card(config, evidence, verdict))
+    atomic_write_json(out / CONFIG_FILE, config)
+    return verdict
+
+
+def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None, str | None]:
+    """(config, evidence or None, why there is none) of an export folder; the maps hash is checked by the loader."""
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file():
+        hint = (" It is a training folder: export it with `make export RUN=...`."
+                if (folder / MANIFEST_FILE).is_file() else "")
+        raise TranslatorError(f"{folder} holds no {CONFIG_FILE}: not a complete exported translator.{hint}")
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    if config.get("format") != FORMAT:
+        raise TranslatorError(f"{folder / CONFIG_FILE} is not a {FORMAT} config (format {config.get('format')!r})")
+    if config.get("format_version", 0) > FORMAT_VERSION:
+        raise TranslatorError(f"{folder} is export format {config['format_version']}, newer than this kvlingo "
+                              f"reads ({FORMAT_VERSION}); update kvlingo")
+    recorded, path = config.get("evidence_sha256"), folder / EVIDENCE_FILE
+    if recorded is None:
+        return config, None, "it was exported without evidence (--no-evidence)"
+    if not path.is_file():
+        return config, None, f"{EVIDENCE_FILE} is missing"
+    if sha256_file(path) != recorded:
+        return config, None, f"{EVIDENCE_FILE} does not match the hash recorded in {CONFIG_FILE} (edited or replaced)"
+    return config, json.loads(path.read_text()), None
+
+
+# --------------------------------------------------------------------------- the model card
+def model_name(identity: dict[str, Any]) -> str:
+    """A model identity in words: 'id @ revision' or the folder name with its weights digest."""
+    if "id" in identity:
+        return f"{identity['id']} @ {identity.get('revision')}"
+    return f"{Path(identity['path']).name} (local folder, weights sha256 {identity['weights_sha256'][:12]}…)"
+
+
+def model_card(config: dict[str, Any], evidence: dict[str, Any] | None, verdict: Verdict) -> str:
+    pair = config["pair"]
+    source, target = (pair["large"], pair["small"]) if pair["direction"] == "l2s" else (pair["small"], pair["large"])
+    hub = [m["id"] for m in (pair["large"], pair["small"]) if "id" in m]
+    front = ["---", "library_name: kvlingo", "tags: [kv-cache, cache-translation, qwen3]"]
+    if hub:
+        front += ["base_model:", *(f"- {m}" for m in hub)]
+    lines = [*front, "---", "",
+             f"# KV-cache translator: {model_name(source)} → {model_name(target)}", "",
+             f"A {config['family']} translator ({config['key_space']} key space, {config.get('n_params', '?')} "
+             f"parameters) that turns the KV cache of the source model into the target's, so the target continues "
+             f"a conversation the source read without re-reading it. Exported by KVLRelay from run "
+             f"`{config['origin']['run']}` ({config['origin']['translator']} maps).", "",
+             "## Use", "", "```python", "from kvlingo import Relay", "",
+             'relay = Relay.load("PATH_OR_REPO_ID")  # a Hub repo id takes revision="<commit>"',
+             'print(relay.chat([{"role": "user", "content": "Hello!"}], max_new_tokens=64))', "```", "",
+             *(["The pair was two local folders: elsewhere, pass `large=` and `small=` folders holding the same "
+                "weights (config.json records their digests).", ""] if not hub else []),
+             f"`Relay.load` checks the maps against their sha256 ({config['maps_sha256'][:16]}…), the pair's "
+             f"tokenizer against its digest ({pair['tokenizer_sha256'][:16]}…) and the evidence below against the gate.",
+             "", f"## Gate: {'PASSED' if verdict.passed else 'FAILED'}", ""]
+    g = verdict.gate
+    lines.append(f"Thresholds: top-1 agreement ≥ {g.min_top1:.2f}, NLL Δ ≤ {g.max_nll_delta:.2f} nats/token against "
+                 f"the native target, translated KL below the control's, native controls passed.")
+    lines += ["", *(f"- {f}" for f in verdict.failures)] if verdict.failures else []
+    if not verdict.passed:
+        lines += ["", "`Relay.load` refuses these maps unless called with `allow_unproven=True`."]
+    if evidence is not None:
+        b = evidence["benchmark"]
+        rows = [[arm, m["kl_token_mean"], fmt_pm(m["kl_conversation"]), m["top1_agreement"],
+                 m["nll_delta_vs_native_target"], fmt_pm(m["nll_delta_conversation"]), m["n_conversations"],
+                 m["n_tokens"]] for arm, m in evidence["arms"].items()]
+        lines += ["", f"## Evidence (held-out test split, {b['dtype']} on {b['device']}, git {str(b['git_sha'])[:12]})", "",
+                  "KL(native target ‖ arm) over reply tokens; *translated* is these maps, *control* the same maps "
+                  "on another conversation's cache, *no_context* the target with no cache at all.", "",
+                  fmt_table(["arm", "KL/token", "KL/conv ± SE", "top-1", "ΔNLL/token", "ΔNLL/conv ± SE", "convs",
+                             "tokens"], rows).rstrip()]
+        if evidence.get("ifeval"):
+            ife = evidence["ifeval"]
+            rows = [[path, fmt_pm(s, 100.0, ".1f"), s["n"]] for path, s in ife["paths"].items()]
+            lines += ["", f"IFEval, strict prompt-level accuracy % ± SE (greedy, {ife['max_new_tokens']} new tokens, "
+                      f"thinking {'on' if ife['enable_thinking'] else 'off'}):", "",
+                      fmt_table(["path", "strict prompt %", "n"], rows).rstrip()]
+    else:
+        lines += ["", "## Evidence", "", "None: this translator was exported without benchmark figures."]
+    lines += ["", "## Pair", "", f"- direction: {pair['direction']} (source {model_name(source)}, target "
+              f"{model_name(target)})", f"- refresh: {config.get('refresh', 'none')} (the handoff the evidence measured, "
+              "and the one `Relay` runs)", f"- tokenizer sha256: {pair['tokenizer_sha256']}",
+              f"- measured in: {pair['dtype']}", f"- geometry: {json.dumps(pair['geometry'])}", "",
+              "## Files", "", f"- `{MAPS_FILE}`: sha256 {config['maps_sha256']}",
+              f"- `{CONFIG_FILE}`: spec, pair, provenance", f"- `{EVIDENCE_FILE}`: the figures above, in full", ""]
+    return "\n".join(lines)

@@ -1,0 +1,318 @@
+"""kvlingo.Relay and export.py: a run's translator exported with the evidence its stages measured, loaded for
+use, checked by the gate, and handing chats over exactly as the benchmark's and IFEval's translated arm does.
+
+Two runs are made with the real stages (benchmark.py, ifeval.py, export.py) on closed-form maps fitted here:
+- the toy pair (l2s), whose few-conversation fit fails the gate, measured with the target recomputing the
+  last 2 context tokens (refresh tail:2): the handoff and the refusal of failing figures;
+- a self pair (the tiny small model as both source and target, cache key space), whose fit recovers the
+  identity and so passes the gate honestly: the path of proven maps and of a plain transformers cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import benchmark
+import export
+import ifeval
+from kvlingo import Relay
+from kvlingo.core.handoff import stop_ids
+from kvlingo.core.refresh import Refresh
+from kvlingo.core.translator import Geometry, TranslatorError, build, load_state, load_translator, save_translator
+from kvlingo.eval.itemrows import read_rows
+from kvlingo.eval.tasks import grader
+from kvlingo.eval.tasks.generate import generate
+from kvlingo.io import read_json, read_jsonl, sha256_file
+from kvlingo.relay import UnprovenTranslator
+from kvlingo.run.data import prepare, read_split
+from kvlingo.run.evidence import Gate, judge
+from kvlingo.run.export import CONFIG_FILE, EVIDENCE_FILE
+from kvlingo.run.models import load_pair, render_ids, resolve_pair
+from kvlingo.run.profiles import get_profile
+from kvlingo.train.closed_form import fit_closed_form
+from tinypair import chat_rows, write_prepared
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILY = "headwise"  # the family fitted here; nothing below depends on which one it is
+REFRESH = "tail:2"  # the toy run's handoff: the target recomputes the last 2 context tokens
+
+
+def fitted_run(root: Path, run: str, large: Path, small: Path, train: list[dict], key_space: str) -> list[str]:
+    """Closed-form maps of the pair fitted on `train`, saved as the run's distilled translator; returns the pair flags."""
+    cfg, tok = resolve_pair(str(large), str(small), "l2s", "cpu", "float32")
+    pair = load_pair(cfg, tok)
+    translator = build({"family": FAMILY, "key_space": key_space, "settings": {},
+                        "geometry": asdict(Geometry.of(pair.source, pair.target))}).bind(pair.source, pair.target)
+    fit_closed_form(pair.source, pair.target, translator, train)
+    save_translator(root / "artifacts" / run / "distilled", translator,
+                    {"direction": "l2s", "models": pair.identities(), "stage": "distilled"})
+    return ["--large", str(large), "--small", str(small), "--direction", "l2s", "--device", "cpu", "--dtype", "float32"]
+
+
+def run_flags(root: Path, run: str) -> list[str]:
+    return ["--run", run, "--artifacts", str(root / "artifacts"), "--results", str(root / "results")]
+
+
+def bench(root: Path, run: str, pair: list[str], data: Path, refresh: str = "none") -> None:
+    benchmark.main(["--profile", "tiny", *run_flags(root, run), *pair, "--data", str(data), "--skip-missing",
+                    "--timing-conversations", "0", "--control-dtypes", "float32", "--refresh", refresh])
+
+
+@pytest.fixture(scope="module")
+def toy(toy_pair, tmp_path_factory):
+    """The toy pair's run: prepared chats, maps fitted on 6 of them, benchmark, IFEval (3 prompts), export."""
+    import nltk
+
+    root = tmp_path_factory.mktemp("relay_toy")
+    _, tok = resolve_pair(str(toy_pair / "large"), str(toy_pair / "small"), "l2s", "cpu", "float32")
+    prepare(tok, get_profile("tiny"), source=toy_pair / "corpus" / "chats.jsonl", out_root=root / "data")
+    data = root / "data" / "tiny"
+    pair = fitted_run(root, "toy", toy_pair / "large", toy_pair / "small", read_split(data, "train")[:6], "prenorm")
+    bench(root, "toy", pair, data, REFRESH)
+    nltk_home = root / "nltk_data"
+    grader.install_punkt(nltk_home)
+    try:
+        ifeval.main(["--profile", "tiny", *run_flags(root, "toy"), *pair, "--data-root", str(root / "eval"),
+                     "--source", str(toy_pair / "corpus" / "ifeval.jsonl"), "--limit", "3", "--max-new-tokens", "10",
+                     "--refresh", REFRESH])
+    finally:
+        nltk.data.path.remove(str(nltk_home.resolve()))
+    export.main(run_flags(root, "toy"))
+    return {"root": root, "pair": toy_pair, "export": root / "artifacts" / "toy" / "export",
+            "maps": root / "artifacts" / "toy" / "distilled", "results": root / "results" / "toy", "data": data}
+
+
+@pytest.fixture(scope="module")
+def proven(tiny_pair_paths, tmp_path_factory):
+    """A self pair (the tiny small model on both sides), cache key space: its fit is exact, so it passes the gate."""
+    root = tmp_path_factory.mktemp("relay_self")
+    small = tiny_pair_paths[1]
+    _, tok = resolve_pair(str(small), str(small), "l2s", "cpu", "float32")
+    splits = {"train": chat_rows(tok, 8, 0, "tr"), "test": chat_rows(tok, 6, 1, "te")}
+    data = write_prepared(root / "data" / "tiny", tok, splits)
+    pair = fitted_run(root, "self", small, small, read_split(data, "train"), "cache")
+    bench(root, "self", pair, data)
+    export.main(run_flags(root, "self"))
+    return {"root": root, "small": small, "export": root / "artifacts" / "self" / "export",
+            "results": root / "results" / "self"}
+
+
+def copy_export(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# --------------------------------------------------------------------------- the API
+def test_import_kvlingo_stays_cheap():
+    out = subprocess.run([sys.executable, "-c", "import sys, kvlingo; print('torch' in sys.modules)"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    import kvlingo
+    from kvlingo.relay import Relay as direct
+
+    assert kvlingo.Relay is direct is Relay
+
+
+def test_chat_is_the_translated_arm_token_for_token(toy):
+    """Relay.chat on the exported folder = the suite's translated path (`generate`) with the run's own maps
+    folder, and = the translated answers ifeval.py recorded for the same prompts."""
+    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True)
+    cfg, tok = resolve_pair(str(toy["pair"] / "large"), str(toy["pair"] / "small"), "l2s", "cpu", "float32")
+    pair = load_pair(cfg, tok)
+    translator, _ = load_translator(toy["maps"], pair)
+    chats = [json.loads(line) for line in (toy["pair"] / "corpus" / "chats.jsonl").read_text().splitlines()[:4]]
+    refresh_mattered = False
+    for chat in chats:
+        messages = chat["input"]
+        ids = render_ids(tok, messages, enable_thinking=False)
+        ref = generate("translated", pair, translator, ids, 24, stop_ids(tok), refresh=Refresh.parse(REFRESH))
+        got, hit = relay.reply_ids(messages, max_new_tokens=24)
+        assert got == ref.ids and hit == ref.hit_cap
+        assert relay.chat(messages, max_new_tokens=24) == tok.decode(ref.ids, skip_special_tokens=True)
+        refresh_mattered |= generate("translated", pair, translator, ids, 24, stop_ids(tok)).ids != ref.ids
+    assert refresh_mattered  # so the relay's recorded refresh setting is what made the answers equal
+    rows = [r for r in read_rows(toy["results"] / "ifeval.rows.jsonl")[1] if r["path"] == "translated"]
+    docs = {d["key"]: d for d in read_jsonl(toy["pair"] / "corpus" / "ifeval.jsonl")}
+    assert len(rows) == 3
+    for row in rows:
+        messages = [{"role": "user", "content": docs[row["doc_key"]]["prompt"]}]
+        assert relay.reply_ids(messages, max_new_tokens=10)[0] == row["new_ids"]
+
+
+def test_handoff_cache_drives_transformers_generate(toy):
+    """The cache `handoff` returns, given to transformers' own generate with the whole prompt, decodes what chat does."""
+    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True)
+    messages = json.loads((toy["pair"] / "corpus" / "chats.jsonl").read_text().splitlines()[0])["input"]
+    ids = relay.prompt_ids(messages)
+    got, hit = relay.reply_ids(messages, max_new_tokens=16)
+    out = relay.target.generate(torch.tensor([ids]), cache=relay.handoff(messages), max_new_tokens=16,
+                                do_sample=False, eos_token_id=sorted(stop_ids(relay.tokenizer)))
+    new = out[0, len(ids):].tolist()
+    if hit:
+        assert new == got
+    else:  # transformers keeps the stop token
+        assert new[:-1] == got and new[-1] in stop_ids(relay.tokenizer)
+    plain = relay.source(input_ids=torch.tensor([ids[:-1]]), use_cache=True).cache
+    with pytest.raises(ValueError, match=f"refresh {REFRESH}, which needs the context's token ids"):
+        relay.handoff(plain)
+    relay.refresh = Refresh()
+    with pytest.raises(ValueError, match="pre-norm key features"):  # prenorm maps cannot read a plain cache
+        relay.handoff(plain)
+
+
+def test_export_round_trips_config_and_evidence(toy):
+    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True)
+    manifest = read_json(toy["maps"] / "manifest.json")
+    bench_rep = read_json(toy["results"] / "benchmark.json")
+    ife = read_json(toy["results"] / "ifeval.json")
+    cfg, ev = relay.config, relay.evidence
+    assert cfg == read_json(toy["export"] / CONFIG_FILE) and ev == read_json(toy["export"] / EVIDENCE_FILE)
+    # config: the spec and provenance of the run's maps, the pair of its reports, the hashes of the files
+    assert (toy["export"] / "maps.safetensors").read_bytes() == (toy["maps"] / "maps.safetensors").read_bytes()
+    assert cfg["maps_sha256"] == manifest["maps_sha256"] == sha256_file(toy["export"] / "maps.safetensors")
+    assert cfg["evidence_sha256"] == sha256_file(toy["export"] / EVIDENCE_FILE)
+    for key in ("family", "key_space", "settings", "geometry", "direction", "models", "n_params"):
+        assert cfg[key] == manifest[key], key
+    pair = bench_rep["config"]["pair"]
+    assert cfg["pair"]["large"] == pair["source"] and cfg["pair"]["small"] == pair["target"]
+    assert cfg["pair"]["tokenizer_sha256"] == pair["tokenizer_sha256"] == relay.pair.config.tokenizer_sha256
+    assert cfg["origin"] == {"run": "toy", "translator": "distilled",
+                             "manifest_sha256": sha256_file(toy["maps"] / "manifest.json")}
+    for key, value in relay.translator.state_dict().items():
+        assert torch.equal(value, load_state(toy["maps"]).state_dict()[key]), key
+    # evidence: the benchmark's arms as reported (translated = distilled), IFEval's strict prompt accuracy
+    arms = bench_rep["results"]["quality"]["arms"]
+    assert ev["arms"] == {"native_target": arms["native_target"], "translated": arms["distilled"],
+                          "control": arms["control"], "no_context": arms["no_context"]}
+    assert ev["benchmark"]["n_conversations"] == bench_rep["n_samples"]["conversations"] == 6
+    assert ev["benchmark"]["test_split_sha256"] == sha256_file(toy["data"] / "test.natural.jsonl")
+    assert ev["ifeval"]["paths"] == {p: s["prompt_level_strict_acc"] for p, s in ife["results"]["paths"].items()}
+    assert ev["ifeval"]["paths"]["translated"]["n"] == 3
+    assert ev["gate"] == judge(ev).to_dict() == relay.verdict.to_dict()
+    assert ev["refresh"] == cfg["refresh"] == str(relay.refresh) == REFRESH == bench_rep["config"]["refresh"]
+    card = (toy["export"] / "README.md").read_text()
+    assert f"| translated    | {arms['distilled']['kl_token_mean']:.4g} " in card
+    assert ("Gate: PASSED" in card) == relay.verdict.passed
+
+
+# --------------------------------------------------------------------------- the gate
+def test_failing_evidence_is_refused_with_its_figures(toy):
+    t = read_json(toy["results"] / "benchmark.json")["results"]["quality"]["arms"]["distilled"]
+    assert t["top1_agreement"] < 0.8 and t["nll_delta_vs_native_target"] > 0.25  # what this fit measured
+    with pytest.raises(UnprovenTranslator) as err:
+        Relay.load(toy["export"], device="cpu")
+    msg = str(err.value)
+    assert f"top-1 agreement with the native target {t['top1_agreement']:.3f} < 0.80" in msg
+    assert f"NLL Δ vs the native target {t['nll_delta_vs_native_target']:.3f} nats/token > 0.25" in msg
+    assert "allow_unproven=True" in msg
+    lenient = Gate(min_top1=0.0, max_nll_delta=10.0)  # a loader may set its own thresholds
+    assert Relay.load(toy["export"], device="cpu", gate=lenient).verdict.passed
+
+
+def test_proven_maps_load_and_hand_over_a_plain_cache(proven):
+    relay = Relay.load(proven["export"], device="cpu")
+    t = read_json(proven["results"] / "benchmark.json")["results"]["quality"]["arms"]["distilled"]
+    assert relay.verdict.passed and relay.evidence["arms"]["translated"] == t
+    assert t["top1_agreement"] >= 0.8 and t["nll_delta_vs_native_target"] <= 0.25
+    ids = relay.prompt_ids([{"role": "user", "content": "the cat sat on a mat"}])
+    plain = relay.source(input_ids=torch.tensor([ids[:-1]]), use_cache=True).cache  # transformers' own cache
+    for a, b in zip(relay.translate(plain), relay.translate(ids)):
+        assert torch.equal(a, b)
+
+
+def test_deliberately_failing_evidence_names_every_figure(proven, tmp_path):
+    folder = copy_export(proven["export"], tmp_path / "failing")
+    ev = read_json(folder / EVIDENCE_FILE)
+    ev["arms"]["translated"].update(top1_agreement=0.5, nll_delta_vs_native_target=0.6,
+                                    kl_token_mean=ev["arms"]["control"]["kl_token_mean"] + 1.0)
+    (folder / EVIDENCE_FILE).write_text(json.dumps(ev))
+    with pytest.raises(UnprovenTranslator, match="does not match the hash recorded"):  # edited, not re-exported
+        Relay.load(folder, device="cpu")
+    cfg = read_json(folder / CONFIG_FILE)
+    cfg["evidence_sha256"] = sha256_file(folder / EVIDENCE_FILE)
+    (folder / CONFIG_FILE).write_text(json.dumps(cfg))
+    with pytest.raises(UnprovenTranslator) as err:
+        Relay.load(folder, device="cpu")
+    assert "0.500 < 0.80" in str(err.value) and "0.600 nats/token > 0.25" in str(err.value)
+    assert "does not beat the control's" in str(err.value)
+    relay = Relay.load(folder, device="cpu", allow_unproven=True)
+    assert not relay.verdict.passed and len(relay.verdict.failures) == 3
+
+
+def test_missing_evidence_is_refused_unless_allowed(proven, tmp_path):
+    bare = tmp_path / "bare"
+    export.main([*run_flags(proven["root"], "self"), "--no-evidence", "--out", str(bare)])
+    assert not (bare / EVIDENCE_FILE).exists() and read_json(bare / CONFIG_FILE)["evidence_sha256"] is None
+    with pytest.raises(UnprovenTranslator, match=r"without evidence \(it was exported without evidence"):
+        Relay.load(bare, device="cpu")
+    folder = copy_export(proven["export"], tmp_path / "missing")
+    (folder / EVIDENCE_FILE).unlink()
+    with pytest.raises(UnprovenTranslator, match=r"without evidence \(evidence.json is missing\)"):
+        Relay.load(folder, device="cpu")
+    relay = Relay.load(folder, device="cpu", allow_unproven=True)
+    assert relay.evidence is None and not relay.verdict.passed
+
+
+def test_tampered_maps_are_refused_even_when_unproven_is_allowed(proven, tmp_path):
+    folder = copy_export(proven["export"], tmp_path / "tampered")
+    data = bytearray((folder / "maps.safetensors").read_bytes())
+    data[-1] ^= 0x01
+    (folder / "maps.safetensors").write_bytes(bytes(data))
+    for allow in (False, True):
+        with pytest.raises(TranslatorError, match="does not match its manifest hash") as err:
+            Relay.load(folder, device="cpu", allow_unproven=allow)
+        assert not isinstance(err.value, UnprovenTranslator)
+
+
+def test_a_pair_with_another_tokenizer_is_refused(toy, tiny_pair_paths, tmp_path):
+    """The same weights in another folder load (a folder is named by its weights digest); with another
+    tokenizer in both folders they are refused, whatever allow_unproven says."""
+    moved = tmp_path / "moved"
+    for role in ("large", "small"):
+        shutil.copytree(toy["pair"] / role, moved / role)
+    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True, large=str(moved / "large"),
+                       small=str(moved / "small"))
+    assert relay.pair.config.source["path"] == str((moved / "large").resolve())
+    for role in ("large", "small"):
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(tiny_pair_paths[1] / f, moved / role / f)
+    with pytest.raises(TranslatorError, match="its tokenizer .* is not the one these maps were trained with"):
+        Relay.load(toy["export"], device="cpu", allow_unproven=True, large=str(moved / "large"),
+                   small=str(moved / "small"))
+
+
+# --------------------------------------------------------------------------- export refusals and the Hub
+def test_export_refuses_a_benchmark_of_other_maps(toy, tmp_path, capsys):
+    root = tmp_path / "run"
+    for part in ("artifacts", "results"):
+        shutil.copytree(toy["root"] / part / "toy", root / part / "toy")
+    shutil.rmtree(root / "artifacts" / "toy" / "export")
+    other = read_json(toy["maps"] / "manifest.json")
+    state = load_state(toy["maps"])
+    with torch.no_grad():
+        next(iter(state.parameters())).add_(1.0)
+    save_translator(root / "artifacts" / "toy" / "distilled", state, {k: other[k] for k in ("direction", "models")})
+    with pytest.raises(SystemExit) as err:
+        export.main(run_flags(root, "toy"))
+    assert err.value.code == 2 and not (root / "artifacts" / "toy" / "export").exists()
+    assert "scored another distilled translator" in capsys.readouterr().err
+    (root / "results" / "toy" / "benchmark.json").unlink()
+    with pytest.raises(SystemExit) as err:
+        export.main(run_flags(root, "toy"))
+    assert err.value.code == 2 and "run `make benchmark RUN=toy` first" in capsys.readouterr().err
+
+
+def test_a_hub_repo_that_cannot_be_fetched_is_named(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TranslatorError, match="nobody/no-such-translator.*revision abc123"):
+        Relay.load("nobody/no-such-translator", revision="abc123")
+    with pytest.raises(TranslatorError, match="no such folder"):
+        Relay.load("./not/a/folder")
