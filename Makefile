@@ -55,6 +55,10 @@ EXPORT_ARGS  ?=
 # perf: float32 on a CPU (its BF16 kernels are slow for small steps), bfloat16 on a GPU
 PERF_DTYPE   ?= auto
 
+# Python caches compiled modules in .venv even where the environment turns that off: without the
+# cache every process recompiles torch and transformers (seconds per stage, minutes per test run).
+export PYTHONDONTWRITEBYTECODE =
+
 VENV  := .venv
 PY    := $(VENV)/bin/python
 UV    := $(shell command -v uv 2>/dev/null || echo python3 -m uv)

@@ -48,7 +48,7 @@ def finished(tiny_pair_paths, tmp_path_factory):
     pair = ["--large", str(tiny_pair_paths[0]), "--small", str(tiny_pair_paths[1]), "--device", "cpu",
             "--dtype", "float32"]
     run = ["--profile", "tiny", "--run", "r", "--artifacts", str(root / "artifacts"), "--results", str(root / "results")]
-    train_args = [*run, *pair, "--data", str(data), "--updates", "2", "--n-fit", "8", "--lr", "1e-3"]
+    train_args = [*run, *pair, "--data", str(data), "--updates", "2", "--n-fit", "12", "--lr", "1e-3"]
     train_translator.main(train_args)
     return {"root": root, "data": data, "pair": pair, "run": run, "train": train_args, "tok": tok}
 
