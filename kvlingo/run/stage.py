@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -22,12 +23,18 @@ from .paths import add_run_args
 from .profiles import PROFILES
 from .resume import ResumeRefused
 
-REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError)
+
+class RunRefused(ValueError):
+    """A run the machine cannot carry as asked: it would not fit in memory, or a launch it cannot use."""
+
+
+REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused)
 REFUSED_STATUS = 2
 
 
 def refuse(stage: str, message: str) -> None:
-    print(f"{stage}: {message}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank refuses alike; one line is enough
+        print(f"{stage}: {message}", file=sys.stderr)
     raise SystemExit(REFUSED_STATUS)
 
 

@@ -11,7 +11,9 @@ they double the tokens per conversation.
 Weighting "uniform": every position weighs 1. "attention": see `weighting.py`.
 
 The normal equations stream (kvlingo.core.fit): memory is independent of the number of
-tokens, and the solve is one batched FP64 call over every block.
+tokens, and the solve is one batched FP64 call over every block. Under data parallelism each
+rank accumulates its share of the conversations and the ranks' FP64 sums are added before the
+solve (`distributed.World.sum_normal_equations`), so the fit is the single process's.
 """
 
 from __future__ import annotations
@@ -24,15 +26,13 @@ from ..core.cache import capture
 from ..core.fit import NormalEquations
 from ..core.handoff import as_ids
 from ..core.translator import Translator
+from .distributed import SINGLE, World
 from .weighting import FIT_WEIGHTINGS, attention_fit_weights, capture_with_queries, scored_attention
 
 
-def fit_closed_form(source, target, translator: Translator, rows: list[dict], weighting: str = "uniform",
-                    ridge: float = 0.0, progress: Callable | None = None) -> dict[str, Any]:
-    """FP64 least squares of `translator` (bound to source/target) over `rows`, solved into its parameters.
-
-    Returns the fit's statistics.
-    """
+def normal_equations(source, target, translator: Translator, rows: list[dict], weighting: str = "uniform",
+                     progress: Callable | None = None) -> NormalEquations:
+    """The FP64 normal equations of `translator`'s least-squares blocks over `rows` (not yet solved)."""
     if weighting not in FIT_WEIGHTINGS:
         raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
     device = next(source.parameters()).device
@@ -55,6 +55,18 @@ def fit_closed_form(source, target, translator: Translator, rows: list[dict], we
             w = translator.block_weights(weights)
             ne.update(0, translator.design(0, src), translator.block_targets(space.target_keys(tgt)), w)
             ne.update(1, translator.design(1, src), translator.block_targets(tgt.values), w)
+    return ne
+
+
+def fit_closed_form(source, target, translator: Translator, rows: list[dict], weighting: str = "uniform",
+                    ridge: float = 0.0, progress: Callable | None = None, world: World = SINGLE) -> dict[str, Any]:
+    """FP64 least squares of `translator` (bound to source/target) over `rows`, solved into its parameters.
+
+    With a distributed `world`, this rank reads its share of `rows` and the ranks' normal equations
+    are summed before the solve. Returns the fit's statistics.
+    """
+    ne = normal_equations(source, target, translator, world.share(rows), weighting, progress)
+    world.sum_normal_equations(ne)
     W, b = ne.solve(ridge)
     translator.set_solution(W, b)
     return {"n_conversations": len(rows), "n_tokens": ne.n_tokens, "family": translator.family,
