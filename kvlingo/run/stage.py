@@ -18,6 +18,7 @@ from ..core.translator import TranslatorError
 from ..eval.itemrows import RowsError
 from ..eval.timing import CV_LIMIT
 from .data import SplitIntegrityError
+from .launch import LaunchRefused
 from .models import PairError, add_pair_args
 from .paths import add_run_args
 from .profiles import PROFILES
@@ -28,7 +29,7 @@ class RunRefused(ValueError):
     """A run the machine cannot carry as asked: it would not fit in memory, or a launch it cannot use."""
 
 
-REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused)
+REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused, LaunchRefused)
 REFUSED_STATUS = 2
 
 
