@@ -32,13 +32,13 @@ import argparse
 import math
 import shlex
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_file
 from kvlingo.run import recipe as K
 from kvlingo.run.launch import add_launch_args, launcher_from_args
-from kvlingo.run.models import PairConfig, pair_config_from_args
+from kvlingo.run.models import PairConfig, PairError, pair_config_from_args, resolve_pair
 from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_table
@@ -245,6 +245,18 @@ def cell_sub(lr: float, seed: int) -> str:
     return f"lr{lr:.2e}-s{seed}"
 
 
+def cells_pair(args) -> PairConfig:
+    """The pair the cells run on. Under SLURM they run on the cluster's nodes, not where the recipe
+    waits (a login node may have no GPU): the device is taken as given, and must be named."""
+    if args.launcher != "slurm":
+        return pair_config_from_args(args)[0]
+    if args.device in (None, "", "auto"):
+        raise PairError("--launcher slurm needs an explicit --device (cuda): the cells run on the cluster's nodes, "
+                        "whose devices this machine cannot see")
+    pair = resolve_pair(args.large, args.small, args.direction, "cpu", args.dtype)[0]
+    return replace(pair, device=args.device)
+
+
 # --------------------------------------------------------------------------- outputs
 def plot_lr(path: Path, search: dict, title: str) -> None:
     import matplotlib
@@ -272,7 +284,7 @@ def plot_lr(path: Path, search: dict, title: str) -> None:
 def main(argv=None, runner=K.run_stage) -> dict:
     args = parse_args(argv)
     t0 = time.time()
-    pair, _ = pair_config_from_args(args)  # refuses a bad pair before any cell runs
+    pair = cells_pair(args)  # refuses a bad pair before any cell runs
     cfg = make_config(args, pair)
     plan = Plan(cfg)
     ledger = K.Ledger(plan.res / K.LEDGER_FILE, asdict(cfg), args.resume)

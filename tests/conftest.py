@@ -17,3 +17,14 @@ def tiny_pair_paths(tmp_path_factory):
     from tinypair import build_tiny_pair
 
     return build_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: several jobs share two cores, and OpenMP spinning costs far more."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

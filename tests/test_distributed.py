@@ -34,13 +34,7 @@ N_FIT = 8
 SETTINGS = ["--updates", "4", "--batch", "4", "--n-fit", str(N_FIT), "--checkpoint-every", "2", "--val-every", "2",
             "--lr", "3e-3", "--fit-weighting", "attention"]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -209,3 +209,11 @@ def test_slurm_job_array_parameters(tmp_path, monkeypatch):
     assert submitted.name == "train/lr2" and submitted.nproc == 4 and submitted.preemptible and not submitted.resume
     assert submitted.checkpoint().function.resume  # a requeue runs the stage with its resume flag
     assert str(Path(sys.executable).parent) in script  # the jobs run this environment's interpreter
+
+
+def test_slurm_needs_the_cells_device_named(world, capsys):
+    argv, root = world
+    with pytest.raises(SystemExit) as e:
+        recipe.main(argv("auto", "--launcher", "slurm", "--device", "auto"))
+    assert e.value.code == 2 and "needs an explicit --device (cuda)" in capsys.readouterr().err
+    assert not (root / "results").exists()

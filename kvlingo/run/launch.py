@@ -34,12 +34,9 @@ from typing import Any, Callable, Sequence
 
 from ..io import ROOT, read_json
 from .ledger import Ledger
+from .refusal import RunRefused
 
 PREEMPT_SIGNAL = signal.SIGUSR2  # what submitit (and SLURM's --signal) send before a preemption or the time limit
-
-
-class LaunchRefused(ValueError):
-    """Launch settings the machine cannot honour (refused before any cell runs)."""
 
 
 class StageFailed(RuntimeError):
@@ -90,10 +87,11 @@ def run_stage(argv: Sequence[str], report: str | os.PathLike, log: str | os.Path
         if out is not None:
             out.close()
     where = f" (log: {log})" if log else " (its output is above)"
-    if rc < 0:
+    if rc < 0 and -rc != signal.SIGINT:  # an interrupt (Ctrl-C) stops the recipe; other signals are requeued
         raise StageKilled(f"{Path(argv[0]).name} was killed by {signal.Signals(-rc).name}{where}")
     if rc != 0:
-        raise StageFailed(f"{Path(argv[0]).name} exited with status {rc}{where}")
+        how = f"was interrupted ({signal.Signals(-rc).name})" if rc < 0 else f"exited with status {rc}"
+        raise StageFailed(f"{Path(argv[0]).name} {how}{where}")
     if not Path(report).is_file():
         raise StageFailed(f"{Path(argv[0]).name} exited cleanly but wrote no {report}{where}")
     return read_json(report)
@@ -185,11 +183,11 @@ class LocalLauncher:
     def __init__(self, max_parallel: int = 1, gpus: Sequence[str] = (), gpus_per_cell: int = 1, max_requeues: int = 1,
                  say: Callable[[str], None] = print):
         if max_parallel < 1 or gpus_per_cell < 1 or max_requeues < 0:
-            raise LaunchRefused("--max-parallel and --gpus-per-cell must be ≥ 1, --max-requeues ≥ 0")
+            raise RunRefused("--max-parallel and --gpus-per-cell must be ≥ 1, --max-requeues ≥ 0")
         gpus = list(gpus)
         self.groups = [gpus[i:i + gpus_per_cell] for i in range(0, len(gpus) - gpus_per_cell + 1, gpus_per_cell)]
         if gpus and not self.groups:
-            raise LaunchRefused(f"--gpus-per-cell {gpus_per_cell} but only {len(gpus)} GPU(s) are visible "
+            raise RunRefused(f"--gpus-per-cell {gpus_per_cell} but only {len(gpus)} GPU(s) are visible "
                              f"({','.join(gpus)}); lower --gpus-per-cell or pass --gpus")
         self.width = min(max_parallel, len(self.groups)) if self.groups else max_parallel
         self.nproc, self.max_requeues, self.say = gpus_per_cell, max_requeues, say
@@ -344,5 +342,5 @@ def launcher_from_args(args, results_dir: Path, say: Callable[[str], None] = pri
     settings = SlurmSettings(args.partition, args.account, args.gpus_per_cell, args.time_limit, args.max_parallel,
                              args.cpus_per_cell, args.mem_gb, args.max_requeues)
     if args.max_parallel < 1 or args.gpus_per_cell < 1 or args.time_limit < 1:
-        raise LaunchRefused("--max-parallel, --gpus-per-cell and --time-limit must be ≥ 1")
+        raise RunRefused("--max-parallel, --gpus-per-cell and --time-limit must be ≥ 1")
     return SlurmLauncher(args.slurm_folder or results_dir / "slurm", settings, args.submitit_cluster, say)

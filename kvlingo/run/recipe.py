@@ -207,7 +207,7 @@ class Cells:
             # Under --resume a stage continues what it had begun (a training from its newest checkpoint);
             # a fresh recipe starts every stage fresh.
             job = self.job(cell)
-            self.say(f"[recipe] {cell.name}: running ({why}): {' '.join(job.resume_argv if self.resume else job.argv)}"
+            self.say(f"[recipe] {cell.name}: queued ({why}): {' '.join(job.resume_argv if self.resume else job.argv)}"
                      + (f" > {job.log}" if job.log else ""))
             if cell.before is not None:
                 cell.before()

@@ -18,18 +18,13 @@ from ..core.translator import TranslatorError
 from ..eval.itemrows import RowsError
 from ..eval.timing import CV_LIMIT
 from .data import SplitIntegrityError
-from .launch import LaunchRefused
 from .models import PairError, add_pair_args
 from .paths import add_run_args
 from .profiles import PROFILES
+from .refusal import RunRefused
 from .resume import ResumeRefused
 
-
-class RunRefused(ValueError):
-    """A run the machine cannot carry as asked: it would not fit in memory, or a launch it cannot use."""
-
-
-REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused, LaunchRefused)
+REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused)
 REFUSED_STATUS = 2
 
 

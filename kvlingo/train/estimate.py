@@ -39,7 +39,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..run.stage import RunRefused
+from ..run.refusal import RunRefused
 
 GIB = 1024 ** 3
 RESERVE = {"cuda": 1.0 * GIB, "mps": 1.0 * GIB, "cpu": 1.0 * GIB}  # runtime outside the tensors, per process
@@ -152,10 +152,13 @@ def describe_device(kind: str, dtype_bytes: int, local_rank: int = 0, memory_gib
         name, memory = "CPU", float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     name = name or kind
     entry = next((v for k, v in DEVICES.items() if k in name), None) if kind == "cuda" else None
-    if memory is None:
-        memory = entry["memory_gib"] * GIB if entry else 0.0
     if memory_gib is not None:
         memory = memory_gib * GIB
+    elif memory is None:
+        if entry is None:
+            raise RunRefused(f"no memory figure for a planned {name!r}: name one of {', '.join(DEVICES)}, "
+                             "or pass --memory-limit-gib (and --assume-tflops)")
+        memory = entry["memory_gib"] * GIB
     if tflops is not None:
         rate, basis = tflops, "given (--assume-tflops)"
     elif entry is not None:
@@ -231,11 +234,11 @@ def report_lines(est: Estimate, nproc: int, batch: int, updates: int, validation
     """The printout: peak, time per update, the whole distillation (`validations` passes over
     `n_validation` conversations included), the memory breakdown and the assumptions."""
     dev = est.device
-    share = f"{nproc} ranks × " if dev.kind == "cpu" and nproc > 1 else ""
+    share = f"{nproc} ranks sharing " if dev.kind == "cpu" and nproc > 1 else "on "
     val_s = validations * math.ceil(n_validation / nproc) * est.seconds_per_validation_conversation
     total_h = (est.seconds_per_update * updates + val_s) / 3600
     lines = [
-        f"estimate: peak {fmt_bytes(est.peak_bytes)} per rank ({share}on {dev.name}, {fmt_bytes(dev.memory_bytes)}); "
+        f"estimate: peak {fmt_bytes(est.peak_bytes)} per rank ({share}{dev.name}, {fmt_bytes(dev.memory_bytes)}); "
         f"{est.seconds_per_update:.3g} s per update ({est.conversations_per_rank} of {batch} conversations on the "
         f"busiest of {nproc} rank(s), {est.flops_per_conversation / 1e12:.3g} TFLOP each); "
         f"{updates:,} updates + {validations} validations of {n_validation} ≈ {total_h:.3g} h",
@@ -329,7 +332,7 @@ def main(argv=None) -> Estimate:
 
     from ..core.translator import FAMILIES, Geometry
     from ..eval.shapes import QWEN3_ARCH
-    from ..run.models import LARGE_ID, SMALL_ID, ModelSpec, pair_specs, resolve_dtype
+    from ..run.models import LARGE_ID, SMALL_ID, ModelSpec, pair_specs, resolve_device, resolve_dtype
     from ..run.profiles import PROFILES, get_profile
 
     p = argparse.ArgumentParser(description="Estimated peak memory per rank and time per update of distillation.",
@@ -345,8 +348,8 @@ def main(argv=None) -> Estimate:
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="translator key space")
     p.add_argument("--batch", type=int, default=None, help="conversations per update (default: the profile's)")
     p.add_argument("--nproc", type=int, default=1, help="data-parallel ranks (torchrun --nproc-per-node)")
-    p.add_argument("--device", choices=("cuda", "mps", "cpu"), default="cuda", help="device kind")
-    p.add_argument("--gpu", default=None, help=f"planned GPU by name ({', '.join(DEVICES)}); default: this machine's")
+    p.add_argument("--device", default="auto", help="cuda, mps, cpu or auto (this machine's)")
+    p.add_argument("--gpu", default=None, help=f"a planned CUDA GPU by name ({', '.join(DEVICES)}) instead of this machine's")
     add_estimate_args(p)
     args = p.parse_args(argv)
 
@@ -365,7 +368,8 @@ def main(argv=None) -> Estimate:
     profile = get_profile(args.profile)
     return check_run(source, target, translator, profile=profile, batch=args.batch or profile.batch,
                      updates=profile.updates, val_every=profile.val_every, n_validation=profile.n_validation,
-                     dtype_bytes=resolve_dtype(args.dtype).itemsize, device_kind=args.device,
+                     dtype_bytes=resolve_dtype(args.dtype).itemsize,
+                     device_kind="cuda" if args.gpu else resolve_device(args.device).split(":")[0],
                      nproc=args.nproc, memory_limit_gib=args.memory_limit_gib, assume_tflops=args.assume_tflops,
                      device_name=args.gpu, memory_check=not args.no_memory_check)
 
