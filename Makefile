@@ -2,6 +2,7 @@
 # `make help` lists the targets. Variables can be set on the command line:
 #   make run DEVICE=cuda DIRECTION=s2l
 #   make recipe PROFILE=paper-budget DEVICE=cuda RUN=qwen-headwise
+#   make train PROFILE=paper-budget DEVICE=cuda NPROC=8          (torchrun, one rank per GPU)
 
 PROFILE   ?= pilot
 DIRECTION ?= l2s
@@ -24,6 +25,12 @@ DEVICE    ?= auto
 DTYPE     ?= bfloat16
 # Run name: empty means every stage's default, PROFILE-DIRECTION (kvlingo/run/paths.py).
 RUN       ?=
+# Data-parallel ranks of a training (torchrun --nproc-per-node; the recipe's GPUs per training cell).
+NPROC     ?= 1
+# How the recipe runs its cells: local (processes on this machine) or slurm (job arrays, submitit).
+RECIPE_LAUNCHER ?= local
+# A planned GPU for `make estimate` (H100, H200, A100, ...); empty: this machine's device.
+GPU       ?=
 TASK      ?= arc
 HANDOFF   ?= prompt
 LARGE     ?= Qwen/Qwen3-1.7B
@@ -66,9 +73,11 @@ PAIR   = --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DI
 	--dtype $(DTYPE) $(if $(RUN),--run $(RUN))
 REFRESH_FLAG = $(if $(REFRESH),--refresh $(REFRESH))
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
+# One process, or torchrun with NPROC ranks (kvlingo/train/distributed.py).
+TRAIN_PY = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY))
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast run demo toy toy-train toy-export prepare train benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate frontier export
+.PHONY: help venv test test-fast run demo toy toy-train toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate frontier export
 
 help: ## list the targets
 	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(or $(RUN),PROFILE-DIRECTION)):"
@@ -134,8 +143,12 @@ toy-export: toy ## a toy translator with its evidence: prepare → train → ben
 prepare: $(VENV)/.synced ## disjoint train/validation/test splits → data/PROFILE (SOURCE=chats.jsonl offline)
 	$(PY) paper_data.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
 
-train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, results/RUN/train.json (TRAIN_ARGS=--resume)
-	$(PY) train_translator.py $(PAIR) $(TRAIN_ARGS)
+train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, results/RUN/train.json (TRAIN_ARGS=--resume, NPROC=8)
+	$(TRAIN_PY) train_translator.py $(PAIR) $(TRAIN_ARGS)
+
+estimate: $(VENV)/.synced ## peak memory per rank and time per update of PROFILE's distillation (NPROC=8 GPU=H100)
+	$(PY) -m kvlingo.train.estimate --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) \
+	  --dtype $(DTYPE) --nproc $(NPROC) --device $(DEVICE) $(if $(GPU),--gpu $(GPU))
 
 benchmark: $(VENV)/.synced ## KL/perplexity rows, native controls, four timing paths → results/RUN/benchmark.json
 	$(PY) benchmark.py $(PAIR) $(REFRESH_FLAG) $(BENCH_ARGS)
@@ -165,8 +178,8 @@ task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the nat
 perf: $(VENV)/.synced ## speed at real Qwen3 shapes, random weights: 4 paths + switch cost at 1k/2k/4k → results/perf/perf.json
 	$(PY) perf.py --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)
 
-recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL, 3 seeds → results/RUN/recipe.{json,md,png} (RECIPE_ARGS=--resume)
-	$(PY) recipe.py $(PAIR) --ifeval-data-root $(EVAL_ROOT) \
+recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL, 3 seeds → results/RUN/recipe.{json,md,png} (RECIPE_ARGS=--resume, RECIPE_LAUNCHER=slurm)
+	$(PY) recipe.py $(PAIR) --ifeval-data-root $(EVAL_ROOT) --launcher $(RECIPE_LAUNCHER) --gpus-per-cell $(NPROC) \
 	  $(if $(IFEVAL_SOURCE),--ifeval-source $(IFEVAL_SOURCE)) $(RECIPE_ARGS)
 
 export: $(VENV)/.synced ## the run's translator, its evidence and a model card → artifacts/RUN/export (kvlingo.Relay loads it; EXPORT_ARGS="--out DIR")

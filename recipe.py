@@ -15,9 +15,15 @@ and its own run name RUN/<cell>:
   4. seeds: every seed trained at the chosen rate (the first seed's search cell is reused),
      then benchmark.py and ifeval.py on its distilled maps.
 
+Cells that do not depend on each other run together through a launcher (--launcher local: up to
+--max-parallel processes on this machine, one GPU group each; --launcher slurm: one SLURM job
+array per level, through submitit); see kvlingo/run/launch.py. The summary is written once
+every cell has finished; a level with failed cells stops the recipe, naming them and their logs.
+
 Outputs under RESULTS/RUN/: recipe.json (the report, written last), recipe.md (summary),
-recipe.png (validation KL against learning rate), recipe-state.json (the cell ledger), and
-one folder per stage run: native/, closed/, lr<rate>-s<seed>/ (maps under ARTIFACTS/RUN/).
+recipe.png (validation KL against learning rate), recipe-state.json (the cell ledger), logs/
+(each cell's output when several run at once), slurm/ (submitit's jobs and logs), and one
+folder per stage run: native/, closed/, lr<rate>-s<seed>/ (maps under ARTIFACTS/RUN/).
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ import argparse
 import math
 import shlex
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_file
 from kvlingo.run import recipe as K
-from kvlingo.run.models import PairConfig, pair_config_from_args
+from kvlingo.run.launch import add_launch_args, launcher_from_args
+from kvlingo.run.models import PairConfig, PairError, pair_config_from_args, resolve_pair
 from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_table
@@ -96,7 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = stage_parser(__doc__, [
         "python recipe.py --profile pilot --run pilot-l2s --device cuda",
         "python recipe.py --profile pilot --run pilot-l2s --device cuda --resume",
-        "python recipe.py --profile demo --large runs/large --small runs/small --dtype float32 --run demo-recipe"], common=True, data=True)
+        "python recipe.py --profile demo --large runs/large --small runs/small --dtype float32 --run demo-recipe",
+        "python recipe.py --profile paper-budget --run qwen --device cuda --max-parallel 8",
+        "python recipe.py --profile paper-budget --run qwen --device cuda --launcher slurm --partition gpu "
+        "--account proj --gpus-per-cell 8 --time-limit 1440 --max-parallel 5"], common=True, data=True)
     p.add_argument("--lr-center", type=float, default=None,
                    help="centre of the rate grid (default: the profile's recipe centre, else its rate for the direction)")
     p.add_argument("--grid-size", type=int, default=None,
@@ -119,6 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ifeval-args", default="", help="extra ifeval.py flags, e.g. --ifeval-args='--max-new-tokens 64'")
     p.add_argument("--resume", action="store_true",
                    help="keep finished cells whose key matches, continue an interrupted one, refuse changed settings")
+    add_launch_args(p)
     return p.parse_args(argv)
 
 
@@ -234,6 +245,18 @@ def cell_sub(lr: float, seed: int) -> str:
     return f"lr{lr:.2e}-s{seed}"
 
 
+def cells_pair(args) -> PairConfig:
+    """The pair the cells run on. Under SLURM they run on the cluster's nodes, not where the recipe
+    waits (a login node may have no GPU): the device is taken as given, and must be named."""
+    if args.launcher != "slurm":
+        return pair_config_from_args(args)[0]
+    if args.device in (None, "", "auto"):
+        raise PairError("--launcher slurm needs an explicit --device (cuda): the cells run on the cluster's nodes, "
+                        "whose devices this machine cannot see")
+    pair = resolve_pair(args.large, args.small, args.direction, "cpu", args.dtype)[0]
+    return replace(pair, device=args.device)
+
+
 # --------------------------------------------------------------------------- outputs
 def plot_lr(path: Path, search: dict, title: str) -> None:
     import matplotlib
@@ -261,45 +284,46 @@ def plot_lr(path: Path, search: dict, title: str) -> None:
 def main(argv=None, runner=K.run_stage) -> dict:
     args = parse_args(argv)
     t0 = time.time()
-    pair, _ = pair_config_from_args(args)  # refuses a bad pair before any cell runs
+    pair = cells_pair(args)  # refuses a bad pair before any cell runs
     cfg = make_config(args, pair)
     plan = Plan(cfg)
     ledger = K.Ledger(plan.res / K.LEDGER_FILE, asdict(cfg), args.resume)
-    cells = K.Cells(ledger, args.resume, runner)
+    cells = K.Cells(ledger, args.resume, runner, launcher=launcher_from_args(args, plan.res))
     seed0 = cfg.seeds[0]
 
     try:
         # ----------------------------------------------------------------------- 1. native rows
-        native = {stage: cells.ensure(plan.evaluation(stage, "native", trained=False)) for stage in cfg.evals}
+        native = dict(zip(cfg.evals, cells.ensure_all([plan.evaluation(s, "native", trained=False) for s in cfg.evals])))
         # ----------------------------------------------------------------------- 2. closed form, once
         closed = cells.ensure(plan.train("closed", seed0))
         # ----------------------------------------------------------------------- 3. learning-rate search
         train_reports: dict[int, dict] = {}
 
-        def evaluate(step: int):
-            lr = K.lr_for_step(cfg.lr_center, step)
-            train_reports[step] = cells.ensure(plan.train(cell_sub(lr, seed0), seed0, lr))
-            return train_reports[step]["results"][K.SELECTION_METRIC]
+        def evaluate(steps: list[int]) -> list:
+            lrs = [K.lr_for_step(cfg.lr_center, k) for k in steps]
+            reports = cells.ensure_all([plan.train(cell_sub(lr, seed0), seed0, lr) for lr in lrs])
+            train_reports.update(zip(steps, reports))
+            return [r["results"][K.SELECTION_METRIC] for r in reports]
 
         search = K.search_lr(evaluate, cfg.grid_size, cfg.max_extensions)
         chosen = K.lr_for_step(cfg.lr_center, search["winner"])
         print(f"[recipe] chosen learning rate {chosen:g} (validation KL {search['val_kl'][search['winner']]:.5g})"
               + ("; WARNING: still at an edge of the grid, the extension cap was hit" if search["cap_hit"] else ""))
         # ----------------------------------------------------------------------- 4. seeds at the chosen rate
-        per_seed, item_level = {}, {}
-        for seed in cfg.seeds:
-            sub = cell_sub(chosen, seed)
-            per_seed[str(seed)] = {"train": K.train_metrics(cells.ensure(plan.train(sub, seed, chosen)))}
-            for stage in cfg.evals:
-                report = cells.ensure(plan.evaluation(stage, sub, trained=True))
-                if stage == "ifeval":
-                    per_seed[str(seed)]["ifeval"], item_level[str(seed)] = K.ifeval_metrics(report)
-                else:
-                    per_seed[str(seed)]["benchmark"] = K.benchmark_metrics(report)
+        trained = cells.ensure_all([plan.train(cell_sub(chosen, seed), seed, chosen) for seed in cfg.seeds])
+        per_seed = {str(seed): {"train": K.train_metrics(r)} for seed, r in zip(cfg.seeds, trained)}
+        item_level = {}
+        evals = [(seed, stage) for seed in cfg.seeds for stage in cfg.evals]
+        reports = cells.ensure_all([plan.evaluation(stage, cell_sub(chosen, seed), trained=True) for seed, stage in evals])
+        for (seed, stage), report in zip(evals, reports):
+            if stage == "ifeval":
+                per_seed[str(seed)]["ifeval"], item_level[str(seed)] = K.ifeval_metrics(report)
+            else:
+                per_seed[str(seed)]["benchmark"] = K.benchmark_metrics(report)
     except REFUSALS:
         raise
     except K.StageFailed as e:
-        raise SystemExit(f"recipe: {e}. The ledger marks that cell failed; fix the cause, then re-run with "
+        raise SystemExit(f"recipe: {e}. The ledger marks the failed cells; fix the cause, then re-run with "
                          "--resume (finished cells are kept)") from e
     except ValueError as e:
         raise SystemExit(f"recipe: {e}") from e

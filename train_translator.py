@@ -34,9 +34,11 @@ from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Report, figure_png, fmt_table
 from kvlingo.run.stage import refusals_exit, stage_parser
 from kvlingo.train import checkpoints as ckpt
+from kvlingo.train import distributed
 from kvlingo.train.closed_form import fit_closed_form
 from kvlingo.train.config import RESUME_SAFE, TrainConfig, TrainResults, family_settings
 from kvlingo.train.distill import distill_step, make_optimizer, validation_kl
+from kvlingo.train.estimate import add_estimate_args, before_training
 from kvlingo.train.frozen import FrozenWeightsChanged, check_frozen, fingerprints, verify_frozen
 from kvlingo.train.rng import rng_state, seed_everything, set_rng_state
 from kvlingo.train.rows import data_order, fit_selection
@@ -82,6 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--init-from", default=None, help="start from an existing closed-form translator folder instead of fitting")
     p.add_argument("--closed-form-only", action="store_true", help="stop after the closed-form fit and its validation")
     p.add_argument("--code-salt", default="", help=argparse.SUPPRESS)  # tests: stands in for a code edit
+    add_estimate_args(p)
     return p.parse_args(argv)
 
 
@@ -133,7 +136,7 @@ def plot_curves(path: Path, loss: list, val: list, title: str) -> None:
 
 
 def closed_form_start(init_from: str | None, init: dict | None, pair, cfg: TrainConfig, fit_rows: list[dict],
-                      cf_dir: Path, fit_key: str, empty):
+                      cf_dir: Path, fit_key: str, empty, world: distributed.World = distributed.SINGLE):
     """The run's closed-form translator, in memory: from --init-from (its checked manifest `init`), reused
     when cf_dir's fit key matches, or fitted into `empty` (an unfitted translator of the run's family). Returns (translator, fit stats, provenance to save, or None
     when cf_dir already holds it)."""
@@ -151,8 +154,9 @@ def closed_form_start(init_from: str | None, init: dict | None, pair, cfg: Train
             print(f"closed-form fit up to date (same data, code, models and fit settings): {cf_dir}")
             return load_state(cf_dir, old, pair.device).bind(pair.source, pair.target), old.get("fit"), None
     translator = empty.to(pair.device).bind(pair.source, pair.target)
-    bar = lambda rows: tqdm(rows, desc="closed-form fit", unit="conv")  # noqa: E731
-    stats = fit_closed_form(pair.source, pair.target, translator, fit_rows, cfg.fit_weighting, cfg.ridge, progress=bar)
+    bar = lambda rows: tqdm(rows, desc="closed-form fit", unit="conv", disable=not world.main)  # noqa: E731
+    stats = fit_closed_form(pair.source, pair.target, translator, fit_rows, cfg.fit_weighting, cfg.ridge, progress=bar,
+                            world=world)
     return translator, stats, {"fit_key": fit_key, "fit": stats}
 
 
@@ -167,6 +171,7 @@ def main(argv=None) -> dict:
 
     # --------------------------------------------------------------------------- checks before any change
     pair_cfg, tokenizer = pair_config_from_args(args)  # configs and tokenizers only: refuses before weights
+    world = distributed.init(pair_cfg.device)  # torchrun's ranks (kvlingo/train/distributed.py); else one process
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)
     family, settings = family_from_args(args, profile)
@@ -203,6 +208,7 @@ def main(argv=None) -> dict:
         init = read_manifest(args.init_from)  # refuses a missing or damaged folder before anything is written
         check_expected(init, family=cfg.family, key_space=cfg.key_space, direction=pair_cfg.direction,
                        models=pair_cfg.identities())
+    before_training(pair_cfg, empty, cfg, profile, world, args)  # peak memory and time per update; refuses a misfit
 
     pair = load_pair(pair_cfg, tokenizer)
     models = {"source": pair.source, "target": pair.target}
@@ -216,7 +222,8 @@ def main(argv=None) -> dict:
         print(f"note: the train split holds {len(train_rows)} conversations, fewer than n_fit={cfg.n_fit}; fitting on all")
     fit_key = sha256_json({"fit": cfg.fit_settings(), "pair": pair_cfg, "data": data_hashes["train.natural.jsonl"],
                            "code": code_sha})
-    translator, fit_stats, to_save = closed_form_start(args.init_from, init, pair, cfg, fit_rows, cf_dir, fit_key, empty)
+    translator, fit_stats, to_save = closed_form_start(args.init_from, init, pair, cfg, fit_rows, cf_dir, fit_key, empty,
+                                                       world)
     cf_sha = sha256_bytes(state_bytes(translator)) if to_save is not None else sha256_file(cf_dir / "maps.safetensors")
     if state is not None and state["closed_form_sha256"] != cf_sha:
         raise resume.ResumeRefused(
@@ -224,27 +231,33 @@ def main(argv=None) -> dict:
             f"{state['closed_form_sha256'][:12]}… → {cf_sha[:12]}…; start a fresh run (drop --resume) "
             "or restore the original inputs")
 
-    # --------------------------------------------------------------------------- now change things
+    # --------------------------------------------------------------------------- now change things (rank 0)
+    world.barrier()  # every rank has read what it needs
     if args.resume:
         print(f"resuming {paths.run} from update {state['update']}" if state
               else f"no checkpoint in {ckpt_dir}: starting fresh")
-        ckpt.clear_checkpoints(ckpt_dir, temp_only=True)  # half-written files of the interrupted run
-    elif ckpt.clear_checkpoints(ckpt_dir):
+        if state and state.get("world_size", 1) != world.size:
+            print(f"note: the checkpoint was written by {state.get('world_size', 1)} rank(s), this run has {world.size}: "
+                  "the batch and data order are the same, the sums differ by rounding only")
+        if world.main:
+            ckpt.clear_checkpoints(ckpt_dir, temp_only=True)  # half-written files of the interrupted run
+    elif world.main and ckpt.clear_checkpoints(ckpt_dir):
         print(f"fresh run: removed the old checkpoints in {ckpt_dir}")
-    # Until this run saves its own, no distilled manifest may vouch for a translator in this run's folder.
-    (dist_dir / MANIFEST_FILE).unlink(missing_ok=True)
     provenance = {"direction": pair_cfg.direction, "models": pair.identities(), "data": data_hashes,
                   "code_sha256": code_sha, "config": asdict(cfg), "config_sha256": sha256_json(cfg)}
-    if to_save is not None:
-        save_translator(cf_dir, translator, {**provenance, "stage": "closed_form", **to_save})
+    if world.main:
+        # Until this run saves its own, no distilled manifest may vouch for a translator in this run's folder.
+        (dist_dir / MANIFEST_FILE).unlink(missing_ok=True)
+        if to_save is not None:
+            save_translator(cf_dir, translator, {**provenance, "stage": "closed_form", **to_save})
 
     # --------------------------------------------------------------------------- distillation
     optimizer = make_optimizer(translator, cfg.lr, cfg.weight_decay)
     order = data_order(len(train_rows), cfg.seed, cfg.updates * cfg.batch)
 
     def validate() -> float:
-        bar = lambda rows: tqdm(rows, desc="validation", unit="conv", leave=False)  # noqa: E731
-        return validation_kl(pair.source, pair.target, translator, val_rows, pair.dtype, bar)
+        bar = lambda rows: tqdm(rows, desc="validation", unit="conv", leave=False, disable=not world.main)  # noqa: E731
+        return validation_kl(pair.source, pair.target, translator, val_rows, pair.dtype, bar, world)
 
     if state is None:
         history = {"loss": [], "val": [[0, validate()]], "wall_time_s": 0.0}
@@ -262,19 +275,23 @@ def main(argv=None) -> dict:
 
     def checkpoint(update: int) -> None:
         saved = {**history, "wall_time_s": history["wall_time_s"] + time.time() - segment_t0}  # never read by training
-        ckpt.save_checkpoint(ckpt_dir, update, {
-            "config": asdict(cfg), "identity": identity, "closed_form_sha256": cf_sha,
-            "translator": {k: v.detach().cpu() for k, v in translator.state_dict().items()},
-            "optimizer": optimizer.state_dict(), "rng": rng_state(),
-            "data_order": torch.tensor(order, dtype=torch.long), "cursor": update * cfg.batch, "history": saved,
-        })
+        if world.main:  # every rank holds the same state; the others wait at the barrier below
+            ckpt.save_checkpoint(ckpt_dir, update, {
+                "config": asdict(cfg), "identity": identity, "closed_form_sha256": cf_sha,
+                "translator": {k: v.detach().cpu() for k, v in translator.state_dict().items()},
+                "optimizer": optimizer.state_dict(), "rng": rng_state(),
+                "data_order": torch.tensor(order, dtype=torch.long), "cursor": update * cfg.batch, "history": saved,
+                "world_size": world.size,
+            })
+        world.barrier()
 
     if not args.closed_form_only:
-        bar = tqdm(range(start, cfg.updates), initial=start, total=cfg.updates, desc="distil", unit="update")
+        bar = tqdm(range(start, cfg.updates), initial=start, total=cfg.updates, desc="distil", unit="update",
+                   disable=not world.main)
         for u in bar:
             rows = [train_rows[i] for i in order[u * cfg.batch:(u + 1) * cfg.batch]]
             loss = distill_step(pair.source, pair.target, translator, rows, optimizer, pair.dtype, cfg.max_grad_norm,
-                                cfg.aux_attn_weight)
+                                world=world, aux_weight=cfg.aux_attn_weight)
             done = u + 1
             history["loss"].append([done, loss])
             if done % cfg.val_every == 0 or done == cfg.updates:
@@ -290,6 +307,9 @@ def main(argv=None) -> dict:
     except FrozenWeightsChanged as e:
         raise SystemExit(f"{e}; the distilled translator was not saved. Nothing may write to the models during "
                          "training.") from e
+    if not world.main:  # rank 0 writes the outputs
+        distributed.close(world)
+        return None
     dist_kl, dist_sha = None, None
     if not args.closed_form_only:
         dist_kl = history["val"][-1][1]
@@ -334,6 +354,7 @@ def main(argv=None) -> dict:
     ))
     print(table, end="")
     print(f"report: {paths.report('train')}")
+    distributed.close(world)
     return report
 
 

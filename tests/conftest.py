@@ -27,3 +27,14 @@ def toy_pair(tmp_path_factory):
     out = tmp_path_factory.mktemp("toy_pair") / "toy"
     toytrain.install_pair(out, log=lambda _msg: None)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: several jobs share two cores, and OpenMP spinning costs far more."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -24,12 +24,7 @@ GEOM = Geometry(source_layers=4, source_kv_heads=2, source_head_dim=8, target_la
                 target_head_dim=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module
 
 
 def fake_capture(g: Geometry, tokens: int, seed: int = 0) -> Capture:

@@ -23,12 +23,7 @@ import train_translator
 from tinypair import chat_rows, qwen3_config, write_prepared
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module
 
 
 def snapshot(root: Path) -> dict[str, str]:

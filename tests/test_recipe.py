@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import recipe
+from fakestage import fake_stage, flags_of, val_kl_of
 from kvlingo.run import recipe as K
 from kvlingo.io import atomic_write_json, atomic_write_text, read_json, sha256_file
 
@@ -56,9 +57,9 @@ def brute_force(f, steps):
 def test_search_extends_past_an_edge_winner_until_interior(f, size, cap, order, extensions, cap_hit):
     calls = []
 
-    def evaluate(k):
-        calls.append(k)
-        return f(k)
+    def evaluate(ks):
+        calls.extend(ks)
+        return [f(k) for k in ks]
 
     out = K.search_lr(evaluate, size, cap)
     assert calls == order and out["order"] == order  # each rate trained once, in this order
@@ -77,29 +78,8 @@ def test_diverged_rates_lose_and_all_diverged_is_an_error():
 
 
 # --------------------------------------------------------------------------- fake stages
-def val_kl_of(lr: float, seed: int) -> float:
-    """Validation KL with its minimum at 3.16e-4 (step 1 around 1e-4); rates above 2e-3 diverge."""
-    return float("nan") if lr > 2e-3 else (math.log10(lr) + 3.5) ** 2 + 1e-3 * (seed - 42)
-
-
-def decoy_test_kl(lr: float) -> float:
-    """A test-split number that favours 1e-4: selection must not follow it."""
-    return abs(math.log10(lr) + 4.0)
-
-
-def flags_of(argv) -> dict[str, list[str]]:
-    out, key = {}, None
-    for t in argv[1:]:
-        if t.startswith("--"):
-            key = t
-            out[key] = []
-        else:
-            out[key].append(t)
-    return out
-
-
 class FakeStages:
-    """Stands in for the stage scripts: writes their outputs where they would and records each call."""
+    """Stands in for the stage scripts (fakestage.py): writes their outputs where they would and records each call."""
 
     def __init__(self, interrupt_at: int | None = None, forbid: bool = False):
         self.calls, self.interrupt_at, self.forbid, self.donor_seen = [], interrupt_at, forbid, {}
@@ -110,39 +90,9 @@ class FakeStages:
         self.calls.append(list(argv))
         if self.interrupt_at == len(self.calls):
             raise KeyboardInterrupt  # a kill while the stage runs: the ledger still says "running"
-        f, script = flags_of(argv), Path(argv[0]).name
-        run = f["--run"][0]
-        if script == "train_translator.py":
-            art = Path(f["--artifacts"][0]) / run
-            atomic_write_text(art / "closed_form" / "maps.safetensors", "closed form maps")
-            results = {"closed_form_val_kl": 1.0, "distilled_val_kl": None}
-            if "--closed-form-only" not in f:
-                lr, seed = float(f["--lr"][0]), int(f["--seed"][0])
-                atomic_write_text(art / "distilled" / "maps.safetensors", f"distilled {lr} {seed}")
-                results.update(distilled_val_kl=val_kl_of(lr, seed), test_kl=decoy_test_kl(lr))
-            rep = {"stage": "train", "results": results}
-        elif script == "benchmark.py":
-            arms = {a: {"kl_token_mean": 0.0 if a == "native_target" else 2.0, "perplexity": 9.0, "top1_agreement": 0.5,
-                        "nll_delta_vs_native_target": 0.1, "kl_conversation": {"mean": 2.0, "se": 0.1, "n": 4}}
-                    for a in ("native_source", "native_target", "no_context")}
-            if "--skip-missing" not in f:
-                seed = int(run.rsplit("-s", 1)[1])
-                arms["distilled"] = {**arms["no_context"], "kl_token_mean": 0.1 * (seed - 40)}
-            rep = {"stage": "benchmark", "results": {"quality": {"arms": arms}, "timing": None}}
-        else:  # ifeval.py
-            out = Path(f["--results"][0]) / run
-            if "--native" in f:
-                paths = {"native_source": 0.4, "native_target": 0.5}
-                atomic_write_text(out / "ifeval-native.rows.jsonl", "native rows\n")
-            else:
-                seed = int(run.rsplit("-s", 1)[1])
-                self.donor_seen[seed] = (out / "ifeval-native.rows.jsonl").is_file()
-                paths = {"translated": 0.1 * (seed - 40), "native_target": 0.5}
-            summary = {p: {m: {"mean": v, "se": 0.05, "n": 4} for m in
-                           ("prompt_level_strict_acc", "prompt_level_loose_acc", "inst_level_strict_acc",
-                            "inst_level_loose_acc")} | {"n_prompts": 4} for p, v in paths.items()}
-            rep = {"stage": "ifeval", "results": {"paths": summary, "comparison": {}}}
-        atomic_write_json(report, rep)
+        rep = fake_stage(argv, report)
+        if "donor_rows_seen" in rep:
+            self.donor_seen[int(flags_of(argv)["--run"][0].rsplit("-s", 1)[1])] = rep["donor_rows_seen"]
         return rep
 
 
@@ -174,8 +124,8 @@ def names(calls) -> list[str]:
 EXPECTED = [  # tiny profile: grid [1e-4, 3.16e-4], the winner 3.16e-4 is an edge, so 1e-3 is added; seeds 42, 43
     "benchmark:native", "ifeval:native", "train_translator:closed",
     "train_translator:lr1.00e-04-s42", "train_translator:lr3.16e-04-s42", "train_translator:lr1.00e-03-s42",
-    "benchmark:lr3.16e-04-s42", "ifeval:lr3.16e-04-s42",
-    "train_translator:lr3.16e-04-s43", "benchmark:lr3.16e-04-s43", "ifeval:lr3.16e-04-s43",
+    "train_translator:lr3.16e-04-s43",
+    "benchmark:lr3.16e-04-s42", "ifeval:lr3.16e-04-s42", "benchmark:lr3.16e-04-s43", "ifeval:lr3.16e-04-s43",
 ]
 
 

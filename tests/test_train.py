@@ -41,13 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_translator.py"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two cores shared by several jobs: one thread avoids OpenMP spin contention (100× faster here).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module
 
 
 # --------------------------------------------------------------------------- data and pair

@@ -20,19 +20,25 @@ Learning-rate grid
 Cells
   A cell is one run of one stage script with fixed flags. Its key is the sha256 of its
   stage, flags and input hashes (data, code, model identities, upstream maps). The ledger
-  (`recipe-state.json`, written atomically after every change) records each cell's key,
-  status, report path and report sha256. A cell counts as finished only when the ledger
+  (`recipe-state.json`, kvlingo.run.ledger: locked, atomic, shared by concurrent cells) records
+  each cell's key, status, report path and report sha256. A cell counts as finished only when the ledger
   says "done" under the same key AND its report and output files are still there with
   the recorded hash. On `--resume`, a cell the ledger holds under another key is refused,
   naming what changed; an unfinished cell is run again with the stage's own resume flag,
   so an interrupted training continues from its newest checkpoint.
+
+Levels
+  Cells that do not depend on each other run together (`Cells.ensure_all`), through a launcher
+  (kvlingo.run.launch: one at a time or concurrent local processes, or SLURM job arrays): the
+  native rows, then the closed form, then each round of the learning-rate grid, then the other
+  seeds' training, then every evaluation of every seed. A level ends when all its cells have;
+  the next is built from their reports.
 """
 
 from __future__ import annotations
 
 import math
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,17 +46,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from ..eval.stats import mean_se
-from ..io import atomic_write_json, read_json, sha256_file, sha256_json, to_jsonable
+from ..io import read_json, sha256_file, sha256_json
+from .launch import CellJob, LocalLauncher, StageFailed, run_stage
+from .ledger import LEDGER_FILE, Ledger, entry_of
 from .report import fmt_pm, fmt_table
-from .resume import ResumeRefused, diff
 
-LEDGER_FILE = "recipe-state.json"
-LEDGER_FORMAT = 1
 SELECTION_METRIC = "distilled_val_kl"  # train.json results key: final validation KL of the distilled maps
-
-
-class StageFailed(RuntimeError):
-    """A stage process that exited nonzero or wrote no report."""
 
 
 # --------------------------------------------------------------------------- the learning-rate grid
@@ -96,10 +97,11 @@ def extension_steps(steps: Iterable[int], winner: int) -> list[int]:
     return out
 
 
-def search_lr(evaluate: Callable[[int], Any], size: int, max_extensions: int) -> dict[str, Any]:
+def search_lr(evaluate: Callable[[list[int]], list[Any]], size: int, max_extensions: int) -> dict[str, Any]:
     """Evaluate the initial grid, then extend past an edge winner until it is interior or the cap is hit.
 
-    `evaluate(step)` returns the validation KL of the rate at `step` (it runs or resumes a cell).
+    `evaluate(steps)` returns the validation KLs of the rates at `steps` (it runs or resumes their
+    cells, which do not depend on each other: together, where a launcher allows).
     Returns the steps in evaluation order, their KLs, the winner, the extensions made and
     whether the cap stopped the search with the winner still on an edge.
     """
@@ -110,10 +112,10 @@ def search_lr(evaluate: Callable[[int], Any], size: int, max_extensions: int) ->
     todo = initial_steps(size)
     extensions = 0
     while True:
-        for k in todo:
-            if k not in val_kl:
-                val_kl[k] = evaluate(k)
-                order.append(k)
+        new = [k for k in todo if k not in val_kl]
+        for k, v in zip(new, evaluate(new)):
+            val_kl[k] = v
+            order.append(k)
         winner = select_step(val_kl)
         todo = extension_steps(val_kl, winner)
         if not todo:
@@ -163,93 +165,7 @@ class Cell:
         return out
 
 
-# --------------------------------------------------------------------------- the ledger
-class Ledger:
-    """recipe-state.json: the recipe's settings and one entry per cell, rewritten atomically on every change."""
-
-    def __init__(self, path: str | Path, config: dict[str, Any], resume: bool):
-        self.path = Path(path)
-        config = to_jsonable(config)
-        old = None
-        if resume and self.path.is_file():
-            try:
-                old = read_json(self.path)
-            except ValueError as e:
-                raise ResumeRefused(f"{self.path} is not valid JSON ({e}); move it away and start a fresh recipe "
-                                    "(drop --resume)") from e
-            if old.get("format") != LEDGER_FORMAT:
-                raise ResumeRefused(f"{self.path} has ledger format {old.get('format')}, not {LEDGER_FORMAT}; "
-                                    "start a fresh recipe (drop --resume) or use another --run")
-            changed = diff(old.get("config"), config)
-            if changed:
-                raise ResumeRefused("refusing to resume: settings changed: " + "; ".join(changed)
-                                    + f" (recorded in {self.path}); re-run with the original settings, "
-                                    "drop --resume to start over, or use another --run")
-        self.state = old or {"format": LEDGER_FORMAT, "config": config, "created_unix": time.time(), "cells": {}}
-        self.state.setdefault("invocations", []).append({"started_unix": time.time(), "resume": resume})
-        self.save()
-
-    @property
-    def cells(self) -> dict[str, dict[str, Any]]:
-        return self.state["cells"]
-
-    def save(self) -> None:
-        atomic_write_json(self.path, self.state)
-
-    def check(self, cell: Cell) -> tuple[str, str]:
-        """("done" | "run", why). Raises ResumeRefused when the ledger holds the cell under another key."""
-        entry = self.cells.get(cell.name)
-        if entry is None:
-            return "run", "new"
-        if entry["key"] != cell.key:
-            changed = diff({"flags": entry.get("flags"), "extra": entry.get("extra"), "inputs": entry.get("inputs")},
-                           {"flags": cell.flags, "extra": list(cell.extra), "inputs": cell.inputs})
-            raise ResumeRefused(f"refusing to resume: cell {cell.name} was recorded with other inputs or settings: "
-                                + "; ".join(changed or ["its key differs"])
-                                + "; restore them, drop --resume to start a fresh recipe, or use another --run")
-        if entry["status"] != "done":
-            return "run", f"interrupted while {entry['status']}"
-        report = Path(cell.report)
-        if not report.is_file():
-            return "run", f"its report {report} is missing"
-        if sha256_file(report) != entry.get("report_sha256"):
-            return "run", f"its report {report} changed since the cell finished"
-        missing = [o for o in cell.outputs if not Path(o).is_file()]
-        if missing:
-            return "run", f"its output {missing[0]} is missing"
-        return "done", "finished with the same key"
-
-    def start(self, cell: Cell) -> None:
-        old = self.cells.get(cell.name, {})
-        self.cells[cell.name] = {
-            "stage": cell.stage, "key": cell.key, "status": "running", "flags": cell.flags, "extra": list(cell.extra),
-            "inputs": cell.inputs, "report": str(cell.report), "outputs": list(cell.outputs),
-            "started_unix": time.time(), "runs": old.get("runs", 0) + 1 if old.get("key") == cell.key else 1,
-        }
-        self.save()
-
-    def fail(self, cell: Cell, error: str) -> None:
-        self.cells[cell.name].update(status="failed", error=error, failed_unix=time.time())
-        self.save()
-
-    def finish(self, cell: Cell, wall_time_s: float) -> None:
-        self.cells[cell.name].update(status="done", report_sha256=sha256_file(cell.report), finished_unix=time.time(),
-                                     wall_time_s=wall_time_s)
-        self.cells[cell.name].pop("error", None)
-        self.save()
-
-
 # --------------------------------------------------------------------------- running cells
-def run_stage(argv: Sequence[str], report: str | Path) -> dict[str, Any]:
-    """Run one stage script in this interpreter as a subprocess, then read the report it wrote last."""
-    proc = subprocess.run([sys.executable, *argv])
-    if proc.returncode != 0:
-        raise StageFailed(f"{Path(argv[0]).name} exited with status {proc.returncode} (its output is above)")
-    if not Path(report).is_file():
-        raise StageFailed(f"{Path(argv[0]).name} exited cleanly but wrote no {report}")
-    return read_json(report)
-
-
 def run_in_process(argv: Sequence[str], report: str | Path) -> dict[str, Any]:
     """Run a stage script's main() in this interpreter (no start-up cost per cell), then read its report."""
     import importlib
@@ -269,35 +185,66 @@ def run_in_process(argv: Sequence[str], report: str | Path) -> dict[str, Any]:
 
 
 class Cells:
-    """Runs cells through a ledger: finished cells are read back, the rest are run (and recorded)."""
+    """Runs cells through the ledger and a launcher: finished cells are read back, the rest are run,
+    a dependency level at a time (`ensure_all`), and each records itself in the ledger."""
 
     def __init__(self, ledger: Ledger, resume: bool, runner: Callable[[Sequence[str], Path], dict] = run_stage,
-                 say: Callable[[str], None] = print):
-        self.ledger, self.resume, self.runner, self.say = ledger, resume, runner, say
+                 say: Callable[[str], None] = print, launcher=None, logs: str | Path | None = None):
+        self.ledger, self.resume, self.say = ledger, resume, say
+        self.runner = None if runner is run_stage else runner  # None: each cell is a stage process
+        self.launcher = launcher if launcher is not None else LocalLauncher(say=say)
+        self.logs = Path(logs) if logs is not None else ledger.path.parent / "logs"
         self.log: list[dict[str, Any]] = []  # this invocation: one entry per cell asked for
 
     def ensure(self, cell: Cell) -> dict[str, Any]:
-        state, why = self.ledger.check(cell)
-        if state == "done":
-            self.say(f"[recipe] {cell.name}: finished earlier, key {cell.key[:12]}… matches: skipped")
-            self.log.append({"cell": cell.name, "action": "skipped (finished)"})
-            return read_json(cell.report)
-        # Under --resume a stage continues what it had begun (a training from its newest checkpoint);
-        # a fresh recipe starts every stage fresh.
-        argv = cell.argv(resume=self.resume)
-        self.say(f"[recipe] {cell.name}: running ({why}): python {' '.join(argv)}")
-        if cell.before is not None:
-            cell.before()
-        self.ledger.start(cell)
+        return self.ensure_all([cell])[0]
+
+    def job(self, cell: Cell) -> CellJob:
+        log = str(self.logs / f"{cell.name}.log") if self.launcher.writes_logs else None
+        return CellJob(cell.name, entry_of(cell), tuple(cell.argv(resume=self.resume)), tuple(cell.argv(resume=True)),
+                       str(cell.report), str(self.ledger.path), log, self.launcher.nproc if cell.stage == "train" else 1,
+                       runner=self.runner)
+
+    def ensure_all(self, cells: Sequence[Cell]) -> list[dict[str, Any]]:
+        """Every cell's report, in order; the unfinished ones run together (they must not depend on each other).
+
+        Raises StageFailed naming every cell of the level that failed, with its log, once all have ended."""
+        reports: dict[str, dict] = {}
+        todo: list[tuple[Cell, str]] = []
+        for cell in cells:
+            state, why = self.ledger.check(cell)
+            if state == "done":
+                self.say(f"[recipe] {cell.name}: finished earlier, key {cell.key[:12]}… matches: skipped")
+                self.log.append({"cell": cell.name, "action": "skipped (finished)"})
+                reports[cell.name] = read_json(cell.report)
+            else:
+                todo.append((cell, why))
+        if not todo:
+            return [reports[c.name] for c in cells]
+        jobs = []
+        for cell, why in todo:
+            # Under --resume a stage continues what it had begun (a training from its newest checkpoint);
+            # a fresh recipe starts every stage fresh.
+            job = self.job(cell)
+            self.say(f"[recipe] {cell.name}: queued ({why}): {' '.join(job.resume_argv if self.resume else job.argv)}"
+                     + (f" > {job.log}" if job.log else ""))
+            if cell.before is not None:
+                cell.before()
+            jobs.append(job)
         t0 = time.time()
-        try:
-            report = self.runner(argv, Path(cell.report))
-        except StageFailed as e:
-            self.ledger.fail(cell, str(e))
-            raise
-        self.ledger.finish(cell, time.time() - t0)
-        self.log.append({"cell": cell.name, "action": "ran", "reason": why, "wall_time_s": time.time() - t0})
-        return report
+        outcomes = self.launcher.run(jobs)
+        self.ledger.refresh()
+        failed = []
+        for (cell, why), out in zip(todo, outcomes):
+            if out.report is None:
+                failed.append(f"{cell.name}: {out.error}" + (f" [log: {out.log}]" if out.log and out.log not in out.error
+                                                             else ""))
+                continue
+            reports[cell.name] = out.report
+            self.log.append({"cell": cell.name, "action": "ran", "reason": why, "wall_time_s": time.time() - t0})
+        if failed:
+            raise StageFailed(f"{len(failed)} of {len(todo)} cell(s) failed: " + "; ".join(failed))
+        return [reports[c.name] for c in cells]
 
 
 def copy_file(src: str | Path, dst: str | Path) -> None:

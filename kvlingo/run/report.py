@@ -61,6 +61,7 @@ def environment(device: str | None = None, dtype: str | None = None) -> dict[str
         "device": device,
         "dtype": dtype,
         "threads": torch.get_num_threads(),
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),  # data-parallel ranks (torchrun)
     }
     if device and device.startswith("cuda") and torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name(0)

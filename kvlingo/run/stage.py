@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -20,14 +21,16 @@ from .data import SplitIntegrityError
 from .models import PairError, add_pair_args
 from .paths import add_run_args
 from .profiles import PROFILES
+from .refusal import RunRefused
 from .resume import ResumeRefused
 
-REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError)
+REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused)
 REFUSED_STATUS = 2
 
 
 def refuse(stage: str, message: str) -> None:
-    print(f"{stage}: {message}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank refuses alike; one line is enough
+        print(f"{stage}: {message}", file=sys.stderr)
     raise SystemExit(REFUSED_STATUS)
 
 

@@ -11,7 +11,10 @@ they double the tokens per conversation.
 Weighting "uniform": every position weighs 1. "attention": see `weighting.py`.
 
 The normal equations stream (kvlingo.core.fit): memory is independent of the number of
-tokens, and the solve is one batched FP64 call over every block.
+tokens, and the solve is one batched FP64 call over every block. Under data parallelism each
+rank accumulates its share of the conversations (every N-th, by position in the fit list) and
+the ranks' FP64 sums are added before the solve (`distributed.World.sum_normal_equations`),
+so the fit is the single process's.
 
 Ridge "auto": every `held_out_every`-th fit conversation is held out, each block's ridge is
 chosen from `fit.RIDGE_GRID` by its held-out error, and the final solve uses all conversations.
@@ -31,16 +34,19 @@ from ..core.cache import capture
 from ..core.fit import NormalEquations
 from ..core.handoff import as_ids
 from ..core.translator import Translator
+from .distributed import SINGLE, World
 from .ranking import rank_layers
 from .weighting import FIT_WEIGHTINGS, attention_fit_weights, capture_with_queries, scored_attention
 
 
 def fit_closed_form(source, target, translator: Translator, rows: list[dict], weighting: str = "uniform",
-                    ridge: float | str = 0.0, progress: Callable | None = None,
-                    held_out_every: int = 5) -> dict[str, Any]:
+                    ridge: float | str = 0.0, progress: Callable | None = None, held_out_every: int = 5,
+                    world: World = SINGLE) -> dict[str, Any]:
     """FP64 least squares of `translator` (bound to source/target) over `rows`, solved into its parameters.
 
-    `ridge` is λ, or "auto" (chosen per block on held-out conversations). Returns the fit's statistics.
+    `ridge` is λ, or "auto" (chosen per block on held-out conversations). With a distributed
+    `world`, this rank reads its share of `rows` and the ranks' sums are added before every solve.
+    Returns the fit's statistics.
     """
     if weighting not in FIT_WEIGHTINGS:
         raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
@@ -49,7 +55,7 @@ def fit_closed_form(source, target, translator: Translator, rows: list[dict], we
     stats: dict[str, Any] = {"n_conversations": len(rows), "family": translator.family,
                              "key_space": translator.key_space, "weighting": weighting, "ridge": ridge}
     if translator.needs_plan:
-        ranked = rank_layers(source, target, translator, rows, held_out_every, progress)
+        ranked = rank_layers(source, target, translator, rows, held_out_every, progress, world)
         translator.set_plan(ranked.pop("plan"))
         stats["layer_ranking"] = {**ranked, "plan": translator.plan.tolist()}
     auto = ridge == "auto"
@@ -57,9 +63,13 @@ def fit_closed_form(source, target, translator: Translator, rows: list[dict], we
         raise ValueError(f"--ridge auto holds out 1 in {held_out_every} fit conversations and needs at least "
                          f"{2 * held_out_every}; got {len(rows)}. Raise --n-fit or pass a number")
     parts = [_equations(translator, source), _equations(translator, source) if auto else None]
-    for i, row in enumerate(progress(rows) if progress else rows):
+    mine = [(i, row) for i, row in enumerate(rows) if i % world.size == world.rank]
+    for i, row in (progress(mine) if progress else mine):
         part = int(auto and i % held_out_every == held_out_every - 1)
         _accumulate(parts[part], source, target, translator, row, weighting)
+    for part in parts:
+        if part is not None:
+            world.sum_normal_equations(part)
     if auto:
         lam, stats["ridge_choice"] = parts[0].choose_ridge(parts[1])
         ne = parts[0].merged(parts[1])

@@ -15,6 +15,10 @@ translated one; the loss adds aux_weight × the mean over layers of the relative
 
 Validation KL: the same per-conversation mean KL (without the auxiliary term), averaged over
 the validation conversations.
+
+Data parallel (`distributed.World`): a rank runs its share of the rows, still dividing each loss
+by the global batch size, and the ranks' gradients are summed before the clip, so each update is
+the single process's. Validation sums the ranks' KL sums.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ..core.cache import handoff_split
 from ..core.handoff import as_ids, continue_target, device_of, translate
 from ..core.kl import token_kl
 from ..core.translator import Translator
+from .distributed import SINGLE, World
 from .rng import preserved_rng
 
 
@@ -65,14 +70,18 @@ def distill_loss(source, target, translator: Translator, row: dict, dtype: torch
 
 
 def distill_step(source, target, translator: Translator, rows: list[dict], optimizer, dtype: torch.dtype,
-                 max_grad_norm: float = 0.0, aux_weight: float = 0.0) -> float:
-    """One optimiser update over `rows` (gradient accumulation); returns the batch's mean loss."""
+                 max_grad_norm: float = 0.0, world: World = SINGLE, aux_weight: float = 0.0) -> float:
+    """One optimiser update over the batch `rows` (gradient accumulation); returns the batch's mean loss.
+
+    With a distributed `world`, this rank runs its share of `rows` and the gradients are summed over the ranks."""
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    for row in rows:
+    for row in world.share(rows):
         loss = distill_loss(source, target, translator, row, dtype, aux_weight) / len(rows)
         loss.backward()
         total += loss.item()
+    world.sum_grads(translator)
+    total = world.sum_float(total)
     if max_grad_norm > 0:
         torch.nn.utils.clip_grad_norm_(translator.parameters(), max_grad_norm)
     optimizer.step()
@@ -80,11 +89,12 @@ def distill_step(source, target, translator: Translator, rows: list[dict], optim
 
 
 def validation_kl(source, target, translator: Translator, rows: list[dict], dtype: torch.dtype,
-                  progress: Callable | None = None) -> float:
+                  progress: Callable | None = None, world: World = SINGLE) -> float:
     """Mean over conversations of the per-conversation mean reply-token KL. Leaves every RNG as it found it."""
+    mine = world.share(rows)
     with preserved_rng(), torch.no_grad():
-        kls = [distill_loss(source, target, translator, r, dtype).item() for r in (progress(rows) if progress else rows)]
-    return sum(kls) / len(kls)
+        kls = [distill_loss(source, target, translator, r, dtype).item() for r in (progress(mine) if progress else mine)]
+    return world.sum_float(sum(kls)) / len(rows)
 
 
 def make_optimizer(translator: Translator, lr: float, weight_decay: float) -> torch.optim.AdamW:

@@ -1,0 +1,49 @@
+"""Run by tests/test_distributed.py under `torchrun --nproc-per-node 2` (gloo, CPU).
+
+On every rank: the closed form's FP64 normal equations over this rank's share of the fit rows,
+summed across the ranks and solved (rank 0 saves the FP64 solution), then train_translator.main
+on the same ranks with the remaining arguments.
+
+    torchrun --nproc-per-node 2 tests/torchrun_worker.py OUT.pt LARGE SMALL DATA N_FIT -- TRAIN_ARGS...
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+
+from kvlingo.core.headwise import Headwise  # noqa: E402
+from kvlingo.core.translator import Geometry  # noqa: E402
+from kvlingo.run.data import read_split  # noqa: E402
+from kvlingo.train import distributed  # noqa: E402
+from kvlingo.train.closed_form import normal_equations  # noqa: E402
+from kvlingo.train.rows import fit_selection  # noqa: E402
+from tinypair import load_tiny_pair  # noqa: E402
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    split = sys.argv.index("--")
+    out, large, small, data, n_fit = sys.argv[1:split]
+    world = distributed.init("cpu")
+    pair = load_tiny_pair((large, small))
+    rows = read_split(data, "train", "natural", pair.target.config.vocab_size)
+    rows = [rows[i] for i in fit_selection(len(rows), int(n_fit), 42)]
+    translator = Headwise(Geometry.of(pair.source, pair.target)).bind(pair.source, pair.target)
+    ne = normal_equations(pair.source, pair.target, translator, world.share(rows), "attention")
+    world.sum_normal_equations(ne)
+    weight, bias = ne.solve()
+    if world.main:
+        torch.save({"weight": weight, "bias": bias, "n_tokens": ne.n_tokens, "world_size": world.size}, out)
+
+    import train_translator
+
+    train_translator.main(sys.argv[split + 1:])
+
+
+if __name__ == "__main__":
+    main()
