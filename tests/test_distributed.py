@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 N_FIT = 8
 SETTINGS = ["--updates", "4", "--batch", "4", "--n-fit", str(N_FIT), "--checkpoint-every", "2", "--val-every", "2",
-            "--lr", "3e-3", "--fit-weighting", "attention"]
+            "--lr", "3e-3", "--fit-weighting", "attention", "--family", "headwise", "--ridge", "0"]  # plain least squares, as below
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -39,6 +39,21 @@ from .ranking import rank_layers
 from .weighting import FIT_WEIGHTINGS, attention_fit_weights, capture_with_queries, scored_attention
 
 
+def normal_equations(source, target, translator: Translator, rows: list[dict], weighting: str = "uniform",
+                     progress: Callable | None = None) -> NormalEquations:
+    """The FP64 normal equations of `translator`'s least-squares blocks over all of `rows` (not yet solved).
+
+    This is one rank's part of the fit: data-parallel callers pass their share of the rows and
+    sum the parts (`World.sum_normal_equations`) before solving.
+    """
+    if weighting not in FIT_WEIGHTINGS:
+        raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
+    ne = _equations(translator, source)
+    for row in (progress(rows) if progress else rows):
+        _accumulate(ne, source, target, translator, row, weighting)
+    return ne
+
+
 def fit_closed_form(source, target, translator: Translator, rows: list[dict], weighting: str = "uniform",
                     ridge: float | str = 0.0, progress: Callable | None = None, held_out_every: int = 5,
                     world: World = SINGLE) -> dict[str, Any]:
