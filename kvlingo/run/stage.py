@@ -13,6 +13,7 @@ import functools
 import sys
 from typing import Callable
 
+from ..core.cache import CACHE_KINDS, set_default_kind
 from ..core.translator import TranslatorError
 from ..eval.itemrows import RowsError
 from ..eval.timing import CV_LIMIT
@@ -68,10 +69,21 @@ def add_timing_args(parser, warmups: str = "the profile's", repeats: str = "the 
                         help="do not fail the run on CV flags; they stay in the report (default: the profile's)")
 
 
+class _CacheKind(argparse.Action):
+    """--cache: the KV cache every handoff in this process builds (kvlingo.core.cache.CACHE_KINDS)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        set_default_kind(values)
+        setattr(namespace, self.dest, values)
+
+
 def add_common_args(parser, data: bool = False, default_profile: str = "pilot") -> None:
-    """--profile, the pair flags and the run-folder flags (and --data for stages that read prepared chats)."""
+    """--profile, the pair flags, the run-folder flags and --cache (and --data for stages that read prepared chats)."""
     parser.add_argument("--profile", default=default_profile, choices=sorted(PROFILES),
                         help=f"run profile: budgets and settings (default {default_profile})")
+    parser.add_argument("--cache", choices=CACHE_KINDS, default=CACHE_KINDS[0], action=_CacheKind,
+                        help="preallocated: the translation writes the target's cache, no copies, attention without "
+                             "repeated K/V; dynamic: transformers' DynamicCache and sdpa as shipped (default preallocated)")
     add_pair_args(parser)
     add_run_args(parser)
     if data:
