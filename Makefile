@@ -175,7 +175,7 @@ task: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff
 task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the native source and target
 	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --data-root $(EVAL_ROOT) $(PAIR) $(TASK_ARGS)
 
-perf: $(VENV)/.synced ## speed at real Qwen3 shapes, random weights: 4 paths + switch cost at 1k/2k/4k → results/perf/perf.json
+perf: $(VENV)/.synced ## speed at real Qwen3 shapes, random weights: 4 paths as shipped and optimised, the physical limit, 1k/2k/4k (DIRECTION=s2l too) → results/perf/perf.json
 	$(PY) perf.py --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)
 
 recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL, 3 seeds → results/RUN/recipe.{json,md,png} (RECIPE_ARGS=--resume, RECIPE_LAUNCHER=slurm)

@@ -1,13 +1,17 @@
-"""Handoff speed at real model shapes with random weights: four timing paths, where the time goes, ceilings.
+"""Handoff speed at real model shapes with random weights, as transformers ships and optimised, against the physical limit.
 
 Timing does not depend on weight values, so architecture-exact random Qwen3-1.7B / 0.6B
 (kvlingo/eval/shapes.py) and random head-wise maps measure the real shapes without any
-download. For each context length: re-prefill, the handoff from an existing source cache
-(translate, build the cache, run a k-token new turn), the handoff with the source's prefill,
-and the target continuing its own cache (raw trials, median, CV); the translation's
-achieved GFLOP/s and peak extra memory; the speedup ceilings from FLOP counts.
+download. For each context length and each mode (kvlingo/eval/timing.py: "shipped" =
+transformers' DynamicCache and sdpa attention, FP32 translation maths, eager; "optimised" =
+a preallocated cache the translation writes into, grouped-query attention without repeated
+K/V, the maps in the run dtype and CUDA graphs on a GPU): re-prefill, the handoff from an
+existing source cache (translate, build the cache, run a k-token new turn), the handoff with
+the source's prefill, and the target continuing its own cache (raw trials, median, CV);
+where the handoff's time goes; the physical limit of the speedup from FLOPs and bytes at the
+device's peaks (kvlingo/eval/roofline.py: measured here unless --peak-tflops/--peak-gbps).
 
-Writes RESULTS/RUN/perf.json (default run "perf"), perf.md (the table, also printed) and
+Writes RESULTS/RUN/perf.json (default run "perf"), perf.md (the tables, also printed) and
 perf.png. On a CPU the CV flags are reported without failing the run unless --strict-cv.
 """
 
@@ -16,13 +20,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from kvlingo.eval import timing
 from kvlingo.eval.perf import perf_at_length
+from kvlingo.eval.roofline import Peaks, measure_peaks
 from kvlingo.eval.shapes import RANDOM_PAIRS
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
@@ -47,26 +52,37 @@ class PerfConfig:
     key_space: str  # the random maps' key space
     lengths: tuple[int, ...]  # context lengths in tokens
     new_turn_tokens: int  # k: tokens of the new turn
+    modes: tuple[str, ...]  # timing modes: shipped (as transformers ships) and/or optimised
+    paths: tuple[str, ...]  # timed paths
+    cuda_graphs: bool  # optimised mode on CUDA replays each path as a CUDA graph
     warmups: int  # untimed warm-ups per path
-    repeats: int  # timed trials per path
+    repeats: int  # timed trials per path (at least)
+    max_repeats: int  # a path whose CV exceeds the limit gets more trials, up to this many
     cv_limit: float  # a timing with CV above this is flagged
     allow_cv: bool  # flagged timings do not fail the run
     threads: int  # torch intra-op threads
+    peaks: dict  # device peaks the physical limit assumes: FLOP/s, bytes/s and where they come from
 
 
 @dataclass
 class PerfResults:
-    lengths: list  # per context length: paths, breakdown, speedups, GFLOP/s, FLOPs, ceilings, memory
-    switch_cost: list  # re-reading vs switching per length
+    lengths: list  # per context length: per mode paths, breakdown, speedups, GFLOP/s; the limit; memory
+    switch_cost: list  # re-reading vs switching per length and mode
     checks: dict
 
-    METRICS = (Metric("lengths.*.speedup.source_cache_handoff", True,
-                      "median re-prefill time / median handoff time from an existing source cache"),)
+    METRICS = (Metric("lengths.*.modes.optimised.speedup.source_cache_handoff", True,
+                      "median re-prefill time / median handoff time from an existing source cache, both optimised"),
+               Metric("lengths.*.modes.shipped.speedup.source_cache_handoff", True,
+                      "the same with transformers' cache and attention as shipped"),
+               Metric("lengths.*.limit.speedup_limit", True,
+                      "floor(re-prefill) / (floor(translation) + floor(new turn)) at the device's peaks"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = stage_parser(__doc__, ["python perf.py --device cuda --lengths 4096 8192 16384",
-                               "python perf.py --device cpu --direction s2l --lengths 1024 2048"])
+                               "python perf.py --device cpu --direction s2l --lengths 1024 2048",
+                               "python perf.py --device cpu --paths target_reprefill source_cache_handoff "
+                               "--peak-tflops 0.2 --peak-gbps 20"])
     p.add_argument("--arch", choices=sorted(RANDOM_PAIRS), default="qwen3",
                    help="qwen3: the real Qwen3-1.7B/0.6B shapes; tiny: a 2-layer stand-in for smoke tests")
     p.add_argument("--direction", choices=DIRECTIONS, default="l2s", help="l2s: large builds the cache, small continues")
@@ -76,6 +92,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="the random maps' key space")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
     add_timing_args(p, "1 on a CPU, else 5", "3 on a CPU, else 30")
+    p.add_argument("--max-repeats", type=int, default=None,
+                   help="trials go on past --timing-repeats while a path's CV exceeds --cv-limit, up to this many "
+                        "(default: --timing-repeats on a CPU, 100 elsewhere)")
+    p.add_argument("--modes", nargs="+", choices=timing.MODES, default=list(timing.MODES),
+                   help="row sets: shipped (transformers' DynamicCache and sdpa as shipped) and optimised")
+    p.add_argument("--paths", nargs="+", choices=timing.PATHS, default=list(timing.PATHS),
+                   help="paths to time (target_reprefill and source_cache_handoff at least; default all four)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="optimised mode on CUDA: run eagerly, not as CUDA graphs")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's dense matmul TFLOP/s in the run dtype for the physical limit (default: measured)")
+    p.add_argument("--peak-gbps", type=float, default=None,
+                   help="the device's memory bandwidth in GB/s for the physical limit (default: measured)")
     p.add_argument("--strict-cv", action="store_true", help="on a CPU, fail on CV flags (by default only reported there)")
     p.add_argument("--run", default="perf", help="results go to RESULTS/RUN/ (default perf)")
     p.add_argument("--results", default="results", help="results root")
@@ -83,39 +111,69 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
-    rows = []
+    modes = [m for m in timing.MODES if m in cfg.modes]
+    rows, stages, limits = [], [], []
     for p in points:
-        for name, s in p["paths"].items():
-            rows.append([p["context_tokens"], name, 1e3 * s["median_s"], s["cv"], "NOISY" if s["noisy"] else "",
-                         p["speedup"].get(name)])
-    stages = [[p["context_tokens"], *(1e3 * p["breakdown"][st]["median_s"] for st in timing.STAGES),
-               p["translation_gflops_per_s"], p["speedup"]["source_cache_handoff"],
-               p["ceiling"]["reprefill_over_translation"], p["ceiling"]["reprefill_over_translation_plus_new_turn"],
-               p["memory"]["ratio_to_cache"]] for p in points]
-    return (f"## Handoff speed: {cfg.source} → {cfg.target} (random weights), {cfg.dtype}, {cfg.device}, "
-            f"{cfg.threads} thread(s), {cfg.repeats} trials after {cfg.warmups} warm-up(s)\n\n"
-            + fmt_table(["context", "path", "median ms", "CV", "flag", "speedup vs re-prefill"], rows)
+        n = p["context_tokens"]
+        for mode in modes:
+            r = p["modes"][mode]
+            for name, s in r["paths"].items():
+                rows.append([n, mode, name, 1e3 * s["median_s"], s["cv"], s["n"], "NOISY" if s["noisy"] else "",
+                             r["speedup"].get(name)])
+            b, v = r["breakdown"], r.get("vs_limit", {})
+            stages.append([n, mode, *(1e3 * b[st]["median_s"] for st in timing.STAGES), r["translation_gflops_per_s"],
+                           r["speedup"]["source_cache_handoff"], v.get("speedup_fraction_of_limit"),
+                           v.get("translate_over_floor"), v.get("new_turn_over_floor")])
+        if "limit" in p:
+            lim = p["limit"]
+            limits.append([n, 1e3 * lim["reprefill"]["floor_s"], lim["reprefill"]["bound"],
+                           1e3 * lim["translation"]["floor_s"], lim["translation"]["bound"],
+                           1e3 * lim["new_turn"]["floor_s"], lim["new_turn"]["bound"], lim["speedup_limit"],
+                           p["memory"]["ratio_to_cache"]])
+    peaks = cfg.peaks
+    text = (f"## Handoff speed: {cfg.source} → {cfg.target} (random weights), {cfg.dtype}, {cfg.device}, "
+            f"{cfg.threads} thread(s), ≥{cfg.repeats} trials (≤{cfg.max_repeats} while CV > {cfg.cv_limit:g}) "
+            f"after {cfg.warmups} warm-up(s)\n\n"
+            "Row sets: **shipped** = transformers' DynamicCache and sdpa attention as shipped, FP32 translation "
+            "maths, eager; **optimised** = preallocated cache written by the translation, grouped-query attention "
+            "without repeated K/V" + (", maps in the run dtype, CUDA graphs" if cfg.device == "cuda" else "")
+            + ".\n\n"
+            + fmt_table(["context", "mode", "path", "median ms", "CV", "trials", "flag", "speedup vs re-prefill"], rows)
             + "\n### Where the existing-source handoff's time goes\n\n"
-            + fmt_table(["context", "translate ms", "build cache ms", "new turn ms", "translate GFLOP/s",
-                         "speedup", "ceiling (translation)", "ceiling (+ new turn)", "peak mem / cache"], stages))
+            + fmt_table(["context", "mode", "translate ms", "build cache ms", "new turn ms", "translate GFLOP/s",
+                         "speedup", "of limit", "translate / floor", "new turn / floor"], stages))
+    if limits:
+        text += ("\n### Physical limit (floors from FLOPs and bytes)\n\n"
+                 f"Peaks assumed: {peaks['flops_per_s'] / 1e12:.3g} TFLOP/s, {peaks['bytes_per_s'] / 1e9:.3g} GB/s "
+                 f"({peaks['source']}). Floor = max(FLOPs / peak, bytes / bandwidth) per step; limit = "
+                 "floor(re-prefill) / (floor(translation) + floor(new turn)).\n\n"
+                 + fmt_table(["context", "re-prefill floor ms", "bound", "translation floor ms", "bound",
+                              "new turn floor ms", "bound", "speedup limit", "peak mem / cache"], limits))
+    return text
 
 
-def perf_plot(points: list[dict], title: str) -> bytes:
+def perf_plot(points: list[dict], modes: tuple[str, ...], title: str) -> bytes:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     xs = [p["context_tokens"] for p in points]
-    for name in timing.PATHS:
-        ax.plot(xs, [p["paths"][name]["median_s"] for p in points], marker="o", label=name)
+    for mode, style in zip(timing.MODES, ("--", "-")):
+        if mode not in modes:
+            continue
+        for i, name in enumerate(timing.PATHS):
+            if name not in points[0]["modes"][mode]["paths"]:
+                continue
+            ax.plot(xs, [p["modes"][mode]["paths"][name]["median_s"] for p in points], style, marker="o",
+                    color=f"C{i}", label=f"{name} ({mode})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context tokens")
     ax.set_ylabel("median seconds to first-token logits")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=6)
     return figure_png(fig)
 
 
@@ -129,31 +187,47 @@ def main(argv=None) -> None:
     k = args.new_turn_tokens
     large, small = RANDOM_PAIRS[args.arch]
     source, target = (large, small) if args.direction == "l2s" else (small, large)
-    cfg = PerfConfig(
-        arch=args.arch, source=source, target=target, direction=args.direction, device=device, dtype=dtype,
-        key_space=args.key_space, lengths=tuple(sorted(set(args.lengths))), new_turn_tokens=k,
-        warmups=args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups),
-        repeats=args.timing_repeats if args.timing_repeats is not None else (3 if on_cpu else profile.timing_repeats),
-        cv_limit=args.cv_limit, allow_cv=args.allow_cv or (on_cpu and not args.strict_cv), threads=timing.threads(),
-    )
+    repeats = args.timing_repeats if args.timing_repeats is not None else (3 if on_cpu else profile.timing_repeats)
+    if not {"target_reprefill", "source_cache_handoff"} <= set(args.paths):
+        raise SystemExit("perf: --paths must include target_reprefill and source_cache_handoff (the speedup's two ends)")
     paths = RunPaths(args.run, results_root=args.results)
     print(f"building random {args.arch} pair ({args.direction}, {dtype}, {device})...", file=sys.stderr)
     pair = random_pair(args.arch, args.direction, device, resolve_dtype(dtype))
     limit = pair.target.config.max_position_embeddings
-    if max(cfg.lengths) + k > limit:
-        raise SystemExit(f"perf: --lengths up to {max(cfg.lengths)} + {k} exceed max_position_embeddings {limit}")
+    if max(args.lengths) + k > limit:
+        raise SystemExit(f"perf: --lengths up to {max(args.lengths)} + {k} exceed max_position_embeddings {limit}")
+    if args.peak_tflops and args.peak_gbps:
+        peaks = Peaks(args.peak_tflops * 1e12, args.peak_gbps * 1e9, "given (--peak-tflops, --peak-gbps)")
+    else:
+        got = measure_peaks(device, resolve_dtype(dtype))
+        peaks = Peaks(args.peak_tflops * 1e12 if args.peak_tflops else got.flops_per_s,
+                      args.peak_gbps * 1e9 if args.peak_gbps else got.bytes_per_s,
+                      got.source + (" (partly given)" if args.peak_tflops or args.peak_gbps else ""))
+    cfg = PerfConfig(
+        arch=args.arch, source=source, target=target, direction=args.direction, device=device, dtype=dtype,
+        key_space=args.key_space, lengths=tuple(sorted(set(args.lengths))), new_turn_tokens=k,
+        modes=tuple(m for m in timing.MODES if m in args.modes), paths=tuple(n for n in timing.PATHS if n in args.paths),
+        cuda_graphs=device == "cuda" and not args.no_cuda_graphs,
+        warmups=args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups),
+        repeats=repeats, max_repeats=max(repeats, args.max_repeats or (repeats if on_cpu else 100)),
+        cv_limit=args.cv_limit, allow_cv=args.allow_cv or (on_cpu and not args.strict_cv), threads=timing.threads(),
+        peaks=asdict(peaks),
+    )
     translator = random_translator(pair.source, pair.target, args.key_space)
-    points = [perf_at_length(pair.source, pair.target, translator, n, k, cfg.warmups, cfg.repeats, cfg.cv_limit)
+    points = [perf_at_length(pair.source, pair.target, translator, n, k, cfg.warmups, cfg.repeats, cfg.cv_limit,
+                             modes=cfg.modes, max_repeats=cfg.max_repeats, cuda_graphs=cfg.cuda_graphs, peaks=peaks,
+                             names=cfg.paths)
               for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)]
     noisy = [f"{p['context_tokens']}/{name}" for p in points for name in p["noisy"]]
     checks = timing.cv_checks(noisy, cfg.cv_limit, cfg.allow_cv)
-    switch = [{"context_tokens": p["context_tokens"], "re_reading_s": p["paths"]["target_reprefill"]["median_s"],
-               "switching_s": p["paths"]["source_cache_handoff"]["median_s"],
-               "speedup": p["speedup"]["source_cache_handoff"]} for p in points]
+    switch = [{"context_tokens": p["context_tokens"], "mode": mode,
+               "re_reading_s": p["modes"][mode]["paths"]["target_reprefill"]["median_s"],
+               "switching_s": p["modes"][mode]["paths"]["source_cache_handoff"]["median_s"],
+               "speedup": p["modes"][mode]["speedup"]["source_cache_handoff"]} for p in points for mode in cfg.modes]
     results = PerfResults(lengths=points, switch_cost=switch, checks=checks)
     md = perf_markdown(cfg, points) + timing.checks_line(checks)
     plot = paths.beside("perf", ".png")
-    atomic_write_bytes(plot, perf_plot(points, f"{cfg.source} → {cfg.target}, {dtype}, {device}"))
+    atomic_write_bytes(plot, perf_plot(points, cfg.modes, f"{cfg.source} → {cfg.target}, {dtype}, {device}"))
     report = Report("perf", config=cfg, inputs={"code_sha256": resume.code_hash(SCRIPT)}, results=results,
                     metrics=PerfResults.METRICS, n_samples={"lengths": len(points), "trials_per_path": cfg.repeats},
                     seeds=[0], wall_time_s=time.time() - t_start, device=device, dtype=dtype,

@@ -21,11 +21,19 @@ def test_make_perf_smoke(tmp_path):
     assert report["stage"] == "perf" and report["config"]["dtype"] == "float32"  # auto → FP32 on a CPU
     lengths = report["results"]["lengths"]
     assert [p["context_tokens"] for p in lengths] == [16, 32]
+    assert report["config"]["modes"] == ["shipped", "optimised"] and report["config"]["threads"] >= 1
     for p in lengths:
-        assert set(p["paths"]) == {"target_reprefill", "source_cache_handoff", "source_prefill_handoff",
-                                   "target_cache_continue"}
-        assert all(len(s["trials_s"]) == 2 for s in p["paths"].values())
-        assert p["translation_gflops_per_s"] > 0 and p["ceiling"]["reprefill_over_translation"] > 1
-    assert len(report["results"]["switch_cost"]) == 2
+        for mode in ("shipped", "optimised"):
+            row = p["modes"][mode]
+            assert set(row["paths"]) == {"target_reprefill", "source_cache_handoff", "source_prefill_handoff",
+                                         "target_cache_continue"}
+            assert all(len(s["trials_s"]) == 2 for s in row["paths"].values())
+            assert row["translation_gflops_per_s"] > 0 and row["vs_limit"]["speedup_fraction_of_limit"] > 0
+        assert p["modes"]["shipped"]["cache"] == "dynamic" and p["modes"]["optimised"]["cache"] == "preallocated"
+        limit = p["limit"]
+        assert limit["speedup_limit"] > 0 and limit["peaks"]["flops_per_s"] > 0
+        assert limit["reprefill"]["flops"] > limit["new_turn"]["flops"] > 0  # n + k tokens against k
+    assert len(report["results"]["switch_cost"]) == 4
     assert (out / "perf.png").read_bytes()[:4] == b"\x89PNG"
-    assert "Where the existing-source handoff's time goes" in proc.stdout
+    for heading in ("Where the existing-source handoff's time goes", "Physical limit", "| shipped ", "| optimised "):
+        assert heading in proc.stdout

@@ -2,6 +2,20 @@
 
 Shapes follow one convention across the suite: `[layers, kv_heads, tokens, head_dim]`
 for a whole-model cache of one conversation (the adapter is batch-one).
+
+Two kinds of cache (`CACHE_KINDS`), both on transformers' public cache interface:
+
+- `preallocated` (the default; kvlingo.core.preallocated): two tensors [layers, kv_heads,
+  capacity, head_dim] hold the context and leave room for what follows. A translator writes
+  the context straight into them, a new turn's K/V go in place after it, and attention reads
+  views of the filled part with grouped-query attention that never repeats K/V
+  (kvlingo.core.attention). Logits equal DynamicCache's to rounding.
+- `dynamic`: transformers' DynamicCache and sdpa attention, as transformers ships them (each
+  step concatenates the whole cache in every layer; attention under a mask repeats K/V for
+  every query head).
+
+transformers' StaticCache is not used: it attends over its whole capacity under a mask, and
+on CUDA with torch 2.11 it hit a device-side assert for a long prefill followed by a step.
 """
 
 from __future__ import annotations
@@ -9,6 +23,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from . import attention
+
+CACHE_KINDS = ("preallocated", "dynamic")
+_default_kind = "preallocated"
+
+
+def default_kind() -> str:
+    return _default_kind
+
+
+def set_default_kind(kind: str) -> None:
+    """The cache kind used wherever none is given (a stage's --cache flag)."""
+    global _default_kind
+    if kind not in CACHE_KINDS:
+        raise ValueError(f"cache kind {kind!r} is not one of {CACHE_KINDS}")
+    _default_kind = kind
 
 
 
@@ -37,32 +68,50 @@ def _kv_shape(model) -> tuple[int, int]:
     return cfg.num_key_value_heads, cfg.head_dim
 
 
-def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: bool = False, **kwargs):
-    """Forward `input_ids` [1, tokens]; return (output, prenorm list or None)."""
+def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: bool = False,
+                   kind: str | None = None, room: int = 0, **kwargs):
+    """Forward `input_ids` [1, tokens]; return (output, prenorm list or None).
+
+    Without a `cache` the forward fills a fresh one of `kind` (None: the default kind), with
+    `room` free token slots after the input on a preallocated one. The attention follows the
+    cache: grouped-query attention on a preallocated cache, the model's own on any other.
+    """
+    from .preallocated import PreallocatedCache
+
     check_batch(input_ids)
+    if cache is None and (kind or _default_kind) == "preallocated":
+        cache = PreallocatedCache.empty(model, input_ids.shape[1] + room)
     hooks, prenorm = [], []
     if want_prenorm:
         for layer in model.model.layers:
             hooks.append(layer.self_attn.k_proj.register_forward_hook(lambda _m, _i, out: prenorm.append(out)))
     try:
-        out = model(input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
+        with attention.using(model, attention.NAME if isinstance(cache, PreallocatedCache) else None):
+            out = model(input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
     finally:
         for h in hooks:
             h.remove()
     return out, (prenorm if want_prenorm else None)
 
 
-def capture(model, input_ids: torch.Tensor, want_prenorm: bool = True, logits_to_keep: int = 0) -> Capture:
+def capture(model, input_ids: torch.Tensor, want_prenorm: bool = True, logits_to_keep: int = 0,
+            kind: str | None = None) -> Capture:
     """Prefill `input_ids` [1, tokens] and return the stacked cache and pre-norm keys.
 
     `logits_to_keep=k` keeps only the last k positions' logits (0 keeps all): at long
-    contexts the full [tokens, vocab] logits would dwarf the cache itself.
+    contexts the full [tokens, vocab] logits would dwarf the cache itself. A preallocated
+    cache (sized to the input) is returned as is, without stacking its layers again.
     """
-    out, pre = run_with_cache(model, input_ids, want_prenorm=want_prenorm, logits_to_keep=logits_to_keep)
+    from .preallocated import PreallocatedCache
+
+    out, pre = run_with_cache(model, input_ids, want_prenorm=want_prenorm, logits_to_keep=logits_to_keep, kind=kind)
     kv_heads, head_dim = _kv_shape(model)
     cache = out.cache
-    keys = torch.stack([layer.keys[0] for layer in cache.layers])  # [layers, kv_heads, tokens, head_dim]
-    values = torch.stack([layer.values[0] for layer in cache.layers])
+    if isinstance(cache, PreallocatedCache):
+        keys, values = cache.context(cache.length)  # [layers, kv_heads, tokens, head_dim]
+    else:
+        keys = torch.stack([layer.keys[0] for layer in cache.layers])  # [layers, kv_heads, tokens, head_dim]
+        values = torch.stack([layer.values[0] for layer in cache.layers])
     prenorm = None
     if pre is not None:
         t = input_ids.shape[1]
@@ -71,26 +120,51 @@ def capture(model, input_ids: torch.Tensor, want_prenorm: bool = True, logits_to
     return Capture(keys, values, prenorm, out.logits[0])
 
 
-def build_cache(model, keys: torch.Tensor, values: torch.Tensor):
-    """A fresh transformers DynamicCache holding keys/values [layers, kv_heads, tokens, head_dim].
+def build_cache(model, keys: torch.Tensor, values: torch.Tensor, kind: str | None = None, room: int = 0):
+    """A fresh cache of `kind` (None: the default) holding keys/values [layers, kv_heads, tokens, head_dim].
 
-    The cache grows as it is used, so build a new one for every run.
+    `preallocated`: the K/V copied once into buffers with `room` free token slots after them
+    (a translation writes into `empty_cache(...).context` instead and skips the copy).
+    `dynamic`: a transformers DynamicCache wrapping them. With gradients flowing into keys or
+    values (distillation) it is always a DynamicCache: its concatenation is differentiable and
+    its copies are small next to a backward pass. Either grows as it is used, so build a new
+    one for every run.
     """
-    from transformers import DynamicCache
-
     n_layers = model.config.num_hidden_layers
     if keys.shape != values.shape or keys.dim() != 4 or keys.shape[0] != n_layers:
         raise ValueError(
             f"keys {tuple(keys.shape)} / values {tuple(values.shape)} must both be "
             f"[layers={n_layers}, kv_heads, tokens, head_dim]"
         )
+    kind = kind or _default_kind
+    if kind not in CACHE_KINDS:
+        raise ValueError(f"cache kind {kind!r} is not one of {CACHE_KINDS}")
+    differentiable = torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad)
+    if kind == "preallocated" and not differentiable:
+        cache = empty_cache(model, keys.shape[2], room, keys.dtype, keys.device)
+        k, v = cache.context(keys.shape[2])
+        k.copy_(keys)
+        v.copy_(values)
+        cache.set_length(keys.shape[2])
+        return cache
+    from transformers import DynamicCache
+
     data = [(keys[i].unsqueeze(0), values[i].unsqueeze(0)) for i in range(n_layers)]  # [1, kv_heads, tokens, head_dim]
     return DynamicCache(ddp_cache_data=data, config=model.config)
 
 
-def continue_from(model, keys: torch.Tensor, values: torch.Tensor, new_ids: torch.Tensor, **kwargs):
+def empty_cache(model, n_context: int, room: int = 0, dtype: torch.dtype | None = None, device=None):
+    """An unfilled preallocated cache for `n_context` context tokens plus `room` more: write the
+    context into `.context(n_context)`, then `.set_length(n_context)`."""
+    from .preallocated import PreallocatedCache
+
+    return PreallocatedCache.empty(model, n_context + room, dtype, device)
+
+
+def continue_from(model, keys: torch.Tensor, values: torch.Tensor, new_ids: torch.Tensor,
+                  kind: str | None = None, **kwargs):
     """Run `new_ids` [1, new] on top of an injected cache; positions continue after the cache."""
-    cache = build_cache(model, keys, values)
+    cache = build_cache(model, keys, values, kind, room=new_ids.shape[1])
     out, _ = run_with_cache(model, new_ids, cache=cache, **kwargs)
     return out
 

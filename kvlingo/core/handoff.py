@@ -3,8 +3,13 @@
     capture_source  the source prefills the context (keeping pre-norm key features when a
                     translator needs them, and only the last position's logits)
     translate       capture → translator → target-layout (keys, values)
-    continue_target the target runs new tokens on top of injected (keys, values)
+    translate_to_cache  capture → translator → the target's cache, ready for a new turn: on a
+                    preallocated cache the translator writes straight into it (no copy)
+    continue_target the target runs new tokens on top of injected (keys, values) or a cache
     greedy_generate the target (or any model) decodes greedily on top of an injected cache
+
+The cache kind (`cache.CACHE_KINDS`: preallocated by default, or transformers' DynamicCache
+as shipped) is one argument of each, defaulting to `cache.default_kind()`.
 
 Every stage that scores, times, trains or generates after a handoff (benchmark, controls,
 timing, distillation, IFEval, tasks) calls these; none re-assembles the steps itself.
@@ -16,7 +21,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .cache import Capture, build_cache, capture, continue_from, run_with_cache
+from .cache import Capture, build_cache, capture, continue_from, default_kind, empty_cache, run_with_cache
 
 
 def as_ids(ids, device) -> torch.Tensor:
@@ -27,9 +32,9 @@ def device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def prefill(model, ids: torch.Tensor, want_prenorm: bool = False) -> Capture:
+def prefill(model, ids: torch.Tensor, want_prenorm: bool = False, kind: str | None = None) -> Capture:
     """A prefill as a real handoff runs it: `cache.capture` of ids [1, T], keeping the last position's logits only."""
-    return capture(model, ids, want_prenorm=want_prenorm, logits_to_keep=1)
+    return capture(model, ids, want_prenorm=want_prenorm, logits_to_keep=1, kind=kind)
 
 
 def capture_source(source, context_ids, translators: Iterable = ()) -> Capture:
@@ -41,45 +46,82 @@ def capture_source(source, context_ids, translators: Iterable = ()) -> Capture:
 
 
 def translate(source, translator, context_ids=None, out_dtype: torch.dtype | None = None,
-              cap: Capture | None = None, refresh=None, target=None) -> tuple[torch.Tensor, torch.Tensor]:
+              cap: Capture | None = None, refresh=None, target=None,
+              precision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Target-layout (keys, values) of a context: from an existing source capture `cap`, or a fresh
     prefill of `context_ids`. Differentiable in the translator's parameters when gradients are on.
 
     `refresh` (kvlingo.core.refresh.Refresh) has the `target` recompute part of the context
     natively on top of the translated rest; it needs the context's token ids.
+    `precision`: the translation's (`translator.PRECISIONS`; None: the device's default).
     """
     if cap is None:
         cap = capture_source(source, context_ids, [translator])
-    if refresh is not None and refresh.kind != "none":
+    if refreshing(refresh):
         from .refresh import refreshed_kv
 
         if target is None or context_ids is None:
             raise ValueError("a refresh needs the target model and the context's token ids")
         return refreshed_kv(source, target, translator, context_ids, refresh, out_dtype, cap)
-    return translator(cap, out_dtype)
+    return translator(cap, out_dtype, precision=precision)
 
 
-def continue_target(target, kv: tuple[torch.Tensor, torch.Tensor], new_ids, **kwargs):
-    """The target's forward of `new_ids` on a fresh cache holding kv; positions continue after it."""
+def refreshing(refresh) -> bool:
+    return refresh is not None and refresh.kind != "none"
+
+
+def translate_to_cache(source, target, translator, context_ids=None, cap: Capture | None = None, room: int = 0,
+                       kind: str | None = None, out_dtype: torch.dtype | None = None, into=None,
+                       precision: str | None = None, refresh=None):
+    """The target's cache of a context translated from the source, with `room` free token slots after it.
+
+    Preallocated (the default kind): the translator writes the context straight into the cache's
+    buffers (`into`, an unfilled `cache.empty_cache` of enough capacity, or a fresh one), so no
+    copy follows. Dynamic: `translate`, then a DynamicCache around its output, as shipped.
+    Under a `refresh` (`translate`), the assembled (keys, values) are copied into a cache of `kind`.
+    """
+    if cap is None:
+        cap = capture_source(source, context_ids, [translator])
+    out_dtype = out_dtype or next(target.parameters()).dtype
+    if refreshing(refresh):  # part of the context is the target's own: assembled, then one copy into the cache
+        kv = translate(source, translator, context_ids, out_dtype, cap, refresh, target, precision)
+        return build_cache(target, *kv, kind=kind, room=room)
+    if (kind or default_kind()) != "preallocated":
+        return build_cache(target, *translator(cap, out_dtype, precision=precision), kind="dynamic")
+    n = cap.n_tokens
+    cache = into if into is not None else empty_cache(target, n, room, out_dtype, cap.values.device)
+    translator(cap, out_dtype, out=cache.context(n), precision=precision)
+    cache.set_length(n)
+    return cache
+
+
+def continue_target(target, kv, new_ids, kind: str | None = None, **kwargs):
+    """The target's forward of `new_ids` on a fresh cache holding kv = (keys, values), or on a ready cache
+    (from `translate_to_cache`); positions continue after it."""
     ids = new_ids if torch.is_tensor(new_ids) else as_ids(new_ids, device_of(target))
-    return continue_from(target, kv[0], kv[1], ids, **kwargs)
+    if isinstance(kv, tuple):
+        return continue_from(target, kv[0], kv[1], ids, kind=kind, **kwargs)
+    out, _ = run_with_cache(target, ids, cache=kv, **kwargs)
+    return out
 
 
 @torch.no_grad()
 def greedy_generate(model, new_ids: Sequence[int], kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    max_new_tokens: int = 64, eos_ids: set[int] | None = None) -> tuple[list[int], bool]:
+                    max_new_tokens: int = 64, eos_ids: set[int] | None = None,
+                    kind: str | None = None) -> tuple[list[int], bool]:
     """Greedy decoding of up to `max_new_tokens` after `new_ids`, on top of an optional injected cache.
 
     Returns (generated ids without the stop token, hit_cap). `new_ids` must be non-empty:
     its last position yields the first generated token.
     """
     device = device_of(model)
-    cache = build_cache(model, *kv) if kv is not None else None
+    room = len(new_ids) + max_new_tokens
+    cache = build_cache(model, *kv, kind=kind, room=room) if kv is not None else None
     x = as_ids(new_ids, device)
     out_ids: list[int] = []
     eos_ids = eos_ids or set()
     for _ in range(max_new_tokens):
-        out, _ = run_with_cache(model, x, cache=cache)
+        out, _ = run_with_cache(model, x, cache=cache, kind=kind, room=room)
         cache = out.cache
         nxt = int(out.logits[0, -1].argmax())
         if nxt in eos_ids:

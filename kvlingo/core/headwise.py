@@ -22,6 +22,7 @@ from .translator import Geometry, Translator, TranslatorError, family
 @family
 class Headwise(Translator):
     family = "headwise"
+    fast_paths = True  # _affine casts its maps, and writes strided outputs through view + baddbmm(out=)
 
     def __init__(self, geometry: Geometry, key_space: str = "prenorm"):
         super().__init__(geometry, key_space)
@@ -48,10 +49,11 @@ class Headwise(Translator):
 
     # ------------------------------------------------------------------ translation
     def _affine(self, which: int, x: torch.Tensor, layers: slice, out: torch.Tensor | None) -> torch.Tensor:
-        """x [n, heads, tokens, d_in] → [n, heads, tokens, d_out], into `out` (FP32, contiguous) when given."""
+        """x [n, heads, tokens, d_in] → [n, heads, tokens, d_out], into `out` when given (x's dtype; contiguous
+        within each head, e.g. a cache's context view)."""
         L, H, T, d_in = x.shape
-        w = self.weight[which, layers].reshape(L * H, d_in, -1)  # [L*H, d_in, d_out]
-        b = self.bias[which, layers].reshape(L * H, 1, -1)  # [L*H, 1, d_out]
+        w = self.cast(self.weight)[which, layers].reshape(L * H, d_in, -1)  # [L*H, d_in, d_out]
+        b = self.cast(self.bias)[which, layers].reshape(L * H, 1, -1)  # [L*H, 1, d_out]
         if out is None:
             return torch.baddbmm(b, x.reshape(L * H, T, d_in), w).view(L, H, T, -1)
         torch.baddbmm(b, x.reshape(L * H, T, d_in), w, out=out.view(L * H, T, -1))

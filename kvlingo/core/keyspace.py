@@ -67,15 +67,16 @@ class KeySpace:
         return self
 
     # ------------------------------------------------------------------ source side
-    def source_keys(self, cap: Capture, layers=slice(None)) -> torch.Tensor:
-        """Source key inputs [layers, heads, tokens, d_in] in FP32 for the selected source layers."""
+    def source_keys(self, cap: Capture, layers=slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Source key inputs [layers, heads, tokens, d_in] in `dtype` (FP32 maths, one rounding) for the selected
+        source layers."""
         if self.name == "prenorm":
             if cap.prenorm is None:
                 raise ValueError("key space 'prenorm' needs the source's pre-norm key features; capture with "
                                  "want_prenorm=True")
-            return cap.prenorm[layers].float()
+            return cap.prenorm[layers].to(dtype)
         cos, sin = self.source_rope(cap.n_tokens, device=cap.keys.device)
-        return strip_rope(cap.keys[layers].float(), cos, sin)
+        return strip_rope(cap.keys[layers].float(), cos, sin).to(dtype)
 
     # ------------------------------------------------------------------ target side
     def target_keys(self, target_cap: Capture) -> torch.Tensor:
@@ -92,17 +93,18 @@ class KeySpace:
         cos, sin = self.target_rope(yk.shape[2], device=yk.device)
         return apply_rope(yk, cos, sin)
 
-    def finish_keys_into(self, yk: torch.Tensor, layers: slice, k_out: torch.Tensor, scratch) -> None:
+    def finish_keys_into(self, yk: torch.Tensor, layers: slice, k_out: torch.Tensor, scratch, start: int = 0) -> None:
         """`finish_keys` in place: yk (FP32 scratch) is normed in place and RoPE writes into k_out.
 
         The same operations in the same order as `finish_keys` (so the same bits). For a
         non-FP32 output, RoPE writes into one FP32 staging chunk that is rounded once.
+        `start`: the position of yk's first token (a tile of a longer context).
         """
         n = yk.shape[0]
         if self.name == "prenorm":
             rms_norm_(yk, self.k_norm_weight[layers], self.k_norm_eps, scratch.take("sq", n))
-        cos, sin = self.target_rope(yk.shape[2], device=yk.device)
+        cos, sin = self.target_rope(start + yk.shape[2], device=yk.device)
         dest = k_out if k_out.dtype == torch.float32 else scratch.take("out", n)
-        apply_rope_into(yk, cos, sin, dest, scratch.take("half", n))
+        apply_rope_into(yk, cos[start:], sin[start:], dest, scratch.take("half", n))
         if dest is not k_out:
             k_out.copy_(dest)  # the one rounding to the output dtype

@@ -168,7 +168,7 @@ def _tail(target, translator, cap: Capture, ids: torch.Tensor, w: int, out_dtype
                      None if cap.prenorm is None else cap.prenorm[:, :, :head], cap.logits)
     keys, values = translator(sliced, out_dtype)
     with torch.no_grad():
-        out = target(input_ids=ids[:, head:], cache=build_cache(target, keys, values), use_cache=True, logits_to_keep=1)
+        out = target(input_ids=ids[:, head:], cache=build_cache(target, keys, values, kind="dynamic"), use_cache=True, logits_to_keep=1)
     return _stack(out.cache)
 
 
@@ -184,7 +184,7 @@ def _select(target, translator, cap: Capture, ids: torch.Tensor, n_sel: int, out
     selected = sorted(dev.topk(n_sel).indices.tolist())  # [n_sel] positions, by deviation
     chosen = set(selected)
     kept = [t for t in range(T) if t not in chosen]
-    cache = build_cache(target, keys[:, :, kept], values[:, :, kept])
+    cache = build_cache(target, keys[:, :, kept], values[:, :, kept], kind="dynamic")
     device = ids.device
     with torch.no_grad():
         out = target(input_ids=ids[:, selected], cache=cache, use_cache=True, logits_to_keep=1,

@@ -13,10 +13,25 @@ A translator turns a source capture (`cache.Capture`) into the target's K/V, rea
 - `map(which, cap, layers)`: FP32 target features of keys (0) or values (1) for a run of
   target layers, differentiable; `map_into` the same written into a buffer.
 
-Translation itself (`forward`) is shared: FP32 inside, rounded once to the output dtype.
-With gradients on (distillation) all layers go through at once. Without, target layers go
-in chunks written straight into the preallocated output, so extra memory stays near one copy
-of the target cache plus one chunk of FP32 scratch. Callers never branch on the family.
+Translation itself (`forward`) is shared. With gradients on (distillation) all layers go
+through at once, in FP32, rounded once to the output dtype. Without, target layers go in
+chunks written straight into the output, so extra memory stays near one copy of the target
+cache plus one chunk of scratch; the output can be a preallocated cache's context
+(`out=cache.context(n)`), so the translation is the cache build. Callers never branch on the
+family.
+
+Precision of the no-grad path (`PRECISIONS`):
+
+- `fp32` (the default): FP32 maths, rounded once to the output dtype: the same bits as the
+  gradient path on every device, so scores reproduce across CPU and GPU; what the exactness
+  tests check.
+- `fast`: what the optimised handoff runs on CUDA (`fast_precision`). The maps' matmuls take
+  their inputs in the run dtype (BF16 or FP16; TF32 tensor cores for an FP32 run) with FP32
+  accumulation; values come out of the matmul straight into the cache, keys are normed and
+  rotated in FP32 from the matmul's output and rounded once. Against `fp32`, a BF16 run
+  differs by a few BF16 roundings (`FAST_BF16_TOLERANCE`). A family opts in with
+  `fast_paths = True` (its `map_into` then takes compute-dtype features and strided
+  outputs); the others run `fp32` maths.
 
 Folder format: `maps.safetensors` (the state dict), then `manifest.json`, written last, so
 its presence marks a complete translator. It records the family, key space, settings and
@@ -27,6 +42,7 @@ model identities, data and code hashes).
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -40,9 +56,46 @@ from .keyspace import KeySpace
 
 MAPS_FILE = "maps.safetensors"
 MANIFEST_FILE = "manifest.json"
-# FP32 temporaries per translation chunk: small on CPUs (cache locality), large on GPUs (fewer launches).
-DEFAULT_CHUNK_ELEMENTS = {"cpu": 1 << 22, "mps": 1 << 25, "cuda": 1 << 27}
+# FP32 temporaries per translation chunk of layers: small on CPUs (cache locality); on GPUs large enough
+# for few launches and small enough that the scratch stays well under one target cache.
+DEFAULT_CHUNK_ELEMENTS = {"cpu": 1 << 22, "mps": 1 << 25, "cuda": 1 << 24}
+# Elements of a token tile of the keys' norm and RoPE (FP32; about 1 MB on a CPU); untiled elsewhere.
+TILE_ELEMENTS = {"cpu": 1 << 18}
 FAMILIES: dict[str, type["Translator"]] = {}  # family name → class, filled by @family
+PRECISIONS = ("fp32", "fast")
+# How far the `fast` path in BF16 may be from the `fp32` path (both rounded to BF16), in units of the
+# largest |output| of the `fp32` path, per target layer. The fast path rounds the maps to BF16
+# (relative 2^-9 each; its inputs are BF16 already in a BF16 run, or rounded once from the FP32
+# strip in the cache key space) and the matmul's output once more before the final rounding that
+# both paths share: a few BF16 roundings of a dot product's terms. Measured on the tiny pair over
+# 5 seeds: at most 0.0054 (keys, prenorm), 0.0076 (keys, cache key space), 0.0046 (values), where
+# the `fp32` path's own single rounding is up to 0.0036: the bound leaves a factor of 2.
+FAST_BF16_TOLERANCE = 2.0**-6
+
+
+def fast_precision(device) -> str:
+    """The precision an optimised handoff translates in: `fast` on CUDA (tensor cores), `fp32` elsewhere
+    (a CPU's BF16 matmuls are no faster here, and CPU runs keep exact FP32 maths)."""
+    return "fast" if torch.device(device).type == "cuda" else "fp32"
+
+
+@contextmanager
+def matmul_precision(device, precision: str):
+    """On CUDA under `fast`: TF32 for FP32 matmuls and FP32 accumulation for BF16/FP16 ones; elsewhere nothing."""
+    if torch.device(device).type != "cuda" or precision != "fast":
+        yield
+        return
+    fp32_before = torch.get_float32_matmul_precision()
+    reduced = torch.backends.cuda.matmul
+    bf16_before, fp16_before = reduced.allow_bf16_reduced_precision_reduction, reduced.allow_fp16_reduced_precision_reduction
+    torch.set_float32_matmul_precision("high")
+    reduced.allow_bf16_reduced_precision_reduction = reduced.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(fp32_before)
+        reduced.allow_bf16_reduced_precision_reduction = bf16_before
+        reduced.allow_fp16_reduced_precision_reduction = fp16_before
 
 
 class TranslatorError(ValueError):
@@ -81,12 +134,17 @@ def family(cls: type["Translator"]) -> type["Translator"]:
 
 class Translator(nn.Module):
     family: ClassVar[str] = ""
+    # True when map_into reads `source` features in the compute dtype, takes parameters through
+    # `cast`, and writes strided outputs (a cache's context view): then the `fast` path applies.
+    fast_paths: ClassVar[bool] = False
 
     def __init__(self, geometry: Geometry, key_space: str = "prenorm"):
         super().__init__()
         self.geometry = geometry
         self.key_space = key_space
         self.space: KeySpace | None = None  # bound to a pair's models by `bind`
+        self._compute = torch.float32  # dtype of map inputs on the running no-grad path
+        self._casts: dict = {}  # (parameter id, dtype) → (version, data pointer, cast copy)
 
     # ------------------------------------------------------------------ what a family provides
     def settings(self) -> dict[str, Any]:
@@ -157,8 +215,30 @@ class Translator(nn.Module):
         return out
 
     def source(self, which: int, cap: Capture, layers=slice(None)) -> torch.Tensor:
-        """FP32 source features of keys (0) or values (1) for source `layers`: [n, heads, tokens, d_in]."""
-        return self.space.source_keys(cap, layers) if which == 0 else cap.values[layers].float()
+        """Source features of keys (0) or values (1) for source `layers`: [n, heads, tokens, d_in], in FP32
+        (in the compute dtype while a `fast` translation runs)."""
+        if which == 1:
+            return cap.values[layers].to(self._compute)
+        return self.space.source_keys(cap, layers, dtype=self._compute)
+
+    def cast(self, p: torch.Tensor) -> torch.Tensor:
+        """A parameter in the compute dtype (itself in FP32); the cast copy is kept until the parameter changes."""
+        dtype = self._compute
+        if p.dtype == dtype:
+            return p
+        key = (id(p), dtype)
+        hit = self._casts.get(key)
+        if hit is None or hit[0] != p._version or hit[1] != p.data_ptr():
+            hit = (p._version, p.data_ptr(), p.detach().to(dtype))
+            self._casts[key] = hit
+        return hit[2]
+
+    def compute_dtype(self, out_dtype: torch.dtype, precision: str) -> torch.dtype:
+        """dtype the maps' inputs and matmuls take on the no-grad path."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+        fast = precision == "fast" and self.fast_paths and out_dtype in (torch.bfloat16, torch.float16)
+        return out_dtype if fast else torch.float32
 
     def translate_layers(self, cap: Capture, layers: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """FP32 target keys and values for a run of target layers: [n, heads, tokens, head_dim] each."""
@@ -175,69 +255,129 @@ class Translator(nn.Module):
         per_layer = g.target_kv_heads * n_tokens * g.target_head_dim
         return max(1, min(g.target_layers, chunk_elements // max(1, per_layer)))
 
+    def chunk_tokens(self, n_tokens: int, device, step: int = 1) -> int:
+        """Tokens per tile of the keys' norm and RoPE in a chunk of `step` layers: on a CPU few enough that a
+        tile's half-dozen passes stay in cache instead of going to memory each time (one layer at 4,096
+        tokens on the shared 2-core machine, one thread: 44 ms untiled, 23 ms in 256-token tiles; the
+        whole translation about 8% faster); elsewhere all of them."""
+        elements = TILE_ELEMENTS.get(torch.device(device).type)
+        per_token = step * self.geometry.target_kv_heads * self.geometry.target_head_dim
+        return max(1, min(n_tokens, elements // per_token)) if elements else max(1, n_tokens)
+
     def forward(self, cap: Capture, out_dtype: torch.dtype | None = None, chunk_elements: int | None = None,
-                target_layers: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """Translate a capture: target (keys, values), each [target layers, kv_heads, tokens, head_dim]
-        (only the target layers in `target_layers`, when given: a refresh computes the others natively)."""
+                target_layers: slice = slice(None), out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                precision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Translate a capture: target (keys, values), each [target layers, kv_heads, tokens, head_dim].
+
+        `target_layers`: only these target layers (a refresh computes the others natively).
+        `out`: (keys, values) to write into instead of fresh tensors, e.g. a preallocated cache's
+        `context(tokens)` (their dtype is the output dtype; shaped for `target_layers`). `precision`:
+        `fp32` (None) or `fast` (see the module docstring). With gradients on, always FP32 maths.
+        """
         if self.space is None:
             raise RuntimeError("translator is not bound to a pair: call .bind(source, target) first")
-        out_dtype = out_dtype or cap.keys.dtype
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            keys, values = self.translate_layers(cap, target_layers)
-            return keys.to(out_dtype), values.to(out_dtype)
         g, T, device = self.geometry, cap.n_tokens, cap.values.device
         first, stop, _ = target_layers.indices(g.target_layers)
-        H, d = g.target_kv_heads, g.target_head_dim
+        L, H, d = max(0, stop - first), g.target_kv_heads, g.target_head_dim
+        if out is not None and (out[0].shape != (L, H, T, d) or out[1].shape != (L, H, T, d)):
+            raise ValueError(f"out {tuple(out[0].shape)} / {tuple(out[1].shape)} must both be [{L}, {H}, {T}, {d}]")
+        out_dtype = out[0].dtype if out is not None else (out_dtype or cap.keys.dtype)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            keys, values = self.translate_layers(cap, target_layers)
+            if out is None:
+                return keys.to(out_dtype), values.to(out_dtype)
+            out[0].copy_(keys)
+            out[1].copy_(values)
+            return out
+        precision = precision or "fp32"
+        compute = self.compute_dtype(out_dtype, precision)
         step = self.chunk_layers(T, device, chunk_elements)
-        keys = torch.empty(max(0, stop - first), H, T, d, dtype=out_dtype, device=device)
-        values = torch.empty_like(keys)
-        scratch = Scratch((step, H, T, d), device)
-        with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False):
+        tile = self.chunk_tokens(T, device, step)
+        if out is None:
+            keys = torch.empty(L, H, T, d, dtype=out_dtype, device=device)
+            values = torch.empty_like(keys)
+        else:
+            keys, values = out
+        scratch = Scratch((step, H, T, d), device, tile)
+        with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False), \
+                matmul_precision(device, precision), self._computing(compute):
             for start in range(first, stop, step):
                 layers = slice(start, min(stop, start + step))
-                out = slice(start - first, layers.stop - first)
-                self._translate_into(cap, layers, keys[out], values[out], scratch)
+                rows = slice(start - first, layers.stop - first)
+                self._translate_into(cap, layers, keys[rows], values[rows], scratch)
         return keys, values
+
+    @contextmanager
+    def _computing(self, dtype: torch.dtype):
+        self._compute = dtype
+        try:
+            yield
+        finally:
+            self._compute = torch.float32
 
     def _translate_into(self, cap: Capture, layers: slice, k_out: torch.Tensor, v_out: torch.Tensor,
                         scratch: "Scratch") -> None:
         """The no-grad path of `translate_layers` for one chunk, written into the output.
 
-        The same operations in the same order as `translate_layers` (so the same bits), but in
-        place on buffers reused across chunks: the maps write into preallocated memory, the norm
-        scales in place, RoPE writes each half straight into the output.
+        In FP32 maths, the same operations in the same order as `translate_layers` (so the same
+        bits), but in place on buffers reused across chunks: the maps write into preallocated
+        memory, the norm scales in place, RoPE writes each half straight into the output. A family
+        without `fast_paths` maps into contiguous scratch, which is then copied into the output.
+        Under a compute dtype below FP32, the key map's output is widened once for norm and RoPE.
         """
-        n = k_out.shape[0]
+        n, compute, T = k_out.shape[0], self._compute, k_out.shape[2]
         yk = scratch.take("yk", n)  # [n, heads, tokens, d_out] FP32
-        self.map_into(0, cap, layers, yk)
-        self.space.finish_keys_into(yk, layers, k_out, scratch)
-        if v_out.dtype == torch.float32:
-            self.map_into(1, cap, layers, v_out)
+        if compute == torch.float32:
+            self.map_into(0, cap, layers, yk)
         else:
-            yv = scratch.take("yk", n)  # the key buffer is free again
-            self.map_into(1, cap, layers, yv)
+            low = scratch.take("low", n, compute)
+            self.map_into(0, cap, layers, low)
+            yk.copy_(low)
+        for begin in range(0, T, scratch.tile):  # per-token norm and RoPE, tile by tile: the same bits
+            end = min(T, begin + scratch.tile)
+            scratch.tokens = end - begin
+            self.space.finish_keys_into(yk[:, :, begin:end], layers, k_out[:, :, begin:end], scratch, start=begin)
+        if v_out.dtype == compute and (self.fast_paths or v_out.is_contiguous()):
+            self.map_into(1, cap, layers, v_out)  # straight into the output (a cache's layout)
+        else:
+            yv = scratch.take("yk", n) if compute == torch.float32 else scratch.take("low", n, compute)
+            self.map_into(1, cap, layers, yv)  # the key buffers are free again
             v_out.copy_(yv)
 
-    def scratch_chunks(self, out_dtype: torch.dtype) -> float:
-        """FP32 layer chunks of scratch one no-grad translation holds: the maps' output, squares for the
-        norm, half a chunk for RoPE, and a staging chunk when the output is not FP32."""
-        return 2.5 + (0 if out_dtype == torch.float32 else 1)
+    def scratch_chunks(self, out_dtype: torch.dtype, precision: str = "fp32", tile_fraction: float = 1.0) -> float:
+        """FP32 layer chunks of scratch one no-grad translation holds: the maps' output, the matmul's
+        output in the compute dtype when that is narrower, and per token tile (`tile_fraction` of a
+        chunk) squares for the norm, half for RoPE and a staging tile when the output is not FP32."""
+        compute = self.compute_dtype(out_dtype, precision)
+        low = 0 if compute == torch.float32 else torch.empty(0, dtype=compute).element_size() / 4
+        return 1 + low + tile_fraction * (1.5 + (0 if out_dtype == torch.float32 else 1))
 
 
 class Scratch:
-    """FP32 buffers for one translation, allocated once and reused by every layer chunk
-    (fresh large allocations cost page faults on a CPU and allocator traffic on a GPU)."""
+    """Buffers for one translation (FP32 unless named otherwise), allocated once and reused by every
+    layer chunk (fresh large allocations cost page faults on a CPU and allocator traffic on a GPU)."""
 
-    def __init__(self, shape: tuple[int, int, int, int], device):
+    WHOLE = ("yk", "low")  # the maps' outputs span every token of the chunk; the rest, one tile
+
+    def __init__(self, shape: tuple[int, int, int, int], device, tile: int | None = None):
         self.shape = shape  # [layers per chunk, heads, tokens, dim]
         self.device = device
+        self.tile = tile or shape[2]  # tokens per tile of the keys' norm and RoPE
+        self.tokens = self.tile  # tokens of the tile being finished (the last one may be shorter)
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def take(self, name: str, n: int) -> torch.Tensor:
+    def take(self, name: str, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Buffer `name` for n layers: [n, heads, tokens, dim] for the maps' outputs, [n, heads, tile tokens,
+        dim] for the others (dim/2 for "half")."""
+        whole = name in self.WHOLE
         if name not in self.buffers:
-            shape = self.shape if name != "half" else (*self.shape[:3], self.shape[3] // 2)
-            self.buffers[name] = torch.empty(shape, dtype=torch.float32, device=self.device)
-        return self.buffers[name][:n]
+            L, H, T, d = self.shape
+            shape = (L, H, T if whole else self.tile, d // 2 if name == "half" else d)
+            self.buffers[name] = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self.buffers[name]
+        if buf.dtype != dtype:
+            raise ValueError(f"scratch {name!r} is {buf.dtype}, asked for {dtype}")
+        return buf[:n] if whole else buf[:n, :, :self.tokens]
 
 
 # --------------------------------------------------------------------------- folders

@@ -1,17 +1,19 @@
-"""Handoff speed at one context length: the four timing paths, where the time goes, the
-translation's achieved GFLOP/s and memory, and the speedup ceiling from FLOP counts.
+"""Handoff speed at one context length, in both timing modes: the four paths, where the time goes,
+the translation's achieved GFLOP/s and memory, and the physical limit from FLOPs and bytes.
 
 Used by perf.py (`make perf`) on architecture-exact random models: timing does not depend
-on weight values, so this measures the real shapes offline.
+on weight values, so this measures the real shapes offline. The two modes (timing.MODES)
+share one set-up (the existing source capture and target cache), so they time the same work.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..core.translator import Translator
+from ..core.handoff import prefill
+from ..core.translator import Translator, fast_precision
 from . import timing
-from .shapes import prefill_flops
+from .roofline import Peaks, handoff_limits
 
 
 def random_ids(vocab: int, n: int, seed: int, device) -> torch.Tensor:
@@ -19,11 +21,11 @@ def random_ids(vocab: int, n: int, seed: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n), generator=g).to(device)  # [1, n]
 
 
-def translation_memory(translator: Translator, cap, out_dtype: torch.dtype) -> dict:
+def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, precision: str = "fp32") -> dict:
     """Peak extra device memory of one translation, against one copy of the target cache.
 
     Measured with the CUDA allocator's peak counter; elsewhere the layer-chunked design's
-    bound is reported instead (output + one chunk of FP32 temporaries), marked unmeasured.
+    bound is reported instead (output + one chunk of temporaries), marked unmeasured.
     """
     g, T = translator.geometry, cap.n_tokens
     L, H, d_out = g.target_layers, g.target_kv_heads, g.target_head_dim
@@ -35,50 +37,81 @@ def translation_memory(translator: Translator, cap, out_dtype: torch.dtype) -> d
         torch.cuda.reset_peak_memory_stats(device)
         held = []  # the output is the cache being built: it stays alive until the peak is read
         with torch.inference_mode():
-            held.append(translator(cap, out_dtype))
+            held.append(translator(cap, out_dtype, precision=precision))
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - base
         held.clear()
         return {"measured": True, "peak_extra_bytes": peak, "target_cache_bytes": cache_bytes,
                 "ratio_to_cache": peak / cache_bytes}
     step = translator.chunk_layers(T, device)
-    n_chunks = translator.scratch_chunks(out_dtype)  # FP32 scratch reused by every chunk
+    tile = translator.chunk_tokens(T, device, step)
+    n_chunks = translator.scratch_chunks(out_dtype, precision, tile / T)  # scratch reused by every chunk
     temps = int(n_chunks * step * H * T * d_out * 4)
     return {"measured": False, "bound_extra_bytes": cache_bytes + temps, "target_cache_bytes": cache_bytes,
             "ratio_to_cache": (cache_bytes + temps) / cache_bytes,
-            "note": f"not measured off CUDA: output (one target cache) + {n_chunks:g} layer chunks of FP32 scratch"}
+            "note": f"not measured off CUDA: output (one target cache) + {n_chunks:.3g} layer chunks of FP32 scratch"}
+
+
+def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: float,
+              max_repeats: int | None, names=timing.PATHS) -> dict:
+    """One row set: the paths, the existing-source handoff's stages, speedups and CV flags."""
+    device = paths.context_ids.device
+    prefill_warmups = max(0, warmups - 1)  # the shared set-up prefills stood in for their first warm-up
+    summaries = {}
+    for name in names:
+        w = prefill_warmups if name in ("target_reprefill", "source_prefill_handoff") else warmups
+        summaries[name] = timing.summarize(timing.run_trials(paths.path(name), device, w, repeats, cv_limit,
+                                                             max_repeats), cv_limit)
+    breakdown = timing.time_breakdown(paths, warmups, repeats, cv_limit, max_repeats)
+    return {"paths": summaries, "speedup": timing.speedups(summaries), "breakdown": breakdown,
+            "precision": paths.precision, "cache": paths.kind, "cuda_graphs": paths.graphed,
+            "graph_errors": paths.graph_errors,
+            "noisy": timing.noisy_timings(summaries) + timing.noisy_timings(breakdown, "source_cache_handoff/")}
 
 
 def perf_at_length(source, target, translator: Translator, n: int, k: int, warmups: int, repeats: int,
-                   cv_limit: float = timing.CV_LIMIT, seed: int = 0) -> dict:
-    """Time the four paths for a random context of n tokens and a new turn of k tokens.
+                   cv_limit: float = timing.CV_LIMIT, seed: int = 0, modes=timing.MODES,
+                   max_repeats: int | None = None, cuda_graphs: bool | None = None,
+                   peaks: Peaks | None = None, names=timing.PATHS) -> dict:
+    """Time the paths `names` (re-prefill and the existing-source handoff at least) in each mode for a
+    random context of n tokens and a new turn of k tokens.
 
     The set-up prefills (the existing source capture, the target's own cache) do the same
     work as one run of the source-prefill and re-prefill paths at this length, so they
     stand in for those paths' first warm-up: this saves two long prefills per length on a CPU.
     """
     device = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
     ids = random_ids(target.config.vocab_size, n + k, seed + n, device)
-    paths = timing.HandoffPaths(source, target, translator, ids[:, :n], ids[:, n:])
-    prefill_warmups = max(0, warmups - 1)
-    summaries = {}
-    for name in timing.PATHS:
-        w = prefill_warmups if name in ("target_reprefill", "source_prefill_handoff") else warmups
-        summaries[name] = timing.summarize(timing.run_trials(paths.path(name), device, w, repeats), cv_limit)
-    breakdown = timing.time_breakdown(paths, warmups, repeats, cv_limit)
-    tr_flops = translator.flops_per_token() * n
-    reprefill = prefill_flops(target, n + k)
-    new_turn = prefill_flops(target, k)
-    memory = translation_memory(translator, paths.source_capture, paths.out_dtype)
-    del paths
-    return {
-        "context_tokens": n, "new_turn_tokens": k, "paths": summaries, "speedup": timing.speedups(summaries),
-        "breakdown": breakdown,
-        "translation_gflops_per_s": tr_flops / breakdown["translate"]["median_s"] / 1e9,
-        "flops": {"translation": tr_flops, "target_reprefill_dense": reprefill, "new_turn_dense": new_turn},
-        # The first ceiling counts translation only; the second adds the new-turn step a handoff also runs.
-        "ceiling": {"reprefill_over_translation": reprefill / tr_flops,
-                    "reprefill_over_translation_plus_new_turn": reprefill / (tr_flops + new_turn)},
-        "memory": memory,
-        "noisy": timing.noisy_timings(summaries) + timing.noisy_timings(breakdown, "source_cache_handoff/"),
-    }
+    context, new = ids[:, :n], ids[:, n:]
+    names = [name for name in timing.PATHS if name in names]
+    if not {"target_reprefill", "source_cache_handoff"} <= set(names):
+        raise ValueError(f"paths {names} must include target_reprefill and source_cache_handoff")
+    with torch.inference_mode():
+        cap = prefill(source, context, translator.needs_prenorm)
+        own = prefill(target, context) if "target_cache_continue" in names else None
+    rows = {}
+    for mode in modes:
+        paths = timing.HandoffPaths(source, target, translator, context, new, need=tuple(names), mode=mode,
+                                    cuda_graphs=cuda_graphs, source_capture=cap,
+                                    target_kv=None if own is None else (own.keys, own.values))
+        rows[mode] = time_mode(paths, warmups, repeats, cv_limit, max_repeats, names)
+        rows[mode]["translation_gflops_per_s"] = \
+            translator.flops_per_token() * n / rows[mode]["breakdown"]["translate"]["median_s"] / 1e9
+        del paths
+    point = {"context_tokens": n, "new_turn_tokens": k, "modes": rows,
+             "memory": translation_memory(translator, cap, dtype, fast_precision(device)),
+             "noisy": [f"{mode}/{name}" for mode, row in rows.items() for name in row["noisy"]]}
+    if peaks is not None:
+        limit = handoff_limits(source, target, translator, n, k, dtype, peaks, cap.values.dtype)
+        for row in rows.values():
+            b = row["breakdown"]
+            row["vs_limit"] = {
+                "speedup_fraction_of_limit": row["speedup"]["source_cache_handoff"] / limit["speedup_limit"],
+                "translate_over_floor": b["translate"]["median_s"] / limit["translation"]["floor_s"],
+                "new_turn_over_floor": b["new_turn"]["median_s"] / limit["new_turn"]["floor_s"],
+                "reprefill_over_floor": row["paths"]["target_reprefill"]["median_s"] / limit["reprefill"]["floor_s"],
+            }
+        point["limit"] = limit
+    del cap, own
+    return point

@@ -5,10 +5,23 @@ differ in how the target gets a cache of the context before it reads that turn:
 
     target_reprefill        the target re-reads the whole context plus the new turn
     source_cache_handoff    a source cache (with its pre-norm key features) already exists:
-                            translate it, build the target cache, run the new turn
+                            translate it into the target's cache, run the new turn
     source_prefill_handoff  the source prefills the context first, then as above
-    target_cache_continue   the target's own cache already exists: build it, run the new
-                            turn (the ideal a handoff can at best match)
+    target_cache_continue   the target's own cache already exists: run the new turn on it
+                            (the ideal a handoff can at best match)
+
+Each path runs in one of two modes (`MODES`), the same for every path, so baselines get
+every optimisation the handoff gets:
+
+    shipped    transformers' DynamicCache and sdpa attention as shipped, the translation in
+               FP32 maths, eager: a cache is built around the translator's output, and every
+               step concatenates the cache and repeats K/V for each query head
+    optimised  a preallocated cache with room for the new turn, reserved once per context and
+               reused by every call (as a serving engine reserves its KV memory), which the
+               translation writes straight into; grouped-query attention without repeated K/V
+               (kvlingo.core.attention); the maps' matmuls in the run dtype on CUDA
+               (translator.fast_precision); on CUDA each path (and the translation and new turn apart)
+               replayed as a CUDA graph (`cuda_graphs`, kvlingo.core.graphs)
 
 The paths take models, a translator and token ids only, never data files, so the same code
 times real checkpoints and architecture-exact random models alike. Models must be built
@@ -24,13 +37,15 @@ from typing import Callable
 
 import torch
 
-from ..core.cache import Capture, build_cache, run_with_cache
-from ..core.handoff import device_of, prefill, translate
-from ..core.translator import Translator
+from ..core import graphs
+from ..core.cache import Capture, build_cache, default_kind, empty_cache, run_with_cache
+from ..core.handoff import device_of, prefill, refreshing, translate, translate_to_cache
+from ..core.translator import Translator, fast_precision
 from .stats import cv, median
 
 PATHS = ("target_reprefill", "source_cache_handoff", "source_prefill_handoff", "target_cache_continue")
 STAGES = ("translate", "build_cache", "new_turn")  # the pieces of source_cache_handoff, timed apart
+MODES = ("shipped", "optimised")
 CV_LIMIT = 0.10  # a timing whose trials vary more than this (SD / mean) is flagged as noisy
 
 
@@ -49,20 +64,25 @@ def synchronize(device: str | torch.device) -> None:
         torch.mps.synchronize()
 
 
-def run_trials(fn: Callable[[], object], device, warmups: int, repeats: int) -> list[float]:
-    """`warmups` untimed calls, then `repeats` timed ones: seconds per call, in call order.
+def run_trials(fn: Callable[[], object], device, warmups: int, repeats: int, cv_limit: float | None = None,
+               max_repeats: int | None = None) -> list[float]:
+    """`warmups` untimed calls, then at least `repeats` timed ones: seconds per call, in call order.
 
     Each trial is bracketed by device synchronisations and read with `time.perf_counter`,
-    so it covers the device work it queued and nothing queued before it.
+    so it covers the device work it queued and nothing queued before it. With `cv_limit` and
+    `max_repeats` above `repeats`, trials go on past `repeats` while the CV of all trials so far
+    exceeds `cv_limit`, up to `max_repeats` (a GPU's first trials can include clock ramps and
+    allocator growth). Every trial is kept and reported; the screen still sees them all.
     """
     if repeats < 1 or warmups < 0:
         raise ValueError(f"need repeats ≥ 1 and warmups ≥ 0 (got {repeats} and {warmups})")
+    cap = max(repeats, max_repeats or repeats)
     with torch.inference_mode():
         for _ in range(warmups):
             fn()
         synchronize(device)
-        trials = []
-        for _ in range(repeats):
+        trials: list[float] = []
+        while len(trials) < repeats or (cv_limit is not None and len(trials) < cap and cv(trials) > cv_limit):
             synchronize(device)
             t0 = time.perf_counter()
             fn()
@@ -93,59 +113,142 @@ def new_turn_logits(model, new_ids: torch.Tensor, cache=None) -> torch.Tensor:
 
 
 class HandoffPaths:
-    """The four paths for one context and one new turn, as zero-argument callables.
+    """The four paths for one context and one new turn in one mode, as zero-argument callables.
 
     `context_ids` [1, T] and `new_ids` [1, k] are token ids on the models' device. What the
     paths in `need` take as already existing (the source capture, with pre-norm features when
-    the maps need them; the target's own cache) is made here, once, outside any timed region.
+    the maps need them; the target's own cache) is made here, once, outside any timed region,
+    unless given (`source_capture`, `target_kv`: the same for both modes, so one set-up serves
+    both). `mode` None follows the process's cache kind (`cache.default_kind`, a stage's --cache).
+    `cuda_graphs` (optimised mode on CUDA only; None: on there) replays each path as a
+    CUDA graph captured here after warm-ups; a path whose capture fails runs eagerly, and
+    `graph_errors` says why.
     """
 
     def __init__(self, source, target, translator: Translator, context_ids: torch.Tensor, new_ids: torch.Tensor,
-                 out_dtype: torch.dtype | None = None, need: tuple[str, ...] = PATHS, refresh=None):
-        self.source, self.target, self.translator = source, target, translator
+                 out_dtype: torch.dtype | None = None, need: tuple[str, ...] = PATHS, mode: str | None = None,
+                 cuda_graphs: bool | None = None, source_capture: Capture | None = None,
+                 target_kv: tuple[torch.Tensor, torch.Tensor] | None = None, refresh=None):
+        mode = mode or ("optimised" if default_kind() == "preallocated" else "shipped")
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
+        self.source, self.target, self.translator, self.mode = source, target, translator, mode
         self.context_ids, self.new_ids = context_ids, new_ids
         self.refresh = refresh  # the part of the context the target recomputes in a handoff (kvlingo.core.refresh)
         self.full_ids = torch.cat([context_ids, new_ids], dim=1)  # [1, T + k]: tokenisation is not timed
         self.out_dtype = out_dtype or next(target.parameters()).dtype
         self.want_prenorm = translator.needs_prenorm
-        self.source_capture: Capture | None = None
-        self.target_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # [layers, kv_heads, T, head_dim] each
+        self.optimised = mode == "optimised"
+        self.kind = "preallocated" if self.optimised else "dynamic"
+        device = context_ids.device
+        self.precision = fast_precision(device) if self.optimised else "fp32"
+        # a refresh runs the target inside the translation and assembles a cache per call: not graphed
+        self.graphs_on = self.optimised and device.type == "cuda" and cuda_graphs is not False and not refreshing(refresh)
+        self.graph_errors: dict[str, str] = {}
+        n, k = context_ids.shape[1], new_ids.shape[1]
+        self.n_context = n
+        self.source_capture, self.target_kv = source_capture, target_kv
         # RoPE tables grow on demand; size them now so that no trial pays for growing them.
-        translator.space.source_rope(context_ids.shape[1], device=context_ids.device)
-        translator.space.target_rope(context_ids.shape[1], device=context_ids.device)
+        translator.space.source_rope(n, device=device)
+        translator.space.target_rope(n, device=device)
         with torch.inference_mode():
-            if "source_cache_handoff" in need:
-                self.source_capture = prefill(source, context_ids, self.want_prenorm)
-            if "target_cache_continue" in need:
-                own = prefill(target, context_ids, want_prenorm=False)
+            if "source_cache_handoff" in need and self.source_capture is None:
+                self.source_capture = prefill(source, context_ids, self.want_prenorm, kind=self.kind)
+            if "target_cache_continue" in need and self.target_kv is None:
+                own = prefill(target, context_ids, want_prenorm=False, kind=self.kind)
                 self.target_kv = (own.keys, own.values)
+        if self.optimised:  # reserved once, reused by every call (ordinary tensors: writable in any mode)
+            with torch.no_grad():
+                self.handoff_cache = empty_cache(target, n, k, self.out_dtype, device)
+                self.reprefill_cache = empty_cache(target, n + k, 0, self.out_dtype, device)
+                self.own_cache = build_cache(target, *self.target_kv, kind="preallocated", room=k) \
+                    if self.target_kv is not None else None
+        self._steps: dict[str, Callable] = {}
+        if self.graphs_on:
+            with torch.inference_mode():
+                self._capture_graphs(need, device)
 
+    # ------------------------------------------------------------------ steps
+    def _translate_into_cache(self, cap: Capture):
+        """Optimised: the translation written straight into the reserved handoff cache."""
+        if refreshing(self.refresh):
+            return translate_to_cache(self.source, self.target, self.translator, self.context_ids, cap=cap,
+                                      room=self.new_ids.shape[1], out_dtype=self.out_dtype, precision=self.precision,
+                                      refresh=self.refresh)
+        return translate_to_cache(self.source, self.target, self.translator, cap=cap, into=self.handoff_cache,
+                                  out_dtype=self.out_dtype, precision=self.precision)
+
+    def _new_turn(self, cache) -> torch.Tensor:
+        if self.optimised:
+            cache.set_length(self.n_context)  # a reused cache: the previous call's new turn is overwritten
+        return new_turn_logits(self.target, self.new_ids, cache)
+
+    def _handoff(self, cap: Capture, mark: Callable[[str], None] | None = None,
+                 steps: dict[str, Callable] | None = None) -> torch.Tensor:
+        mark, steps = mark or (lambda _stage: None), steps or {}
+        if self.optimised:
+            made = steps.get("translate", lambda: self._translate_into_cache(cap))()
+            mark("translate")
+            # the translation wrote the reserved cache (a refresh assembles its own): nothing left to build
+            cache = made if refreshing(self.refresh) else self.handoff_cache
+        else:
+            keys, values = translate(self.source, self.translator, self.context_ids, self.out_dtype, cap=cap,
+                                     refresh=self.refresh, target=self.target, precision=self.precision)
+            mark("translate")
+            cache = build_cache(self.target, keys, values, kind="dynamic")
+        mark("build_cache")
+        logits = steps.get("new_turn", lambda: self._new_turn(cache))()
+        mark("new_turn")
+        return logits
+
+    def _eager(self, name: str) -> torch.Tensor:
+        if name == "target_reprefill":
+            cache = None
+            if self.optimised:
+                cache = self.reprefill_cache
+                cache.set_length(0)
+            out, _ = run_with_cache(self.target, self.full_ids, cache=cache, kind=self.kind, logits_to_keep=1)
+            return out.logits[0, -1]
+        if name == "source_prefill_handoff":
+            return self._handoff(prefill(self.source, self.context_ids, self.want_prenorm, kind=self.kind))
+        if name == "target_cache_continue":
+            own = self.own_cache if self.optimised else build_cache(self.target, *self.target_kv, kind="dynamic")
+            return self._new_turn(own)
+        raise ValueError(name)
+
+    def _capture_graphs(self, need: tuple[str, ...], device) -> None:
+        """One CUDA graph per path, and for the existing-source handoff one per stage (so its
+        breakdown can still be timed); each captured after warm-ups on its own static buffers."""
+        candidates: dict[str, Callable] = {}
+        if "source_cache_handoff" in need:
+            candidates["translate"] = lambda: self._translate_into_cache(self.source_capture)
+            candidates["new_turn"] = lambda: self._new_turn(self.handoff_cache)
+        for name in ("target_reprefill", "source_prefill_handoff", "target_cache_continue"):
+            if name in need:
+                candidates[name] = lambda name=name: self._eager(name)
+        for name, fn in candidates.items():
+            try:
+                self._steps[name] = graphs.capture(fn, device)
+            except Exception as err:  # a capture that fails leaves that step eager, and says why
+                self.graph_errors[name] = f"{type(err).__name__}: {err}"
+
+    # ------------------------------------------------------------------ the paths
     def target_reprefill(self) -> torch.Tensor:
-        out, _ = run_with_cache(self.target, self.full_ids, logits_to_keep=1)
-        return out.logits[0, -1]
+        return self._steps.get("target_reprefill", lambda: self._eager("target_reprefill"))()
 
     def source_cache_handoff(self, mark: Callable[[str], None] | None = None) -> torch.Tensor:
-        return self._handoff(self.source_capture, mark)
+        return self._handoff(self.source_capture, mark, self._steps)
 
     def source_prefill_handoff(self) -> torch.Tensor:
-        cap = prefill(self.source, self.context_ids, self.want_prenorm)
-        return self._handoff(cap)
+        return self._steps.get("source_prefill_handoff", lambda: self._eager("source_prefill_handoff"))()
 
     def target_cache_continue(self) -> torch.Tensor:
-        return new_turn_logits(self.target, self.new_ids, build_cache(self.target, *self.target_kv))
+        return self._steps.get("target_cache_continue", lambda: self._eager("target_cache_continue"))()
 
-    def _handoff(self, cap: Capture, mark: Callable[[str], None] | None = None) -> torch.Tensor:
-        keys, values = translate(self.source, self.translator, self.context_ids, self.out_dtype, cap=cap,
-                                 refresh=self.refresh, target=self.target)
-        if mark:
-            mark("translate")
-        cache = build_cache(self.target, keys, values)
-        if mark:
-            mark("build_cache")
-        logits = new_turn_logits(self.target, self.new_ids, cache)
-        if mark:
-            mark("new_turn")
-        return logits
+    @property
+    def graphed(self) -> list[str]:
+        """Steps replayed as CUDA graphs."""
+        return sorted(self._steps)
 
     def path(self, name: str) -> Callable[[], torch.Tensor]:
         if name not in PATHS:
@@ -156,20 +259,25 @@ class HandoffPaths:
         return getattr(self, name)
 
 
-def time_paths(paths: HandoffPaths, names=PATHS, warmups: int = 5, repeats: int = 30, cv_limit: float = CV_LIMIT) -> dict:
-    """Time each named path on its own (all its warm-ups and trials, then the next path).
+def time_paths(paths: HandoffPaths, names=PATHS, warmups: int = 5, repeats: int = 30, cv_limit: float = CV_LIMIT,
+               max_repeats: int | None = None) -> dict:
+    """Time each named path on its own (all its warm-ups and trials, then the next path); with
+    `max_repeats`, a noisy path gets more trials (`run_trials`).
 
     Returns {path: summary}; speedups are `speedups(...)` of the result.
     """
     device = device_of(paths.target)
-    return {name: summarize(run_trials(paths.path(name), device, warmups, repeats), cv_limit) for name in names}
+    return {name: summarize(run_trials(paths.path(name), device, warmups, repeats, cv_limit, max_repeats), cv_limit)
+            for name in names}
 
 
-def time_breakdown(paths: HandoffPaths, warmups: int = 5, repeats: int = 30, cv_limit: float = CV_LIMIT) -> dict:
+def time_breakdown(paths: HandoffPaths, warmups: int = 5, repeats: int = 30, cv_limit: float = CV_LIMIT,
+                   max_repeats: int | None = None) -> dict:
     """Where the time of `source_cache_handoff` goes: translate, cache build, new-turn step.
 
     Separate trials from the path's own, with a synchronisation between stages (which the
     end-to-end trials do not pay), so each stage's clock covers its own device work only.
+    With `max_repeats`, trials go on while a stage's CV exceeds the limit, as in `run_trials`.
     """
     device = device_of(paths.target)
     per_stage: dict[str, list[float]] = {s: [] for s in STAGES}
@@ -186,14 +294,21 @@ def time_breakdown(paths: HandoffPaths, warmups: int = 5, repeats: int = 30, cv_
         clock["t"] = time.perf_counter()
         paths.source_cache_handoff(mark)
 
+    def noisy() -> bool:
+        return any(cv(per_stage[name]) > cv_limit for name in ("translate", "new_turn"))
+
+    cap = max(repeats, max_repeats or repeats)
     with torch.inference_mode():
         for _ in range(warmups):
             trial()
         for s in STAGES:
             per_stage[s].clear()
-        for _ in range(repeats):
+        while len(per_stage["new_turn"]) < repeats or (len(per_stage["new_turn"]) < cap and noisy()):
             trial()
-    return {s: summarize(per_stage[s], cv_limit) for s in STAGES}
+    out = {s: summarize(per_stage[s], cv_limit) for s in STAGES}
+    if paths.optimised:  # microseconds of bookkeeping: their CV says nothing about the machine
+        out["build_cache"].update(noisy=False, note="nothing to build: the translation wrote the cache")
+    return out
 
 
 def speedups(summaries: dict, baseline: str = "target_reprefill") -> dict[str, float]:

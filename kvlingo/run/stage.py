@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Callable
 
+from ..core.cache import CACHE_KINDS, set_default_kind
 from ..core.translator import TranslatorError
 from ..eval.itemrows import RowsError
 from ..eval.timing import CV_LIMIT
@@ -86,10 +87,21 @@ def refresh_setting(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class _CacheKind(argparse.Action):
+    """--cache: the KV cache every handoff in this process builds (kvlingo.core.cache.CACHE_KINDS)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        set_default_kind(values)
+        setattr(namespace, self.dest, values)
+
+
 def add_common_args(parser, data: bool = False, default_profile: str = "pilot") -> None:
-    """--profile, the pair flags and the run-folder flags (and --data for stages that read prepared chats)."""
+    """--profile, the pair flags, the run-folder flags and --cache (and --data for stages that read prepared chats)."""
     parser.add_argument("--profile", default=default_profile, choices=sorted(PROFILES),
                         help=f"run profile: budgets and settings (default {default_profile})")
+    parser.add_argument("--cache", choices=CACHE_KINDS, default=CACHE_KINDS[0], action=_CacheKind,
+                        help="preallocated: the translation writes the target's cache, no copies, attention without "
+                             "repeated K/V; dynamic: transformers' DynamicCache and sdpa as shipped (default preallocated)")
     add_pair_args(parser)
     add_run_args(parser)
     if data:

@@ -1,0 +1,127 @@
+"""Physical limits of the handoff: each step's time floor from its FLOPs and bytes (a roofline).
+
+A step cannot run faster than max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth). Steps
+that run one after another add up. So, for a context of n tokens and a new turn of k:
+
+    re-prefill   the target reads n + k tokens: every weight once, K/V written for n + k
+                 tokens; dense FLOPs for n + k tokens, causal attention, one row of logits
+    translation  the source's key features and values read, the maps read, the target's
+                 K/V written; `flops_per_token` · n
+    new turn     the target reads k tokens: every weight once, the n-token cache read, k
+                 tokens' K/V written; dense FLOPs for k tokens, attention of k queries over
+                 n + k keys, one row of logits
+
+and the limit of the speedup is floor(re-prefill) / (floor(translation) + floor(new turn)).
+The same floors tell how far each measured stage is from its own limit.
+
+The peaks are an assumption about the device, recorded beside every figure: by default
+measured here (`measure_peaks`: the best of a few large matmuls in the run dtype, and of a
+large copy), or given (e.g. a datasheet's: H200 SXM, 4.8 TB/s HBM3e and about 790 TFLOP/s
+dense BF16). Measured peaks are what this machine reaches with these kernels, so the limit
+is one that the same libraries could approach; a shared CPU's are lower than an idle one's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Peaks:
+    flops_per_s: float  # dense matmul FLOP/s in the run dtype
+    bytes_per_s: float  # memory bandwidth (bytes read + written per second)
+    source: str  # how they were obtained: "measured ..." or "given"
+
+
+def _best_seconds(fn, device, repeats: int = 3) -> float:
+    from .timing import synchronize
+
+    fn()
+    synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_peaks(device, dtype: torch.dtype) -> Peaks:
+    """The best of three large matmuls in `dtype` and three large copies on `device` (on the current threads)."""
+    device = torch.device(device)
+    gpu = device.type != "cpu"
+    # A CPU's reduced-precision matmuls can be far slower than its FP32 ones: keep their probe small.
+    n = 8192 if gpu else (2048 if dtype == torch.float32 else 512)
+    with torch.inference_mode():
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        flops = 2 * n**3 / _best_seconds(lambda: a @ b, device)
+        del a, b
+        src = torch.empty((1 << 30) if gpu else (1 << 28), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        bandwidth = 2 * src.numel() / _best_seconds(lambda: dst.copy_(src), device)
+    return Peaks(flops, bandwidth, f"measured on {device.type} ({torch.get_num_threads()} threads), {str(dtype)[6:]}")
+
+
+# --------------------------------------------------------------------------- counts
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every parameter once (a tied LM head is the embedding, read once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(model, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of a `tokens`-long K/V cache of `model` in `dtype`."""
+    c = model.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * tokens * c.head_dim * _element_size(dtype)
+
+
+def forward_flops(model, q_tokens: int, cached_tokens: int) -> float:
+    """FLOPs of a forward of q tokens after `cached_tokens`, keeping one row of logits: dense layers,
+    causal attention (q queries over cached + q keys) and the LM head for one position."""
+    c = model.config
+    dense = sum(p.numel() for name, p in model.model.layers.named_parameters() if p.dim() == 2)
+    attended = q_tokens * cached_tokens + q_tokens * (q_tokens + 1) / 2  # query-key pairs under the causal mask
+    attention = 4.0 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * attended
+    lm_head = 2.0 * c.vocab_size * c.hidden_size
+    return 2.0 * dense * q_tokens + attention + lm_head
+
+
+def step_floor(flops: float, nbytes: float, peaks: Peaks) -> dict:
+    compute, memory = flops / peaks.flops_per_s, nbytes / peaks.bytes_per_s
+    return {"flops": flops, "bytes": nbytes, "compute_s": compute, "memory_s": memory, "floor_s": max(compute, memory),
+            "bound": "compute" if compute >= memory else "memory"}
+
+
+def handoff_limits(source, target, translator, n: int, k: int, dtype: torch.dtype, peaks: Peaks,
+                   feature_dtype: torch.dtype | None = None) -> dict:
+    """Floors of re-prefill, translation, new turn and target continuation, and the speedup limit.
+
+    `dtype`: the models' (and caches') dtype; `feature_dtype`: what the translation reads (the
+    capture's dtype; default `dtype`).
+    """
+    g = translator.geometry
+    feature_dtype = feature_dtype or dtype
+    reprefill = step_floor(forward_flops(target, n + k, 0), weight_bytes(target) + kv_bytes(target, n + k, dtype), peaks)
+    new_turn = step_floor(forward_flops(target, k, n),
+                          weight_bytes(target) + kv_bytes(target, n, dtype) + kv_bytes(target, k, dtype), peaks)
+    source_features = 2 * g.source_layers * g.source_kv_heads * n * g.source_head_dim * _element_size(feature_dtype)
+    maps = sum(p.numel() * p.element_size() for p in translator.parameters())
+    translation = step_floor(translator.flops_per_token() * n, source_features + maps + kv_bytes(target, n, dtype),
+                             peaks)
+    handoff = translation["floor_s"] + new_turn["floor_s"]
+    return {"peaks": asdict(peaks), "reprefill": reprefill, "translation": translation, "new_turn": new_turn,
+            "handoff_floor_s": handoff, "speedup_limit": reprefill["floor_s"] / handoff}

@@ -1,0 +1,329 @@
+"""The optimised handoff against transformers' own path: the preallocated cache, attention over
+grouped-query K/V without repeats, translation straight into the cache, the BF16 translation
+path, the adaptive timing screen, and (on a GPU only) CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlingo.core import attention, graphs
+from kvlingo.core.cache import build_cache, capture, continue_from, empty_cache, run_with_cache
+from kvlingo.core.handoff import greedy_generate, translate, translate_to_cache
+from kvlingo.core.headwise import Headwise
+from kvlingo.core.preallocated import PreallocatedCache
+from kvlingo.core.translator import FAST_BF16_TOLERANCE, Geometry
+from kvlingo.eval import timing
+from kvlingo.run.models import ModelSpec, load_model
+
+BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits
+
+
+def _ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(10, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair_paths):
+    return {(role, dtype): load_model(ModelSpec.parse(str(path)), "cpu", dtype)
+            for role, path in zip(("large", "small"), tiny_pair_paths) for dtype in (torch.float32, torch.bfloat16)}
+
+
+def transformers_split(model, prefix, new):
+    """transformers' own path: a prefill, then the new tokens on its DynamicCache with its sdpa attention."""
+    with torch.no_grad():
+        first = model(input_ids=prefix, use_cache=True)
+        return model(input_ids=new, cache=first.cache, use_cache=True).logits[0]
+
+
+def random_maps(source, target, seed: int = 0) -> Headwise:
+    maps = Headwise(Geometry.of(source, target)).bind(source, target)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        maps.weight.normal_(0, 0.3, generator=g)
+        maps.bias.normal_(0, 0.1, generator=g)
+    return maps.requires_grad_(False)
+
+
+# --------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_attention_equals_transformers_sdpa_with_repeats(dtype):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    class Module:  # what transformers' attention functions read from the attention module
+        num_key_value_groups, is_causal = 3, True
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 5, 16, generator=g).to(dtype)  # 6 query heads over 2 KV heads, 5 new tokens
+    k, v = (torch.randn(1, 2, 12, 16, generator=g).to(dtype) for _ in range(2))  # 7 cached + 5 new
+    mask = sdpa_mask(batch_size=1, q_length=5, kv_length=12, q_offset=7, allow_is_causal_skip=False)
+    ref, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.25)
+    got, _ = attention.gqa_sdpa_forward(Module(), q, k, v, mask, scaling=0.25)
+    assert got.shape == ref.shape == (1, 5, 6, 16)
+    diff = (got.float() - ref.float()).abs().max().item()
+    # FP32: the same softmax rows in another order of summation; BF16: one rounding of the output (|out| ≤ max |v|)
+    assert diff <= (1e-6 if dtype == torch.float32 else BF16_EPS * v.float().abs().max().item())
+    # without a mask (a prefill on is_causal) it is transformers' own call
+    same, _ = attention.gqa_sdpa_forward(Module(), q, k[:, :, :5], v[:, :, :5], None, scaling=0.25)
+    theirs, _ = sdpa_attention_forward(Module(), q, k[:, :, :5], v[:, :, :5], None, scaling=0.25)
+    assert torch.equal(same, theirs)
+
+
+def test_new_turn_on_preallocated_cache_never_repeats_kv(models, monkeypatch):
+    model = models["small", torch.float32]
+    ids = _ids(30, model.config.vocab_size)
+    with torch.no_grad():
+        cap = capture(model, ids[:, :24])
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.shape[1], k.shape[1]))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        continue_from(model, cap.keys, cap.values, ids[:, 24:], kind="preallocated")
+    kv_heads = model.config.num_key_value_heads
+    assert seen and all(k_heads == kv_heads for _, k_heads in seen)  # K/V reach SDPA with their own heads
+    seen.clear()
+    with torch.no_grad():
+        continue_from(model, cap.keys, cap.values, ids[:, 24:], kind="dynamic")
+    assert seen and all(k_heads == model.config.num_attention_heads for _, k_heads in seen)  # as shipped: repeated
+    assert model.config._attn_implementation == "sdpa"  # switched back after the call
+
+
+# --------------------------------------------------------------------------- the preallocated cache
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_preallocated_cache_logits_equal_transformers(models, dtype):
+    for role in ("large", "small"):
+        model = models[role, dtype]
+        ids = _ids(40, model.config.vocab_size, 1)
+        prefix, new = ids[:, :31], ids[:, 31:]
+        ref = transformers_split(model, prefix, new).float()
+        with torch.no_grad():
+            cap = capture(model, prefix, kind="preallocated")
+            got = continue_from(model, cap.keys, cap.values, new, kind="preallocated").logits[0].float()
+        diff = (got - ref).abs().max().item()
+        if dtype == torch.float32:
+            assert diff <= 1e-5
+        else:
+            # Other kernels over the same BF16 tensors: attention rounds its output once, and that rounding
+            # travels through the remaining layers. Measured 0.0 here; allowed: two roundings of the largest logit.
+            assert diff <= 2 * BF16_EPS * ref.abs().max().item()
+
+
+def test_preallocated_cache_is_written_in_place_and_grows_when_full(models):
+    model = models["small", torch.float32]
+    ids = _ids(30, model.config.vocab_size, 2)
+    with torch.no_grad():
+        cap = capture(model, ids[:, :20])
+        cache = build_cache(model, cap.keys, cap.values, kind="preallocated", room=6)
+        buffer = cache.key_buffer.data_ptr()
+        run_with_cache(model, ids[:, 20:26], cache=cache)
+        assert cache.length == 26 and cache.layers[0].key_buffer.data_ptr() == buffer  # no copy, no concatenation
+        out, _ = run_with_cache(model, ids[:, 26:], cache=cache)  # 4 more than the room: the layers grow
+        assert cache.length == 30 and cache.layers[0].capacity >= 30
+        ref = transformers_split(model, ids[:, :26], ids[:, 26:])
+    assert (out.logits[0] - ref).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="a layer may have grown"):
+        cache.context(20)
+
+
+def test_greedy_generation_preallocated_equals_dynamic_on_tiny_pair(models):
+    source, target = models["large", torch.float32], models["small", torch.float32]
+    ids = _ids(26, target.config.vocab_size, 3)
+    maps = random_maps(source, target)
+    with torch.no_grad():
+        kv = translate(source, maps, ids[0, :-1].tolist())
+    new = ids[0, -1:].tolist()
+    ours, _ = greedy_generate(target, new, kv, max_new_tokens=12, kind="preallocated")
+    shipped, _ = greedy_generate(target, new, kv, max_new_tokens=12, kind="dynamic")
+    assert len(ours) == 12 and ours == shipped
+
+
+@pytest.mark.slow
+def test_greedy_generation_preallocated_equals_dynamic_on_toy_pair(tmp_path_factory):
+    """The trained toy pair answers chats on its own cache and after a handoff: the same tokens from both kinds."""
+    import json
+
+    from kvlingo.core.handoff import capture_source, stop_ids
+    from kvlingo.toy import train as toytrain
+    from kvlingo.toy.random import random_translator
+    from tinypair import load_tiny_pair
+
+    out = tmp_path_factory.mktemp("toy") / "toy"
+    toytrain.install_pair(out, log=lambda _m: None)
+    pair = load_tiny_pair((out / "large", out / "small"))
+    translator = random_translator(pair.source, pair.target, "prenorm")  # near-identity maps
+    eos = stop_ids(pair.tokenizer)
+    for line in (out / "corpus" / "chats.jsonl").read_text().splitlines()[:3]:
+        messages = json.loads(line)["input"]
+        messages = messages[:-1] if messages[-1]["role"] == "assistant" else messages
+        prefix = list(pair.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                         enable_thinking=False)["input_ids"])
+        with torch.no_grad():
+            own = capture_source(pair.target, prefix[:-1])
+            handed = translate(pair.source, translator, prefix[:-1])
+        for kv in ((own.keys, own.values), handed):
+            ours = greedy_generate(pair.target, prefix[-1:], kv, max_new_tokens=24, eos_ids=eos, kind="preallocated")
+            shipped = greedy_generate(pair.target, prefix[-1:], kv, max_new_tokens=24, eos_ids=eos, kind="dynamic")
+            assert ours == shipped and ours[0]
+
+
+# --------------------------------------------------------------------------- translation into the cache
+def test_translation_straight_into_cache_equals_translate_then_build(models):
+    source, target = models["large", torch.float32], models["small", torch.float32]
+    ids = _ids(33, target.config.vocab_size, 4)
+    maps = random_maps(source, target, 1)
+    with torch.no_grad():
+        cap = capture(source, ids[:, :28])
+        keys, values = maps(cap)
+        cache = translate_to_cache(source, target, maps, cap=cap, room=5)
+        written = cache.context(28)
+        assert torch.equal(written[0], keys) and torch.equal(written[1], values)  # the same bits, in place
+        got = run_with_cache(target, ids[:, 28:], cache=cache)[0].logits[0]
+        shipped = continue_from(target, keys, values, ids[:, 28:], kind="dynamic").logits[0]
+    assert (got - shipped).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("key_space", ["prenorm", "cache"])
+def test_token_tiles_of_norm_and_rope_give_the_same_bits(models, monkeypatch, key_space):
+    from kvlingo.core import translator as tr
+
+    source, target = models["large", torch.float32], models["small", torch.float32]
+    maps = Headwise(Geometry.of(source, target), key_space).bind(source, target)
+    maps.load_state_dict(random_maps(source, target, 5).state_dict())
+    with torch.no_grad():
+        cap = capture(source, _ids(23, target.config.vocab_size, 11))
+        whole = [maps(cap, dtype, chunk_elements=1) for dtype in (torch.float32, torch.bfloat16)]
+        per_token = target.config.num_key_value_heads * target.config.head_dim
+        monkeypatch.setitem(tr.TILE_ELEMENTS, "cpu", 5 * per_token)  # 5-token tiles, the last one of 3
+        assert maps.chunk_tokens(23, "cpu") == 5
+        tiled = [maps(cap, dtype, chunk_elements=1) for dtype in (torch.float32, torch.bfloat16)]
+    for a, b in zip(whole, tiled):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_bf16_fast_translation_within_tolerance_of_fp32_maths(models):
+    source, target = models["large", torch.bfloat16], models["small", torch.bfloat16]
+    ids = _ids(40, target.config.vocab_size, 5)
+    for key_space in ("prenorm", "cache"):
+        maps = Headwise(Geometry.of(source, target), key_space).bind(source, target)
+        with torch.no_grad():
+            maps.weight.copy_(torch.eye(16) + 0.2 * torch.randn(maps.weight.shape, generator=torch.Generator().manual_seed(6)))
+            maps.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(7))
+            cap = capture(source, ids)
+            exact = maps(cap, torch.bfloat16, precision="fp32")
+            cache = empty_cache(target, ids.shape[1], 3, torch.bfloat16)
+            fast = maps(cap, precision="fast", out=cache.context(ids.shape[1]))
+        for ref, got in zip(exact, fast):
+            assert got.dtype == torch.bfloat16
+            assert not torch.equal(ref, got)  # the BF16 matmuls really ran
+            for layer in range(ref.shape[0]):
+                bound = FAST_BF16_TOLERANCE * ref[layer].float().abs().max().item()
+                assert (got[layer].float() - ref[layer].float()).abs().max().item() <= bound
+    assert maps.compute_dtype(torch.float32, "fast") == torch.float32  # FP32 runs keep FP32 inputs (TF32 on CUDA)
+
+
+def test_family_without_fast_paths_keeps_fp32_maths_and_contiguous_scratch(models):
+    source, target = models["large", torch.float32], models["small", torch.float32]
+
+    class Plain(Headwise):  # a family that has not opted in: the base must not hand it strided outputs
+        fast_paths = False
+
+        def map_into(self, which, cap, layers, out):
+            assert out.is_contiguous() and out.dtype == torch.float32
+            super().map_into(which, cap, layers, out)
+
+    maps = Plain(Geometry.of(source, target)).bind(source, target)
+    with torch.no_grad():
+        maps.weight.copy_(random_maps(source, target, 2).weight)
+        cap = capture(source, _ids(20, target.config.vocab_size, 8))
+        cache = empty_cache(target, 20, 4)
+        maps(cap, precision="fast", out=cache.context(20))
+        assert maps.compute_dtype(torch.bfloat16, "fast") == torch.float32
+        assert torch.equal(cache.context(20)[1], Headwise.map(maps, 1, cap, slice(None)))
+
+
+# --------------------------------------------------------------------------- timing
+def test_timing_modes_agree_with_transformers(models):
+    source, target = models["large", torch.float32], models["small", torch.float32]
+    ids = _ids(30, target.config.vocab_size, 9)
+    maps = random_maps(source, target, 3)
+    out = {}
+    for mode in timing.MODES:
+        paths = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:], mode=mode)
+        with torch.inference_mode():
+            out[mode] = {name: paths.path(name)().clone() for name in timing.PATHS}
+            again = paths.source_cache_handoff()  # a reused cache gives the same answer on every call
+        assert torch.equal(again, out[mode]["source_cache_handoff"])
+    with torch.no_grad():
+        plain = target(input_ids=ids).logits[0, -1]  # transformers, no cache object of ours
+    for mode in timing.MODES:
+        assert (out[mode]["target_reprefill"] - plain).abs().max().item() <= 1e-5
+        assert (out[mode]["target_cache_continue"] - plain).abs().max().item() <= 1e-5
+    for name in timing.PATHS:
+        assert (out["optimised"][name] - out["shipped"][name]).abs().max().item() <= 1e-5
+
+
+def test_adaptive_trials_stop_at_the_cv_limit_or_the_cap(monkeypatch):
+    clock = {"t": 0.0}
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["t"])
+
+    def steady():
+        clock["t"] += 1.0
+
+    durations = iter([1.0, 2.0] * 50)
+
+    def jumpy():
+        clock["t"] += next(durations)
+
+    assert len(timing.run_trials(steady, "cpu", 0, 3, cv_limit=0.1, max_repeats=20)) == 3
+    assert len(timing.run_trials(jumpy, "cpu", 0, 3, cv_limit=0.1, max_repeats=20)) == 20
+    assert len(timing.run_trials(jumpy, "cpu", 0, 3)) == 3  # no cap given: exactly the repeats
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+def test_cuda_graph_capture_refuses_a_cpu():
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        graphs.capture(lambda: None, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_paths_equal_eager_paths(tiny_pair_paths):
+    source = load_model(ModelSpec.parse(str(tiny_pair_paths[0])), "cuda", torch.bfloat16)
+    target = load_model(ModelSpec.parse(str(tiny_pair_paths[1])), "cuda", torch.bfloat16)
+    ids = _ids(60, target.config.vocab_size, 10).cuda()
+    maps = random_maps(source, target, 4).cuda().bind(source, target)
+    kwargs = dict(mode="optimised")
+    graphed = timing.HandoffPaths(source, target, maps, ids[:, :52], ids[:, 52:], cuda_graphs=True, **kwargs)
+    eager = timing.HandoffPaths(source, target, maps, ids[:, :52], ids[:, 52:], cuda_graphs=False, **kwargs)
+    assert not graphed.graph_errors and "new_turn" in graphed.graphed and not eager.graphed
+    with torch.inference_mode():
+        for name in timing.PATHS:
+            a, b = graphed.path(name)().clone(), graphed.path(name)().clone()
+            assert torch.equal(a, b) and torch.equal(a, eager.path(name)()), name
+
+
+# --------------------------------------------------------------------------- the physical limit
+def test_forward_flops_match_torch_flop_counter(models):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from kvlingo.eval.roofline import Peaks, forward_flops, step_floor
+
+    model = models["small", torch.float32]
+    c = model.config
+    for q in (1, 5):
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(input_ids=_ids(q, c.vocab_size), logits_to_keep=1)
+        counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+        matmuls = sum(n for op, n in counts.items() if "attention" not in op)
+        causal = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * q * (q + 1) / 2
+        assert forward_flops(model, q, 0) == matmuls + causal  # dense layers and one row of logits, then attention
+        if q == 1:
+            assert forward_flops(model, q, 0) == counter.get_total_flops()  # one query: nothing is masked
+    floor = step_floor(2e9, 1e9, Peaks(1e12, 1e11, "given"))
+    assert floor["floor_s"] == 1e-2 and floor["bound"] == "memory"
