@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arch import head_dim
 
 
 @dataclass
@@ -33,8 +34,7 @@ def check_batch(input_ids: torch.Tensor) -> None:
 
 
 def _kv_shape(model) -> tuple[int, int]:
-    cfg = model.config
-    return cfg.num_key_value_heads, cfg.head_dim
+    return model.config.num_key_value_heads, head_dim(model.config)
 
 
 def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: bool = False, **kwargs):
