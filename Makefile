@@ -61,6 +61,12 @@ ABLATE_THREADS    ?= 1
 EXPORT_ARGS  ?=
 # perf: float32 on a CPU (its BF16 kernels are slow for small steps), bfloat16 on a GPU
 PERF_DTYPE   ?= auto
+# The toy pair(s) make demo runs: toy = large ↔ small (head-wise maps); deep = large ↔ deep, then deep ↔ small
+# (the deep model's 6 layers × 4 KV heads × head_dim 16 against the pair's 4 × 2 × 32: cross-layer maps).
+PAIR ?= toy
+DEMO_PAIRS_toy  := large:small
+DEMO_PAIRS_deep := large:deep deep:small
+DEMO_FAMILY_deep := crosslayer
 
 # Python caches compiled modules in .venv even where the environment turns that off: without the
 # cache every process recompiles torch and transformers (seconds per stage, minutes per test run).
@@ -69,7 +75,7 @@ export PYTHONDONTWRITEBYTECODE =
 VENV  := .venv
 PY    := $(VENV)/bin/python
 UV    := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
-PAIR   = --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) --device $(DEVICE) \
+PAIR_FLAGS = --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) --device $(DEVICE) \
 	--dtype $(DTYPE) $(if $(RUN),--run $(RUN))
 REFRESH_FLAG = $(if $(REFRESH),--refresh $(REFRESH))
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
@@ -77,7 +83,7 @@ PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
 TRAIN_PY = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY))
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast run demo toy toy-train toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate frontier export
+.PHONY: help venv test test-fast run demo toy toy-train toy-train-deep toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate frontier export
 
 help: ## list the targets
 	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(or $(RUN),PROFILE-DIRECTION)):"
@@ -116,23 +122,34 @@ run: $(VENV)/.synced ## the pilot: prepare → train → benchmark → IFEval (n
 	if [ $$status -ne 0 ]; then echo "make run: a stage failed (see above); its report is still written"; fi; \
 	exit $$status
 
-toy: $(VENV)/.synced ## install the offline toy world: packaged toy Qwen3 pair + regenerated, verified corpus → artifacts/toy (seconds)
+toy: $(VENV)/.synced ## install the offline toy world: packaged toy Qwen3 pair and deep model + regenerated, verified corpus → artifacts/toy (seconds)
 	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) $(TOY_ARGS)
 
 toy-train: $(VENV)/.synced ## retrain the toy pair from scratch (~26 CPU-minutes) and re-package it into kvlingo/toy/pair
 	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) --train --export kvlingo/toy/pair $(TOY_ARGS)
 
-# Every stage on the toy pair, offline, on the CPU. The demo profile holds every setting (learning
+toy-train-deep: $(VENV)/.synced ## retrain the deep toy model (6 layers, 4 KV heads) on the packaged pair's corpus and re-package it into kvlingo/toy/deep
+	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) --train-deep --export-deep kvlingo/toy/deep $(TOY_ARGS)
+
+# Every stage on a toy pair, offline, on the CPU. The demo profile holds every setting (learning
 # rate, fit weighting, switch lengths, the recipe's budget; timing CV flags reported, not fatal).
-demo: toy ## the whole suite offline on a CPU with the toy pair, ending in a summary table
-	@status=0; \
-	$(MAKE) run PROFILE=demo || status=1; \
-	$(MAKE) switch PROFILE=demo || status=1; \
+# PAIR=toy keeps the default run names (demo-DIRECTION); other pairs run as demo-LARGE-SMALL-DIRECTION.
+demo_run = $(if $(filter toy,$(PAIR)),,RUN=demo-$(1)-$(2)-$(DIRECTION))
+demo_vars = PROFILE=demo LARGE=$(TOY)/$(1) SMALL=$(TOY)/$(2) $(call demo_run,$(1),$(2)) \
+	$(if $(DEMO_FAMILY_$(PAIR)),TRAIN_ARGS="--family $(DEMO_FAMILY_$(PAIR)) $(TRAIN_ARGS)" \
+	  RECIPE_ARGS="--train-args='--family $(DEMO_FAMILY_$(PAIR))' $(RECIPE_ARGS)")
+define demo_pair
+	$(MAKE) run $(call demo_vars,$(1),$(2)) || status=1; \
+	$(MAKE) switch $(call demo_vars,$(1),$(2)) || status=1; \
 	for task in arc gsm8k; do for mode in prompt trace; do \
-	  $(MAKE) task-native task PROFILE=demo TASK=$$task HANDOFF=$$mode TASK_ARGS="--resume" || status=1; \
+	  $(MAKE) task-native task $(call demo_vars,$(1),$(2)) TASK=$$task HANDOFF=$$mode TASK_ARGS="--resume" || status=1; \
 	done; done; \
-	$(MAKE) recipe PROFILE=demo RUN=demo-$(DIRECTION)-recipe || status=1; \
-	$(MAKE) summary PROFILE=demo || status=1; \
+	$(MAKE) recipe $(call demo_vars,$(1),$(2)) RUN=demo-$(if $(filter toy,$(PAIR)),,$(1)-$(2)-)$(DIRECTION)-recipe || status=1; \
+	$(MAKE) summary $(call demo_vars,$(1),$(2)) || status=1;
+endef
+demo: toy ## the whole suite offline on a CPU with a toy pair (PAIR=toy: large ↔ small; PAIR=deep: large ↔ deep, deep ↔ small), ending in summary tables
+	@$(if $(DEMO_PAIRS_$(PAIR)),,echo "make demo: PAIR=$(PAIR) is not one of toy, deep"; exit 2;) status=0; \
+	$(foreach p,$(DEMO_PAIRS_$(PAIR)),$(call demo_pair,$(word 1,$(subst :, ,$(p))),$(word 2,$(subst :, ,$(p))))) \
 	exit $$status
 
 # A translator to try kvlingo.Relay on, offline: the demo's first three stages on the toy pair, then its export.
@@ -144,42 +161,44 @@ prepare: $(VENV)/.synced ## disjoint train/validation/test splits → data/PROFI
 	$(PY) paper_data.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
 
 train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, results/RUN/train.json (TRAIN_ARGS=--resume, NPROC=8)
-	$(TRAIN_PY) train_translator.py $(PAIR) $(TRAIN_ARGS)
+	$(TRAIN_PY) train_translator.py $(PAIR_FLAGS) $(TRAIN_ARGS)
 
 estimate: $(VENV)/.synced ## peak memory per rank and time per update of PROFILE's distillation (NPROC=8 GPU=H100)
 	$(PY) -m kvlingo.train.estimate --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) \
 	  --dtype $(DTYPE) --nproc $(NPROC) --device $(DEVICE) $(if $(GPU),--gpu $(GPU))
 
 benchmark: $(VENV)/.synced ## KL/perplexity rows, native controls, four timing paths → results/RUN/benchmark.json
-	$(PY) benchmark.py $(PAIR) $(REFRESH_FLAG) $(BENCH_ARGS)
+	$(PY) benchmark.py $(PAIR_FLAGS) $(REFRESH_FLAG) $(BENCH_ARGS)
 
 switch: $(VENV)/.synced ## switch cost against re-reading on long chats → results/RUN/switch.json (SWITCH_ARGS="--lengths 4000 8000")
-	$(PY) switch_cost.py $(PAIR) $(REFRESH_FLAG) $(SWITCH_ARGS)
+	$(PY) switch_cost.py $(PAIR_FLAGS) $(REFRESH_FLAG) $(SWITCH_ARGS)
 
 $(EVAL_ROOT)/ifeval/manifest.json: | $(VENV)/.synced
 	$(PY) ifeval.py --prepare --data-root $(EVAL_ROOT) $(if $(IFEVAL_SOURCE),--source $(IFEVAL_SOURCE))
 
 ifeval-native: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval, native source and target, official grader → results/RUN/ifeval-native.json
-	$(PY) ifeval.py --native --data-root $(EVAL_ROOT) $(PAIR) $(IFEVAL_ARGS)
+	$(PY) ifeval.py --native --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(IFEVAL_ARGS)
 
 ifeval: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval after the handoff (distilled maps) → results/RUN/ifeval.json
-	$(PY) ifeval.py --data-root $(EVAL_ROOT) $(PAIR) $(REFRESH_FLAG) $(IFEVAL_ARGS)
+	$(PY) ifeval.py --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(REFRESH_FLAG) $(IFEVAL_ARGS)
 
 $(EVAL_ROOT)/arc/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json: | $(VENV)/.synced
 	$(PY) task_eval.py --task $(notdir $(@D)) --prepare --data-root $(EVAL_ROOT) \
 	  $(if $(TASK_SOURCE_DIR),--source $(TASK_SOURCE_DIR)/$(notdir $(@D)).jsonl,$(if $(TASK_SOURCE),--source $(TASK_SOURCE)))
 
 task: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff (TASK=arc|gsm8k HANDOFF=prompt|trace)
-	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --data-root $(EVAL_ROOT) $(PAIR) $(REFRESH_FLAG) $(TASK_ARGS)
+	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(REFRESH_FLAG) $(TASK_ARGS)
 
 task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the native source and target
-	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --data-root $(EVAL_ROOT) $(PAIR) $(TASK_ARGS)
+	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(TASK_ARGS)
 
-perf: $(VENV)/.synced ## speed at real Qwen3 shapes, random weights: 4 paths as shipped and optimised, the physical limit, 1k/2k/4k (DIRECTION=s2l too) → results/perf/perf.json
-	$(PY) perf.py --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)
+# LARGE/SMALL given on the command line name preset shapes (kvlingo/eval/shapes.py), e.g. Qwen/Qwen3-4B.
+perf: $(VENV)/.synced ## speed at real shapes (LARGE=Qwen/Qwen3-4B SMALL=Qwen/Qwen3-0.6B ...), random weights: FLOP ceilings of every family, then 4 paths as shipped and optimised, the physical limit, 1k/2k/4k (DIRECTION=s2l too) → results/perf/perf.json
+	$(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) \
+	  --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)
 
 recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL, 3 seeds → results/RUN/recipe.{json,md,png} (RECIPE_ARGS=--resume, RECIPE_LAUNCHER=slurm)
-	$(PY) recipe.py $(PAIR) --ifeval-data-root $(EVAL_ROOT) --launcher $(RECIPE_LAUNCHER) --gpus-per-cell $(NPROC) \
+	$(PY) recipe.py $(PAIR_FLAGS) --ifeval-data-root $(EVAL_ROOT) --launcher $(RECIPE_LAUNCHER) --gpus-per-cell $(NPROC) \
 	  $(if $(IFEVAL_SOURCE),--ifeval-source $(IFEVAL_SOURCE)) $(RECIPE_ARGS)
 
 export: $(VENV)/.synced ## the run's translator, its evidence and a model card → artifacts/RUN/export (kvlingo.Relay loads it; EXPORT_ARGS="--out DIR")
@@ -203,4 +222,4 @@ ablate: $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(
 frontier: $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## quality against cost from pure translation to re-prefill (refresh settings) → results/RUN/frontier.{json,md,png}
 	$(MAKE) prepare
 	$(MAKE) train TRAIN_ARGS="--resume $(TRAIN_ARGS)"
-	$(PY) frontier.py $(PAIR) --data-root $(EVAL_ROOT) $(FRONTIER_ARGS)
+	$(PY) frontier.py $(PAIR_FLAGS) --data-root $(EVAL_ROOT) $(FRONTIER_ARGS)

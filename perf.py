@@ -1,18 +1,24 @@
 """Handoff speed at real model shapes with random weights, as transformers ships and optimised, against the physical limit.
 
 Timing does not depend on weight values, so architecture-exact random Qwen3-1.7B / 0.6B
-(kvlingo/eval/shapes.py) and random head-wise maps measure the real shapes without any
-download. For each context length and each mode (kvlingo/eval/timing.py: "shipped" =
-transformers' DynamicCache and sdpa attention, FP32 translation maths, eager; "optimised" =
-a preallocated cache the translation writes into, grouped-query attention without repeated
-K/V, the maps in the run dtype and CUDA graphs on a GPU): re-prefill, the handoff from an
-existing source cache (translate, build the cache, run a k-token new turn), the handoff with
-the source's prefill, and the target continuing its own cache (raw trials, median, CV);
-where the handoff's time goes; the physical limit of the speedup from FLOPs and bytes at the
-device's peaks (kvlingo/eval/roofline.py: measured here unless --peak-tflops/--peak-gbps).
+(kvlingo/eval/shapes.py; --large/--small pick other preset shapes: Qwen3-4B/8B, Llama-3.2-1B/3B)
+and random maps of a translator family (--family, built through the family registry; --refresh
+for a handoff that recomputes part of the context natively) measure the real shapes without any
+download. First, from parameter counts alone, the FLOP ceilings (re-prefill FLOPs ÷ translation
+FLOPs) of every registered family at its default settings, with the reason of each family that
+cannot map the pair; --flops-only stops there (seconds, nothing built). Then, for each context
+length and each mode (kvlingo/eval/timing.py: "shipped" = transformers' DynamicCache and sdpa
+attention, FP32 translation maths, eager; "optimised" = a preallocated cache the translation
+writes into, grouped-query attention without repeated K/V, the maps in the run dtype and CUDA
+graphs on a GPU): re-prefill, the handoff from an existing source cache (translate, build the
+cache, run a k-token new turn), the handoff with the source's prefill, and the target
+continuing its own cache (raw trials, median, CV); where the handoff's time goes; the physical
+limit of the speedup from FLOPs and bytes at the device's peaks (kvlingo/eval/roofline.py:
+measured here unless --peak-tflops/--peak-gbps).
 
 Writes RESULTS/RUN/perf.json (default run "perf"), perf.md (the tables, also printed) and
-perf.png. On a CPU the CV flags are reported without failing the run unless --strict-cv.
+perf.png; --flops-only writes perf-flops.json and .md instead. On a CPU the CV flags are
+reported without failing the run unless --strict-cv.
 """
 
 from __future__ import annotations
@@ -27,15 +33,16 @@ from tqdm import tqdm
 
 from kvlingo.eval import timing
 from kvlingo.eval.perf import perf_at_length
+from kvlingo.core.translator import FAMILIES, Geometry, TranslatorError
 from kvlingo.eval.roofline import Peaks, measure_peaks
-from kvlingo.eval.shapes import RANDOM_PAIRS
+from kvlingo.eval.shapes import RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, translator_at
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
 from kvlingo.run.models import DIRECTIONS, resolve_device, resolve_dtype
 from kvlingo.run.paths import RunPaths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_table, publish
-from kvlingo.run.stage import add_timing_args, stage_parser
+from kvlingo.run.stage import add_refresh_arg, add_timing_args, refuse, refusals_exit, stage_parser
 from kvlingo.toy.random import random_pair, random_translator
 
 SCRIPT = Path(__file__).resolve()
@@ -46,6 +53,9 @@ class PerfConfig:
     arch: str  # qwen3 (the real shapes) or tiny (a 2-layer stand-in for smoke tests)
     source: str  # the source's shape name
     target: str  # the target's shape name
+    family: str  # translator family of the timed random maps (its default settings)
+    refresh: str  # the handoff's refresh setting (kvlingo/core/refresh.py; none: pure translation)
+    flops_only: bool  # FLOP ceilings only: no model built, nothing timed
     direction: str  # l2s or s2l
     device: str  # resolved device
     dtype: str  # model dtype
@@ -69,6 +79,7 @@ class PerfResults:
     lengths: list  # per context length: per mode paths, breakdown, speedups, GFLOP/s; the limit; memory
     switch_cost: list  # re-reading vs switching per length and mode
     checks: dict
+    flop_ceilings: list  # per family and length: re-prefill and translation FLOPs and the ceilings they set
 
     METRICS = (Metric("lengths.*.modes.optimised.speedup.source_cache_handoff", True,
                       "median re-prefill time / median handoff time from an existing source cache, both optimised"),
@@ -82,9 +93,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = stage_parser(__doc__, ["python perf.py --device cuda --lengths 4096 8192 16384",
                                "python perf.py --device cpu --direction s2l --lengths 1024 2048",
                                "python perf.py --device cpu --paths target_reprefill source_cache_handoff "
-                               "--peak-tflops 0.2 --peak-gbps 20"])
-    p.add_argument("--arch", choices=sorted(RANDOM_PAIRS), default="qwen3",
-                   help="qwen3: the real Qwen3-1.7B/0.6B shapes; tiny: a 2-layer stand-in for smoke tests")
+                               "--peak-tflops 0.2 --peak-gbps 20",
+                               "python perf.py --device cpu --family crosshead --refresh tail:5%",
+                               "python perf.py --large Qwen/Qwen3-4B --small Qwen/Qwen3-0.6B --flops-only"])
+    p.add_argument("--arch", choices=sorted(RANDOM_PAIRS), default=None,
+                   help="qwen3 (default): the real Qwen3-1.7B/0.6B shapes; tiny: a 2-layer stand-in for smoke tests")
+    p.add_argument("--large", default=None, help=f"larger model's preset shape, with --small instead of --arch "
+                   f"(one of: {', '.join(preset_names())})")
+    p.add_argument("--small", default=None, help="smaller model's preset shape, with --large")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="headwise",
+                   help="translator family of the random maps (default settings); head-wise maps need equal depth "
+                   "and KV-head counts")
+    add_refresh_arg(p)
+    p.add_argument("--flops-only", action="store_true",
+                   help="print and write the FLOP ceilings of every family only (no timing)")
     p.add_argument("--direction", choices=DIRECTIONS, default="l2s", help="l2s: large builds the cache, small continues")
     p.add_argument("--device", default="auto", help="cuda, mps, cpu or auto")
     p.add_argument("--dtype", default="auto", help="model dtype; auto: float32 on a CPU (its BF16 kernels are slow "
@@ -131,7 +153,8 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
                            1e3 * lim["new_turn"]["floor_s"], lim["new_turn"]["bound"], lim["speedup_limit"],
                            p["memory"]["ratio_to_cache"]])
     peaks = cfg.peaks
-    text = (f"## Handoff speed: {cfg.source} → {cfg.target} (random weights), {cfg.dtype}, {cfg.device}, "
+    text = (f"## Handoff speed: {cfg.source} → {cfg.target} (random {cfg.family} maps, refresh {cfg.refresh}), "
+            f"{cfg.dtype}, {cfg.device}, "
             f"{cfg.threads} thread(s), ≥{cfg.repeats} trials (≤{cfg.max_repeats} while CV > {cfg.cv_limit:g}) "
             f"after {cfg.warmups} warm-up(s)\n\n"
             "Row sets: **shipped** = transformers' DynamicCache and sdpa attention as shipped, FP32 translation "
@@ -150,6 +173,49 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
                  + fmt_table(["context", "re-prefill floor ms", "bound", "translation floor ms", "bound",
                               "new turn floor ms", "bound", "speedup limit", "peak mem / cache"], limits))
     return text
+
+
+def family_ceilings(source: str, target: str, key_space: str, lengths, k: int) -> tuple[list[dict], dict[str, str]]:
+    """FLOP ceilings of every registered family (default settings) at the preset shapes, per length, and
+    {family: its refusal} for the families that cannot map this geometry. Nothing is allocated (meta device)."""
+    target_meta = meta_model(target)
+    rows, refused = [], {}
+    for family in sorted(FAMILIES):
+        try:
+            maps = translator_at(family, {}, arch_config(source), arch_config(target), key_space)
+        except TranslatorError as e:
+            refused[family] = str(e)
+            continue
+        rows += [{"family": family, **flop_ceiling(target_meta, maps.flops_per_token(), n, k)} for n in lengths]
+    return rows, refused
+
+
+def flops_markdown(cfg: PerfConfig, geometry: Geometry, rows: list[dict], refused: dict[str, str]) -> str:
+    g = geometry
+    table = [[r["family"], r["context_tokens"], r["target_reprefill_dense"] / 1e9, r["translation"] / 1e9, r["new_turn_dense"] / 1e9,
+              r["reprefill_over_translation"], r["reprefill_over_translation_plus_new_turn"]] for r in rows]
+    return (f"## FLOP ceilings: {cfg.source} → {cfg.target} ({cfg.key_space} keys; layers × KV heads × head_dim "
+            f"{g.source_layers}×{g.source_kv_heads}×{g.source_head_dim} → {g.target_layers}×{g.target_kv_heads}×"
+            f"{g.target_head_dim}), each family at its default settings, new turn {cfg.new_turn_tokens} tokens\n\n"
+            + fmt_table(["family", "context", "re-prefill GFLOP", "translation GFLOP", "new turn GFLOP",
+                         "ceiling (translation)", "ceiling (+ new turn)"], table, floatfmt=".4g")
+            + "".join(f"\n- {family}: cannot map this pair: {why}" for family, why in refused.items()))
+
+
+def pair_names(args) -> tuple[str, str]:
+    """(large, small) preset names from --large/--small or --arch; a refusal names what is missing."""
+    if (args.large is None) != (args.small is None):
+        refuse("perf", "give both --large and --small (preset shapes), or neither")
+    if args.large is not None:
+        if args.arch is not None:
+            refuse("perf", f"--arch {args.arch} and --large/--small both name the pair; give one of them")
+        for name in (args.large, args.small):
+            try:
+                arch_config(name)
+            except KeyError as e:
+                refuse("perf", f"{e.args[0]}; add its published config to kvlingo/eval/shapes.py")
+        return args.large, args.small
+    return RANDOM_PAIRS[args.arch or "qwen3"]
 
 
 def perf_plot(points: list[dict], modes: tuple[str, ...], title: str) -> bytes:
@@ -177,6 +243,7 @@ def perf_plot(points: list[dict], modes: tuple[str, ...], title: str) -> bytes:
     return figure_png(fig)
 
 
+@refusals_exit("perf")
 def main(argv=None) -> None:
     args = parse_args(argv)
     t_start = time.time()
@@ -185,17 +252,42 @@ def main(argv=None) -> None:
     on_cpu = device == "cpu"
     profile = get_profile("pilot")  # the GPU defaults; a CPU takes minutes per long prefill, so fewer trials there
     k = args.new_turn_tokens
-    large, small = RANDOM_PAIRS[args.arch]
+    large, small = pair_names(args)
     source, target = (large, small) if args.direction == "l2s" else (small, large)
     repeats = args.timing_repeats if args.timing_repeats is not None else (3 if on_cpu else profile.timing_repeats)
     if not {"target_reprefill", "source_cache_handoff"} <= set(args.paths):
-        raise SystemExit("perf: --paths must include target_reprefill and source_cache_handoff (the speedup's two ends)")
+        refuse("perf", "--paths must include target_reprefill and source_cache_handoff (the speedup's two ends)")
+    cfg = dict(
+        arch=args.arch or ("preset" if args.large else "qwen3"), source=source, target=target, family=args.family,
+        refresh=str(args.refresh), flops_only=args.flops_only, direction=args.direction, device=device, dtype=dtype,
+        key_space=args.key_space, lengths=tuple(sorted(set(args.lengths))), new_turn_tokens=k,
+        modes=tuple(m for m in timing.MODES if m in args.modes), paths=tuple(n for n in timing.PATHS if n in args.paths),
+        cuda_graphs=device == "cuda" and not args.no_cuda_graphs,
+        warmups=args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups),
+        repeats=repeats, max_repeats=max(repeats, args.max_repeats or (repeats if on_cpu else 100)),
+        cv_limit=args.cv_limit, allow_cv=args.allow_cv or (on_cpu and not args.strict_cv), threads=timing.threads(),
+        peaks={},
+    )
     paths = RunPaths(args.run, results_root=args.results)
-    print(f"building random {args.arch} pair ({args.direction}, {dtype}, {device})...", file=sys.stderr)
-    pair = random_pair(args.arch, args.direction, device, resolve_dtype(dtype))
-    limit = pair.target.config.max_position_embeddings
-    if max(args.lengths) + k > limit:
-        raise SystemExit(f"perf: --lengths up to {max(args.lengths)} + {k} exceed max_position_embeddings {limit}")
+    # FLOP ceilings from parameter counts (meta-device models), before any weights are allocated
+    geometry = Geometry.of(arch_config(source), arch_config(target))
+    limit = arch_config(target).max_position_embeddings
+    if max(cfg["lengths"]) + k > limit:
+        refuse("perf", f"--lengths up to {max(cfg['lengths'])} + {k} exceed max_position_embeddings {limit}")
+    ceilings, refused = family_ceilings(source, target, args.key_space, cfg["lengths"], k)
+    flops_md = flops_markdown(PerfConfig(**cfg), geometry, ceilings, refused)
+    if args.flops_only:
+        cfg = PerfConfig(**cfg)
+        report = Report("perf", config=cfg, inputs={"code_sha256": resume.code_hash(SCRIPT)},
+                        results=PerfResults(lengths=[], switch_cost=[], checks=timing.cv_checks([], cfg.cv_limit, True),
+                                            flop_ceilings=ceilings),
+                        metrics=(), n_samples={"lengths": len(cfg.lengths)}, seeds=[0],
+                        wall_time_s=time.time() - t_start, device=device, dtype=dtype)
+        publish(report, paths.report("perf-flops"), None, flops_md)
+        return
+    print(flops_md + "\n", flush=True)
+    if args.family in refused:  # before the models are built
+        refuse("perf", refused[args.family])
     if args.peak_tflops and args.peak_gbps:
         peaks = Peaks(args.peak_tflops * 1e12, args.peak_gbps * 1e9, "given (--peak-tflops, --peak-gbps)")
     else:
@@ -203,20 +295,13 @@ def main(argv=None) -> None:
         peaks = Peaks(args.peak_tflops * 1e12 if args.peak_tflops else got.flops_per_s,
                       args.peak_gbps * 1e9 if args.peak_gbps else got.bytes_per_s,
                       got.source + (" (partly given)" if args.peak_tflops or args.peak_gbps else ""))
-    cfg = PerfConfig(
-        arch=args.arch, source=source, target=target, direction=args.direction, device=device, dtype=dtype,
-        key_space=args.key_space, lengths=tuple(sorted(set(args.lengths))), new_turn_tokens=k,
-        modes=tuple(m for m in timing.MODES if m in args.modes), paths=tuple(n for n in timing.PATHS if n in args.paths),
-        cuda_graphs=device == "cuda" and not args.no_cuda_graphs,
-        warmups=args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups),
-        repeats=repeats, max_repeats=max(repeats, args.max_repeats or (repeats if on_cpu else 100)),
-        cv_limit=args.cv_limit, allow_cv=args.allow_cv or (on_cpu and not args.strict_cv), threads=timing.threads(),
-        peaks=asdict(peaks),
-    )
-    translator = random_translator(pair.source, pair.target, args.key_space)
+    cfg = PerfConfig(**{**cfg, "peaks": asdict(peaks)})
+    print(f"building random {source} → {target} pair ({args.direction}, {dtype}, {device})...", file=sys.stderr)
+    pair = random_pair(args.arch or "qwen3", args.direction, device, resolve_dtype(dtype), names=(large, small))
+    translator = random_translator(pair.source, pair.target, args.key_space, family=args.family)
     points = [perf_at_length(pair.source, pair.target, translator, n, k, cfg.warmups, cfg.repeats, cfg.cv_limit,
                              modes=cfg.modes, max_repeats=cfg.max_repeats, cuda_graphs=cfg.cuda_graphs, peaks=peaks,
-                             names=cfg.paths)
+                             names=cfg.paths, refresh=args.refresh)
               for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)]
     noisy = [f"{p['context_tokens']}/{name}" for p in points for name in p["noisy"]]
     checks = timing.cv_checks(noisy, cfg.cv_limit, cfg.allow_cv)
@@ -224,8 +309,8 @@ def main(argv=None) -> None:
                "re_reading_s": p["modes"][mode]["paths"]["target_reprefill"]["median_s"],
                "switching_s": p["modes"][mode]["paths"]["source_cache_handoff"]["median_s"],
                "speedup": p["modes"][mode]["speedup"]["source_cache_handoff"]} for p in points for mode in cfg.modes]
-    results = PerfResults(lengths=points, switch_cost=switch, checks=checks)
-    md = perf_markdown(cfg, points) + timing.checks_line(checks)
+    results = PerfResults(lengths=points, switch_cost=switch, checks=checks, flop_ceilings=ceilings)
+    md = flops_md + "\n\n" + perf_markdown(cfg, points) + timing.checks_line(checks)
     plot = paths.beside("perf", ".png")
     atomic_write_bytes(plot, perf_plot(points, cfg.modes, f"{cfg.source} → {cfg.target}, {dtype}, {device}"))
     report = Report("perf", config=cfg, inputs={"code_sha256": resume.code_hash(SCRIPT)}, results=results,

@@ -50,11 +50,12 @@ def test_other_geometries_pass_the_pair_check_and_head_wise_refuses_them(field, 
             Headwise(Geometry.of(a, b))
 
 
-def test_not_qwen3_refused():
-    from transformers import LlamaConfig
+def test_unsupported_family_refused():
+    from transformers import LlamaConfig, MistralConfig
 
-    with pytest.raises(PairError, match="'llama', not 'qwen3'"):
-        check_pair(LlamaConfig(num_hidden_layers=2), cfg())
+    check_pair(LlamaConfig(num_hidden_layers=2), cfg())  # Llama, Qwen2 and Qwen3 pair with each other
+    with pytest.raises(PairError, match="'mistral', not one of 'qwen3', 'qwen2', 'llama'"):
+        check_pair(MistralConfig(num_hidden_layers=2), cfg())
 
 
 def test_sliding_window_refused():
@@ -63,10 +64,12 @@ def test_sliding_window_refused():
         check_pair(cfg(), sliding)
 
 
-def test_rope_scaling_refused():
+def test_static_rope_scaling_passes_and_dynamic_is_refused():
     scaled = cfg()
     scaled.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10_000.0}
-    with pytest.raises(PairError, match="not the default schedule"):
+    check_pair(scaled, cfg())
+    scaled.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10_000.0}
+    with pytest.raises(PairError, match="'dynamic' rescales its frequencies"):
         check_pair(scaled, cfg())
 
 

@@ -1,7 +1,9 @@
-"""`make perf` end to end on the 2-layer stand-in: a smoke test with no timing assertions."""
+"""`make perf` end to end on the 2-layer stand-in (a smoke test with no timing assertions), the FLOP ceilings
+of every family at preset shapes, and perf on a geometry head-wise maps refuse."""
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,55 @@ def test_make_perf_smoke(tmp_path):
     assert (out / "perf.png").read_bytes()[:4] == b"\x89PNG"
     for heading in ("Where the existing-source handoff's time goes", "Physical limit", "| shipped ", "| optimised "):
         assert heading in proc.stdout
+
+
+def test_flop_ceilings_of_every_family_for_a_preset_pair(tmp_path, capsys):
+    """--large/--small name preset shapes; families that cannot map the geometry say why, the others get a row
+    per length whose ceiling is re-prefill ÷ translation FLOPs (the same numbers perf's timing rows use)."""
+    import perf
+    from kvlingo.core.translator import FAMILIES
+
+    perf.main(["--large", "Qwen/Qwen3-4B", "--small", "Qwen/Qwen3-0.6B", "--flops-only", "--lengths", "1024", "4096",
+               "--results", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "36×8×128 → 28×8×128" in out and "headwise: cannot map this pair" in out and "--family crosslayer" in out
+    report = json.loads((tmp_path / "perf" / "perf-flops.json").read_text())
+    rows = report["results"]["flop_ceilings"]
+    families = {r["family"] for r in rows}
+    assert "crosslayer" in families and "headwise" not in families and families <= set(FAMILIES)
+    for r in rows:
+        assert r["reprefill_over_translation"] == pytest.approx(r["target_reprefill_dense"] / r["translation"])
+
+
+def test_perf_refuses_unknown_shapes_and_half_named_pairs(tmp_path, capsys):
+    import perf
+
+    for argv, message in ((["--large", "Qwen/Qwen3-4B"], "give both --large and --small"),
+                          (["--large", "org/none", "--small", "Qwen/Qwen3-0.6B"], "no preset shape 'org/none'")):
+        with pytest.raises(SystemExit) as err:
+            perf.main([*argv, "--flops-only", "--results", str(tmp_path)])
+        assert err.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_make_perf_passes_a_named_pair():
+    proc = subprocess.run(["make", "-n", "perf", "LARGE=meta-llama/Llama-3.2-3B", "SMALL=meta-llama/Llama-3.2-1B"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert "--large meta-llama/Llama-3.2-3B --small meta-llama/Llama-3.2-1B" in proc.stdout
+    assert "--large" not in subprocess.run(["make", "-n", "perf"], cwd=ROOT, capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+def test_perf_times_a_family_on_another_geometry(tmp_path):
+    """A Llama stand-in (3 layers, 1 KV head, head_dim 32, llama3 RoPE) → tiny Qwen3 (2 × 2 × 16): head-wise maps
+    refuse it before any model is built; cross-layer maps built through the registry are timed."""
+    base = [sys.executable, "perf.py", "--large", "tiny-llama", "--small", "tiny-small", "--device", "cpu",
+            "--lengths", "16", "--new-turn-tokens", "4", "--timing-warmups", "0", "--timing-repeats", "2",
+            "--results", str(tmp_path)]
+    refused = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "building random" not in refused.stderr and "--family crosslayer" in refused.stderr
+    proc = subprocess.run(base + ["--family", "crosslayer", "--refresh", "tail:4"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "perf" / "perf.json").read_text())
+    assert report["config"]["family"] == "crosslayer" and report["config"]["refresh"] == "tail:4"
+    assert report["results"]["lengths"][0]["limit"]["speedup_limit"] > 0

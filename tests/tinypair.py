@@ -108,3 +108,44 @@ def chat_rows(tok, n: int, seed: int, tag: str, system_every: int = 0, user_word
                      "reply_ids": tok.encode(reply, add_special_tokens=False) + [end],
                      "prefix_text": user, "reply_text": reply, "reasoning": False, "source_ids": [f"{tag}{i}"]})
     return rows
+
+
+# RoPE schedules of every supported type at tiny sizes (head_dim 16; "original" lengths short enough that
+# a test crosses them). yarn and longrope carry an attention scaling ≠ 1.
+ROPE_SCHEDULES = {
+    "default": {"rope_type": "default", "rope_theta": 10_000.0},
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+    "longrope": {"rope_type": "longrope", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 24,
+                 "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.9 * i for i in range(8)]},
+}
+
+
+def tiny_model(model_type: str = "llama", rope: str | dict = "default", seed: int = 0, dtype=torch.float32,
+               vocab: int = 320, hidden: int = 64, heads: int = 4, kv_heads: int = 2, layers: int = 2, **kw):
+    """A random tiny Qwen3, Qwen2 or Llama (head_dim 16, max 256 positions) with the named RoPE schedule,
+    its weights widened like `build_tiny_pair`'s (and Qwen2's biases drawn) so that a wrong cache visibly
+    changes the logits."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    rope_parameters = dict(ROPE_SCHEDULES[rope] if isinstance(rope, str) else rope)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  rope_parameters=rope_parameters, tie_word_embeddings=True)
+    if model_type == "qwen3":
+        cfg = Qwen3Config(head_dim=16, **common, **kw)
+    elif model_type == "qwen2":
+        cfg = Qwen2Config(**{**common, "hidden_size": 16 * heads, "intermediate_size": 32 * heads}, **kw)
+    else:
+        cfg = LlamaConfig(head_dim=16, **common, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+            elif name.endswith(".bias"):  # Qwen2's projection biases start at zero: make them matter
+                p.normal_(0.0, 0.5)
+    return model.to(dtype).eval().requires_grad_(False)

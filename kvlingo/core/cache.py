@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import attention
+from .arch import head_dim
 
 CACHE_KINDS = ("preallocated", "dynamic")
 _default_kind = "preallocated"
@@ -40,7 +41,6 @@ def set_default_kind(kind: str) -> None:
     if kind not in CACHE_KINDS:
         raise ValueError(f"cache kind {kind!r} is not one of {CACHE_KINDS}")
     _default_kind = kind
-
 
 
 @dataclass
@@ -64,8 +64,7 @@ def check_batch(input_ids: torch.Tensor) -> None:
 
 
 def _kv_shape(model) -> tuple[int, int]:
-    cfg = model.config
-    return cfg.num_key_value_heads, cfg.head_dim
+    return model.config.num_key_value_heads, head_dim(model.config)
 
 
 def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: bool = False,

@@ -1,10 +1,12 @@
 """Key spaces: what a translator reads from the source's keys and what it must hand the target.
 
 Values carry no RoPE and no norm: a translator reads and writes them as cached. Keys are
-cached after k_norm and RoPE, so a translator works in one of two key spaces:
+cached after k_norm (Qwen3; Llama and Qwen2 have none) and RoPE, so a translator works in
+one of two key spaces:
 
 - `prenorm`: the source's k_proj outputs (pre k_norm, pre RoPE; captured beside the cache)
-  map to the target's k_proj outputs; the target's own k_norm and RoPE follow.
+  map to the target's k_proj outputs; the target's own k_norm (if it has one) and RoPE follow.
+  Without a k_norm this is the pre-RoPE key.
 - `cache`: the source's cached keys with the source's RoPE stripped map to the target's
   post-norm keys; the target's RoPE follows. Needs nothing beyond an ordinary cache.
 
@@ -17,17 +19,21 @@ from __future__ import annotations
 
 import torch
 
+from . import arch
 from .cache import Capture
 from .rope import RopeCache, apply_rope, apply_rope_into, strip_rope
 
 KEY_SPACES = ("prenorm", "cache")
 
 
-def k_norm_params(model) -> tuple[torch.Tensor, float]:
-    """The model's per-layer k_norm weights [layers, head_dim] (FP32) and its epsilon."""
+def k_norm_params(model) -> tuple[torch.Tensor | None, float]:
+    """The model's per-layer k_norm weights [layers, head_dim] (FP32) and its epsilon; (None, 0.0) for
+    a family without k_norm (Llama, Qwen2), whose pre-norm key is already the pre-RoPE key."""
     layers = model.model.layers
-    w = torch.stack([l.self_attn.k_norm.weight.detach().float() for l in layers])
-    return w, layers[0].self_attn.k_norm.variance_epsilon
+    if arch.k_norm(layers[0]) is None:
+        return None, 0.0
+    w = torch.stack([arch.k_norm(l).weight.detach().float() for l in layers])
+    return w, arch.k_norm(layers[0]).variance_epsilon
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,7 +60,7 @@ class KeySpace:
         self.source_rope = RopeCache(source)
         self.target_rope = RopeCache(target)
         w, eps = k_norm_params(target)
-        self.k_norm_weight = w if device is None else w.to(device)  # [target layers, head_dim] FP32
+        self.k_norm_weight = w if device is None or w is None else w.to(device)  # [target layers, head_dim] FP32 or None
         self.k_norm_eps = eps
 
     @property
@@ -63,7 +69,8 @@ class KeySpace:
         return self.name == "prenorm"
 
     def to(self, device) -> "KeySpace":
-        self.k_norm_weight = self.k_norm_weight.to(device)
+        if self.k_norm_weight is not None:
+            self.k_norm_weight = self.k_norm_weight.to(device)
         return self
 
     # ------------------------------------------------------------------ source side
@@ -75,7 +82,7 @@ class KeySpace:
                 raise ValueError("key space 'prenorm' needs the source's pre-norm key features; capture with "
                                  "want_prenorm=True")
             return cap.prenorm[layers].to(dtype)
-        cos, sin = self.source_rope(cap.n_tokens, device=cap.keys.device)
+        cos, sin = self.source_rope.inverse(cap.n_tokens, device=cap.keys.device)
         return strip_rope(cap.keys[layers].float(), cos, sin).to(dtype)
 
     # ------------------------------------------------------------------ target side
@@ -83,12 +90,12 @@ class KeySpace:
         """What a translator's key output should be for the target's own capture (the fit's targets)."""
         if self.name == "prenorm":
             return target_cap.prenorm.float()
-        cos, sin = self.target_rope(target_cap.n_tokens, device=target_cap.keys.device)
+        cos, sin = self.target_rope.inverse(target_cap.n_tokens, device=target_cap.keys.device)
         return strip_rope(target_cap.keys.float(), cos, sin)
 
     def finish_keys(self, yk: torch.Tensor, layers=slice(None)) -> torch.Tensor:
         """Translated key features [n, heads, tokens, d_out] of target `layers` → the target's cached keys."""
-        if self.name == "prenorm":
+        if self.name == "prenorm" and self.k_norm_weight is not None:
             yk = rms_norm(yk, self.k_norm_weight[layers], self.k_norm_eps)
         cos, sin = self.target_rope(yk.shape[2], device=yk.device)
         return apply_rope(yk, cos, sin)
@@ -101,7 +108,7 @@ class KeySpace:
         `start`: the position of yk's first token (a tile of a longer context).
         """
         n = yk.shape[0]
-        if self.name == "prenorm":
+        if self.name == "prenorm" and self.k_norm_weight is not None:
             rms_norm_(yk, self.k_norm_weight[layers], self.k_norm_eps, scratch.take("sq", n))
         cos, sin = self.target_rope(start + yk.shape[2], device=yk.device)
         dest = k_out if k_out.dtype == torch.float32 else scratch.take("out", n)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .arch import head_dim
+
 
 class PreallocatedLayer(CacheLayerMixin):
     is_compileable = False  # the filled length is a Python int (shapes are fixed per call)
@@ -103,7 +105,7 @@ class PreallocatedCache(Cache):
         """Unfilled buffers for `model` with room for `capacity` tokens (in the model's dtype and device)."""
         cfg = model.config
         p = next(model.parameters())
-        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max(1, capacity), cfg.head_dim)
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max(1, capacity), head_dim(cfg))
         keys = torch.empty(shape, dtype=dtype or p.dtype, device=device or p.device)
         return cls(keys, torch.empty_like(keys))
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arch import head_dim
 from .cache import Capture, build_cache, capture
 
 KINDS = ("none", "tail", "layers", "select")
@@ -205,7 +206,7 @@ def forward_flops(cfg, n_query: int, n_keys: int, layers: int | None = None, lm_
     """FLOPs of `layers` decoder layers (all by default) for n_query tokens attending to n_keys keys each (on
     average): 2 × the layer parameters per token, plus 4 × query heads × head_dim per query-key pair."""
     L = cfg.num_hidden_layers if layers is None else layers
-    h, d, Hq, Hkv, ff = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
+    h, d, Hq, Hkv, ff = cfg.hidden_size, head_dim(cfg), cfg.num_attention_heads, cfg.num_key_value_heads, \
         cfg.intermediate_size
     per_layer = h * Hq * d * 2 + h * Hkv * d * 2 + 3 * h * ff  # q, o; k, v; gate, up, down
     dense = 2.0 * L * per_layer * n_query

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from ..io import atomic_write_bytes, atomic_write_json, sha256_file
+from .arch import head_dim
 from .cache import Capture
 from .keyspace import KeySpace
 
@@ -117,8 +118,8 @@ class Geometry:
     def of(cls, source_cfg, target_cfg) -> "Geometry":
         """From two model configs (or models)."""
         s, t = getattr(source_cfg, "config", source_cfg), getattr(target_cfg, "config", target_cfg)
-        return cls(s.num_hidden_layers, s.num_key_value_heads, s.head_dim,
-                   t.num_hidden_layers, t.num_key_value_heads, t.head_dim)
+        return cls(s.num_hidden_layers, s.num_key_value_heads, head_dim(s),
+                   t.num_hidden_layers, t.num_key_value_heads, head_dim(t))
 
     @property
     def same_layout(self) -> bool:

@@ -72,9 +72,10 @@ def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: 
 def perf_at_length(source, target, translator: Translator, n: int, k: int, warmups: int, repeats: int,
                    cv_limit: float = timing.CV_LIMIT, seed: int = 0, modes=timing.MODES,
                    max_repeats: int | None = None, cuda_graphs: bool | None = None,
-                   peaks: Peaks | None = None, names=timing.PATHS) -> dict:
+                   peaks: Peaks | None = None, names=timing.PATHS, refresh=None) -> dict:
     """Time the paths `names` (re-prefill and the existing-source handoff at least) in each mode for a
-    random context of n tokens and a new turn of k tokens.
+    random context of n tokens and a new turn of k tokens (the handoffs under `refresh`, when given;
+    the physical limit stays that of pure translation).
 
     The set-up prefills (the existing source capture, the target's own cache) do the same
     work as one run of the source-prefill and re-prefill paths at this length, so they
@@ -94,7 +95,7 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, warmu
     for mode in modes:
         paths = timing.HandoffPaths(source, target, translator, context, new, need=tuple(names), mode=mode,
                                     cuda_graphs=cuda_graphs, source_capture=cap,
-                                    target_kv=None if own is None else (own.keys, own.values))
+                                    target_kv=None if own is None else (own.keys, own.values), refresh=refresh)
         rows[mode] = time_mode(paths, warmups, repeats, cv_limit, max_repeats, names)
         rows[mode]["translation_gflops_per_s"] = \
             translator.flops_per_token() * n / rows[mode]["breakdown"]["translate"]["median_s"] / 1e9

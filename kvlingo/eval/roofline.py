@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..core.arch import head_dim
+
 
 @dataclass(frozen=True)
 class Peaks:
@@ -86,7 +88,7 @@ def weight_bytes(model) -> int:
 def kv_bytes(model, tokens: int, dtype: torch.dtype) -> int:
     """Bytes of a `tokens`-long K/V cache of `model` in `dtype`."""
     c = model.config
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * tokens * c.head_dim * _element_size(dtype)
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * tokens * head_dim(c) * _element_size(dtype)
 
 
 def forward_flops(model, q_tokens: int, cached_tokens: int) -> float:
@@ -95,7 +97,7 @@ def forward_flops(model, q_tokens: int, cached_tokens: int) -> float:
     c = model.config
     dense = sum(p.numel() for name, p in model.model.layers.named_parameters() if p.dim() == 2)
     attended = q_tokens * cached_tokens + q_tokens * (q_tokens + 1) / 2  # query-key pairs under the causal mask
-    attention = 4.0 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * attended
+    attention = 4.0 * c.num_hidden_layers * c.num_attention_heads * head_dim(c) * attended
     lm_head = 2.0 * c.vocab_size * c.hidden_size
     return 2.0 * dense * q_tokens + attention + lm_head
 

@@ -1,7 +1,9 @@
 """The source/target pair: naming, resolving and checking it before any weights load, then loading it.
 
 A model is named by a Hub id plus a pinned commit revision, or by a local folder saved
-with `save_pretrained`. `resolve_pair` reads only the two configs and tokenizers, refuses a
+with `save_pretrained`. A Hub id without a pinned commit (no `id@sha`, not in
+`PINNED_REVISIONS`) has its branch resolved to a commit at run time; that commit is what loads,
+what every manifest records, and a warning says how to pin it. `resolve_pair` reads only the two configs and tokenizers, refuses a
 pair no translator can join (`check_pair`: each refusal names the field, both values and
 the fix), and returns a `PairConfig` of resolved values (device, dtype, model identities,
 tokenizer digest) that every stage config nests and every resume key includes.
@@ -13,19 +15,32 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+import re
+import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# Pinned Hub revisions (commit shas) of the default pair.
+from ..core.arch import MODEL_TYPES
+from ..core.rope import schedule_refusal
+
+# Pinned Hub revisions (commit shas). Beyond the default pair, each is the snapshot folder
+# (models--ORG--NAME/snapshots/<sha>) that several independent public projects load the model from.
 LARGE_ID = "Qwen/Qwen3-1.7B"
 SMALL_ID = "Qwen/Qwen3-0.6B"
 PINNED_REVISIONS = {
     LARGE_ID: "70d244cc86ccca08cf5af4e1e306ecf908b1ad5e",
     SMALL_ID: "c1899de289a04d12100db370d81485cdf75e47ca",
+    "Qwen/Qwen3-4B": "1cfa9a7208912126459214e8b04321603b3df60c",
+    "Qwen/Qwen3-8B": "b968826d9c46dd6066d109eabc6255188de91218",
+    "meta-llama/Llama-3.2-1B": "4e20de362430cd3b72f300e6b0f18e50e7166e08",
+    "meta-llama/Llama-3.2-3B": "13afe5124825b4f3751f836b40dafda64c1ed062",
+    "meta-llama/Llama-3.2-1B-Instruct": "9213176726f574b556790deb65791e0c5aa438b6",
+    "meta-llama/Llama-3.2-3B-Instruct": "0cb88a4f764b7a12671c53f0838cd831a0843b95",
 }
+COMMIT = re.compile(r"[0-9a-f]{40}")
 DIRECTIONS = ("l2s", "s2l")  # l2s: large builds the cache, small continues
 
 
@@ -55,6 +70,30 @@ class ModelSpec:
         if self.is_local:
             return {"path": str(Path(self.name_or_path).resolve()), "weights_sha256": local_weights_digest(self.name_or_path)}
         return {"id": self.name_or_path, "revision": self.revision}
+
+    @property
+    def pinned(self) -> bool:
+        return self.is_local or bool(COMMIT.fullmatch(self.revision or ""))
+
+
+def pin_revision(spec: ModelSpec) -> ModelSpec:
+    """A Hub spec whose revision is a branch or tag, resolved to the commit it points to now (from the Hub,
+    or the local cache when offline), with a warning on stderr to pin it. Pinned specs come back as they are;
+    one that cannot be resolved keeps its revision, with a warning that the run is not reproducible."""
+    if spec.pinned:
+        return spec
+    from transformers.utils.hub import resolve_revision
+
+    sha = getattr(resolve_revision(spec.name_or_path, spec.revision), "resolved", None)
+    if not sha:
+        print(f"warning: {spec.name_or_path} has no pinned revision and {spec.revision!r} could not be resolved to "
+              f"a commit; this run records the branch name only. Pin it: {spec.name_or_path}@<commit sha>",
+              file=sys.stderr)
+        return spec
+    print(f"warning: {spec.name_or_path} has no pinned revision; {spec.revision!r} resolved to {sha} at run time "
+          f"(recorded in every manifest). Pin it: pass {spec.name_or_path}@{sha}, or add it to PINNED_REVISIONS "
+          "in kvlingo/run/models.py", file=sys.stderr)
+    return replace(spec, revision=sha)
 
 
 def pair_specs(direction: str, large: ModelSpec, small: ModelSpec) -> tuple[ModelSpec, ModelSpec]:
@@ -223,10 +262,11 @@ def check_pair(src_cfg, tgt_cfg, src_tok=None, tgt_tok=None) -> None:
     family that would work.
     """
     for name, cfg in (("source", src_cfg), ("target", tgt_cfg)):
-        if getattr(cfg, "model_type", None) != "qwen3":
+        if getattr(cfg, "model_type", None) not in MODEL_TYPES:
             raise PairError(
-                f"pair refused: the {name} model is {getattr(cfg, 'model_type', None)!r}, not 'qwen3'. "
-                "The adapter handles Qwen3 dense models only (k_norm, default RoPE); pick a Qwen3 checkpoint."
+                f"pair refused: the {name} model is {getattr(cfg, 'model_type', None)!r}, not one of "
+                f"{', '.join(map(repr, MODEL_TYPES))}. The adapter handles dense Qwen3, Qwen2/2.5 and Llama models "
+                "(kvlingo/core/arch.py); pick a checkpoint of one of those families."
             )
         layer_types = getattr(cfg, "layer_types", None) or []
         if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
@@ -235,13 +275,10 @@ def check_pair(src_cfg, tgt_cfg, src_tok=None, tgt_tok=None) -> None:
                 f"{getattr(cfg, 'use_sliding_window', None)}, layer_types={sorted(set(layer_types))}). "
                 "A sliding-window cache holds a different token set per layer; set use_sliding_window=false."
             )
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
         # transformers v5 folds any legacy `rope_scaling` into rope_parameters["rope_type"]
-        if rope.get("rope_type", "default") != "default":
-            raise PairError(
-                f"pair refused: the {name} model's RoPE is {rope!r}, not the default schedule. "
-                "Scaled RoPE (yarn, linear, dynamic...) is not stripped exactly; remove rope_scaling."
-            )
+        refusal = schedule_refusal(getattr(cfg, "rope_parameters", None))
+        if refusal:
+            raise PairError(f"pair refused: the {name} model's {refusal}.")
     if src_tok is not None and tgt_tok is not None:
         a, b = tokenizer_digest(src_tok), tokenizer_digest(tgt_tok)
         if a != b:
@@ -273,7 +310,10 @@ class PairConfig:
     geometry: dict  # cache shapes on both sides (kvlingo.core.translator.Geometry as a dict)
 
     def specs(self) -> tuple[ModelSpec, ModelSpec]:
-        return pair_specs(self.direction, ModelSpec.parse(self.large), ModelSpec.parse(self.small))
+        """(source, target) specs at the commits this pair resolved to (for Hub ids given without one)."""
+        src, tgt = pair_specs(self.direction, ModelSpec.parse(self.large), ModelSpec.parse(self.small))
+        return tuple(s if s.is_local else replace(s, revision=ident.get("revision", s.revision))
+                     for s, ident in ((src, self.source), (tgt, self.target)))
 
     def identities(self) -> dict[str, Any]:
         return {"source": self.source, "target": self.target}
@@ -296,6 +336,7 @@ def resolve_pair(large: str, small: str, direction: str = "l2s", device: str = "
     """
     src_spec, tgt_spec = pair_specs(direction, ModelSpec.parse(large), ModelSpec.parse(small))
     device, dt = resolve_device(device), resolve_dtype(dtype)
+    src_spec, tgt_spec = pin_revision(src_spec), pin_revision(tgt_spec)
     src_tok, tgt_tok = load_tokenizer(src_spec), load_tokenizer(tgt_spec)
     src_cfg, tgt_cfg = load_config(src_spec), load_config(tgt_spec)
     check_pair(src_cfg, tgt_cfg, src_tok, tgt_tok)

@@ -13,21 +13,18 @@ import torch
 
 from ..core.headwise import Headwise
 from ..core.translator import Geometry, build
-from ..eval.shapes import QWEN3_ARCH, RANDOM_PAIRS, qwen3_config
+from ..eval.shapes import RANDOM_PAIRS, arch_config, meta_model
 
 
 def random_model(name: str, device: str, dtype: torch.dtype, seed: int = 0):
-    """A frozen, eval-mode Qwen3 of `name`'s exact shape with small random weights.
+    """A frozen, eval-mode model (Qwen3 or Llama) of preset `name`'s exact shape with small random weights.
 
     Weights are drawn N(0, 0.02) directly in the run dtype (no denormals, no NaNs: those
     would distort CPU timings). Built outside inference_mode (CPU BF16 matmuls
     of a model built inside it ran about 10× slower).
     """
-    from transformers import Qwen3ForCausalLM
-
-    cfg = qwen3_config(name)
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
+    cfg = arch_config(name)
+    model = meta_model(name)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty breaks the embedding/LM-head tie
     g = torch.Generator(device=device).manual_seed(seed)
@@ -37,11 +34,9 @@ def random_model(name: str, device: str, dtype: torch.dtype, seed: int = 0):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-        # to_empty leaves buffers uninitialised: recompute RoPE's inverse frequencies.
-        rot = model.model.rotary_emb
-        inv_freq, _ = rot.compute_default_rope_parameters(cfg)
-        rot.inv_freq = inv_freq.to(device)
-        rot.original_inv_freq = inv_freq.to(device)
+        # to_empty leaves buffers uninitialised: a fresh rotary module of the model's own schedule
+        # computes RoPE's inverse frequencies (and attention scaling) again.
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg).to(device)
     model.eval().requires_grad_(False)
     return model
 
@@ -75,11 +70,13 @@ def random_translator(source, target, key_space: str = "prenorm", seed: int = 0,
     return maps.to(next(target.parameters()).device).bind(source, target).requires_grad_(False)
 
 
-def random_pair(arch: str = "qwen3", direction: str = "l2s", device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """A `Pair` of random-weight models (no tokenizer): the large/small of `arch` in `direction`."""
+def random_pair(arch: str = "qwen3", direction: str = "l2s", device: str = "cpu", dtype: torch.dtype = torch.float32,
+                names: tuple[str, str] | None = None):
+    """A `Pair` of random-weight models (no tokenizer): the large/small of `arch` (or the preset shapes
+    `names` = (large, small)) in `direction`."""
     from ..run.models import ModelSpec, Pair, PairConfig, check_pair, dtype_name, pair_specs
 
-    large, small = RANDOM_PAIRS[arch]
+    large, small = names or RANDOM_PAIRS[arch]
     src, tgt = pair_specs(direction, ModelSpec(large, "random-weights"), ModelSpec(small, "random-weights"))
     source = random_model(src.name_or_path, device, dtype, seed=1)
     target = random_model(tgt.name_or_path, device, dtype, seed=2)

@@ -11,8 +11,8 @@ block (layer l, KV head h) and context position j:
 The last prefix token and the reply positions are never read from a handed-over cache in
 this split, so no attention measures them; they weigh 1, the context average.
 
-The probabilities are computed here from the target's own post-norm queries (hooked on
-q_norm, RoPE re-applied in FP32) and its cached keys, only for the scored rows, in FP32
+The probabilities are computed here from the target's own pre-RoPE queries (hooked on
+q_norm, or on q_proj in families without one; RoPE re-applied in FP32) and its cached keys, only for the scored rows, in FP32
 softmax. That equals eager attention's `output_attentions` (tested against it) without an
 eager copy of the target and without materialising [heads, T, T] for every layer, which at a
 16k-token prefix would not fit in memory.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core import arch
 from ..core.cache import Capture, capture
 from ..core.rope import RopeCache, apply_rope
 
@@ -30,14 +31,17 @@ FIT_WEIGHTINGS = ("uniform", "attention")
 
 def capture_with_queries(model, ids: torch.Tensor, want_prenorm: bool, q_start: int, n_q: int
                          ) -> tuple[Capture, torch.Tensor]:
-    """`cache.capture` plus each layer's post-q_norm, pre-RoPE queries at positions q_start..q_start+n_q-1.
+    """`cache.capture` plus each layer's pre-RoPE queries (post q_norm where the family has one) at
+    positions q_start..q_start+n_q-1.
 
     Returns (capture, queries [layers, q_heads, n_q, head_dim]).
     """
     rows: list[torch.Tensor] = []
-    # q_norm sees [1, tokens, q_heads, head_dim]: keep only the scored rows.
-    hooks = [layer.self_attn.q_norm.register_forward_hook(lambda _m, _i, out: rows.append(out[0, q_start:q_start + n_q]))
-             for layer in model.model.layers]
+    d = arch.head_dim(model.config)
+    # The hooked output is [1, tokens, q_heads, head_dim] or [1, tokens, q_heads·head_dim]: keep the scored rows.
+    hooks = [arch.query_module(layer).register_forward_hook(
+        lambda _m, _i, out: rows.append(out[0, q_start:q_start + n_q].reshape(n_q, -1, d)))
+        for layer in model.model.layers]
     try:
         cap = capture(model, ids, want_prenorm=want_prenorm, logits_to_keep=1)
     finally:
@@ -51,9 +55,9 @@ def scored_attention(model, keys: torch.Tensor, queries: torch.Tensor, q_start: 
     """Mean attention probability from the scored queries to each of the first `n_keys` positions.
 
     keys [layers, kv_heads, tokens, head_dim] (cached: post-norm, post-RoPE);
-    queries [layers, q_heads, n_q, head_dim] (post-norm, pre-RoPE) at positions q_start.. .
+    queries [layers, q_heads, n_q, head_dim] (pre-RoPE) at positions q_start.. .
     Returns [layers, kv_heads, n_keys] in FP64: averaged over the queries and over the query
-    heads that share each KV head (Qwen3's GQA: query head q reads KV head q // group).
+    heads that share each KV head (GQA: query head q reads KV head q // group).
     """
     L, n_heads, n_q, d = queries.shape
     kv_heads, T = keys.shape[1], keys.shape[2]
