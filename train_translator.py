@@ -101,11 +101,12 @@ def ridge_value(text):
         raise SystemExit(f"--ridge {text} is invalid: a number ≥ 0, or auto") from None
 
 
-def family_from_args(args, profile) -> tuple[str, dict]:
-    """The family and its settings: the flags where given, else the profile's."""
-    name = args.family or profile.family
+def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
+    """The family and its settings: the flags where given, else the profile's default for the direction."""
+    default, default_args = profile.family_for(direction)
+    name = args.family or default
     flags = {k: getattr(args, k) for k in ("k", "rank", "pairing", "base", "hidden") if getattr(args, k) is not None}
-    merged = {**(profile.family_args if name == profile.family else {}), **flags}
+    merged = {**(default_args if name == default else {}), **flags}
     try:
         return name, family_settings(name, **merged)
     except (TypeError, ValueError) as e:
@@ -174,7 +175,7 @@ def main(argv=None) -> dict:
     world = distributed.init(pair_cfg.device)  # torchrun's ranks (kvlingo/train/distributed.py); else one process
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)
-    family, settings = family_from_args(args, profile)
+    family, settings = family_from_args(args, profile, pair_cfg.direction)
     data_hashes = {f: manifest["files"][f] for f in (split_path(data_dir, s, "natural").name for s in ("train", "validation"))}
     cfg = TrainConfig(
         profile=profile.name, family=family, family_settings=settings, key_space=args.key_space,

@@ -8,7 +8,7 @@ line wins over the profile's value.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,10 @@ class Profile:
     lr_grid_size: int  # learning rates in the recipe's first grid (half-decade spaced)
     recipe_seeds: tuple[int, ...]  # seeds trained at the chosen learning rate
     lr: tuple[float, float] = (1e-4, 1e-3)  # AdamW learning rate for (l2s, s2l)
-    family: str = "headwise"  # translator family trained by default (kvlingo.core.translator.FAMILIES)
-    family_args: dict = field(default_factory=dict)  # its flags: k, rank, pairing, base, hidden (train --family ...)
+    # translator family trained by default for (l2s, s2l) (kvlingo.core.translator.FAMILIES), and its flags
+    # (k, rank, pairing, base, hidden, as train --family takes them)
+    family: tuple[str, str] = ("headwise", "headwise")
+    family_args: tuple[dict, dict] = ({}, {})
     ridge: float | str = "auto"  # closed-form ridge: a number, or "auto" (chosen per block on held-out conversations)
     fit_weighting: str = "uniform"  # closed-form weighting: uniform, or attention (the target's reply-time attention)
     recipe_lr_center: float | None = None  # centre of the recipe's rate grid (None: the profile's rate)
@@ -45,6 +47,11 @@ class Profile:
 
     def lr_for(self, direction: str) -> float:
         return self.lr[0] if direction == "l2s" else self.lr[1]
+
+    def family_for(self, direction: str) -> tuple[str, dict]:
+        """The default family of a direction and its flags."""
+        i = 0 if direction == "l2s" else 1
+        return self.family[i], dict(self.family_args[i])
 
 
 PROFILES: dict[str, Profile] = {
