@@ -330,10 +330,13 @@ def main(argv=None) -> Estimate:
     """`python -m kvlingo.train.estimate`: the estimate for a device you do not have at hand."""
     import argparse
 
-    from ..core.translator import FAMILIES, Geometry
+    from dataclasses import asdict
+
+    from ..core.translator import FAMILIES, Geometry, build
     from ..eval.shapes import QWEN3_ARCH
     from ..run.models import LARGE_ID, SMALL_ID, ModelSpec, pair_specs, resolve_device, resolve_dtype
     from ..run.profiles import PROFILES, get_profile
+    from .config import family_settings
 
     p = argparse.ArgumentParser(description="Estimated peak memory per rank and time per update of distillation.",
                                 epilog="examples:\n  python -m kvlingo.train.estimate --profile paper-budget --gpu H100 "
@@ -344,7 +347,8 @@ def main(argv=None) -> Estimate:
     p.add_argument("--small", default=SMALL_ID, help="smaller model, the same way")
     p.add_argument("--direction", choices=("l2s", "s2l"), default="l2s", help="which model builds the cache")
     p.add_argument("--dtype", default="bfloat16", help="model dtype")
-    p.add_argument("--family", choices=sorted(FAMILIES), default="headwise", help="translator family")
+    p.add_argument("--family", choices=sorted(FAMILIES), default=None,
+                   help="translator family at its default settings (default: the profile's for the direction, with its flags)")
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="translator key space")
     p.add_argument("--batch", type=int, default=None, help="conversations per update (default: the profile's)")
     p.add_argument("--nproc", type=int, default=1, help="data-parallel ranks (torchrun --nproc-per-node)")
@@ -364,8 +368,11 @@ def main(argv=None) -> Estimate:
     src_spec, tgt_spec = pair_specs(args.direction, ModelSpec.parse(args.large), ModelSpec.parse(args.small))
     source, target = shape(src_spec.name_or_path), shape(tgt_spec.name_or_path)
     geometry = Geometry(source.layers, source.kv_heads, source.head_dim, target.layers, target.kv_heads, target.head_dim)
-    translator = FAMILIES[args.family](geometry, args.key_space)
     profile = get_profile(args.profile)
+    default, default_args = profile.family_for(args.direction)
+    family = args.family or default
+    translator = build({"family": family, "key_space": args.key_space, "geometry": asdict(geometry),
+                        "settings": family_settings(family, **(default_args if family == default else {}))})
     return check_run(source, target, translator, profile=profile, batch=args.batch or profile.batch,
                      updates=profile.updates, val_every=profile.val_every, n_validation=profile.n_validation,
                      dtype_bytes=resolve_dtype(args.dtype).itemsize,
