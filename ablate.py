@@ -26,7 +26,8 @@ from kvlingo.run.paths import RunPaths, default_data, default_run
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import REFUSALS, refusals_exit, stage_parser
+from kvlingo.run.ledger import LEDGER_FILE
+from kvlingo.run.stage import REFUSALS, add_task_data_args, generative_tasks, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": "train_translator.py", "benchmark": "benchmark.py", "ifeval": "ifeval.py", "task": "task_eval.py"}
@@ -66,10 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--settings", nargs="+", default=[s.name for s in A.SETTINGS],
                    choices=[s.name for s in A.SETTINGS], help="settings to run (default: all)")
     p.add_argument("--long-factor", type=int, default=A.LONG_FACTOR, help="the best two's longer budget (0: none)")
-    p.add_argument("--data-root", default="data", help="prepared IFEval and GSM8K data root (ROOT/ifeval, ROOT/gsm8k)")
-    p.add_argument("--skip-tasks", nargs="*", choices=("ifeval", "gsm8k"), default=[],
-                   help="generative evaluations to leave out")
-    p.add_argument("--resume", action="store_true", help="keep finished cells whose key matches; refuse changed ones")
+    add_task_data_args(p)
     return p.parse_args(argv)
 
 
@@ -177,18 +175,13 @@ def main(argv=None) -> dict:
     t0 = time.time()
     profile = get_profile(args.profile)
     pair, _ = pair_config_from_args(args)
-    tasks = tuple(t for t in ("ifeval", "gsm8k") if t not in args.skip_tasks)
-    for t in tasks:
-        if not (Path(args.data_root) / t / "manifest.json").is_file():
-            raise SystemExit(f"ablate: no prepared {t} data under {args.data_root}/{t}: prepare it "
-                             f"({'ifeval.py --prepare' if t == 'ifeval' else 'task_eval.py --task gsm8k --prepare'}) "
-                             "or pass --skip-tasks " + t)
+    tasks = generative_tasks("ablate", args)
     cfg = AblationConfig(run=args.run or f"{default_run(profile.name, pair.direction)}-ablate",
                          profile=profile.name, data=str(args.data or default_data(profile.name)),
                          settings=tuple(args.settings), long_factor=args.long_factor, eval_root=args.data_root,
                          tasks=tasks, artifacts=args.artifacts, results=args.results, pair=pair)
     plan = Plan(cfg)
-    ledger = K.Ledger(plan.paths.res / K.LEDGER_FILE, asdict(cfg), args.resume)
+    ledger = K.Ledger(plan.paths.res / LEDGER_FILE, asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
     chosen = [s for s in A.SETTINGS if s.name in cfg.settings]
     toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]

@@ -32,7 +32,7 @@ from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import REFUSALS, refusals_exit, stage_parser
+from kvlingo.run.stage import REFUSALS, add_task_data_args, generative_tasks, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SETTINGS = ("none", "tail:10%", "tail:25%", "tail:50%", "layers:25%", "layers:50%", "layers:75%",
@@ -79,13 +79,11 @@ def parse_args(argv=None):
                      common=True, data=True)
     p.add_argument("--runs", nargs="*", default=[], help="other trained runs to put on the frontier (other families)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), help="refresh settings (default: the grid)")
-    p.add_argument("--data-root", default="data", help="prepared IFEval and GSM8K data root")
-    p.add_argument("--skip-tasks", nargs="*", choices=("ifeval", "gsm8k"), default=[])
+    add_task_data_args(p)
     p.add_argument("--real-tokens", type=int, default=REAL_TOKENS, help="context length of the real-shape timing")
     p.add_argument("--no-timing", action="store_true", help="skip the real-shape timing (costs from FLOPs only)")
     p.add_argument("--timing-warmups", type=int, default=1, help="warm-ups per timed path")
     p.add_argument("--timing-repeats", type=int, default=3, help="timed trials per path")
-    p.add_argument("--resume", action="store_true", help="keep finished cells whose key matches")
     return p.parse_args(argv)
 
 
@@ -247,7 +245,7 @@ def main(argv=None) -> dict:
     profile = get_profile(args.profile)
     pair, _ = pair_config_from_args(args)
     settings = tuple(str(Refresh.parse(s)) for s in args.settings)
-    tasks = tuple(t for t in ("ifeval", "gsm8k") if t not in args.skip_tasks)
+    tasks = generative_tasks("frontier", args)
     run = run_paths(args).run
     cfg = FrontierConfig(run=run, runs=(run, *args.runs), profile=profile.name,
                          data=str(args.data or default_data(profile.name)), settings=settings, eval_root=args.data_root,

@@ -1,15 +1,17 @@
 """Install (or train) the offline toy world: a procedural chat corpus, evaluation files, a shared
-tokenizer and a toy Qwen3 pair ("large" and "small"), so every stage runs on a CPU without the Hub.
+tokenizer, a toy Qwen3 pair ("large" and "small") and a third, deeper model ("deep": 6 layers,
+4 KV heads, head_dim 16), so every stage runs on a CPU without the Hub.
 
 Usage:
     python toy_world.py --out artifacts/toy                  # install the packaged pair: seconds
     python toy_world.py --out artifacts/toy --train          # train it from scratch: ~26 CPU-minutes
     python toy_world.py --out artifacts/toy --train --export kvlingo/toy/pair   # ... and re-package it
     python toy_world.py --out /tmp/toy --mini                # seconds: tiny corpus and models
+    python toy_world.py --out artifacts/toy --train-deep --export-deep kvlingo/toy/deep   # retrain the deep model
 
 Writes under --out: corpus/{train_chats,chats,chats.meta,ifeval,ifeval.ref,arc,arc.ref,gsm8k}.jsonl,
 tokenizer/, large/, small/ (save_pretrained folders with the tokenizer and meta.json), and
-manifest.json last. The install regenerates the corpus from the seed and checks it against the
+manifest.json last; then deep/ (with its own manifest.json, kvlingo/toy/deep.py). The install regenerates the corpus from the seed and checks it against the
 hashes the packaged pair was trained on. Re-running with the same settings verifies the
 manifest's hashes and does nothing; --force retrains.
 """
@@ -20,6 +22,7 @@ import argparse
 import os
 from pathlib import Path
 
+from kvlingo.toy.deep import PACKAGED_DEEP, build_deep, export_deep, install_deep
 from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
 
 
@@ -31,7 +34,8 @@ def main() -> None:
         "  python toy_world.py --out artifacts/toy\n"
         "  python toy_world.py --out artifacts/toy --train --export kvlingo/toy/pair\n"
         "  python toy_world.py --out /tmp/toy-short --train --minutes-per-model 6\n"
-        "  python toy_world.py --out /tmp/toy-mini --mini",
+        "  python toy_world.py --out /tmp/toy-mini --mini\n"
+        "  python toy_world.py --out artifacts/toy --train-deep --export-deep kvlingo/toy/deep",
     )
     parser.add_argument("--out", required=True, type=Path, help="output folder, e.g. artifacts/toy")
     parser.add_argument("--train", action="store_true",
@@ -42,6 +46,11 @@ def main() -> None:
     parser.add_argument("--minutes-per-model", type=float, default=None,
                         help="with --train/--mini: training budget per model in CPU-minutes, turned into a fixed "
                         "step count (default: 18 for the large model and 7 for the small one)")
+    parser.add_argument("--train-deep", action="store_true",
+                        help="train the deep model on the world at --out (installed first unless --train/--mini) "
+                        f"instead of installing the packaged one ({PACKAGED_DEEP})")
+    parser.add_argument("--export-deep", type=Path, default=None, metavar="DIR",
+                        help="after --train-deep on a full world, copy the deep model into DIR (e.g. kvlingo/toy/deep)")
     parser.add_argument("--mini", action="store_true", help="tiny corpus and models for tests (seconds)")
     parser.add_argument("--force", action="store_true", help="with --train/--mini: retrain even if the manifest matches")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
@@ -50,11 +59,13 @@ def main() -> None:
     training = args.train or args.mini
     if args.minutes_per_model is not None and args.minutes_per_model < 0:
         raise SystemExit(f"--minutes-per-model must be >= 0, got {args.minutes_per_model}")
-    if not training and (args.seed != 0 or args.minutes_per_model is not None or args.force):
+    if not training and (args.seed != 0 or args.minutes_per_model is not None or (args.force and not args.train_deep)):
         raise SystemExit("--seed, --minutes-per-model and --force change a training run; add --train "
                          "(the packaged pair is seed 0 with the default budgets)")
     if args.export is not None and (args.mini or not args.train):
         raise SystemExit("--export needs a full --train build (not --mini)")
+    if args.export_deep is not None and (args.mini or not args.train_deep):
+        raise SystemExit("--export-deep needs --train-deep on a full world (not --mini)")
     if os.environ.get("HF_HUB_OFFLINE") != "1":
         print("note: HF_HUB_OFFLINE is not set; the toy world never needs the Hub (set HF_HUB_OFFLINE=1)")
     try:
@@ -66,6 +77,13 @@ def main() -> None:
                 export_pair(args.out, args.export)
         else:
             manifest = install_pair(args.out)
+        deep = None
+        if args.train_deep:
+            deep = build_deep(args.out, force=args.force, progress=not args.no_progress)
+            if args.export_deep is not None:
+                export_deep(args.out, args.export_deep)
+        elif not training:
+            deep = install_deep(args.out)
     except ValueError as err:
         raise SystemExit(f"toy world failed: {err}") from err
 
@@ -77,6 +95,12 @@ def main() -> None:
         print(f"{name}: {info['n_params']:,} parameters, {info['train_steps']} steps, "
               f"train {info['train_wall_s']:.0f}s, final loss {info['final_loss']:.3f}")
     print(f"manifest: {args.out / 'manifest.json'} (build wall time {manifest['wall_time_s']:.0f}s)")
+    if deep is not None:
+        print()
+        print(summary_table(deep))
+        info = deep["results"]["model"]
+        print(f"deep: {info['n_params']:,} parameters, {info['train_steps']} steps, train {info['train_wall_s']:.0f}s, "
+              f"final loss {info['final_loss']:.3f}; manifest: {args.out / 'deep' / 'manifest.json'}")
 
 
 if __name__ == "__main__":

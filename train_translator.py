@@ -167,7 +167,6 @@ def main(argv=None) -> dict:
     t0 = time.time()
     profile = get_profile(args.profile)
     paths = run_paths(args)
-    run_dir, res_dir = paths.art, paths.res
     ckpt_dir, cf_dir, dist_dir = paths.checkpoints, paths.translator("closed_form"), paths.translator("distilled")
 
     # --------------------------------------------------------------------------- checks before any change

@@ -23,7 +23,7 @@ from kvlingo.core.handoff import as_ids, prefill
 from kvlingo.core.headwise import Headwise
 from kvlingo.core.translator import Geometry, save_translator
 from kvlingo.run.models import ModelSpec, load_model, load_tokenizer, render_ids
-from kvlingo.io import atomic_write_json, atomic_write_jsonl, read_json, read_jsonl, sha256_file
+from kvlingo.io import read_json, read_jsonl, sha256_file
 from kvlingo.core.cache import capture
 
 ROOT = Path(__file__).resolve().parent.parent

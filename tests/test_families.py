@@ -62,7 +62,7 @@ def test_linear_closed_forms_match_lstsq(make, weighted, ridge):
     L, B, d_in, d_out = tr.fit_blocks()
     gen = torch.Generator().manual_seed(1)
     ne = NormalEquations(L, B, d_in, d_out)
-    xs, ys = [], []
+    xs = []
     x = tr.design(1, cap).double()  # the values' design (keys differ only by the key space, tested elsewhere)
     for which in (0, 1):
         W = torch.randn(L, B, d_in, d_out, generator=gen, dtype=torch.float64)

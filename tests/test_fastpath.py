@@ -12,7 +12,6 @@ from kvlingo.core import attention, graphs
 from kvlingo.core.cache import build_cache, capture, continue_from, empty_cache, run_with_cache
 from kvlingo.core.handoff import greedy_generate, translate, translate_to_cache
 from kvlingo.core.headwise import Headwise
-from kvlingo.core.preallocated import PreallocatedCache
 from kvlingo.core.translator import FAST_BF16_TOLERANCE, Geometry
 from kvlingo.eval import timing
 from kvlingo.run.models import ModelSpec, load_model

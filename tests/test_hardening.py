@@ -15,12 +15,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 import benchmark
 import paper_data
 import train_translator
-from tinypair import chat_rows, qwen3_config, write_prepared
+from tinypair import chat_rows, write_prepared
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module

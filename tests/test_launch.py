@@ -9,7 +9,6 @@ reference for a killed or preempted recipe is an uninterrupted one.
 from __future__ import annotations
 
 import json
-import json
 import multiprocessing
 import os
 import signal
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import recipe
-from kvlingo.io import atomic_write_json, atomic_write_text, read_json
+from kvlingo.io import atomic_write_json, read_json
 from kvlingo.run import recipe as K
 from kvlingo.run.launch import CellJob, SlurmLauncher, SlurmSettings
 from kvlingo.run.ledger import Ledger

@@ -26,7 +26,6 @@ from kvlingo.core.handoff import as_ids
 from kvlingo.core.headwise import Headwise
 from kvlingo.core.translator import Geometry, load_state, load_translator, read_manifest
 from kvlingo.core.rope import RopeCache
-from kvlingo.io import sha256_file
 from kvlingo.run.models import ModelSpec, load_model
 from kvlingo.train import checkpoints as C
 from kvlingo.train import distill as D

@@ -13,19 +13,18 @@ from __future__ import annotations
 import torch
 
 
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool = True) -> dict:
+    """A Qwen3 dense config: the fields that differ between sizes; 8 KV heads × 128, the vocabulary and RoPE are shared."""
+    return dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=tied,
+                rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960)
+
+
 QWEN3_ARCH = {
-    "Qwen/Qwen3-0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                            num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-                            rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960),
-    "Qwen/Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                            num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-                            rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960),
-    "Qwen/Qwen3-4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                          num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-                          rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960),
-    "Qwen/Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                          num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
-                          rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960),
+    "Qwen/Qwen3-0.6B": _qwen3(1024, 3072, 28, 16),
+    "Qwen/Qwen3-1.7B": _qwen3(2048, 6144, 28, 16),
+    "Qwen/Qwen3-4B": _qwen3(2560, 9728, 36, 32),
+    "Qwen/Qwen3-8B": _qwen3(4096, 12288, 36, 32, tied=False),
 }
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Sequence
 from ..eval.stats import mean_se
 from ..io import read_json, sha256_file, sha256_json
 from .launch import CellJob, LocalLauncher, StageFailed, run_stage
-from .ledger import LEDGER_FILE, Ledger, entry_of
+from .ledger import LEDGER_FILE, Ledger, entry_of  # noqa: F401  (LEDGER_FILE: re-exported for the stages)
 from .report import fmt_pm, fmt_table
 
 SELECTION_METRIC = "distilled_val_kl"  # train.json results key: final validation KL of the distilled maps

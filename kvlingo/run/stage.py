@@ -12,6 +12,7 @@ import argparse
 import functools
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from ..core.cache import CACHE_KINDS, set_default_kind
@@ -85,6 +86,28 @@ def refresh_setting(text: str):
         return Refresh.parse(text)
     except RefreshError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+GENERATIVE_TASKS = ("ifeval", "gsm8k")
+
+
+def add_task_data_args(parser) -> None:
+    """--data-root, --skip-tasks and --resume of the stages that run IFEval and GSM8K as cells (ablate, frontier)."""
+    parser.add_argument("--data-root", default="data", help="prepared IFEval and GSM8K data root (ROOT/ifeval, ROOT/gsm8k)")
+    parser.add_argument("--skip-tasks", nargs="*", choices=GENERATIVE_TASKS, default=[],
+                        help="generative evaluations to leave out")
+    parser.add_argument("--resume", action="store_true", help="keep finished cells whose key matches; refuse changed ones")
+
+
+def generative_tasks(stage: str, args) -> tuple[str, ...]:
+    """The tasks not skipped, each refused unless its prepared data exists (the message names how to prepare it)."""
+    tasks = tuple(t for t in GENERATIVE_TASKS if t not in args.skip_tasks)
+    for t in tasks:
+        if not (Path(args.data_root) / t / "manifest.json").is_file():
+            how = "ifeval.py --prepare" if t == "ifeval" else "task_eval.py --task gsm8k --prepare"
+            raise SystemExit(f"{stage}: no prepared {t} data under {args.data_root}/{t}: prepare it ({how}) "
+                             f"or pass --skip-tasks {t}")
+    return tasks
 
 
 class _CacheKind(argparse.Action):

@@ -41,16 +41,6 @@ def random_model(name: str, device: str, dtype: torch.dtype, seed: int = 0):
     return model
 
 
-def random_maps(source, target, key_space: str = "prenorm", seed: int = 0) -> HeadwiseMaps:
-    """Near-identity random maps for a pair (values are irrelevant to timing, but kept finite and tame)."""
-    maps = HeadwiseMaps.for_pair(source, target, key_space)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        L, H, d_in, d_out = maps.shape
-        maps.weight.copy_(torch.eye(d_in, d_out) + 0.01 * torch.randn(2, L, H, d_in, d_out, generator=g))
-    return maps.to(next(target.parameters()).device)
-
-
 def random_translator(source, target, key_space: str = "prenorm", seed: int = 0, family: str = "headwise",
                       settings: dict | None = None):
     """A random translator of `family` bound to a pair (values are irrelevant to timing, but finite and tame):

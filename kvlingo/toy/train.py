@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..io import ROOT, atomic_write_json, read_json, read_jsonl, sha256_file, sha256_json, sha256_tree
+from ..io import atomic_write_json, read_json, read_jsonl, sha256_file, sha256_json, sha256_tree
 from ..run.models import local_weights_digest
 from ..run.report import Report, fmt_table
 from . import world as toyworld

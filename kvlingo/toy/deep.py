@@ -1,0 +1,260 @@
+"""The deep toy model: a third toy Qwen3 of another depth, KV-head count and head_dim, trained on the
+packaged pair's own corpus and tokenizer, so that it pairs with either packaged model.
+
+    large  4 layers × 2 KV heads × head_dim 32   (kvlingo/toy/pair)
+    small  4 layers × 2 KV heads × head_dim 32   (kvlingo/toy/pair)
+    deep   6 layers × 4 KV heads × head_dim 16   (kvlingo/toy/deep, this module)
+
+large↔deep and deep↔small are pairs whose caches line up neither layer by layer nor head by
+head: head-wise maps refuse them, cross-layer maps join them (`make demo PAIR=deep`).
+
+The packaged pair scores 27-29% on the toy ARC (chance 25%), so an ARC column of a translated
+run on it says nothing. The deep model sees each multiple-choice training chat (a reply ending
+"Answer: A".."D") `mc_copies` times per epoch, five of them with shuffled options, in the hope
+of a model that reads the options. At the packaged budget (900 steps, about 16 CPU-minutes) it
+does not: it answers 1% of the toy ARC replies exactly and recalls 6% of the facts the pair
+recalls 58-69% of (the manifest records its exact-reply scores beside the pair's). It is a
+weak, geometry-different partner for the plumbing, not a model whose task columns mean much.
+The packaged pair's files are untouched.
+
+Training runs in FP32 on one thread (bf16 autocast is a large speedup only on CPUs with
+AVX-512 BF16; without it BF16 matmuls are ~20× slower), for a fixed step count, so a seed gives
+the same weights on one machine. The weights are rounded to BF16 before scoring and stored in
+BF16 shards of at most 4 MB, like the pair's.
+
+Layout: DIR/deep/ is a save_pretrained folder (weights, config, tokenizer, meta.json) plus
+manifest.json, written last (the build key, the pair's tokenizer and corpus hashes it was
+trained on, scores, and the sha256 of every file). `build_deep` trains it into an installed toy
+world; `export_deep` copies it into kvlingo/toy/deep; `install_deep` copies the packaged one into
+a toy world after checking its files and that the world's tokenizer and corpus are the ones it
+was trained on.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..io import atomic_write_json, read_json, read_jsonl, sha256_file, sha256_json, sha256_tree
+from ..run.report import Report
+from . import train as toytrain
+from .train import ModelShape
+
+PACKAGED_DEEP = Path(__file__).with_name("deep")  # the committed deep model (with its manifest.json)
+MANIFEST = "manifest.json"
+MC_REPLY = re.compile(r"Answer: ([A-D])$")  # how a multiple-choice chat's reply ends (its reasoning-on form too)
+OPTION = re.compile(r"^([A-D])\. (.*)$", re.M)  # one option line of the final user turn
+OPTION_NAMED = re.compile(r"option [A-D]\.")  # the letter in a reasoning-on reply ("That is option B.")
+LETTERS = "ABCD"
+TRAIN_HINT = ("retrain and re-export the deep model with `make toy-train-deep` "
+              "(python toy_world.py --out artifacts/toy --train-deep --export-deep kvlingo/toy/deep)")
+
+
+@dataclass(frozen=True)
+class DeepConfig:
+    layers: int = 6  # decoder layers (the pair has 4)
+    kv_heads: int = 4  # KV heads (the pair has 2)
+    head_dim: int = 16  # per-head width (the pair has 32)
+    shape: ModelShape = ModelShape(hidden=128, intermediate=384, heads=4, rope_theta=20_000.0)  # widths and RoPE base
+    mc_copies: int = 6  # times each multiple-choice training chat appears per epoch (the copies options-shuffled)
+    steps: int = 900  # optimiser steps (fixed, so the weights do not depend on the machine's speed)
+    batch: int = 32  # conversations per step
+    lr: float = 3e-3  # AdamW peak learning rate (warm-up, cosine decay and the rest as the pair's)
+    autocast_bf16: bool = False  # FP32 training (see the module docstring)
+    seed: int = 2  # weights and batch order (the pair used 0 and 1)
+    threads: int = 1  # torch CPU threads for training and scoring
+
+
+def mini_deep_config() -> DeepConfig:
+    """Seconds instead of minutes, for tests on the mini toy world."""
+    return DeepConfig(layers=3, kv_heads=4, head_dim=8, shape=ModelShape(hidden=32, intermediate=64, heads=4,
+                                                                           rope_theta=20_000.0),
+                      mc_copies=2, steps=12, batch=8)
+
+
+SOURCES = [Path(__file__), *toytrain.SOURCES]
+
+
+def code_sha() -> str:
+    """Hash of the code that determines the deep model (the pair's training code included)."""
+    return sha256_tree(SOURCES)
+
+
+def shuffle_options(row: dict, rng: random.Random) -> dict:
+    """A multiple-choice chat with its four options in another order, the answer letter moved with them.
+
+    The final user turn lists the options one per line ("A. text", kvlingo.eval.tasks.prompts.arc_item);
+    the reply names the letter in "Answer: X" (and, with reasoning on, "That is option X.").
+    """
+    last = row["input"][-1]["content"]
+    found = list(OPTION.finditer(last))
+    gold = MC_REPLY.search(row["output"]).group(1)
+    texts = [m.group(2) for m in found]
+    right = texts[LETTERS.index(gold)]
+    order = rng.sample(texts, len(texts))
+    letter = LETTERS[order.index(right)]
+    lines = "\n".join(f"{l}. {t}" for l, t in zip(LETTERS, order))
+    content = last[:found[0].start()] + lines + last[found[-1].end():]
+    output = MC_REPLY.sub(f"Answer: {letter}", OPTION_NAMED.sub(f"option {letter}.", row["output"]))
+    return {**row, "input": [*row["input"][:-1], {**row["input"][-1], "content": content}], "output": output}
+
+
+def training_data(tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: int = 0) -> list[toytrain.Encoded]:
+    """The pair's training chats, plus `mc_copies - 1` more copies of each multiple-choice chat, each with its
+    options shuffled and the loss on its final reply only (its earlier turns are trained on with the original).
+
+    Plain repeats would let a small model memorise each item's letter; in a shuffled copy the same facts and
+    the same question point to another letter, so the letter has to be read off the options.
+    """
+    data = [d for d in toytrain.encode_rows(tok, rows) if len(d.ids) <= max_len]
+    mc = [row for row in rows if MC_REPLY.search(row["output"]) and len(OPTION.findall(row["input"][-1]["content"])) == 4]
+    rng = random.Random(f"toydeep/{seed}/options")
+    copies = [shuffle_options(row, rng) for _ in range(cfg.mc_copies - 1) for row in mc]
+    extra = toytrain.encode_rows(tok, copies, all_assistant_turns=False) if copies else []
+    return data + [d for d in extra if len(d.ids) <= max_len]
+
+
+def _world_inputs(world: Path) -> dict:
+    """What the deep model is trained on and must be installed beside: the world's tokenizer and corpus hashes."""
+    pair = read_json(world / "manifest.json")
+    return {"pair_build_key": toytrain.build_key_of(pair),
+            "tokenizer_sha256": sha256_file(world / "tokenizer" / "tokenizer.json"),
+            "corpus_sha256": {rel: sha for rel, sha in sorted(pair["files"].items()) if rel.startswith("corpus/")}}
+
+
+def pair_config(manifest: dict) -> toytrain.ToyConfig:
+    """The ToyConfig a toy world's manifest records (its corpus, budgets and training settings)."""
+    c = dict(manifest["config"])
+    world = toytrain.toyworld.WorldConfig(**{**c["world"], "kind_weights": tuple(c["world"]["kind_weights"])})
+    return toytrain.ToyConfig(**{**c, "world": world, "large": ModelShape(**c["large"]),
+                                 "small": ModelShape(**c["small"])})
+
+
+def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = False, progress: bool = True,
+               log: Callable[[str], None] = print) -> dict:
+    """Train (or verify and keep) WORLD/deep on an installed or built toy world; return its manifest."""
+    from transformers import AutoTokenizer
+
+    t0 = time.time()
+    world = Path(world)
+    if not (world / "manifest.json").is_file():
+        raise ValueError(f"{world} holds no toy world; install it first (make toy)")
+    pair = read_json(world / "manifest.json")
+    cfg = cfg or (mini_deep_config() if toytrain.is_mini(pair) else DeepConfig())
+    inputs = _world_inputs(world)
+    build_key = sha256_json({"config": asdict(cfg), "code": code_sha(), "inputs": inputs})
+    out = world / "deep"
+    if not force and (out / MANIFEST).is_file():
+        old = read_json(out / MANIFEST)
+        if old.get("resume_key") == build_key and toytrain._files_ok(out, old.get("files", {})):
+            log(f"deep model at {out} is up to date (build key {build_key[:12]}); nothing to do")
+            return old
+
+    pair_cfg = pair_config(pair)
+    train_cfg = replace(pair_cfg, layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, batch=cfg.batch,
+                        lr=cfg.lr, autocast_bf16=cfg.autocast_bf16)
+    tok = AutoTokenizer.from_pretrained(world / "tokenizer")
+    rows = read_jsonl(world / "corpus" / "train_chats.jsonl")
+    data = training_data(tok, rows, cfg, pair_cfg.max_len, cfg.seed)
+    n_mc = sum(bool(MC_REPLY.search(r["output"])) for r in rows)
+    log(f"deep: {len(data)} training sequences ({n_mc} multiple-choice chats × {cfg.mc_copies}); "
+        f"training {cfg.steps} steps ({cfg.layers} layers, {cfg.kv_heads} KV heads, head_dim {cfg.head_dim})")
+    files = {name: world / "corpus" / f"{name}.jsonl" for name in toytrain.toyworld.WORLD_FILES}
+    sets = toytrain.evaluation_sets(files, pair_cfg)
+    qcfg = toytrain.qwen3_config(train_cfg, cfg.shape, tok)
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        t1 = time.time()
+        model, loss_log = toytrain.train_model(qcfg, data, cfg.steps, train_cfg, cfg.seed, tok.pad_token_id,
+                                               desc="deep", progress=progress)
+        train_s = time.time() - t1
+        toytrain.round_to_bf16(model)  # scored exactly as stored
+        t2 = time.time()
+        scores = toytrain.score_model(model, tok, sets)
+        eval_s = time.time() - t2
+    finally:
+        torch.set_num_threads(threads_before)
+    info = {"train_steps": cfg.steps, "train_wall_s": train_s, "eval_wall_s": eval_s,
+            "n_params": sum(p.numel() for p in model.parameters()), "threads": cfg.threads,
+            "final_loss": loss_log[-1]["loss"] if loss_log else None,
+            "n_training_sequences": len(data), "n_multiple_choice_chats": n_mc}
+    toytrain._save_model(model, tok, out, {"model_key": build_key, "name": "deep", "seed": cfg.seed,
+                                           "loss_log": loss_log, "exact_reply": scores, **info})
+    rel_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
+    pair_scores = pair["results"]["exact_reply"]
+    n_samples = {name: {cond: len(r) for cond, r in conds.items()} for name, conds in sets.items()}
+    return Report(
+        "toy_deep", config=cfg, inputs={"code_sha256": code_sha(), **inputs},
+        results={"exact_reply": {"deep": scores, **pair_scores}, "model": info, "mini": toytrain.is_mini(pair)},
+        n_samples=n_samples, seeds={"deep": cfg.seed}, wall_time_s=time.time() - t0, device="cpu", dtype="float32",
+        resume_key=build_key, files={rel: sha256_file(out / rel) for rel in rel_files},
+    ).write(out / MANIFEST)
+
+
+def _check_files(folder: Path, manifest: dict) -> None:
+    bad = [rel for rel, sha in manifest["files"].items()
+           if not (folder / rel).is_file() or sha256_file(folder / rel) != sha]
+    if bad:
+        raise ValueError(f"{folder / bad[0]} differs from the deep model's manifest ({len(bad)} file(s)); "
+                         f"restore it (git checkout -- {folder}) or {TRAIN_HINT}")
+
+
+def export_deep(world: str | Path, dest: str | Path = PACKAGED_DEEP, log: Callable[[str], None] = print) -> dict:
+    """Copy a verified full build of WORLD/deep into `dest` (manifest last)."""
+    src, dest = Path(world) / "deep", Path(dest)
+    manifest = read_json(src / MANIFEST)
+    if manifest["results"].get("mini"):
+        raise ValueError(f"{src} was built on a mini world; only a full build is exported")
+    _check_files(src, manifest)
+    tmp = dest.parent / f".{dest.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(MANIFEST))
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    atomic_write_json(dest / MANIFEST, manifest)  # last: marks the export complete
+    log(f"exported the deep model of {src} to {dest}")
+    return manifest
+
+
+def install_deep(world: str | Path, packaged: str | Path = PACKAGED_DEEP, log: Callable[[str], None] = print) -> dict:
+    """Copy the packaged deep model into WORLD/deep; return its manifest.
+
+    Refused (ValueError naming the file and the fix, before WORLD/deep is touched) when a packaged file
+    differs from its manifest or the world's tokenizer or corpus is not the one it was trained on.
+    """
+    world, packaged = Path(world), Path(packaged)
+    if not (packaged / MANIFEST).is_file():
+        raise ValueError(f"no packaged deep model at {packaged}; {TRAIN_HINT}")
+    manifest = read_json(packaged / MANIFEST)
+    out = world / "deep"
+    if (out / MANIFEST).is_file() and read_json(out / MANIFEST).get("resume_key") == manifest["resume_key"]:
+        try:
+            _check_files(out, manifest)
+            log(f"deep model at {out} is up to date (build key {manifest['resume_key'][:12]}); nothing to do")
+            return manifest
+        except ValueError:
+            pass  # damaged: install again
+    _check_files(packaged, manifest)
+    trained_on = {k: manifest["inputs"][k] for k in ("tokenizer_sha256", "corpus_sha256")}
+    here = {k: v for k, v in _world_inputs(world).items() if k in trained_on}
+    if here != trained_on:
+        field = next(k for k in trained_on if here[k] != trained_on[k])
+        raise ValueError(f"the toy world at {world} has another {field.removesuffix('_sha256')} than the one the deep "
+                         f"model was trained on; install the packaged pair there (make toy) or {TRAIN_HINT}")
+    tmp = world / ".deep.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(packaged, tmp, ignore=shutil.ignore_patterns(MANIFEST))
+    atomic_write_json(tmp / MANIFEST, {**manifest, "installed_from": str(packaged)})
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log(f"installed the packaged deep model into {out} ({len(manifest['files'])} files)")
+    return manifest
