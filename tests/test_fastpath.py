@@ -227,6 +227,30 @@ def test_bf16_fast_translation_within_tolerance_of_fp32_maths(models):
     assert maps.compute_dtype(torch.float32, "fast") == torch.float32  # FP32 runs keep FP32 inputs (TF32 on CUDA)
 
 
+@pytest.mark.parametrize("settings", [{"k": 1, "pairing": "proportional"}, {"k": 2, "rank": 8}])
+def test_bf16_fast_crosslayer_within_tolerance_of_fp32_maths(models, settings):
+    """The default families (cross-head, cross-layer at a rank) take the fast path too: within the same bound."""
+    from kvlingo.core.crosslayer import CrossLayer
+
+    source, target = models["large", torch.bfloat16], models["small", torch.bfloat16]
+    ids = _ids(40, target.config.vocab_size, 5)
+    maps = CrossLayer(Geometry.of(source, target), **settings).bind(source, target)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for p in maps.parameters():
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+        cap = capture(source, ids)
+        exact = maps(cap, torch.bfloat16, precision="fp32")
+        cache = empty_cache(target, ids.shape[1], 3, torch.bfloat16)
+        fast = maps(cap, precision="fast", out=cache.context(ids.shape[1]))
+    assert maps.compute_dtype(torch.bfloat16, "fast") == torch.bfloat16
+    for ref, got in zip(exact, fast):
+        assert got.dtype == torch.bfloat16 and not torch.equal(ref, got)  # the BF16 matmuls really ran
+        for layer in range(ref.shape[0]):
+            bound = FAST_BF16_TOLERANCE * ref[layer].float().abs().max().item()
+            assert (got[layer].float() - ref[layer].float()).abs().max().item() <= bound
+
+
 def test_family_without_fast_paths_keeps_fp32_maths_and_contiguous_scratch(models):
     source, target = models["large", torch.float32], models["small", torch.float32]
 

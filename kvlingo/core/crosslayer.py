@@ -47,6 +47,7 @@ def proportional_layers(l_target: int, n_target: int, n_source: int, k: int = 1)
 @family
 class CrossLayer(Translator):
     family = "crosslayer"
+    fast_paths = True  # map casts its parameters; map_into (the base's) copies into strided outputs
 
     def __init__(self, geometry: Geometry, key_space: str = "prenorm", k: int = 2, rank: int = 0,
                  pairing: str = "ranked", layers: list | None = None):
@@ -102,12 +103,13 @@ class CrossLayer(Translator):
         return x.view(n, k, H, T, d).permute(0, 3, 1, 2, 4).reshape(n, T, k * H * d)
 
     def map(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
+        """In the compute dtype (the maps cast once per change: `Translator.cast`); FP32 under gradients."""
         x = self.inputs(which, cap, layers)
-        b = self.bias[which, layers][:, None, :]  # [n, 1, d_out]
+        b = self.cast(self.bias)[which, layers][:, None, :]  # [n, 1, d_out]
         if self.rank:
-            y = torch.baddbmm(b, torch.bmm(x, self.down[which, layers]), self.up[which, layers])
+            y = torch.baddbmm(b, torch.bmm(x, self.cast(self.down)[which, layers]), self.cast(self.up)[which, layers])
         else:
-            y = torch.baddbmm(b, x, self.weight[which, layers])  # [n, T, H_t·d_t]
+            y = torch.baddbmm(b, x, self.cast(self.weight)[which, layers])  # [n, T, H_t·d_t]
         g = self.geometry
         return y.view(y.shape[0], y.shape[1], g.target_kv_heads, g.target_head_dim).transpose(1, 2)
 
