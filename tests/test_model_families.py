@@ -6,6 +6,8 @@ References: transformers' own split execution, its own `apply_rotary_pos_emb`, e
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -163,6 +165,42 @@ def test_llama_qwen2_and_qwen3_may_pair(tmp_path, tokenizers):
     cfg, _ = resolve_pair(paths[0], paths[1], "l2s", "cpu", "float32")
     assert cfg.geometry["source_layers"] == 3 and cfg.geometry["target_head_dim"] == 16
     resolve_pair(paths[2], paths[0], "s2l", "cpu", "float32")
+
+
+@pytest.mark.parametrize("family", ["crosshead", "crosslayer"])
+def test_closed_form_and_translation_across_depth_kv_heads_and_head_dim(family):
+    """A Llama source (3 layers × 1 KV head × head_dim 16, llama3 RoPE) and a Qwen3 target (2 × 2 × 8, k_norm):
+    the FP64 closed form fits (in sample it beats the mean-only map, as least squares must), the translation
+    has the target's layout, and the target continues on it."""
+    from kvlingo.core.handoff import capture_source, continue_target, translate
+    from kvlingo.core.translator import build
+    from kvlingo.train.closed_form import fit_closed_form
+
+    source = tiny_model("llama", "llama3", layers=3, kv_heads=1, seed=1)
+    target = tiny_model("qwen3", "default", layers=2, kv_heads=2, head_dim=8, seed=2)
+    g = Geometry.of(source, target)
+    assert (g.source_layers, g.source_kv_heads, g.source_head_dim) == (3, 1, 16)
+    assert (g.target_layers, g.target_kv_heads, g.target_head_dim) == (2, 2, 8)
+    tr = build({"family": family, "key_space": "prenorm", "settings": {}, "geometry": asdict(g)}).bind(source, target)
+    rows = [{"prefix_ids": _ids(20, seed).tolist()[0], "reply_ids": _ids(6, 100 + seed).tolist()[0]} for seed in range(10)]
+    stats = fit_closed_form(source, target, tr, rows, "uniform", ridge=0.0)
+    assert stats["n_tokens"] == 10 * 26 and tr.plan.shape[-1] == (1 if family == "crosshead" else 2)
+
+    def relative_error(row) -> float:
+        ids = torch.tensor([row["prefix_ids"] + row["reply_ids"]])
+        with torch.no_grad():
+            keys, values = translate(source, tr, ids, torch.float32)
+            own = capture(target, ids)
+        assert keys.shape == own.keys.shape == (2, 2, 26, 8)
+        centred = own.values - own.values.mean(dim=2, keepdim=True)
+        return ((values - own.values).norm() / centred.norm()).item()
+
+    assert sum(relative_error(r) for r in rows) / len(rows) < 1.0
+    with torch.no_grad():
+        ids = _ids(12, 77)
+        kv = translate(source, tr, ids, torch.float32, cap=capture_source(source, ids, [tr]))
+        out = continue_target(target, kv, _ids(3, 78))
+    assert out.logits.shape[-2:] == (3, 320) and torch.isfinite(out.logits).all()
 
 
 # --------------------------------------------------------------------------- Hub revisions

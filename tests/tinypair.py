@@ -124,8 +124,9 @@ ROPE_SCHEDULES = {
 
 
 def tiny_model(model_type: str = "llama", rope: str | dict = "default", seed: int = 0, dtype=torch.float32,
-               vocab: int = 320, hidden: int = 64, heads: int = 4, kv_heads: int = 2, layers: int = 2, **kw):
-    """A random tiny Qwen3, Qwen2 or Llama (head_dim 16, max 256 positions) with the named RoPE schedule,
+               vocab: int = 320, hidden: int = 64, heads: int = 4, kv_heads: int = 2, layers: int = 2, head_dim: int = 16,
+               **kw):
+    """A random tiny Qwen3, Qwen2 or Llama (head_dim 16 by default, max 256 positions) with the named RoPE schedule,
     its weights widened like `build_tiny_pair`'s (and Qwen2's biases drawn) so that a wrong cache visibly
     changes the logits."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
@@ -135,11 +136,11 @@ def tiny_model(model_type: str = "llama", rope: str | dict = "default", seed: in
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                   rope_parameters=rope_parameters, tie_word_embeddings=True)
     if model_type == "qwen3":
-        cfg = Qwen3Config(head_dim=16, **common, **kw)
+        cfg = Qwen3Config(head_dim=head_dim, **common, **kw)
     elif model_type == "qwen2":
-        cfg = Qwen2Config(**{**common, "hidden_size": 16 * heads, "intermediate_size": 32 * heads}, **kw)
+        cfg = Qwen2Config(**{**common, "hidden_size": head_dim * heads, "intermediate_size": 2 * head_dim * heads}, **kw)
     else:
-        cfg = LlamaConfig(head_dim=16, **common, **kw)
+        cfg = LlamaConfig(head_dim=head_dim, **common, **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
