@@ -167,10 +167,13 @@ def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: 
         if "reprefill" not in out:
             out["reprefill"] = timing.summarize(timing.run_trials(paths.target_reprefill, device, cfg.timing_warmups,
                                                                   cfg.timing_repeats))
-        for setting in cfg.settings:
-            paths.refresh = Refresh.parse(setting)
+        for setting in cfg.settings:  # a fresh set of paths per setting (CUDA graphs are captured per refresh)
+            refreshed = timing.HandoffPaths(pair.source, pair.target, tr, ids[:, :T], ids[:, T:],
+                                            need=("source_cache_handoff",), source_capture=paths.source_capture,
+                                            refresh=Refresh.parse(setting))
             out["handoff"][f"{run}|{setting}"] = timing.summarize(
-                timing.run_trials(paths.source_cache_handoff, device, cfg.timing_warmups, cfg.timing_repeats))
+                timing.run_trials(refreshed.source_cache_handoff, device, cfg.timing_warmups, cfg.timing_repeats))
+            del refreshed
         del paths, tr
     return out
 

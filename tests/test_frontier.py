@@ -1,0 +1,48 @@
+"""The refresh frontier end to end on the tiny pair: one trained run, three refresh settings from pure
+translation to re-prefill, each scored and costed; the goal's cheapest setting named; a resume reruns nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tinypair import chat_rows, write_prepared
+
+
+@pytest.mark.slow
+def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths, tmp_path, monkeypatch):
+    import frontier
+    import task_eval
+    import train_translator
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
+    data = write_prepared(tmp_path / "data" / "tiny", tok, {s: chat_rows(tok, n, i, s[0]) for i, (s, n) in
+                                                            enumerate((("train", 20), ("validation", 6), ("test", 4)))})
+    gsm = [{"question": f"Ada has {i} cats and buys 2 more. How many?", "answer": f"#### {i + 2}"} for i in range(4)]
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm))
+    task_eval.main(["--task", "gsm8k", "--prepare", "--data-root", str(tmp_path / "eval"),
+                    "--source", str(tmp_path / "gsm8k.jsonl")])
+    pair = ["--profile", "tiny", "--large", str(tiny_pair_paths[0]), "--small", str(tiny_pair_paths[1]),
+            "--device", "cpu", "--dtype", "float32", "--artifacts", str(tmp_path / "artifacts"),
+            "--results", str(tmp_path / "results")]
+    train_translator.main([*pair, "--data", str(data)])
+    argv = [*pair, "--data", str(data), "--data-root", str(tmp_path / "eval"), "--skip-tasks", "ifeval",
+            "--settings", "none", "layers:50%", "tail:100%", "--no-timing"]
+    rep = frontier.main(argv)
+    rows = {r["setting"]: r for r in rep["results"]["rows"]}
+    assert list(rows) == ["none", "layers:50%", "tail:100%"]
+    assert rows["tail:100%"]["test_kl_token"] < 1e-6  # the target re-reads everything: its own distribution
+    assert rows["tail:100%"]["fraction_of_reprefill"] == pytest.approx(1.0, rel=0.05)
+    assert rows["none"]["fraction_of_reprefill"] < rows["layers:50%"]["fraction_of_reprefill"] < 1.0
+    assert rows["tail:100%"]["gsm8k_kept"] == pytest.approx(1.0)  # re-prefill answers as the native target does
+    best = rep["results"]["cheapest_meeting_goal"]["tiny-l2s"]
+    assert best is not None and best["fraction_of_reprefill"] <= rows["tail:100%"]["fraction_of_reprefill"]
+    out = tmp_path / "results" / "tiny-l2s"
+    assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG" and "tail:100%" in (out / "frontier.md").read_text()
+    again = frontier.main([*argv, "--resume"])  # every cell finished: read back, nothing rerun
+    assert again["results"]["rows"] == rep["results"]["rows"]
