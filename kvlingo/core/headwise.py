@@ -31,7 +31,7 @@ class Headwise(Translator):
                 f"head-wise maps pair layer l, head h of the source with layer l, head h of the target, but the "
                 f"source has {geometry.source_layers} layers × {geometry.source_kv_heads} KV heads and the target "
                 f"{geometry.target_layers} × {geometry.target_kv_heads}; use --family crosslayer (any depths and "
-                "head counts) or crosshead (same depth)")
+                "head counts) or crosshead (the source layer at the same relative depth)")
         L, H = geometry.target_layers, geometry.target_kv_heads
         self.weight = nn.Parameter(torch.zeros(2, L, H, geometry.source_head_dim, geometry.target_head_dim))
         self.bias = nn.Parameter(torch.zeros(2, L, H, geometry.target_head_dim))
