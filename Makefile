@@ -207,7 +207,7 @@ export: $(VENV)/.synced ## the run's translator, its evidence and a model card �
 summary: $(VENV)/.synced ## one table of the run's reports → results/RUN/summary.md
 	$(PY) -m kvlingo.eval.summary --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))
 
-ablate: $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## every translator family on the same budget, default chosen on validation KL → results/PROFILE-DIRECTION-ablate/ablation.{json,md,png} (both directions)
+ablate: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## every translator family on the same budget, default chosen on validation KL → results/PROFILE-DIRECTION-ablate/ablation.{json,md,png} (both directions)
 	$(MAKE) prepare
 	@mkdir -p results; status=0; pids=""; \
 	for d in $(ABLATE_DIRECTIONS); do \
@@ -219,7 +219,7 @@ ablate: $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(
 	for p in $$pids; do wait $$p || status=1; done; \
 	for d in $(ABLATE_DIRECTIONS); do tail -n 40 results/ablate-$$d.log; done; exit $$status
 
-frontier: $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## quality against cost from pure translation to re-prefill (refresh settings) → results/RUN/frontier.{json,md,png}
+frontier: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## quality against cost from pure translation to re-prefill (refresh settings) → results/RUN/frontier.{json,md,png}
 	$(MAKE) prepare
 	$(MAKE) train TRAIN_ARGS="--resume $(TRAIN_ARGS)"
 	$(PY) frontier.py $(PAIR_FLAGS) --data-root $(EVAL_ROOT) $(FRONTIER_ARGS)

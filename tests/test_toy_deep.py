@@ -72,7 +72,7 @@ def test_build_export_install_and_pair(world, tmp_path):
     n_mc = manifest["results"]["model"]["n_multiple_choice_chats"]
     assert manifest["results"]["model"]["n_training_sequences"] >= 24_000 - 100 + (cfg.mc_copies - 1) * n_mc > 24_000
     model = AutoModelForCausalLM.from_pretrained(deep)
-    assert next(model.parameters()).dtype == torch.float32 and model.config.num_hidden_layers == cfg.layers
+    assert next(model.parameters()).dtype == torch.bfloat16 and model.config.num_hidden_layers == cfg.layers  # stored BF16
     messages: list[str] = []
     toydeep.build_deep(world, cfg, progress=False, log=messages.append)
     assert any("up to date" in m for m in messages)
