@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from kvlingo.io import read_json
 from kvlingo.run import ablation as A
-from tinypair import chat_rows, write_prepared
+from tinypair import task_inputs
 
 
 def test_real_cost_counts_flops_at_the_real_shapes():
@@ -37,21 +35,12 @@ def test_default_is_chosen_on_validation_kl_within_the_cost_cap():
 @pytest.mark.slow
 def test_ablate_runs_and_resumes(tiny_pair_paths, tmp_path, monkeypatch):
     import ablate
-    from transformers import AutoTokenizer
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
-    data = write_prepared(tmp_path / "data" / "tiny", tok, {s: chat_rows(tok, n, i, s[0]) for i, (s, n) in
-                                                            enumerate((("train", 20), ("validation", 6), ("test", 4)))})
-    gsm = [{"question": f"Ada has {i} cats and buys 2 more. How many?", "answer": f"#### {i + 2}"} for i in range(4)]
-    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm))
-    import task_eval
-
-    task_eval.main(["--task", "gsm8k", "--prepare", "--data-root", str(tmp_path / "eval"),
-                    "--source", str(tmp_path / "gsm8k.jsonl")])
+    data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
     argv = ["--profile", "tiny", "--data", str(data), "--large", str(tiny_pair_paths[0]), "--small",
-            str(tiny_pair_paths[1]), "--device", "cpu", "--dtype", "float32", "--data-root", str(tmp_path / "eval"),
+            str(tiny_pair_paths[1]), "--device", "cpu", "--dtype", "float32", "--data-root", str(eval_root),
             "--skip-tasks", "ifeval", "--settings", "headwise", "crosshead", "--long-factor", "2",
             "--artifacts", str(tmp_path / "artifacts"), "--results", str(tmp_path / "results")]
     rep = ablate.main(argv)

@@ -3,35 +3,25 @@ translation to re-prefill, each scored and costed; the goal's cheapest setting n
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tinypair import chat_rows, write_prepared
+from tinypair import task_inputs
 
 
 @pytest.mark.slow
 def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths, tmp_path, monkeypatch):
     import frontier
-    import task_eval
     import train_translator
-    from transformers import AutoTokenizer
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
-    data = write_prepared(tmp_path / "data" / "tiny", tok, {s: chat_rows(tok, n, i, s[0]) for i, (s, n) in
-                                                            enumerate((("train", 20), ("validation", 6), ("test", 4)))})
-    gsm = [{"question": f"Ada has {i} cats and buys 2 more. How many?", "answer": f"#### {i + 2}"} for i in range(4)]
-    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm))
-    task_eval.main(["--task", "gsm8k", "--prepare", "--data-root", str(tmp_path / "eval"),
-                    "--source", str(tmp_path / "gsm8k.jsonl")])
+    data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
     pair = ["--profile", "tiny", "--large", str(tiny_pair_paths[0]), "--small", str(tiny_pair_paths[1]),
             "--device", "cpu", "--dtype", "float32", "--artifacts", str(tmp_path / "artifacts"),
             "--results", str(tmp_path / "results")]
     train_translator.main([*pair, "--data", str(data)])
-    argv = [*pair, "--data", str(data), "--data-root", str(tmp_path / "eval"), "--skip-tasks", "ifeval",
+    argv = [*pair, "--data", str(data), "--data-root", str(eval_root), "--skip-tasks", "ifeval",
             "--settings", "none", "layers:50%", "tail:100%", "--no-timing"]
     rep = frontier.main(argv)
     rows = {r["setting"]: r for r in rep["results"]["rows"]}

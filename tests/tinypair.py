@@ -150,3 +150,21 @@ def tiny_model(model_type: str = "llama", rope: str | dict = "default", seed: in
             elif name.endswith(".bias"):  # Qwen2's projection biases start at zero: make them matter
                 p.normal_(0.0, 0.5)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def task_inputs(tmp_path: Path, tokenizer_dir) -> tuple[Path, Path]:
+    """Prepared chat splits (train 20, validation 6, test 4) and a 4-item GSM8K set under tmp_path, for stages that
+    train and then run generative cells (ablate, frontier). Returns (data folder, eval data root)."""
+    import json
+
+    import task_eval
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    data = write_prepared(tmp_path / "data" / "tiny", tok, {s: chat_rows(tok, n, i, s[0]) for i, (s, n) in
+                                                            enumerate((("train", 20), ("validation", 6), ("test", 4)))})
+    gsm = [{"question": f"Ada has {i} cats and buys 2 more. How many?", "answer": f"#### {i + 2}"} for i in range(4)]
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm))
+    task_eval.main(["--task", "gsm8k", "--prepare", "--data-root", str(tmp_path / "eval"),
+                    "--source", str(tmp_path / "gsm8k.jsonl")])
+    return data, tmp_path / "eval"
