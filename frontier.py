@@ -162,19 +162,19 @@ def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: 
     for run, spec in family_specs.items():
         tr = random_translator(pair.source, pair.target, spec["key_space"], family=spec["family"],
                                settings=real_settings(spec["settings"], width / toy_width))
-        # One source capture per translator (the source's prefill is not timed: the handoff starts from it).
-        paths = timing.HandoffPaths(pair.source, pair.target, tr, ids[:, :T], ids[:, T:], need=("source_cache_handoff",))
-        if "reprefill" not in out:
-            out["reprefill"] = timing.summarize(timing.run_trials(paths.target_reprefill, device, cfg.timing_warmups,
-                                                                  cfg.timing_repeats))
-        for setting in cfg.settings:  # a fresh set of paths per setting (CUDA graphs are captured per refresh)
-            refreshed = timing.HandoffPaths(pair.source, pair.target, tr, ids[:, :T], ids[:, T:],
-                                            need=("source_cache_handoff",), source_capture=paths.source_capture,
-                                            refresh=Refresh.parse(setting))
+        cap = None  # one source capture per translator (its prefill is not timed: the handoff starts from it)
+        for setting in cfg.settings:  # timing paths per setting (CUDA graphs are captured per refresh)
+            paths = timing.HandoffPaths(pair.source, pair.target, tr, ids[:, :T], ids[:, T:],
+                                        need=("source_cache_handoff",), source_capture=cap,
+                                        refresh=Refresh.parse(setting))
+            cap = paths.source_capture
+            if "reprefill" not in out:
+                out["reprefill"] = timing.summarize(timing.run_trials(paths.target_reprefill, device,
+                                                                      cfg.timing_warmups, cfg.timing_repeats))
             out["handoff"][f"{run}|{setting}"] = timing.summarize(
-                timing.run_trials(refreshed.source_cache_handoff, device, cfg.timing_warmups, cfg.timing_repeats))
-            del refreshed
-        del paths, tr
+                timing.run_trials(paths.source_cache_handoff, device, cfg.timing_warmups, cfg.timing_repeats))
+            del paths
+        del cap, tr
     return out
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -257,7 +257,7 @@ def main(argv=None) -> None:
     repeats = args.timing_repeats if args.timing_repeats is not None else (3 if on_cpu else profile.timing_repeats)
     if not {"target_reprefill", "source_cache_handoff"} <= set(args.paths):
         refuse("perf", "--paths must include target_reprefill and source_cache_handoff (the speedup's two ends)")
-    cfg = dict(
+    cfg = PerfConfig(
         arch=args.arch or ("preset" if args.large else "qwen3"), source=source, target=target, family=args.family,
         refresh=str(args.refresh), flops_only=args.flops_only, direction=args.direction, device=device, dtype=dtype,
         key_space=args.key_space, lengths=tuple(sorted(set(args.lengths))), new_turn_tokens=k,
@@ -266,18 +266,17 @@ def main(argv=None) -> None:
         warmups=args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups),
         repeats=repeats, max_repeats=max(repeats, args.max_repeats or (repeats if on_cpu else 100)),
         cv_limit=args.cv_limit, allow_cv=args.allow_cv or (on_cpu and not args.strict_cv), threads=timing.threads(),
-        peaks={},
+        peaks={},  # measured below, once the FLOP-only path has returned
     )
     paths = RunPaths(args.run, results_root=args.results)
     # FLOP ceilings from parameter counts (meta-device models), before any weights are allocated
     geometry = Geometry.of(arch_config(source), arch_config(target))
     limit = arch_config(target).max_position_embeddings
-    if max(cfg["lengths"]) + k > limit:
-        refuse("perf", f"--lengths up to {max(cfg['lengths'])} + {k} exceed max_position_embeddings {limit}")
-    ceilings, refused = family_ceilings(source, target, args.key_space, cfg["lengths"], k)
-    flops_md = flops_markdown(PerfConfig(**cfg), geometry, ceilings, refused)
+    if max(cfg.lengths) + k > limit:
+        refuse("perf", f"--lengths up to {max(cfg.lengths)} + {k} exceed max_position_embeddings {limit}")
+    ceilings, refused = family_ceilings(source, target, args.key_space, cfg.lengths, k)
+    flops_md = flops_markdown(cfg, geometry, ceilings, refused)
     if args.flops_only:
-        cfg = PerfConfig(**cfg)
         report = Report("perf", config=cfg, inputs={"code_sha256": resume.code_hash(SCRIPT)},
                         results=PerfResults(lengths=[], switch_cost=[], checks=timing.cv_checks([], cfg.cv_limit, True),
                                             flop_ceilings=ceilings),
@@ -295,7 +294,7 @@ def main(argv=None) -> None:
         peaks = Peaks(args.peak_tflops * 1e12 if args.peak_tflops else got.flops_per_s,
                       args.peak_gbps * 1e9 if args.peak_gbps else got.bytes_per_s,
                       got.source + (" (partly given)" if args.peak_tflops or args.peak_gbps else ""))
-    cfg = PerfConfig(**{**cfg, "peaks": asdict(peaks)})
+    cfg = replace(cfg, peaks=asdict(peaks))
     print(f"building random {source} → {target} pair ({args.direction}, {dtype}, {device})...", file=sys.stderr)
     pair = random_pair(args.arch or "qwen3", args.direction, device, resolve_dtype(dtype), names=(large, small))
     translator = random_translator(pair.source, pair.target, args.key_space, family=args.family)
