@@ -10,6 +10,10 @@ target's re-prefill; raw trials kept). Every step is a resumable cell; --resume 
 Writes RESULTS/RUN/frontier.{json,md,png}: pure translation at one end, re-prefill
 (`tail:100%`) at the other, and the cheapest setting that keeps ≥ 95% of the native target's
 IFEval and GSM8K accuracy named. `--runs` adds other trained runs (other families).
+
+Which layers matter: for every target layer l, the test KL with the target's own K/V at layer l
+alone and the translator's elsewhere (refresh `layer:l`), against pure translation; the share of
+the translation's KL that one native layer removes ranks the layers (`--no-layer-sweep` skips it).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class FrontierConfig:
     real_tokens: int  # context length of the real-shape costs and timings
     timing_warmups: int
     timing_repeats: int
+    layer_sweep: bool  # test KL with one target layer native, for each layer
     artifacts: str
     results: str
     pair: PairConfig
@@ -65,11 +70,14 @@ class FrontierResults:
     native: dict  # the native target's IFEval and GSM8K
     cheapest_meeting_goal: dict | None  # the cheapest setting keeping ≥ 95% of native accuracy, per run
     timing: dict  # re-prefill at the real shapes, threads
+    layer_sweep: dict  # per run: test KL with each target layer alone native, and the share of KL it removes
 
     METRICS = (Metric("rows.*.fraction_of_reprefill", False, "handoff FLOPs / re-prefill FLOPs at the real shapes"),
                Metric("rows.*.test_kl_token", False, "test KL(native target ‖ refreshed handoff) per reply token"),
                Metric("rows.*.ifeval_strict_prompt", True, "IFEval strict prompt accuracy"),
-               Metric("rows.*.gsm8k", True, "GSM8K accuracy"))
+               Metric("rows.*.gsm8k", True, "GSM8K accuracy"),
+               Metric("layer_sweep.*.layers.*.kl_removed", True,
+                      "share of pure translation's test KL removed by the target's own K/V at this layer alone"))
 
 
 def parse_args(argv=None):
@@ -84,6 +92,8 @@ def parse_args(argv=None):
     p.add_argument("--no-timing", action="store_true", help="skip the real-shape timing (costs from FLOPs only)")
     p.add_argument("--timing-warmups", type=int, default=1, help="warm-ups per timed path")
     p.add_argument("--timing-repeats", type=int, default=3, help="timed trials per path")
+    p.add_argument("--no-layer-sweep", action="store_true",
+                   help="skip the per-layer sweep (test KL with one target layer native, for each layer)")
     return p.parse_args(argv)
 
 
@@ -122,6 +132,12 @@ class Plan:
         return K.Cell(f"{stage}/{run}/{slug(setting)}", stage, script,
                       {**self.flags, "--run": sub.run, "--refresh": setting, **flags}, str(sub.report(report)),
                       inputs, **kw)
+
+    def benchmark(self, run: str, setting: str) -> K.Cell:
+        """The test split's KL/top-1 under a refresh setting (no timing, no control dtypes)."""
+        return self.cell("benchmark", run, setting, {"--data": self.cfg.data, "--timing-conversations": 0,
+                                                     "--control-dtypes": "none", "--skip-missing": True},
+                         "benchmark", fresh_flag="--force", before=lambda: self.stage_translator(run, setting))
 
     def generative(self, task: str, run: str, setting: str) -> K.Cell:
         stage, report = ("ifeval", "ifeval") if task == "ifeval" else ("task", "task-gsm8k")
@@ -178,13 +194,39 @@ def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: 
     return out
 
 
+def layer_sweep(none: dict, per_layer: list[dict]) -> dict:
+    """Per target layer: test KL with that layer alone native, the share of pure translation's KL it removes,
+    and its rank (1 removes the most)."""
+    base = none["kl_token_mean"]
+    layers = [{"layer": l, "test_kl_token": a["kl_token_mean"], "test_kl_conversation": a["kl_conversation"],
+               "top1": a["top1_agreement"], "kl_removed": (base - a["kl_token_mean"]) / base if base else 0.0}
+              for l, a in enumerate(per_layer)]
+    for rank, row in enumerate(sorted(layers, key=lambda r: -r["kl_removed"]), 1):
+        row["rank"] = rank
+    return {"none_kl_token": base, "layers": layers}
+
+
 def kept(score: dict | None, native: dict | None) -> float | None:
     if not score or not native or not native.get("mean"):
         return None
     return score["mean"] / native["mean"]
 
 
-def markdown(cfg: FrontierConfig, rows: list[dict], native: dict, best: dict, t: dict) -> str:
+def layer_table(sweep: dict) -> str:
+    if not sweep:
+        return ""
+    parts = []
+    for run, sw in sweep.items():
+        body = [[r["layer"], r["test_kl_token"], fmt_pm(r["test_kl_conversation"]), r["top1"],
+                 f"{100 * r['kl_removed']:.1f}%", r["rank"]] for r in sw["layers"]]
+        parts.append(f"{run} (pure translation: test KL/token {sw['none_kl_token']:.4g}):\n\n" + fmt_table(
+            ["native layer", "test KL/token", "KL/conv ± SE", "top-1", "KL removed", "rank"], body))
+    return ("\n## Which layers matter\n\nTest KL with the target's own K/V at one layer alone and the translator's "
+            "at every other (refresh `layer:l`); the share of pure translation's KL that this removes ranks the "
+            "layers (1 = the layer whose translation does the most damage).\n\n" + "\n".join(parts))
+
+
+def markdown(cfg: FrontierConfig, rows: list[dict], native: dict, best: dict, t: dict, sweep: dict) -> str:
     pct = lambda s: fmt_pm(s, 100.0, ".1f")  # noqa: E731
     table = fmt_table(
         ["run", "refresh", "% of re-prefill FLOPs", "time ms", "speedup", "test KL/token", "KL/conv ± SE", "top-1",
@@ -204,20 +246,20 @@ def markdown(cfg: FrontierConfig, rows: list[dict], native: dict, best: dict, t:
                                      if b else "no setting keeps ≥ 95% of both") for run, b in best.items())
     return (head + table + f"\nNative target: IFEval strict {pct(native.get('ifeval'))}, GSM8K {pct(native.get('gsm8k'))}."
             + f"\n\nCheapest setting keeping ≥ {KEEP:.0%} of the native target's IFEval and GSM8K:\n{goal}\n\n"
-            "![quality against cost](frontier.png)\n")
+            "![quality against cost](frontier.png)\n" + layer_table(sweep))
 
 
 def _frac(x):
     return None if x is None else f"{100 * x:.0f}%"
 
 
-def plot(rows: list[dict], title: str) -> bytes:
+def plot(rows: list[dict], title: str, sweep: dict) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4.2))
     for run in dict.fromkeys(r["run"] for r in rows):
         rs = sorted((r for r in rows if r["run"] == run), key=lambda r: r["fraction_of_reprefill"])
         xs = [100 * r["fraction_of_reprefill"] for r in rs]
@@ -230,13 +272,24 @@ def plot(rows: list[dict], title: str) -> bytes:
                                  label=f"{run} {key.split('_')[0]}", capsize=2)
         for x, r in zip(xs, rs):
             axes[0].annotate(r["setting"], (x, r["test_kl_token"]), fontsize=6, xytext=(2, 2), textcoords="offset points")
-    for ax in axes:
+    for ax in axes[:2]:
         ax.set_xscale("log")
         ax.set_xlabel("handoff FLOPs, % of re-prefill (real shapes)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("test KL per reply token")
     axes[1].set_ylabel("accuracy %")
+    if sweep:
+        width = 0.8 / len(sweep)
+        for i, (run, sw) in enumerate(sweep.items()):
+            ls = [r["layer"] for r in sw["layers"]]
+            axes[2].bar([l + (i - (len(sweep) - 1) / 2) * width for l in ls], [100 * r["kl_removed"] for r in sw["layers"]],
+                        width, label=run)
+            axes[2].set_xticks(ls)
+        axes[2].set_xlabel("target layer computed natively (alone)")
+        axes[2].set_ylabel("% of pure translation's test KL removed")
+        axes[2].grid(alpha=0.3, axis="y")
+        axes[2].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     return figure_png(fig)
 
@@ -253,7 +306,8 @@ def main(argv=None) -> dict:
     cfg = FrontierConfig(run=run, runs=(run, *args.runs), profile=profile.name,
                          data=str(args.data or default_data(profile.name)), settings=settings, eval_root=args.data_root,
                          tasks=tasks, real_tokens=args.real_tokens, timing_warmups=args.timing_warmups,
-                         timing_repeats=args.timing_repeats, artifacts=args.artifacts, results=args.results, pair=pair)
+                         timing_repeats=args.timing_repeats, layer_sweep=not args.no_layer_sweep,
+                         artifacts=args.artifacts, results=args.results, pair=pair)
     specs = {}
     for r in cfg.runs:
         folder = RunPaths(r, cfg.artifacts, cfg.results).translator("distilled")
@@ -262,6 +316,7 @@ def main(argv=None) -> dict:
         m = read_json(folder / "manifest.json")
         specs[r] = {"family": m["family"], "key_space": m["key_space"], "settings": m["settings"]}
     toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
+    n_layers = pair.geometry["target_layers"]
     plan = Plan(cfg)
     ledger = K.Ledger(plan.paths.res / "frontier-state.json", asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
@@ -270,15 +325,13 @@ def main(argv=None) -> dict:
             "prompt_level_strict_acc" if t == "ifeval" else "accuracy"] for t in tasks}
         rows = []
         src_cfg, tgt_cfg = real_pair_configs(pair.direction)
+        quality = lambda r, setting: cells.ensure(plan.benchmark(r, setting))["results"]["quality"]["arms"]["distilled"]  # noqa: E731
         for r in cfg.runs:
             spec = specs[r]
             per_token = translator_at(spec["family"], spec["settings"], src_cfg, tgt_cfg, spec["key_space"],
                                       toy_width).flops_per_token()
             for setting in settings:
-                bench = plan.cell("benchmark", r, setting, {"--data": cfg.data, "--timing-conversations": 0,
-                                                            "--control-dtypes": "none", "--skip-missing": True},
-                                  "benchmark", fresh_flag="--force", before=lambda r=r, s=setting: plan.stage_translator(r, s))
-                arms = cells.ensure(bench)["results"]["quality"]["arms"]["distilled"]
+                arms = quality(r, setting)
                 cost = refresh_flops(Refresh.parse(setting), src_cfg, tgt_cfg, per_token, cfg.real_tokens)
                 row = {"run": r, "setting": setting, **cost, "test_kl_token": arms["kl_token_mean"],
                        "test_kl_conversation": arms["kl_conversation"], "top1": arms["top1_agreement"],
@@ -289,6 +342,8 @@ def main(argv=None) -> dict:
                     key = "ifeval_strict_prompt" if t == "ifeval" else "gsm8k"
                     row[key], row[f"{t}_kept"] = score, kept(score, native.get(t))
                 rows.append(row)
+        sweep = {r: layer_sweep(quality(r, "none"), [quality(r, f"layer:{l}") for l in range(n_layers)])
+                 for r in cfg.runs} if cfg.layer_sweep else {}
     except REFUSALS:
         raise
     except K.StageFailed as e:
@@ -306,10 +361,10 @@ def main(argv=None) -> dict:
     for r in cfg.runs:
         ok = [row for row in rows if row["run"] == r and all((row.get(f"{x}_kept") or 0) >= KEEP for x in tasks)]
         best[r] = min(ok, key=lambda row: row["fraction_of_reprefill"]) if ok else None
-    results = FrontierResults(rows=rows, native=native, cheapest_meeting_goal=best, timing=t or {})
+    results = FrontierResults(rows=rows, native=native, cheapest_meeting_goal=best, timing=t or {}, layer_sweep=sweep)
     png = plan.paths.beside("frontier", ".png")
-    atomic_write_bytes(png, plot(rows, f"{pair.direction}, profile {cfg.profile}"))
-    md = markdown(cfg, rows, native, best, t)
+    atomic_write_bytes(png, plot(rows, f"{pair.direction}, profile {cfg.profile}", sweep))
+    md = markdown(cfg, rows, native, best, t, sweep)
     atomic_write_text(plan.paths.beside("frontier", ".md"), md)
     report = Report("frontier", config=cfg, inputs={**plan.inputs, "code_sha256": code_hash(__file__)}, results=results,
                     metrics=FrontierResults.METRICS, n_samples={"settings": len(rows)}, wall_time_s=time.time() - t0,

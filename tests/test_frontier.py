@@ -35,7 +35,16 @@ def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths
     assert rows["tail:100%"]["gsm8k"]["mean"] == native["mean"]  # re-prefill answers as the native target does
     # the random tiny target answers no GSM8K item, so there is no accuracy to keep a fraction of: no setting named
     assert native["mean"] == 0 and rep["results"]["cheapest_meeting_goal"] == {"tiny-l2s": None}
+    # which layers matter: one sweep row per target layer, scored against pure translation and ranked
+    sweep = rep["results"]["layer_sweep"]["tiny-l2s"]
+    assert sweep["none_kl_token"] == rows["none"]["test_kl_token"]
+    assert [r["layer"] for r in sweep["layers"]] == [0, 1]
+    assert sorted(r["rank"] for r in sweep["layers"]) == [1, 2]
+    for r in sweep["layers"]:
+        assert r["kl_removed"] == pytest.approx((sweep["none_kl_token"] - r["test_kl_token"]) / sweep["none_kl_token"])
+    assert max(r["kl_removed"] for r in sweep["layers"]) > 0  # some layer's own K/V beats its translation
     out = tmp_path / "results" / "tiny-l2s"
-    assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG" and "tail:100%" in (out / "frontier.md").read_text()
+    md = (out / "frontier.md").read_text()
+    assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG" and "tail:100%" in md and "Which layers matter" in md
     again = frontier.main([*argv, "--resume"])  # every cell finished: read back, nothing rerun
     assert again["results"]["rows"] == rep["results"]["rows"]

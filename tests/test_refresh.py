@@ -63,6 +63,27 @@ def test_the_two_ends_are_exact(setup):
     assert torch.equal(kk, k)
 
 
+def test_layer_diagnostic_swaps_in_one_native_layer(setup):
+    pair, tr, ids = setup
+    src, tgt = pair.source, pair.target
+    with torch.no_grad():
+        cap = capture(src, ids, want_prenorm=True, logits_to_keep=1)
+        pure = tr(cap)
+        own = capture(tgt, ids, want_prenorm=False, logits_to_keep=1)
+    L = tgt.config.num_hidden_layers
+    for l in range(L):
+        k, v = refreshed_kv(src, tgt, tr, ids, Refresh.parse(f"layer:{l}"), cap=cap)
+        others = [i for i in range(L) if i != l]
+        assert torch.equal(k[l], own.keys[l]) and torch.equal(v[l], own.values[l]), l
+        assert torch.equal(k[others], pure[0][others]) and torch.equal(v[others], pure[1][others]), l
+    with pytest.raises(RefreshError, match="layers are 0"):
+        refreshed_kv(src, tgt, tr, ids, Refresh.parse(f"layer:{L}"), cap=cap)
+    for bad in ("layer:50%", "layer:1.5"):
+        with pytest.raises(RefreshError, match="one target layer"):
+            Refresh.parse(bad)
+    assert str(Refresh.parse("layer:1")) == "layer:1"
+
+
 def test_native_prefix_layers_stop_early_and_match_the_full_forward(setup):
     pair, _, ids = setup
     with torch.no_grad():
@@ -120,4 +141,6 @@ def test_flop_counts_match_a_hand_count(setup):
     assert tail["translate_flops"] == t * 90 and tail["native_flops"] == forward_flops(c, 10, 90 + 5.5)
     full = refresh_flops(Refresh.parse("layers:2"), pair.source.config, c, t, T)
     assert full["translate_flops"] == 0 and full["native_flops"] == forward_flops(c, T, 50.5)
+    one = refresh_flops(Refresh.parse("layer:0"), pair.source.config, c, t, T)  # layer 0 native, layer 1 translated
+    assert one["translate_flops"] == t * T / 2 and one["native_flops"] == forward_flops(c, T, 50.5, layers=1)
     assert none["fraction_of_reprefill"] < tail["fraction_of_reprefill"] < full["fraction_of_reprefill"] < 1

@@ -14,6 +14,9 @@ point between them:
                 the chosen tokens run through all layers at their true positions, attending
                 causally to the translated cache of the others (a 4-D attention mask and
                 position ids, through transformers' public forward)
+    layer:l     a diagnostic rather than a saving: the target's own K/V at layer l alone (it needs
+                the target's layers 0..l natively), the translator's everywhere else; a sweep over l
+                shows which layers carry the translation's damage (`frontier.py` reports it)
 
 W and K are counts, or a percentage of the context / of the target's layers (`tail:10%`,
 `layers:25%`). The result is always the target's full cache [layers, kv_heads, T, head_dim],
@@ -35,7 +38,7 @@ import torch
 from .arch import head_dim
 from .cache import Capture, build_cache, capture
 
-KINDS = ("none", "tail", "layers", "select")
+KINDS = ("none", "tail", "layers", "select", "layer")
 
 
 class RefreshError(ValueError):
@@ -52,16 +55,19 @@ class Refresh:
     def parse(cls, text: str | None) -> "Refresh":
         if not text or text == "none":
             return cls()
-        m = re.fullmatch(r"(tail|layers|select):([0-9.]+)(%?)", text.strip())
+        m = re.fullmatch(r"(tail|layers|select|layer):([0-9.]+)(%?)", text.strip())
         if not m:
-            raise RefreshError(f"refresh {text!r} is not none, tail:W, layers:K or select:R "
-                               "(W and K: a count or a percentage such as 10%; R: a fraction in [0, 1])")
+            raise RefreshError(f"refresh {text!r} is not none, tail:W, layers:K, select:R or layer:l "
+                               "(W and K: a count or a percentage such as 10%; R: a fraction in [0, 1]; "
+                               "l: a target layer index)")
         kind, value, pct = m.group(1), float(m.group(2)), bool(m.group(3))
         if kind == "select":
             value = value / 100 if pct else value
             if not 0 <= value <= 1:
                 raise RefreshError(f"select:{m.group(2)}{m.group(3)}: the fraction must be within [0, 1]")
             return cls(kind, value)
+        if kind == "layer" and (pct or value != int(value)):
+            raise RefreshError(f"{text}: layer:l takes the index of one target layer, such as layer:0")
         if pct:
             if value > 100:
                 raise RefreshError(f"{text}: a percentage above 100")
@@ -86,6 +92,12 @@ class Refresh:
         if k > n_layers:
             raise RefreshError(f"layers:{k} but the target has {n_layers} layers")
         return max(k, 0)
+
+    def layer_index(self, n_layers: int) -> int:
+        l = int(self.amount)
+        if l >= n_layers:
+            raise RefreshError(f"layer:{l} but the target's layers are 0..{n_layers - 1}")
+        return l
 
     def selected_count(self, n_tokens: int) -> int:
         return min(n_tokens, round(self.amount * n_tokens))
@@ -153,6 +165,12 @@ def refreshed_kv(source, target, translator, context_ids, refresh: Refresh, out_
             return keys, values
         nk, nv = native_prefix_layers(target, ids, k)
         return torch.cat([nk.to(keys.dtype), keys]), torch.cat([nv.to(values.dtype), values])
+    if refresh.kind == "layer":
+        l = refresh.layer_index(target.config.num_hidden_layers)
+        keys, values = translator(cap, out_dtype)
+        nk, nv = native_prefix_layers(target, ids, l + 1)
+        keys[l], values[l] = nk[l].to(keys.dtype), nv[l].to(values.dtype)
+        return keys, values
     return _select(target, translator, cap, ids, refresh.selected_count(T), out_dtype)
 
 
@@ -228,6 +246,10 @@ def refresh_flops(refresh: Refresh, source_cfg, target_cfg, translator_flops_per
         k = refresh.native_layers(L)
         native = forward_flops(tcfg, T, (T + 1) / 2, layers=k)
         translated = translator_flops_per_token * T * (L - k) / L
+    elif refresh.kind == "layer":  # the native forward must reach layer l; one layer less to translate
+        l = refresh.layer_index(L)
+        native = forward_flops(tcfg, T, (T + 1) / 2, layers=l + 1)
+        translated = translator_flops_per_token * T * (L - 1) / L
     elif refresh.kind == "select":
         n = refresh.selected_count(T)
         layer0 = 2.0 * tcfg.hidden_size * tcfg.num_key_value_heads * tcfg.head_dim * 2 * T  # k and v of layer 0
