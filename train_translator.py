@@ -36,7 +36,7 @@ from kvlingo.run.stage import refusals_exit, stage_parser
 from kvlingo.train import checkpoints as ckpt
 from kvlingo.train import distributed
 from kvlingo.train.closed_form import fit_closed_form
-from kvlingo.train.config import RESUME_SAFE, TrainConfig, TrainResults, family_settings
+from kvlingo.train.config import RESUME_SAFE, TrainConfig, TrainResults, resolve_family
 from kvlingo.train.distill import distill_step, make_optimizer, validation_kl
 from kvlingo.train.estimate import add_estimate_args, before_training
 from kvlingo.train.frozen import FrozenWeightsChanged, check_frozen, fingerprints, verify_frozen
@@ -102,15 +102,13 @@ def ridge_value(text):
 
 
 def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
-    """The family and its settings: the flags where given, else the profile's default for the direction."""
-    default, default_args = profile.family_for(direction)
-    name = args.family or default
+    """The family and its settings (`resolve_family`): --family with its own defaults and the flags given, or
+    the profile's default for the direction."""
     flags = {k: getattr(args, k) for k in ("k", "rank", "pairing", "base", "hidden") if getattr(args, k) is not None}
-    merged = {**(default_args if name == default else {}), **flags}
     try:
-        return name, family_settings(name, **merged)
+        return resolve_family(profile, direction, args.family, flags)
     except (TypeError, ValueError) as e:
-        raise SystemExit(f"--family {name}: {e}") from None
+        raise SystemExit(f"--family {args.family or profile.family_for(direction)[0]}: {e}") from None
 
 
 def positive(name: str, value, allow_zero: bool = False):

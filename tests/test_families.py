@@ -250,3 +250,17 @@ def test_a_non_default_family_resumes_bit_identically_and_loads_only_as_itself(t
     with pytest.raises(TranslatorError, match="family is 'crosslayer'"):
         load_translator(tmp_path / "a" / "artifacts" / "r" / "distilled", pair, family="headwise")
     shutil.rmtree(tmp_path / "b")
+
+
+def test_a_named_family_takes_its_own_defaults_not_the_profiles():
+    """The demo profile's s2l default is a rank-32 cross-layer map; `--family crosslayer --k 2` (what the
+    ablation's crosslayer-k2 row trains) must be full-rank, and only a run without --family inherits."""
+    from kvlingo.run.profiles import get_profile
+    from kvlingo.train.config import resolve_family
+
+    demo = get_profile("demo")
+    assert demo.family_for("s2l") == ("crosslayer", {"k": 4, "rank": 32})
+    assert resolve_family(demo, "s2l", "crosslayer", {"k": 2}) == ("crosslayer", {"k": 2, "rank": 0, "pairing": "ranked"})
+    assert resolve_family(demo, "s2l", None, {"k": 2}) == ("crosslayer", {"k": 2, "rank": 32, "pairing": "ranked"})
+    assert resolve_family(demo, "s2l", None, {}) == ("crosslayer", {"k": 4, "rank": 32, "pairing": "ranked"})
+    assert resolve_family(demo, "l2s", None, {}) == ("crosshead", {"rank": 0})

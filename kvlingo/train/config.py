@@ -22,6 +22,16 @@ def family_settings(family: str, k: int = 2, rank: int = 0, pairing: str = "rank
     return {}
 
 
+def resolve_family(profile, direction: str, family: str | None, flags: dict) -> tuple[str, dict]:
+    """The family and its settings for a run: an explicit `family` takes its own defaults plus `flags`
+    (the profile's settings belong to the profile's family, not to a family named on the command line:
+    `--family crosslayer --k 2` is full-rank even where the profile's default is a low-rank cross-layer
+    map); without one, the profile's default for the direction, with `flags` overriding its settings."""
+    default, default_args = profile.family_for(direction)
+    name = family or default
+    return name, family_settings(name, **({**default_args, **flags} if family is None else flags))
+
+
 # Settings that decide only when things are measured or written, never the translator: a resume may change them.
 RESUME_SAFE = ("settings.val_every", "settings.checkpoint_every")
 

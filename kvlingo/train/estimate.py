@@ -336,7 +336,7 @@ def main(argv=None) -> Estimate:
     from ..eval.shapes import QWEN3_ARCH
     from ..run.models import LARGE_ID, SMALL_ID, ModelSpec, pair_specs, resolve_device, resolve_dtype
     from ..run.profiles import PROFILES, get_profile
-    from .config import family_settings
+    from .config import resolve_family
 
     p = argparse.ArgumentParser(description="Estimated peak memory per rank and time per update of distillation.",
                                 epilog="examples:\n  python -m kvlingo.train.estimate --profile paper-budget --gpu H100 "
@@ -369,10 +369,9 @@ def main(argv=None) -> Estimate:
     source, target = shape(src_spec.name_or_path), shape(tgt_spec.name_or_path)
     geometry = Geometry(source.layers, source.kv_heads, source.head_dim, target.layers, target.kv_heads, target.head_dim)
     profile = get_profile(args.profile)
-    default, default_args = profile.family_for(args.direction)
-    family = args.family or default
+    family, settings = resolve_family(profile, args.direction, args.family, {})
     translator = build({"family": family, "key_space": args.key_space, "geometry": asdict(geometry),
-                        "settings": family_settings(family, **(default_args if family == default else {}))})
+                        "settings": settings})
     return check_run(source, target, translator, profile=profile, batch=args.batch or profile.batch,
                      updates=profile.updates, val_every=profile.val_every, n_validation=profile.n_validation,
                      dtype_bytes=resolve_dtype(args.dtype).itemsize,
