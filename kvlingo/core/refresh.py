@@ -158,20 +158,33 @@ def refreshed_kv(source, target, translator, context_ids, refresh: Refresh, out_
         return translator(cap, out_dtype)
     if refresh.kind == "tail":
         return _tail(target, translator, cap, ids, refresh.tail_tokens(T), out_dtype)
+    L = target.config.num_hidden_layers
     if refresh.kind == "layers":
-        k = refresh.native_layers(target.config.num_hidden_layers)
-        keys, values = translator(cap, out_dtype, target_layers=slice(k, None))
+        k = refresh.native_layers(L)
         if k == 0:
-            return keys, values
-        nk, nv = native_prefix_layers(target, ids, k)
-        return torch.cat([nk.to(keys.dtype), keys]), torch.cat([nv.to(values.dtype), values])
+            return translator(cap, out_dtype)
+        return _with_native_layers(translator, cap, out_dtype, slice(0, k), *native_prefix_layers(target, ids, k))
     if refresh.kind == "layer":
-        l = refresh.layer_index(target.config.num_hidden_layers)
-        keys, values = translator(cap, out_dtype)
+        l = refresh.layer_index(L)
         nk, nv = native_prefix_layers(target, ids, l + 1)
-        keys[l], values[l] = nk[l].to(keys.dtype), nv[l].to(values.dtype)
-        return keys, values
+        return _with_native_layers(translator, cap, out_dtype, slice(l, l + 1), nk[l:], nv[l:])
     return _select(target, translator, cap, ids, refresh.selected_count(T), out_dtype)
+
+
+def _with_native_layers(translator, cap: Capture, out_dtype, native: slice, nk: torch.Tensor, nv: torch.Tensor):
+    """The target's full cache with its layers `native` from the target's own (nk, nv) and every other layer
+    translated straight into the result (the translator never computes the native layers)."""
+    g = translator.geometry
+    dtype = out_dtype or cap.keys.dtype
+    keys = torch.empty(g.target_layers, g.target_kv_heads, cap.n_tokens, g.target_head_dim, dtype=dtype,
+                       device=cap.values.device)
+    values = torch.empty_like(keys)
+    for part in (slice(0, native.start), slice(native.stop, g.target_layers)):
+        if part.start < part.stop:
+            translator(cap, target_layers=part, out=(keys[part], values[part]))
+    keys[native].copy_(nk)
+    values[native].copy_(nv)
+    return keys, values
 
 
 def _tail(target, translator, cap: Capture, ids: torch.Tensor, w: int, out_dtype):
