@@ -29,6 +29,13 @@ def setup(tiny_pair_paths):
     return pair, tr, ids
 
 
+def ends(pair, tr, ids):
+    """The source's capture, pure translation (keys, values) and the target's own capture of ids."""
+    with torch.no_grad():
+        cap = capture(pair.source, ids, want_prenorm=True, logits_to_keep=1)
+        return cap, tr(cap), capture(pair.target, ids, want_prenorm=False, logits_to_keep=1)
+
+
 def test_parse_and_print():
     assert Refresh.parse(None).kind == "none" and str(Refresh.parse("none")) == "none"
     assert Refresh.parse("tail:64") == Refresh("tail", 64) and str(Refresh.parse("tail:25%")) == "tail:25%"
@@ -42,10 +49,7 @@ def test_parse_and_print():
 def test_the_two_ends_are_exact(setup):
     pair, tr, ids = setup
     src, tgt = pair.source, pair.target
-    with torch.no_grad():
-        cap = capture(src, ids, want_prenorm=True, logits_to_keep=1)
-        pure = tr(cap)
-        own = capture(tgt, ids, want_prenorm=False, logits_to_keep=1)
+    cap, pure, own = ends(pair, tr, ids)
     L, T = tgt.config.num_hidden_layers, ids.shape[1]
     for text in ("tail:0", "layers:0", "select:0", "tail:0%", "none"):
         k, v = refreshed_kv(src, tgt, tr, ids, Refresh.parse(text), cap=cap)
@@ -66,10 +70,7 @@ def test_the_two_ends_are_exact(setup):
 def test_layer_diagnostic_swaps_in_one_native_layer(setup):
     pair, tr, ids = setup
     src, tgt = pair.source, pair.target
-    with torch.no_grad():
-        cap = capture(src, ids, want_prenorm=True, logits_to_keep=1)
-        pure = tr(cap)
-        own = capture(tgt, ids, want_prenorm=False, logits_to_keep=1)
+    cap, pure, own = ends(pair, tr, ids)
     L = tgt.config.num_hidden_layers
     for l in range(L):
         k, v = refreshed_kv(src, tgt, tr, ids, Refresh.parse(f"layer:{l}"), cap=cap)
