@@ -108,11 +108,9 @@ class _Stop(Exception):
     pass
 
 
-def native_prefix_layers(target, ids: torch.Tensor, n_layers: int):
-    """The target's own cache of ids [1, T] for its first n_layers only: a forward stopped before layer n_layers.
-
-    Returns (keys, values), each [n_layers, kv_heads, T, head_dim].
-    """
+def native_prefix_cache(target, ids: torch.Tensor, n_layers: int):
+    """The target's own DynamicCache of ids [1, T] with its first n_layers filled: a forward stopped before
+    layer n_layers (the later layers are never computed)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=target.config)
@@ -130,9 +128,17 @@ def native_prefix_layers(target, ids: torch.Tensor, n_layers: int):
     finally:
         if hook is not None:
             hook.remove()
-    keys = torch.stack([cache.layers[i].keys[0] for i in range(n_layers)]) if n_layers else None
-    values = torch.stack([cache.layers[i].values[0] for i in range(n_layers)]) if n_layers else None
-    return keys, values
+    return cache
+
+
+def native_prefix_layers(target, ids: torch.Tensor, n_layers: int):
+    """The target's own cache of ids [1, T] for its first n_layers only (`native_prefix_cache`, stacked).
+
+    Returns (keys, values), each [n_layers, kv_heads, T, head_dim] (None, None for no layers).
+    """
+    if n_layers == 0:
+        return None, None
+    return _stack(native_prefix_cache(target, ids, n_layers), n_layers)
 
 
 def selection_mask(selected: list[int], kept: list[int], device) -> torch.Tensor:
@@ -163,17 +169,17 @@ def refreshed_kv(source, target, translator, context_ids, refresh: Refresh, out_
         k = refresh.native_layers(L)
         if k == 0:
             return translator(cap, out_dtype)
-        return _with_native_layers(translator, cap, out_dtype, slice(0, k), *native_prefix_layers(target, ids, k))
+        return _with_native_layers(translator, cap, out_dtype, slice(0, k), native_prefix_cache(target, ids, k))
     if refresh.kind == "layer":
         l = refresh.layer_index(L)
-        nk, nv = native_prefix_layers(target, ids, l + 1)
-        return _with_native_layers(translator, cap, out_dtype, slice(l, l + 1), nk[l:], nv[l:])
+        return _with_native_layers(translator, cap, out_dtype, slice(l, l + 1), native_prefix_cache(target, ids, l + 1))
     return _select(target, translator, cap, ids, refresh.selected_count(T), out_dtype)
 
 
-def _with_native_layers(translator, cap: Capture, out_dtype, native: slice, nk: torch.Tensor, nv: torch.Tensor):
-    """The target's full cache with its layers `native` from the target's own (nk, nv) and every other layer
-    translated straight into the result (the translator never computes the native layers)."""
+def _with_native_layers(translator, cap: Capture, out_dtype, native: slice, own):
+    """The target's full cache with its layers `native` copied from `own` (the target's own cache, those layers
+    filled) and every other layer translated straight into the result (the translator never computes the native
+    layers, and each native layer is copied once, from the cache into the result)."""
     g = translator.geometry
     dtype = out_dtype or cap.keys.dtype
     keys = torch.empty(g.target_layers, g.target_kv_heads, cap.n_tokens, g.target_head_dim, dtype=dtype,
@@ -182,8 +188,9 @@ def _with_native_layers(translator, cap: Capture, out_dtype, native: slice, nk: 
     for part in (slice(0, native.start), slice(native.stop, g.target_layers)):
         if part.start < part.stop:
             translator(cap, target_layers=part, out=(keys[part], values[part]))
-    keys[native].copy_(nk)
-    values[native].copy_(nv)
+    for l in range(native.start, native.stop):
+        keys[l].copy_(own.layers[l].keys[0])
+        values[l].copy_(own.layers[l].values[0])
     return keys, values
 
 
@@ -227,9 +234,10 @@ def _select(target, translator, cap: Capture, ids: torch.Tensor, n_sel: int, out
     return k_all[:, :, order], v_all[:, :, order]
 
 
-def _stack(cache) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.stack([layer.keys[0] for layer in cache.layers]),
-            torch.stack([layer.values[0] for layer in cache.layers]))
+def _stack(cache, n_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DynamicCache's first n_layers (all by default) as (keys, values) [layers, kv_heads, T, head_dim]."""
+    layers = cache.layers[:n_layers]
+    return torch.stack([layer.keys[0] for layer in layers]), torch.stack([layer.values[0] for layer in layers])
 
 
 # --------------------------------------------------------------------------- cost
