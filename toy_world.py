@@ -101,6 +101,10 @@ def main() -> None:
         info = deep["results"]["model"]
         print(f"deep: {info['n_params']:,} parameters, {info['train_steps']} steps, train {info['train_wall_s']:.0f}s, "
               f"final loss {info['final_loss']:.3f}; manifest: {args.out / 'deep' / 'manifest.json'}")
+        arc = deep["results"].get("toy_arc")
+        if arc:  # greedy letter accuracy, as task_eval.py scores the native path
+            print(f"toy ARC (greedy, first {arc['deep']['n']} items, chance 25%): " + ", ".join(
+                f"{name} {a['accuracy']:.1%} ± {a['se']:.1%}" for name, a in arc.items()))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,88 @@ def test_multiple_choice_chats_are_repeated():
     assert [bool(toydeep.MC_REPLY.search(r["output"])) for r in rows] == [True, False, True, False]
 
 
+def test_fresh_multiple_choice_chats_are_the_toy_arc_format_held_out_and_consistent(world):
+    """Single-turn chats tokenised exactly as task_eval.py prompts the toy ARC; the reply's fact names the option
+    its letter points to; none is an excluded item; a seed gives the same rows."""
+    from transformers import AutoTokenizer
+
+    from kvlingo.eval.tasks.prompts import user_prompt_ids
+    from kvlingo.io import read_jsonl
+
+    tok = AutoTokenizer.from_pretrained(world / "tokenizer")
+    arc = read_jsonl(world / "corpus" / "arc.jsonl")
+    keys = {toydeep.arc_key(r) for r in arc}
+    rows = toydeep.fresh_mc_rows(400, seed=5, exclude=keys)
+    assert len(rows) == 400 and rows == toydeep.fresh_mc_rows(400, seed=5, exclude=keys)
+    assert rows != toydeep.fresh_mc_rows(400, seed=6, exclude=keys)
+    for row, enc in zip(rows[:20], toytrain.encode_rows(tok, rows[:20], all_assistant_turns=False)):
+        assert enc.ids[:enc.n_prefix] == user_prompt_ids(tok, row["input"][0]["content"], enable_thinking=False)
+    for row in rows:
+        options = dict(toydeep.OPTION.findall(row["input"][-1]["content"]))
+        letter = toydeep.MC_REPLY.search(row["output"]).group(1)
+        assert sorted(options) == list("ABCD") and options[letter].lower() in row["output"].lower()
+    # the listed form: the same chats, with the options listed again and the answer's marked
+    listed = toydeep.fresh_mc_rows(400, seed=5, exclude=keys, reply="listed")
+    assert [r["input"] for r in listed] == [r["input"] for r in rows]
+    for plain, row in zip(rows, listed):
+        fact, answer = plain["output"].rsplit("\n", 1)
+        lines = row["output"].split("\n")
+        assert lines[0] == fact and lines[-1] == answer and len(lines) == 6
+        options = toydeep.OPTION.findall(row["input"][0]["content"])
+        marked = [l for l, t in options if f"{l}. {t} <" in lines]
+        assert marked == [answer[-1]] and all(f"{l}. {t}" in lines for l, t in options if l != answer[-1])
+    # the keyed forms: a key from text to letter, the fact (before or after it), the lookup, the answer line
+    for form in ("keyed", "keyed_list_first"):
+        keyed = toydeep.fresh_mc_rows(400, seed=5, exclude=keys, reply=form)
+        assert [r["input"] for r in keyed] == [r["input"] for r in rows]
+        for plain, row in zip(rows, keyed):
+            fact, answer = plain["output"].rsplit("\n", 1)
+            options = toydeep.OPTION.findall(row["input"][0]["content"])
+            key = [f"{l}. {t} {l}" for l, t in options]
+            body = [*key, fact] if form == "keyed_list_first" else [fact, *key]
+            assert row["output"].split("\n") == [*body, f"= {dict(options)[answer[-1]]} {answer[-1]}", answer]
+            n_tokens = len(tok.encode(row["output"], add_special_tokens=False)) + 1  # and the stop token
+            assert n_tokens <= 47  # inside the demo profile's 48-token answer cap
+    with pytest.raises(ValueError, match="not one of"):
+        toydeep.fresh_mc_rows(1, seed=5, exclude=keys, reply="verdicts")
+    # held out: rows whose keys are excluded are never drawn
+    first = {(r["input"][0]["content"]) for r in rows[:100]}
+    again = toydeep.fresh_mc_rows(100, seed=5, exclude=keys | {_key_of(r) for r in rows[:100]})
+    assert not first & {r["input"][0]["content"] for r in again}
+    assert all(_key_of(r) not in keys for r in rows)
+
+
+def _key_of(row: dict) -> tuple[str, frozenset[str]]:
+    """arc_key of a fresh chat, read back from its prompt."""
+    content = row["input"][0]["content"]
+    question = content.split("Question: ", 1)[1].split("\n", 1)[0]
+    return question, frozenset(text for _, text in toydeep.OPTION.findall(content))
+
+
+def test_arc_accuracy_scores_greedy_answers_as_task_eval_does(world, monkeypatch):
+    """Right, wrong and letterless answers count as task_eval.py's parser reads them; n, accuracy and SE follow."""
+    from transformers import AutoTokenizer
+
+    import kvlingo.core.handoff as handoff
+    from kvlingo.io import read_jsonl
+
+    tok = AutoTokenizer.from_pretrained(world / "tokenizer")
+    rows = read_jsonl(world / "corpus" / "arc.jsonl")[:8]
+    replies = iter([f"Fact.\nAnswer: {r['answerKey']}" for r in rows[:5]]
+                   + [f"Answer: {'B' if rows[5]['answerKey'] == 'A' else 'A'}", "I do not know.", "Answer: Z"])
+    seen: list[list[int]] = []
+
+    def fake_generate(model, ids, kv, max_new_tokens, eos_ids):
+        seen.append(list(ids))
+        return tok.encode(next(replies), add_special_tokens=False), False
+
+    monkeypatch.setattr(handoff, "greedy_generate", fake_generate)
+    got = toydeep.arc_accuracy(None, tok, rows)
+    assert got["n"] == 8 and got["accuracy"] == 5 / 8 and got["unparsed"] == 2 / 8
+    assert got["se"] == pytest.approx((5 / 8 * 3 / 8 / 8) ** 0.5)
+    assert tok.decode(seen[0]).startswith("<|im_start|>user\nAnswer the following multiple-choice question.")
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("deep") / "toy"
@@ -71,6 +153,9 @@ def test_build_export_install_and_pair(world, tmp_path):
     assert set(manifest["results"]["exact_reply"]) == {"deep", "large", "small"}
     n_mc = manifest["results"]["model"]["n_multiple_choice_chats"]
     assert manifest["results"]["model"]["n_training_sequences"] >= 24_000 - 100 + (cfg.mc_copies - 1) * n_mc > 24_000
+    assert manifest["results"]["model"]["n_fresh_mc"] == cfg.fresh_mc
+    arc = manifest["results"]["toy_arc"]
+    assert set(arc) == {"deep", "large", "small"} and all(a["n"] == cfg.n_arc_scored for a in arc.values())
     model = AutoModelForCausalLM.from_pretrained(deep)
     assert next(model.parameters()).dtype == torch.bfloat16 and model.config.num_hidden_layers == cfg.layers  # stored BF16
     messages: list[str] = []

@@ -9,13 +9,16 @@ large↔deep and deep↔small are pairs whose caches line up neither layer by la
 head: head-wise maps refuse them, cross-layer maps join them (`make demo PAIR=deep`).
 
 The packaged pair scores 27-29% on the toy ARC (chance 25%), so an ARC column of a translated
-run on it says nothing. The deep model sees each multiple-choice training chat (a reply ending
-"Answer: A".."D") `mc_copies` times per epoch, five of them with shuffled options, in the hope
-of a model that reads the options. At the packaged budget (900 steps, about 16 CPU-minutes) it
-does not: it answers 1% of the toy ARC replies exactly and recalls 6% of the facts the pair
-recalls 58-69% of (the manifest records its exact-reply scores beside the pair's). It is a
-weak, geometry-different partner for the plumbing, not a model whose task columns mean much.
-The packaged pair's files are untouched.
+run on it says nothing. The packaged deep model sees each multiple-choice training chat (a reply
+ending "Answer: A".."D") `mc_copies` times per epoch, five of them with shuffled options; at its
+budget (900 steps, about 16 CPU-minutes) it answers the toy ARC at chance too. `fresh_mc` adds
+single-turn chats in the toy ARC's own format (the facts inline, thinking off; the corpus's
+multiple-choice chats mostly hold their facts in earlier turns, often with reasoning on), with
+the reply form `mc_reply` (`REPLY_FORMS`). Both are off by default: trained from scratch with
+them, no form reached the 60% that would give the deep pairs a meaningful ARC column (the README,
+"More pairs", has the runs). `build_deep` scores the greedy toy-ARC accuracy of the model and of
+the pair beside it, as task_eval.py scores the native path (`results.toy_arc`), and the
+exact-reply scores beside the pair's. The packaged pair's files are untouched.
 
 Training runs in FP32 on one thread (bf16 autocast is a large speedup only on CPUs with
 AVX-512 BF16; without it BF16 matmuls are ~20× slower), for a fixed step count, so a seed gives
@@ -45,6 +48,7 @@ import torch
 from ..io import atomic_write_json, read_json, read_jsonl, sha256_file, sha256_json, sha256_tree
 from ..run.report import Report
 from . import train as toytrain
+from . import world as toyworld
 from .train import ModelShape
 
 PACKAGED_DEEP = Path(__file__).with_name("deep")  # the committed deep model (with its manifest.json)
@@ -64,19 +68,22 @@ class DeepConfig:
     head_dim: int = 16  # per-head width (the pair has 32)
     shape: ModelShape = ModelShape(hidden=128, intermediate=384, heads=4, rope_theta=20_000.0)  # widths and RoPE base
     mc_copies: int = 6  # times each multiple-choice training chat appears per epoch (the copies options-shuffled)
+    fresh_mc: int = 0  # extra single-turn multiple-choice chats in the toy ARC's own format (see `fresh_mc_rows`)
+    mc_reply: str = "fact"  # their replies' form, one of MC_REPLIES ("fact": the world's own; see `keyed_reply`)
     steps: int = 900  # optimiser steps (fixed, so the weights do not depend on the machine's speed)
     batch: int = 32  # conversations per step
     lr: float = 3e-3  # AdamW peak learning rate (warm-up, cosine decay and the rest as the pair's)
     autocast_bf16: bool = False  # FP32 training (see the module docstring)
     seed: int = 2  # weights and batch order (the pair used 0 and 1)
     threads: int = 1  # torch CPU threads for training and scoring
+    n_arc_scored: int = 240  # toy-ARC rows (the first of arc.jsonl) whose greedy answers the manifest scores
 
 
 def mini_deep_config() -> DeepConfig:
     """Seconds instead of minutes, for tests on the mini toy world."""
     return DeepConfig(layers=3, kv_heads=4, head_dim=8, shape=ModelShape(hidden=32, intermediate=64, heads=4,
                                                                            rope_theta=20_000.0),
-                      mc_copies=2, steps=12, batch=8)
+                      mc_copies=2, fresh_mc=16, steps=12, batch=8, n_arc_scored=4)
 
 
 SOURCES = [Path(__file__), *toytrain.SOURCES]
@@ -106,9 +113,96 @@ def shuffle_options(row: dict, rng: random.Random) -> dict:
     return {**row, "input": [*row["input"][:-1], {**row["input"][-1], "content": content}], "output": output}
 
 
-def training_data(tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: int = 0) -> list[toytrain.Encoded]:
+def arc_key(row: dict) -> tuple[str, frozenset[str]]:
+    """What makes two ARC-format rows the same item: the question and the set of option texts."""
+    return row["question"], frozenset(row["choices"]["text"])
+
+
+MC_REPLIES = ("fact", "listed", "keyed", "keyed_list_first")
+
+
+def _fact_options_letter(prompt: str, reply: str) -> tuple[str, list[tuple[str, str]], str]:
+    fact, answer = reply.rsplit("\n", 1)
+    return fact, OPTION.findall(prompt), MC_REPLY.search(answer).group(1)
+
+
+def listed_reply(prompt: str, reply: str) -> str:
+    """The world's reply with the options listed again between its fact and its answer line, the one the fact
+    names marked:
+
+        Vera lives in Lisbon.          Vera lives in Lisbon.
+        Answer: B               →      A. Brno
+                                       B. Lisbon <
+                                       C. Aarhus
+                                       D. Split
+                                       Answer: B
+
+    Listing is a copy from the prompt and the answer letter a copy from the marked line; the marking asks
+    whether an option's text is the one the fact named.
+    """
+    fact, options, letter = _fact_options_letter(prompt, reply)
+    lines = [f"{l}. {t}" + (" <" if l == letter else "") for l, t in options]
+    return "\n".join([fact, *lines, f"Answer: {letter}"])
+
+
+def keyed_reply(prompt: str, reply: str, list_first: bool = False) -> str:
+    """The world's reply with a key from option text to letter written out, then looked up:
+
+        Vera lives in Lisbon.          Vera lives in Lisbon.
+        Answer: B               →      A. Brno A
+                                       B. Lisbon B
+                                       C. Aarhus C
+                                       D. Split D
+                                       = Lisbon B
+                                       Answer: B
+
+    Every step is a copy: an option's text after its letter (from the prompt), the letter again after the
+    text (from the line's start), the answer's text (from the fact), and the letter that followed that text
+    in the key (an induction copy: text, then letter, written once above). Naming the letter of a text
+    straight from the prompt is a lookup backwards (the letter precedes the text there), the multiple-choice
+    symbol binding that small models fail at. `list_first` writes the key before the fact. At most 47
+    tokens of the toy tokenizer with the stop token, inside the demo's 48-token cap.
+    """
+    fact, options, letter = _fact_options_letter(prompt, reply)
+    key = [f"{l}. {t} {l}" for l, t in options]
+    lookup = f"= {dict(options)[letter]} {letter}"
+    return "\n".join([*key, fact] if list_first else [fact, *key]) + f"\n{lookup}\nAnswer: {letter}"
+
+
+REPLY_FORMS = {"fact": lambda prompt, reply: reply, "listed": listed_reply, "keyed": keyed_reply,
+               "keyed_list_first": lambda prompt, reply: keyed_reply(prompt, reply, list_first=True)}
+
+
+def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], reply: str = "fact") -> list[dict]:
+    """`n` single-turn chats in the toy ARC's own format, drawn from the world's generator on a stream of their own.
+
+    Each is the user turn task_eval.py asks (`arc_prompt`: the facts inline, the four options, the answer
+    line) with thinking off, and the world's reference reply (the supporting fact, then "Answer: X"). The
+    corpus's multiple-choice chats mostly hold their facts in earlier turns, behind distractor exchanges,
+    often with reasoning on; these are the evaluation's format itself. No row has the question and option
+    set of an `exclude` key (the toy ARC's rows), so the score stays a held-out one. `reply` picks the
+    reply's form (`REPLY_FORMS`: the world's own, `listed_reply` or `keyed_reply`).
+    """
+    if reply not in MC_REPLIES:
+        raise ValueError(f"multiple-choice reply form {reply!r} is not one of {MC_REPLIES}")
+    rng = random.Random(f"toydeep/{seed}/fresh-mc")
+    rows: list[dict] = []
+    while len(rows) < n:
+        item = toyworld.make_mc(rng, context=False, max_distractors=0)
+        if arc_key(item.task) in exclude:
+            continue
+        prompt = toyworld.arc_prompt(item.task)
+        output = REPLY_FORMS[reply](prompt, item.reply)
+        rows.append({"input": [{"role": "user", "content": prompt}], "output": output,
+                     "reasoning": "off", "system_prompt": "", "category": "chat"})
+    return rows
+
+
+def training_data(tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: int = 0,
+                  fresh: list[dict] | None = None) -> list[toytrain.Encoded]:
     """The pair's training chats, plus `mc_copies - 1` more copies of each multiple-choice chat, each with its
-    options shuffled and the loss on its final reply only (its earlier turns are trained on with the original).
+    options shuffled and the loss on its final reply only (its earlier turns are trained on with the original),
+    plus the `fresh` single-turn multiple-choice chats (`fresh_mc_rows`).
 
     Plain repeats would let a small model memorise each item's letter; in a shuffled copy the same facts and
     the same question point to another letter, so the letter has to be read off the options.
@@ -116,9 +210,37 @@ def training_data(tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: in
     data = [d for d in toytrain.encode_rows(tok, rows) if len(d.ids) <= max_len]
     mc = [row for row in rows if MC_REPLY.search(row["output"]) and len(OPTION.findall(row["input"][-1]["content"])) == 4]
     rng = random.Random(f"toydeep/{seed}/options")
-    copies = [shuffle_options(row, rng) for _ in range(cfg.mc_copies - 1) for row in mc]
+    copies = [shuffle_options(row, rng) for _ in range(cfg.mc_copies - 1) for row in mc] + list(fresh or [])
     extra = toytrain.encode_rows(tok, copies, all_assistant_turns=False) if copies else []
     return data + [d for d in extra if len(d.ids) <= max_len]
+
+
+@torch.no_grad()
+def arc_accuracy(model, tok, rows: list[dict], max_new_tokens: int = 48) -> dict:
+    """Toy-ARC accuracy of greedy answers, as task_eval.py's native path scores them.
+
+    Each row's prompt is one user turn with thinking off (`arc_item`), the answer is generated greedily up
+    to `max_new_tokens` (the demo profile's cap) and parsed by `parse_choice`. Returns n, accuracy, its
+    binomial standard error and the share of answers that named no letter.
+    """
+    from ..core.handoff import greedy_generate, stop_ids
+    from ..eval.tasks.generate import answer_text
+    from ..eval.tasks.parsers import score
+    from ..eval.tasks.prompts import arc_item, user_prompt_ids
+
+    eos = stop_ids(tok)
+    right = unparsed = 0
+    for row in rows:
+        item = arc_item(row)
+        ids, _ = greedy_generate(model, user_prompt_ids(tok, item.prompt, enable_thinking=False), None,
+                                 max_new_tokens=max_new_tokens, eos_ids=eos)
+        pred, ok = score("arc", item, answer_text(tok, ids))
+        right += ok
+        unparsed += pred is None
+    n = len(rows)
+    p = right / n if n else float("nan")
+    return {"n": n, "accuracy": p, "se": (p * (1 - p) / n) ** 0.5 if n else float("nan"),
+            "unparsed": unparsed / n if n else float("nan")}
 
 
 def _world_inputs(world: Path) -> dict:
@@ -140,7 +262,7 @@ def pair_config(manifest: dict) -> toytrain.ToyConfig:
 def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = False, progress: bool = True,
                log: Callable[[str], None] = print) -> dict:
     """Train (or verify and keep) WORLD/deep on an installed or built toy world; return its manifest."""
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.time()
     world = Path(world)
@@ -162,9 +284,12 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
                         lr=cfg.lr, autocast_bf16=cfg.autocast_bf16)
     tok = AutoTokenizer.from_pretrained(world / "tokenizer")
     rows = read_jsonl(world / "corpus" / "train_chats.jsonl")
-    data = training_data(tok, rows, cfg, pair_cfg.max_len, cfg.seed)
+    arc_rows = read_jsonl(world / "corpus" / "arc.jsonl")
+    fresh = fresh_mc_rows(cfg.fresh_mc, cfg.seed, {arc_key(r) for r in arc_rows}, cfg.mc_reply)
+    data = training_data(tok, rows, cfg, pair_cfg.max_len, cfg.seed, fresh)
     n_mc = sum(bool(MC_REPLY.search(r["output"])) for r in rows)
-    log(f"deep: {len(data)} training sequences ({n_mc} multiple-choice chats × {cfg.mc_copies}); "
+    log(f"deep: {len(data)} training sequences ({n_mc} multiple-choice chats × {cfg.mc_copies}, "
+        f"{len(fresh)} single-turn ones in the toy ARC's format); "
         f"training {cfg.steps} steps ({cfg.layers} layers, {cfg.kv_heads} KV heads, head_dim {cfg.head_dim})")
     files = {name: world / "corpus" / f"{name}.jsonl" for name in toytrain.toyworld.WORLD_FILES}
     sets = toytrain.evaluation_sets(files, pair_cfg)
@@ -180,13 +305,17 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
         toytrain.round_to_bf16(model)  # scored exactly as stored
         t2 = time.time()
         scores = toytrain.score_model(model, tok, sets)
+        arc = {"deep": arc_accuracy(model, tok, arc_rows[:cfg.n_arc_scored])}
+        for name in ("large", "small"):  # the pair beside it, on the same rows
+            other = AutoModelForCausalLM.from_pretrained(world / name, dtype=torch.float32).eval()
+            arc[name] = arc_accuracy(other, tok, arc_rows[:cfg.n_arc_scored])
         eval_s = time.time() - t2
     finally:
         torch.set_num_threads(threads_before)
     info = {"train_steps": cfg.steps, "train_wall_s": train_s, "eval_wall_s": eval_s,
             "n_params": sum(p.numel() for p in model.parameters()), "threads": cfg.threads,
             "final_loss": loss_log[-1]["loss"] if loss_log else None,
-            "n_training_sequences": len(data), "n_multiple_choice_chats": n_mc}
+            "n_training_sequences": len(data), "n_multiple_choice_chats": n_mc, "n_fresh_mc": len(fresh)}
     toytrain._save_model(model, tok, out, {"model_key": build_key, "name": "deep", "seed": cfg.seed,
                                            "loss_log": loss_log, "exact_reply": scores, **info})
     rel_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
@@ -194,7 +323,8 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     n_samples = {name: {cond: len(r) for cond, r in conds.items()} for name, conds in sets.items()}
     return Report(
         "toy_deep", config=cfg, inputs={"code_sha256": code_sha(), **inputs},
-        results={"exact_reply": {"deep": scores, **pair_scores}, "model": info, "mini": toytrain.is_mini(pair)},
+        results={"exact_reply": {"deep": scores, **pair_scores}, "toy_arc": arc, "model": info,
+                 "mini": toytrain.is_mini(pair)},
         n_samples=n_samples, seeds={"deep": cfg.seed}, wall_time_s=time.time() - t0, device="cpu", dtype="float32",
         resume_key=build_key, files={rel: sha256_file(out / rel) for rel in rel_files},
     ).write(out / MANIFEST)
