@@ -127,7 +127,7 @@ def test_arc_accuracy_scores_greedy_answers_as_task_eval_does(world, monkeypatch
     monkeypatch.setattr(handoff, "greedy_generate", fake_generate)
     got = toydeep.arc_accuracy(None, tok, rows)
     assert got["n"] == 8 and got["accuracy"] == 5 / 8 and got["unparsed"] == 2 / 8
-    assert got["se"] == pytest.approx((5 / 8 * 3 / 8 / 8) ** 0.5)
+    assert got["se"] == pytest.approx((5 / 8 * 3 / 8 / 7) ** 0.5)  # sample SD / √n, as task_eval.py reports it
     assert tok.decode(seen[0]).startswith("<|im_start|>user\nAnswer the following multiple-choice question.")
 
 

@@ -118,17 +118,14 @@ def arc_key(row: dict) -> tuple[str, frozenset[str]]:
     return row["question"], frozenset(row["choices"]["text"])
 
 
-MC_REPLIES = ("fact", "listed", "keyed", "keyed_list_first")
+def _options(row: dict) -> list[tuple[str, str]]:
+    """(letter, text) of an ARC-format row's options, in order (the world's rows are labelled A-D)."""
+    return list(zip(row["choices"]["label"], row["choices"]["text"]))
 
 
-def _fact_options_letter(prompt: str, reply: str) -> tuple[str, list[tuple[str, str]], str]:
-    fact, answer = reply.rsplit("\n", 1)
-    return fact, OPTION.findall(prompt), MC_REPLY.search(answer).group(1)
-
-
-def listed_reply(prompt: str, reply: str) -> str:
-    """The world's reply with the options listed again between its fact and its answer line, the one the fact
-    names marked:
+def listed_reply(row: dict, fact: str) -> str:
+    """The world's reply to an ARC-format row (`arc_reply`: its fact, then its answer line) with the options
+    listed again between the two, the one the fact names marked:
 
         Vera lives in Lisbon.          Vera lives in Lisbon.
         Answer: B               →      A. Brno
@@ -140,13 +137,13 @@ def listed_reply(prompt: str, reply: str) -> str:
     Listing is a copy from the prompt and the answer letter a copy from the marked line; the marking asks
     whether an option's text is the one the fact named.
     """
-    fact, options, letter = _fact_options_letter(prompt, reply)
-    lines = [f"{l}. {t}" + (" <" if l == letter else "") for l, t in options]
-    return "\n".join([fact, *lines, f"Answer: {letter}"])
+    letter = row["answerKey"]
+    lines = [f"{l}. {t}" + (" <" if l == letter else "") for l, t in _options(row)]
+    return toyworld.arc_reply(row, "\n".join([fact, *lines]))
 
 
-def keyed_reply(prompt: str, reply: str, list_first: bool = False) -> str:
-    """The world's reply with a key from option text to letter written out, then looked up:
+def keyed_reply(row: dict, fact: str, list_first: bool = False) -> str:
+    """The world's reply to an ARC-format row with a key from option text to letter written out, then looked up:
 
         Vera lives in Lisbon.          Vera lives in Lisbon.
         Answer: B               →      A. Brno A
@@ -163,14 +160,15 @@ def keyed_reply(prompt: str, reply: str, list_first: bool = False) -> str:
     symbol binding that small models fail at. `list_first` writes the key before the fact. At most 47
     tokens of the toy tokenizer with the stop token, inside the demo's 48-token cap.
     """
-    fact, options, letter = _fact_options_letter(prompt, reply)
+    letter, options = row["answerKey"], _options(row)
     key = [f"{l}. {t} {l}" for l, t in options]
     lookup = f"= {dict(options)[letter]} {letter}"
-    return "\n".join([*key, fact] if list_first else [fact, *key]) + f"\n{lookup}\nAnswer: {letter}"
+    return toyworld.arc_reply(row, "\n".join([*key, fact, lookup] if list_first else [fact, *key, lookup]))
 
 
-REPLY_FORMS = {"fact": lambda prompt, reply: reply, "listed": listed_reply, "keyed": keyed_reply,
-               "keyed_list_first": lambda prompt, reply: keyed_reply(prompt, reply, list_first=True)}
+REPLY_FORMS = {"fact": toyworld.arc_reply, "listed": listed_reply, "keyed": keyed_reply,
+               "keyed_list_first": lambda row, fact: keyed_reply(row, fact, list_first=True)}
+MC_REPLIES = tuple(REPLY_FORMS)
 
 
 def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], reply: str = "fact") -> list[dict]:
@@ -191,9 +189,9 @@ def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], r
         item = toyworld.make_mc(rng, context=False, max_distractors=0)
         if arc_key(item.task) in exclude:
             continue
-        prompt = toyworld.arc_prompt(item.task)
-        output = REPLY_FORMS[reply](prompt, item.reply)
-        rows.append({"input": [{"role": "user", "content": prompt}], "output": output,
+        fact = item.reply.rsplit("\n", 1)[0]  # arc_reply: the fact, then the answer line
+        rows.append({"input": [{"role": "user", "content": toyworld.arc_prompt(item.task)}],
+                     "output": REPLY_FORMS[reply](item.task, fact),
                      "reasoning": "off", "system_prompt": "", "category": "chat"})
     return rows
 
@@ -220,27 +218,29 @@ def arc_accuracy(model, tok, rows: list[dict], max_new_tokens: int = 48) -> dict
     """Toy-ARC accuracy of greedy answers, as task_eval.py's native path scores them.
 
     Each row's prompt is one user turn with thinking off (`arc_item`), the answer is generated greedily up
-    to `max_new_tokens` (the demo profile's cap) and parsed by `parse_choice`. Returns n, accuracy, its
-    binomial standard error and the share of answers that named no letter.
+    to `max_new_tokens` (the demo profile's cap) and parsed by `parse_choice`. Returns n, accuracy and its
+    standard error as task_eval.py reports them (`mean_se` of the 0/1 scores), and the share of answers
+    that named no letter.
     """
     from ..core.handoff import greedy_generate, stop_ids
     from ..eval.tasks.generate import answer_text
     from ..eval.tasks.parsers import score
     from ..eval.tasks.prompts import arc_item, user_prompt_ids
+    from ..eval.stats import mean_se
 
     eos = stop_ids(tok)
-    right = unparsed = 0
+    right: list[float] = []
+    unparsed = 0
     for row in rows:
         item = arc_item(row)
         ids, _ = greedy_generate(model, user_prompt_ids(tok, item.prompt, enable_thinking=False), None,
                                  max_new_tokens=max_new_tokens, eos_ids=eos)
         pred, ok = score("arc", item, answer_text(tok, ids))
-        right += ok
+        right.append(float(ok))
         unparsed += pred is None
-    n = len(rows)
-    p = right / n if n else float("nan")
-    return {"n": n, "accuracy": p, "se": (p * (1 - p) / n) ** 0.5 if n else float("nan"),
-            "unparsed": unparsed / n if n else float("nan")}
+    acc = mean_se(right)
+    return {"n": acc["n"], "accuracy": acc["mean"], "se": acc["se"],
+            "unparsed": unparsed / len(rows) if rows else float("nan")}
 
 
 def _world_inputs(world: Path) -> dict:
