@@ -5,6 +5,7 @@ verify what they copy and refuse a world it was not trained on."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,26 @@ def test_fresh_multiple_choice_chats_are_the_toy_arc_format_held_out_and_consist
             assert row["output"].split("\n") == [*body, f"= {dict(options)[answer[-1]]} {answer[-1]}", answer]
             n_tokens = len(tok.encode(row["output"], add_special_tokens=False)) + 1  # and the stop token
             assert n_tokens <= 47  # inside the demo profile's 48-token answer cap
+    # the checked form: every option's distinct words against the answer's, the one that matches marked
+    checked = toydeep.fresh_mc_rows(400, seed=5, exclude=keys, reply="checked")
+    assert [r["input"] for r in checked] == [r["input"] for r in rows]
+    n_short = 0
+    for plain, row in zip(rows, checked):
+        fact, answer = plain["output"].rsplit("\n", 1)
+        options = toydeep.OPTION.findall(row["input"][0]["content"])
+        lines = row["output"].split("\n")
+        assert lines[0] == fact and lines[-1] == answer and len(lines) == 6
+        checks = [line.split(" ") for line in lines[1:5]]
+        assert [c[0] for c in checks] == list("ABCD") and [c[-1] == "match" for c in checks] == \
+            [l == answer[-1] for l, _ in options]
+        for (l, text), line in zip(options, lines[1:5]):
+            mine, theirs = line[2:].rsplit(" ", 1)[0].split(" = ")
+            assert mine in text and theirs in dict(options)[answer[-1]] and (mine == theirs) == (l == answer[-1])
+            n_short += mine != text
+        assert len(tok.encode(row["output"], add_special_tokens=False)) + 1 <= 47
+    assert n_short > 0  # some option sets share words ("the red box"), which the checks leave out
+    assert toydeep._distinct_words(["the red box", "the blue box", "a tan box", "the tan box"]) == \
+        ["the red", "the blue", "a tan", "the tan"]
     with pytest.raises(ValueError, match="not one of"):
         toydeep.fresh_mc_rows(1, seed=5, exclude=keys, reply="verdicts")
     # held out: rows whose keys are excluded are never drawn
@@ -98,6 +119,80 @@ def test_fresh_multiple_choice_chats_are_the_toy_arc_format_held_out_and_consist
     again = toydeep.fresh_mc_rows(100, seed=5, exclude=keys | {_key_of(r) for r in rows[:100]})
     assert not first & {r["input"][0]["content"] for r in again}
     assert all(_key_of(r) not in keys for r in rows)
+
+
+def test_option_drills_ask_for_the_letter_of_one_option_in_the_toy_arc_format():
+    from kvlingo.eval.tasks.parsers import score
+    from kvlingo.eval.tasks.prompts import arc_item
+
+    rows = toydeep.drill_rows(300, seed=4)
+    assert rows == toydeep.drill_rows(300, seed=4) and rows != toydeep.drill_rows(300, seed=5)
+    asked = set()
+    for row in rows:
+        prompt, reply = row["input"][0]["content"], row["output"]
+        question = prompt.split("Question: ", 1)[1].split("\n", 1)[0]
+        text = question.removeprefix("Which option is ").removesuffix("?")
+        options = dict(toydeep.OPTION.findall(prompt))  # letter -> text, as the prompt lists them
+        letter = toydeep.MC_REPLY.search(reply).group(1)
+        assert reply == f"It is {text}.\nAnswer: {letter}" and options[letter] == text
+        asked.add(letter)
+        # the task's own parser reads the reply as right
+        item = arc_item({"question": question, "choices": {"text": list(options.values()), "label": list(options)},
+                         "answerKey": letter})
+        assert item.prompt == prompt and score("arc", item, reply)[1]
+    assert asked == set("ABCD")
+
+
+def test_sharpened_attention_raises_the_logit_bound_and_is_applied_before_training():
+    """Every q_norm/k_norm weight starts at the gain; the largest attention logit any query and key can reach
+    is gain²·sqrt(head_dim), reached by a query equal to a key (computed here as Qwen3 scores them)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        toydeep.sharpen_attention(model, 2.5)
+    attn = model.model.layers[1].self_attn
+    assert all(torch.equal(layer.self_attn.q_norm.weight, torch.full((16,), 2.5)) for layer in model.model.layers)
+    x = torch.randn(5, 16)
+    q, k = attn.q_norm(x), attn.k_norm(x)
+    logits = q @ k.T * attn.scaling
+    assert logits.max() <= 2.5 ** 2 * 16 ** 0.5 + 1e-4
+    assert torch.allclose(logits.diagonal(), torch.full((5,), 2.5 ** 2 * 4.0), atol=1e-3)
+
+    seen = []
+    toy = toytrain.mini_config()
+    data = [toytrain.Encoded([1, 2, 3, 4], [False, True, True, True], 1)] * 4
+    trained, _ = toytrain.train_model(cfg, data, 1, replace(toy, batch=2), 0, 0, progress=False,
+                                      init=lambda m: seen.append(float(m.model.layers[0].self_attn.k_norm.weight[0]))
+                                      or toydeep.sharpen_attention(m, 3.0))
+    assert seen == [1.0]  # called on the fresh model, whose norms transformers initialises to 1
+    norms = torch.stack([layer.self_attn.k_norm.weight for layer in trained.model.layers])
+    assert (norms - 3.0).abs().max() < 0.05  # one small step away from the gain
+
+
+def test_induction_sequences_repeat_a_span_of_ordinary_tokens_with_the_loss_on_the_repeat(world):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(world / "tokenizer")
+    seqs = toydeep.induction_data(tok, 50, seed=3)
+    assert len(seqs) == 50 and seqs == toydeep.induction_data(tok, 50, seed=3)
+    assert seqs != toydeep.induction_data(tok, 50, seed=4)
+    special = set(tok.all_special_ids)
+    for s in seqs:
+        n = s.n_prefix
+        assert 8 <= n <= 48 and len(s.ids) == 2 * n and s.ids[:n] == s.ids[n:]
+        assert len(set(s.ids[:n])) == n and not special & set(s.ids)  # distinct, ordinary tokens
+        # no target on the span or the repeat's first token; every later token of the repeat is one
+        assert s.loss == [False] * (n + 1) + [True] * (n - 1)
+    from kvlingo.io import read_jsonl
+
+    rows = read_jsonl(world / "corpus" / "train_chats.jsonl")[:20]
+    cfg = replace(toydeep.mini_deep_config(), induction=0)
+    plain = toydeep.training_data(tok, rows, cfg, 10_000)
+    more = toydeep.training_data(tok, rows, replace(cfg, induction=7), 10_000)
+    assert more[:len(plain)] == plain and more[len(plain):] == toydeep.induction_data(tok, 7, seed=0)
 
 
 def _key_of(row: dict) -> tuple[str, frozenset[str]]:
@@ -153,7 +248,8 @@ def test_build_export_install_and_pair(world, tmp_path):
     assert set(manifest["results"]["exact_reply"]) == {"deep", "large", "small"}
     n_mc = manifest["results"]["model"]["n_multiple_choice_chats"]
     assert manifest["results"]["model"]["n_training_sequences"] >= 24_000 - 100 + (cfg.mc_copies - 1) * n_mc > 24_000
-    assert manifest["results"]["model"]["n_fresh_mc"] == cfg.fresh_mc
+    info = manifest["results"]["model"]
+    assert (info["n_fresh_mc"], info["n_drills"], info["n_induction"]) == (cfg.fresh_mc, cfg.drills, cfg.induction)
     arc = manifest["results"]["toy_arc"]
     assert set(arc) == {"deep", "large", "small"} and all(a["n"] == cfg.n_arc_scored for a in arc.values())
     model = AutoModelForCausalLM.from_pretrained(deep)

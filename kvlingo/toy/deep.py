@@ -14,9 +14,11 @@ ending "Answer: A".."D") `mc_copies` times per epoch, five of them with shuffled
 budget (900 steps, about 16 CPU-minutes) it answers the toy ARC at chance too. `fresh_mc` adds
 single-turn chats in the toy ARC's own format (the facts inline, thinking off; the corpus's
 multiple-choice chats mostly hold their facts in earlier turns, often with reasoning on), with
-the reply form `mc_reply` (`REPLY_FORMS`). Both are off by default: trained from scratch with
-them, no form reached the 60% that would give the deep pairs a meaningful ARC column (the README,
-"More pairs", has the runs). `build_deep` scores the greedy toy-ARC accuracy of the model and of
+the reply form `mc_reply` (`REPLY_FORMS`). Three more training options aim at the step every run
+failed, naming the letter of the option a text belongs to: `drills` (chats that ask for exactly
+that), `induction` (random-token copy sequences) and `qk_gain` (sharper attention from the first
+step). All are off by default: trained from scratch with them, no setting reached the 60% that
+would give the deep pairs a meaningful ARC column (the README, "More pairs", has the runs). `build_deep` scores the greedy toy-ARC accuracy of the model and of
 the pair beside it, as task_eval.py scores the native path (`results.toy_arc`), and the
 exact-reply scores beside the pair's. The packaged pair's files are untouched.
 
@@ -70,6 +72,9 @@ class DeepConfig:
     mc_copies: int = 6  # times each multiple-choice training chat appears per epoch (the copies options-shuffled)
     fresh_mc: int = 0  # extra single-turn multiple-choice chats in the toy ARC's own format (see `fresh_mc_rows`)
     mc_reply: str = "fact"  # their replies' form, one of MC_REPLIES ("fact": the world's own; see `keyed_reply`)
+    drills: int = 0  # extra single-turn chats asking which letter an option has (`drill_rows`)
+    qk_gain: float = 1.0  # initial weight of every q_norm/k_norm (`sharpen_attention`; 1 as transformers initialises)
+    induction: int = 0  # extra synthetic sequences of random tokens whose second half repeats the first (`induction_data`)
     steps: int = 900  # optimiser steps (fixed, so the weights do not depend on the machine's speed)
     batch: int = 32  # conversations per step
     lr: float = 3e-3  # AdamW peak learning rate (warm-up, cosine decay and the rest as the pair's)
@@ -83,7 +88,8 @@ def mini_deep_config() -> DeepConfig:
     """Seconds instead of minutes, for tests on the mini toy world."""
     return DeepConfig(layers=3, kv_heads=4, head_dim=8, shape=ModelShape(hidden=32, intermediate=64, heads=4,
                                                                            rope_theta=20_000.0),
-                      mc_copies=2, fresh_mc=16, steps=12, batch=8, n_arc_scored=4)
+                      mc_copies=2, fresh_mc=16, drills=8, induction=8, qk_gain=2.0, steps=12, batch=8,
+                      n_arc_scored=4)
 
 
 SOURCES = [Path(__file__), *toytrain.SOURCES]
@@ -166,8 +172,40 @@ def keyed_reply(row: dict, fact: str, list_first: bool = False) -> str:
     return toyworld.arc_reply(row, "\n".join([*key, fact, lookup] if list_first else [fact, *key, lookup]))
 
 
+def _distinct_words(texts: list[str]) -> list[str]:
+    """Each text without the leading and trailing words all of them share ("the red box" → "red")."""
+    words = [t.split() for t in texts]
+    shortest = min(len(w) for w in words)
+    lead = next((i for i in range(shortest) if len({w[i] for w in words}) > 1), shortest)
+    trail = next((i for i in range(shortest - lead) if len({w[-1 - i] for w in words}) > 1), shortest - lead)
+    return [" ".join(w[lead:len(w) - trail]) or t for w, t in zip(words, texts)]
+
+
+def checked_reply(row: dict, fact: str) -> str:
+    """The world's reply to an ARC-format row with every option checked against the answer, side by side:
+
+        Vera lives in Lisbon.          Vera lives in Lisbon.
+        Answer: B               →      A Brno = Lisbon no
+                                       B Lisbon = Lisbon match
+                                       C Aarhus = Lisbon no
+                                       D Split = Lisbon no
+                                       Answer: B
+
+    Each check compares two words a few tokens apart (a local comparison, not a search of the prompt), and
+    the answer letter is the one on the line marked "match" (a search for a fixed word, not for a text).
+    A line's letter and text are copied from the prompt in order, the answer's from the line above. The
+    words all four options share are left out ("the red box" is checked as "red"), so that every reply
+    fits in 47 tokens of the toy tokenizer with the stop token, inside the demo's 48-token cap.
+    """
+    letter, options = row["answerKey"], _options(row)
+    short = dict(zip([l for l, _ in options], _distinct_words([t for _, t in options])))
+    lines = [f"{l} {short[l]} = {short[letter]} {'match' if l == letter else 'no'}" for l, _ in options]
+    return toyworld.arc_reply(row, "\n".join([fact, *lines]))
+
+
 REPLY_FORMS = {"fact": toyworld.arc_reply, "listed": listed_reply, "keyed": keyed_reply,
-               "keyed_list_first": lambda row, fact: keyed_reply(row, fact, list_first=True)}
+               "keyed_list_first": lambda row, fact: keyed_reply(row, fact, list_first=True),
+               "checked": checked_reply}
 MC_REPLIES = tuple(REPLY_FORMS)
 
 
@@ -196,6 +234,65 @@ def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], r
     return rows
 
 
+def induction_data(tok, n: int, seed: int, min_span: int = 8, max_span: int = 48) -> list[toytrain.Encoded]:
+    """`n` sequences of random ordinary tokens, each a span of `min_span`..`max_span` tokens written twice, the loss
+    on the repeat (after its first token, which nothing predicts).
+
+    Predicting the repeat is an induction copy and nothing else: find where the current token occurred before,
+    and copy the token that followed it. The keyed reply's lookup (`keyed_reply`) is that copy, inside text
+    where shortcuts compete with it; sequences without any other cue are the textbook way to make a small
+    model learn it.
+    """
+    rng = random.Random(f"toydeep/{seed}/induction")
+    specials = set(tok.all_special_ids) | {tok.convert_tokens_to_ids(t) for t in tok.get_added_vocab()}
+    ordinary = [i for i in range(len(tok)) if i not in specials]
+    out = []
+    for _ in range(n):
+        span = rng.sample(ordinary, rng.randint(min_span, max_span))
+        out.append(toytrain.Encoded(span + span, [False] * (len(span) + 1) + [True] * (len(span) - 1), len(span)))
+    return out
+
+
+def drill_rows(n: int, seed: int) -> list[dict]:
+    """`n` single-turn chats in the toy ARC's own format whose question names one of the options' texts and asks
+    which option it is; the reply repeats the text, then gives its letter:
+
+        Question: Which option is Lisbon?       It is Lisbon.
+        A. Brno                           →     Answer: B
+        B. Lisbon
+        ...
+
+    The world's reference reply states a fact, then the letter of the option whose text the fact ends
+    with (`arc_reply`). These chats train that last step alone (from a text to the letter before it in
+    the prompt, the multiple-choice symbol binding), on the world's own option sets, with any of the four
+    options asked for. No question is an ARC question. The text follows "It is" so that it tokenises as in the
+    prompt (a reply's first word has no leading space).
+    """
+    rng = random.Random(f"toydeep/{seed}/drills")
+    rows: list[dict] = []
+    for _ in range(n):
+        task = toyworld.make_mc(rng, context=False, max_distractors=0).task
+        letter, text = rng.choice(_options(task))
+        row = {"question": f"Which option is {text}?", "choices": task["choices"], "answerKey": letter}
+        rows.append({"input": [{"role": "user", "content": toyworld.arc_prompt(row)}],
+                     "output": toyworld.arc_reply(row, f"It is {text}."), "reasoning": "off", "system_prompt": "",
+                     "category": "chat"})
+    return rows
+
+
+def sharpen_attention(model, gain: float) -> None:
+    """Set every query and key RMSNorm weight of a fresh Qwen3 model to `gain`.
+
+    Qwen3 normalises each head's query and key to unit RMS before RoPE, so an attention logit is at most
+    gain_q·gain_k·sqrt(head_dim) (the dot product of two vectors of norm gain·sqrt(head_dim), over
+    sqrt(head_dim)). At head_dim 16 and the usual gain 1 that is 4, too flat to pick one option line
+    out of a prompt at the start of training; a gain g raises the bound g² times.
+    """
+    for layer in model.model.layers:
+        layer.self_attn.q_norm.weight.fill_(gain)
+        layer.self_attn.k_norm.weight.fill_(gain)
+
+
 def training_data(tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: int = 0,
                   fresh: list[dict] | None = None) -> list[toytrain.Encoded]:
     """The pair's training chats, plus `mc_copies - 1` more copies of each multiple-choice chat, each with its
@@ -210,7 +307,8 @@ def training_data(tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: in
     rng = random.Random(f"toydeep/{seed}/options")
     copies = [shuffle_options(row, rng) for _ in range(cfg.mc_copies - 1) for row in mc] + list(fresh or [])
     extra = toytrain.encode_rows(tok, copies, all_assistant_turns=False) if copies else []
-    return data + [d for d in extra if len(d.ids) <= max_len]
+    synthetic = induction_data(tok, cfg.induction, seed) if cfg.induction else []
+    return data + [d for d in extra if len(d.ids) <= max_len] + synthetic
 
 
 @torch.no_grad()
@@ -285,11 +383,13 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     tok = AutoTokenizer.from_pretrained(world / "tokenizer")
     rows = read_jsonl(world / "corpus" / "train_chats.jsonl")
     arc_rows = read_jsonl(world / "corpus" / "arc.jsonl")
-    fresh = fresh_mc_rows(cfg.fresh_mc, cfg.seed, {arc_key(r) for r in arc_rows}, cfg.mc_reply)
+    fresh = fresh_mc_rows(cfg.fresh_mc, cfg.seed, {arc_key(r) for r in arc_rows}, cfg.mc_reply) \
+        + drill_rows(cfg.drills, cfg.seed)
     data = training_data(tok, rows, cfg, pair_cfg.max_len, cfg.seed, fresh)
     n_mc = sum(bool(MC_REPLY.search(r["output"])) for r in rows)
     log(f"deep: {len(data)} training sequences ({n_mc} multiple-choice chats × {cfg.mc_copies}, "
-        f"{len(fresh)} single-turn ones in the toy ARC's format); "
+        f"{cfg.fresh_mc} single-turn ones in the toy ARC's format, {cfg.drills} option drills, "
+        f"{cfg.induction} induction sequences); "
         f"training {cfg.steps} steps ({cfg.layers} layers, {cfg.kv_heads} KV heads, head_dim {cfg.head_dim})")
     files = {name: world / "corpus" / f"{name}.jsonl" for name in toytrain.toyworld.WORLD_FILES}
     sets = toytrain.evaluation_sets(files, pair_cfg)
@@ -299,8 +399,9 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     torch.set_num_threads(cfg.threads)
     try:
         t1 = time.time()
+        init = None if cfg.qk_gain == 1.0 else (lambda model: sharpen_attention(model, cfg.qk_gain))
         model, loss_log = toytrain.train_model(qcfg, data, cfg.steps, train_cfg, cfg.seed, tok.pad_token_id,
-                                               desc="deep", progress=progress)
+                                               desc="deep", progress=progress, init=init)
         train_s = time.time() - t1
         toytrain.round_to_bf16(model)  # scored exactly as stored
         t2 = time.time()
@@ -315,7 +416,8 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     info = {"train_steps": cfg.steps, "train_wall_s": train_s, "eval_wall_s": eval_s,
             "n_params": sum(p.numel() for p in model.parameters()), "threads": cfg.threads,
             "final_loss": loss_log[-1]["loss"] if loss_log else None,
-            "n_training_sequences": len(data), "n_multiple_choice_chats": n_mc, "n_fresh_mc": len(fresh)}
+            "n_training_sequences": len(data), "n_multiple_choice_chats": n_mc, "n_fresh_mc": cfg.fresh_mc, "n_drills": cfg.drills,
+            "n_induction": cfg.induction}
     toytrain._save_model(model, tok, out, {"model_key": build_key, "name": "deep", "seed": cfg.seed,
                                            "loss_log": loss_log, "exact_reply": scores, **info})
     rel_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)

@@ -257,8 +257,10 @@ def steps_for(cfg: ToyConfig, minutes: float, tokens_per_s: float, mean_len: flo
 
 
 def train_model(qcfg, data: list[Encoded], steps: int, cfg: ToyConfig, seed: int, pad_id: int,
-                desc: str = "train", progress: bool = True) -> tuple[Any, list[dict]]:
-    """Train a fresh Qwen3ForCausalLM; return (model in eval mode, loss log)."""
+                desc: str = "train", progress: bool = True,
+                init: Callable[[Any], None] | None = None) -> tuple[Any, list[dict]]:
+    """Train a fresh Qwen3ForCausalLM; return (model in eval mode, loss log). `init(model)`, when given,
+    changes the freshly initialised weights before training."""
     from tqdm import tqdm
     from transformers import Qwen3ForCausalLM
 
@@ -266,6 +268,9 @@ def train_model(qcfg, data: list[Encoded], steps: int, cfg: ToyConfig, seed: int
     # Eager attention: at these tiny head counts it trains faster on CPU than SDPA (and much
     # faster under bf16 autocast). The saved config does not keep the choice.
     model = Qwen3ForCausalLM._from_config(qcfg, attn_implementation="eager")
+    if init is not None:
+        with torch.no_grad():
+            init(model)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
