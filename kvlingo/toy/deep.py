@@ -18,9 +18,10 @@ the reply form `mc_reply` (`REPLY_FORMS`). Three more training options aim at th
 failed, naming the letter of the option a text belongs to: `drills` (chats that ask for exactly
 that), `induction` (random-token copy sequences) and `qk_gain` (sharper attention from the first
 step). All are off by default: trained from scratch with them, no setting reached the 60% that
-would give the deep pairs a meaningful ARC column (the README, "More pairs", has the runs). `build_deep` scores the greedy toy-ARC accuracy of the model and of
-the pair beside it, as task_eval.py scores the native path (`results.toy_arc`), and the
-exact-reply scores beside the pair's. The packaged pair's files are untouched.
+would give the deep pairs a meaningful ARC column (the README, "More pairs", has the runs).
+`build_deep` scores the greedy toy-ARC accuracy of the model and of the pair beside it, as
+task_eval.py scores the native path (`results.toy_arc`), and the exact-reply scores beside the
+pair's. The packaged pair's files are untouched.
 
 Training runs in FP32 on one thread (bf16 autocast is a large speedup only on CPUs with
 AVX-512 BF16; without it BF16 matmuls are ~20× slower), for a fixed step count, so a seed gives
@@ -74,7 +75,7 @@ class DeepConfig:
     mc_reply: str = "fact"  # their replies' form, one of MC_REPLIES ("fact": the world's own; see `keyed_reply`)
     drills: int = 0  # extra single-turn chats asking which letter an option has (`drill_rows`)
     qk_gain: float = 1.0  # initial weight of every q_norm/k_norm (`sharpen_attention`; 1 as transformers initialises)
-    induction: int = 0  # extra synthetic sequences of random tokens whose second half repeats the first (`induction_data`)
+    induction: int = 0  # extra random-token sequences whose second half repeats the first (`induction_data`)
     steps: int = 900  # optimiser steps (fixed, so the weights do not depend on the machine's speed)
     batch: int = 32  # conversations per step
     lr: float = 3e-3  # AdamW peak learning rate (warm-up, cosine decay and the rest as the pair's)
@@ -240,8 +241,8 @@ def induction_data(tok, n: int, seed: int, min_span: int = 8, max_span: int = 48
 
     Predicting the repeat is an induction copy and nothing else: find where the current token occurred before,
     and copy the token that followed it. The keyed reply's lookup (`keyed_reply`) is that copy, inside text
-    where shortcuts compete with it; sequences without any other cue are the textbook way to make a small
-    model learn it.
+    where shortcuts compete with it; sequences with no other cue are the usual way to teach it to a small
+    model (the deep model needs more than 600 steps of them alone: the README, "More pairs").
     """
     rng = random.Random(f"toydeep/{seed}/induction")
     specials = set(tok.all_special_ids) | {tok.convert_tokens_to_ids(t) for t in tok.get_added_vocab()}
@@ -297,7 +298,8 @@ def training_data(tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: in
                   fresh: list[dict] | None = None) -> list[toytrain.Encoded]:
     """The pair's training chats, plus `mc_copies - 1` more copies of each multiple-choice chat, each with its
     options shuffled and the loss on its final reply only (its earlier turns are trained on with the original),
-    plus the `fresh` single-turn multiple-choice chats (`fresh_mc_rows`).
+    plus the `fresh` single-turn multiple-choice chats (`fresh_mc_rows`, `drill_rows`), plus `cfg.induction`
+    random-token copy sequences (`induction_data`).
 
     Plain repeats would let a small model memorise each item's letter; in a shuffled copy the same facts and
     the same question point to another letter, so the letter has to be read off the options.
@@ -416,8 +418,8 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     info = {"train_steps": cfg.steps, "train_wall_s": train_s, "eval_wall_s": eval_s,
             "n_params": sum(p.numel() for p in model.parameters()), "threads": cfg.threads,
             "final_loss": loss_log[-1]["loss"] if loss_log else None,
-            "n_training_sequences": len(data), "n_multiple_choice_chats": n_mc, "n_fresh_mc": cfg.fresh_mc, "n_drills": cfg.drills,
-            "n_induction": cfg.induction}
+            "n_training_sequences": len(data), "n_multiple_choice_chats": n_mc, "n_fresh_mc": cfg.fresh_mc,
+            "n_drills": cfg.drills, "n_induction": cfg.induction}
     toytrain._save_model(model, tok, out, {"model_key": build_key, "name": "deep", "seed": cfg.seed,
                                            "loss_log": loss_log, "exact_reply": scores, **info})
     rel_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
