@@ -198,9 +198,9 @@ def checked_reply(row: dict, fact: str) -> str:
     words all four options share are left out ("the red box" is checked as "red"), so that every reply
     fits in 47 tokens of the toy tokenizer with the stop token, inside the demo's 48-token cap.
     """
-    letter, options = row["answerKey"], _options(row)
-    short = dict(zip([l for l, _ in options], _distinct_words([t for _, t in options])))
-    lines = [f"{l} {short[l]} = {short[letter]} {'match' if l == letter else 'no'}" for l, _ in options]
+    letter, (letters, texts) = row["answerKey"], zip(*_options(row))
+    short = dict(zip(letters, _distinct_words(list(texts))))
+    lines = [f"{l} {short[l]} = {short[letter]} {'match' if l == letter else 'no'}" for l in letters]
     return toyworld.arc_reply(row, "\n".join([fact, *lines]))
 
 
@@ -208,6 +208,12 @@ REPLY_FORMS = {"fact": toyworld.arc_reply, "listed": listed_reply, "keyed": keye
                "keyed_list_first": lambda row, fact: keyed_reply(row, fact, list_first=True),
                "checked": checked_reply}
 MC_REPLIES = tuple(REPLY_FORMS)
+
+
+def _single_turn(row: dict, reply: str) -> dict:
+    """A training chat of one user turn, the toy ARC's prompt for an ARC-format row, thinking off, and `reply`."""
+    return {"input": [{"role": "user", "content": toyworld.arc_prompt(row)}], "output": reply,
+            "reasoning": "off", "system_prompt": "", "category": "chat"}
 
 
 def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], reply: str = "fact") -> list[dict]:
@@ -218,7 +224,7 @@ def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], r
     corpus's multiple-choice chats mostly hold their facts in earlier turns, behind distractor exchanges,
     often with reasoning on; these are the evaluation's format itself. No row has the question and option
     set of an `exclude` key (the toy ARC's rows), so the score stays a held-out one. `reply` picks the
-    reply's form (`REPLY_FORMS`: the world's own, `listed_reply` or `keyed_reply`).
+    reply's form (`REPLY_FORMS`: the world's own, `listed_reply`, `keyed_reply` or `checked_reply`).
     """
     if reply not in MC_REPLIES:
         raise ValueError(f"multiple-choice reply form {reply!r} is not one of {MC_REPLIES}")
@@ -229,9 +235,7 @@ def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], r
         if arc_key(item.task) in exclude:
             continue
         fact = item.reply.rsplit("\n", 1)[0]  # arc_reply: the fact, then the answer line
-        rows.append({"input": [{"role": "user", "content": toyworld.arc_prompt(item.task)}],
-                     "output": REPLY_FORMS[reply](item.task, fact),
-                     "reasoning": "off", "system_prompt": "", "category": "chat"})
+        rows.append(_single_turn(item.task, REPLY_FORMS[reply](item.task, fact)))
     return rows
 
 
@@ -275,9 +279,7 @@ def drill_rows(n: int, seed: int) -> list[dict]:
         task = toyworld.make_mc(rng, context=False, max_distractors=0).task
         letter, text = rng.choice(_options(task))
         row = {"question": f"Which option is {text}?", "choices": task["choices"], "answerKey": letter}
-        rows.append({"input": [{"role": "user", "content": toyworld.arc_prompt(row)}],
-                     "output": toyworld.arc_reply(row, f"It is {text}."), "reasoning": "off", "system_prompt": "",
-                     "category": "chat"})
+        rows.append(_single_turn(row, toyworld.arc_reply(row, f"It is {text}.")))
     return rows
 
 
