@@ -193,6 +193,43 @@ def test_induction_sequences_repeat_a_span_of_ordinary_tokens_with_the_loss_on_t
     plain = toydeep.training_data(tok, rows, cfg, 10_000)
     more = toydeep.training_data(tok, rows, replace(cfg, induction=7), 10_000)
     assert more[:len(plain)] == plain and more[len(plain):] == toydeep.induction_data(tok, 7, seed=0)
+    # the induction phase and the held-out check draw streams of their own
+    assert toydeep.induction_data(tok, 7, seed=0, stream="warm") != toydeep.induction_data(tok, 7, seed=0)
+
+
+def test_copy_accuracy_counts_the_repeats_the_model_predicts(world):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(world / "tokenizer")
+    seqs = toydeep.induction_data(tok, 10, seed=5)
+    vocab = len(tok)
+
+    class Oracle:  # the argmax at position t is the token at t + 1: every repeat copied
+        def __call__(self, input_ids, use_cache=False):
+            nxt = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1)
+            return SimpleNamespace(logits=torch.nn.functional.one_hot(nxt, vocab).float())
+
+    class Echo:  # the argmax is the current token: never right on a span of distinct tokens
+        def __call__(self, input_ids, use_cache=False):
+            return SimpleNamespace(logits=torch.nn.functional.one_hot(input_ids, vocab).float())
+
+    assert toydeep.copy_accuracy(Oracle(), seqs, tok.pad_token_id, batch=3) == 1.0
+    assert toydeep.copy_accuracy(Echo(), seqs, tok.pad_token_id, batch=3) == 0.0
+
+    class Half:  # right on the repeat's first half of targets only
+        def __call__(self, input_ids, use_cache=False):
+            nxt = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1).clone()
+            for b in range(len(input_ids)):
+                s = next(s for s in seqs if s.ids == input_ids[b, :len(s.ids)].tolist())
+                n = s.n_prefix
+                nxt[b, n + (n - 1) // 2: 2 * n] = tok.pad_token_id  # wrong on the last half of the n - 1 targets
+            return SimpleNamespace(logits=torch.nn.functional.one_hot(nxt, vocab).float())
+
+    right = sum((s.n_prefix - 1) // 2 for s in seqs)
+    total = sum(s.n_prefix - 1 for s in seqs)
+    assert toydeep.copy_accuracy(Half(), seqs, tok.pad_token_id, batch=4) == pytest.approx(right / total)
 
 
 def _key_of(row: dict) -> tuple[str, frozenset[str]]:
@@ -250,6 +287,9 @@ def test_build_export_install_and_pair(world, tmp_path):
     assert manifest["results"]["model"]["n_training_sequences"] >= 24_000 - 100 + (cfg.mc_copies - 1) * n_mc > 24_000
     info = manifest["results"]["model"]
     assert (info["n_fresh_mc"], info["n_drills"], info["n_induction"]) == (cfg.fresh_mc, cfg.drills, cfg.induction)
+    assert cfg.warm_steps and info["warm_steps"] == cfg.warm_steps and info["warm_loss_log"][-1]["step"] == cfg.warm_steps
+    assert set(info["copy_accuracy"]) == {"warm_set", "after_warm", "final"}
+    assert all(0.0 <= a <= 1.0 for a in info["copy_accuracy"].values())
     arc = manifest["results"]["toy_arc"]
     assert set(arc) == {"deep", "large", "small"} and all(a["n"] == cfg.n_arc_scored for a in arc.values())
     model = AutoModelForCausalLM.from_pretrained(deep)

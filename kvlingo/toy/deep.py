@@ -14,11 +14,13 @@ ending "Answer: A".."D") `mc_copies` times per epoch, five of them with shuffled
 budget (900 steps, about 16 CPU-minutes) it answers the toy ARC at chance too. `fresh_mc` adds
 single-turn chats in the toy ARC's own format (the facts inline, thinking off; the corpus's
 multiple-choice chats mostly hold their facts in earlier turns, often with reasoning on), with
-the reply form `mc_reply` (`REPLY_FORMS`). Three more training options aim at the step every run
+the reply form `mc_reply` (`REPLY_FORMS`). More training options aim at the step every run
 failed, naming the letter of the option a text belongs to: `drills` (chats that ask for exactly
-that), `induction` (random-token copy sequences) and `qk_gain` (sharper attention from the first
-step). All are off by default: trained from scratch with them, no setting reached the 60% that
+that), `induction` (random-token copy sequences), `qk_gain` (sharper attention from the first
+step) and `warm_steps` (a first phase on copy sequences alone, over a small token set, before the
+chats). All are off by default: trained from scratch with them, no setting reached the 60% that
 would give the deep pairs a meaningful ARC column (the README, "More pairs", has the runs).
+`copy_accuracy` measures the copy itself, and `build_deep` records it after each phase.
 `build_deep` scores the greedy toy-ARC accuracy of the model and of the pair beside it, as
 task_eval.py scores the native path (`results.toy_arc`), and the exact-reply scores beside the
 pair's. The packaged pair's files are untouched.
@@ -76,6 +78,9 @@ class DeepConfig:
     drills: int = 0  # extra single-turn chats asking which letter an option has (`drill_rows`)
     qk_gain: float = 1.0  # initial weight of every q_norm/k_norm (`sharpen_attention`; 1 as transformers initialises)
     induction: int = 0  # extra random-token sequences whose second half repeats the first (`induction_data`)
+    warm_steps: int = 0  # steps of a first phase on induction sequences alone; the main training starts from it
+    warm_lr: float = 1e-3  # that phase's learning rate (constant after the warm-up, no weight decay)
+    warm_tokens: int | None = 16  # that phase's spans are over this many random ordinary tokens (None: all)
     steps: int = 900  # optimiser steps (fixed, so the weights do not depend on the machine's speed)
     batch: int = 32  # conversations per step
     lr: float = 3e-3  # AdamW peak learning rate (warm-up, cosine decay and the rest as the pair's)
@@ -89,7 +94,7 @@ def mini_deep_config() -> DeepConfig:
     """Seconds instead of minutes, for tests on the mini toy world."""
     return DeepConfig(layers=3, kv_heads=4, head_dim=8, shape=ModelShape(hidden=32, intermediate=64, heads=4,
                                                                            rope_theta=20_000.0),
-                      mc_copies=2, fresh_mc=16, drills=8, induction=8, qk_gain=2.0, steps=12, batch=8,
+                      mc_copies=2, fresh_mc=16, drills=8, induction=8, qk_gain=2.0, warm_steps=4, steps=12, batch=8,
                       n_arc_scored=4)
 
 
@@ -239,7 +244,8 @@ def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], r
     return rows
 
 
-def induction_data(tok, n: int, seed: int, min_span: int = 8, max_span: int = 48) -> list[toytrain.Encoded]:
+def induction_data(tok, n: int, seed: int, min_span: int = 8, max_span: int = 48,
+                   stream: str = "induction", n_tokens: int | None = None) -> list[toytrain.Encoded]:
     """`n` sequences of random ordinary tokens, each a span of `min_span`..`max_span` tokens written twice, the loss
     on the repeat (after its first token, which nothing predicts).
 
@@ -247,10 +253,15 @@ def induction_data(tok, n: int, seed: int, min_span: int = 8, max_span: int = 48
     and copy the token that followed it. The keyed reply's lookup (`keyed_reply`) is that copy, inside text
     where shortcuts compete with it; sequences with no other cue are the usual way to teach it to a small
     model (3,000 steps of them alone left the deep model at 2% of the repeat: the README, "More pairs").
+    With `n_tokens`, every span is drawn from one random set of that many ordinary tokens (and is at most
+    that long). `stream` names the random stream, so that sets drawn for different uses differ.
     """
-    rng = random.Random(f"toydeep/{seed}/induction")
+    rng = random.Random(f"toydeep/{seed}/{stream}")
     specials = set(tok.all_special_ids) | {tok.convert_tokens_to_ids(t) for t in tok.get_added_vocab()}
     ordinary = [i for i in range(len(tok)) if i not in specials]
+    if n_tokens is not None:  # spans over a fixed random set of that many tokens
+        ordinary = sorted(rng.sample(ordinary, n_tokens))
+        max_span = min(max_span, n_tokens)
     out = []
     for _ in range(n):
         span = rng.sample(ordinary, rng.randint(min_span, max_span))
@@ -313,6 +324,20 @@ def training_data(tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: in
     extra = toytrain.encode_rows(tok, copies, all_assistant_turns=False) if copies else []
     synthetic = induction_data(tok, cfg.induction, seed) if cfg.induction else []
     return data + [d for d in extra if len(d.ids) <= max_len] + synthetic
+
+
+@torch.no_grad()
+def copy_accuracy(model, data: list[toytrain.Encoded], pad_id: int, batch: int = 64) -> float:
+    """Share of the loss-masked tokens of `data` (the repeats of `induction_data`) that are the model's argmax."""
+    hits = total = 0
+    for b in range(0, len(data), batch):
+        x, y = toytrain.collate(data, list(range(b, min(b + batch, len(data)))), pad_id)
+        pred = model(input_ids=x, use_cache=False).logits[:, :-1].argmax(-1)  # [batch, T-1]
+        target = y[:, 1:]
+        keep = target != toytrain.IGNORE
+        hits += int((pred[keep] == target[keep]).sum())
+        total += int(keep.sum())
+    return hits / max(total, 1)
 
 
 @torch.no_grad()
@@ -404,12 +429,30 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     try:
         t1 = time.time()
         init = None if cfg.qk_gain == 1.0 else (lambda model: sharpen_attention(model, cfg.qk_gain))
+        held = induction_data(tok, 256, cfg.seed, stream="held-out")
+        warm_log, copy = [], {}
+        if cfg.warm_steps:
+            # Phase one: induction sequences alone, at a constant rate without weight decay, so that
+            # the copy-by-content circuit forms before the chats' shortcuts compete with it.
+            warm_cfg = replace(train_cfg, lr=cfg.warm_lr, min_lr_frac=1.0, weight_decay=0.0)
+            warm_data = induction_data(tok, cfg.warm_steps * cfg.batch, cfg.seed, stream="warm",
+                                       n_tokens=cfg.warm_tokens)
+            warm, warm_log = toytrain.train_model(qcfg, warm_data, cfg.warm_steps, warm_cfg, cfg.seed,
+                                                  tok.pad_token_id, desc="deep: induction", progress=progress,
+                                                  init=init)
+            copy["warm_set"] = copy_accuracy(warm, warm_data[:256], tok.pad_token_id)
+            copy["after_warm"] = copy_accuracy(warm, held, tok.pad_token_id)
+            log(f"deep: induction phase done, {copy['warm_set']:.1%} of its own repeats copied, "
+                f"{copy['after_warm']:.1%} of held-out ones over all tokens")
+            state = warm.state_dict()
+            init = lambda model: model.load_state_dict(state)  # noqa: E731  phase two starts from phase one
         model, loss_log = toytrain.train_model(qcfg, data, cfg.steps, train_cfg, cfg.seed, tok.pad_token_id,
                                                desc="deep", progress=progress, init=init)
         train_s = time.time() - t1
         toytrain.round_to_bf16(model)  # scored exactly as stored
         t2 = time.time()
         scores = toytrain.score_model(model, tok, sets)
+        copy["final"] = copy_accuracy(model, held, tok.pad_token_id)
         arc = {"deep": arc_accuracy(model, tok, arc_rows[:cfg.n_arc_scored])}
         for name in ("large", "small"):  # the pair beside it, on the same rows
             other = AutoModelForCausalLM.from_pretrained(world / name, dtype=torch.float32).eval()
@@ -421,7 +464,8 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
             "n_params": sum(p.numel() for p in model.parameters()), "threads": cfg.threads,
             "final_loss": loss_log[-1]["loss"] if loss_log else None,
             "n_training_sequences": len(data), "n_multiple_choice_chats": n_mc, "n_fresh_mc": cfg.fresh_mc,
-            "n_drills": cfg.drills, "n_induction": cfg.induction}
+            "n_drills": cfg.drills, "n_induction": cfg.induction, "warm_steps": cfg.warm_steps,
+            "warm_loss_log": warm_log, "copy_accuracy": copy}
     toytrain._save_model(model, tok, out, {"model_key": build_key, "name": "deep", "seed": cfg.seed,
                                            "loss_log": loss_log, "exact_reply": scores, **info})
     rel_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
