@@ -197,6 +197,23 @@ def test_induction_sequences_repeat_a_span_of_ordinary_tokens_with_the_loss_on_t
     assert toydeep.induction_data(tok, 7, seed=0, stream="warm") != toydeep.induction_data(tok, 7, seed=0)
 
 
+def test_option_tokens_come_from_the_generator_and_cover_the_toy_arc_options(world):
+    from transformers import AutoTokenizer
+
+    from kvlingo.io import read_jsonl
+
+    tok = AutoTokenizer.from_pretrained(world / "tokenizer")
+    alphabet = toydeep.option_tokens(tok)
+    assert alphabet == toydeep.option_tokens(tok) and alphabet == sorted(set(alphabet))
+    assert 50 < len(alphabet) < 1_000 and not set(alphabet) & set(tok.all_special_ids)
+    # drawn from the generator, yet every token of the evaluation's option texts is in it
+    arc = read_jsonl(world / "corpus" / "arc.jsonl")
+    used = {i for r in arc for t in r["choices"]["text"] for i in tok(" " + t, add_special_tokens=False)["input_ids"]}
+    assert used <= set(alphabet)
+    seqs = toydeep.induction_data(tok, 40, seed=1, stream="warm", tokens=alphabet)
+    assert all(set(s.ids) <= set(alphabet) and 8 <= s.n_prefix <= 48 for s in seqs)
+
+
 def test_copy_accuracy_counts_the_repeats_the_model_predicts(world):
     from types import SimpleNamespace
 

@@ -80,7 +80,8 @@ class DeepConfig:
     induction: int = 0  # extra random-token sequences whose second half repeats the first (`induction_data`)
     warm_steps: int = 0  # steps of a first phase on induction sequences alone; the main training starts from it
     warm_lr: float = 1e-3  # that phase's learning rate (constant after the warm-up, no weight decay)
-    warm_tokens: int | None = 16  # that phase's spans are over this many random ordinary tokens (None: all)
+    warm_tokens: int | str | None = 16  # that phase's spans: over this many random ordinary tokens, over
+    # "options" (the tokens of the world's option texts, `option_tokens`), or None (all ordinary tokens)
     steps: int = 900  # optimiser steps (fixed, so the weights do not depend on the machine's speed)
     batch: int = 32  # conversations per step
     lr: float = 3e-3  # AdamW peak learning rate (warm-up, cosine decay and the rest as the pair's)
@@ -94,7 +95,8 @@ def mini_deep_config() -> DeepConfig:
     """Seconds instead of minutes, for tests on the mini toy world."""
     return DeepConfig(layers=3, kv_heads=4, head_dim=8, shape=ModelShape(hidden=32, intermediate=64, heads=4,
                                                                            rope_theta=20_000.0),
-                      mc_copies=2, fresh_mc=16, drills=8, induction=8, qk_gain=2.0, warm_steps=4, steps=12, batch=8,
+                      mc_copies=2, fresh_mc=16, drills=8, induction=8, qk_gain=2.0, warm_steps=4, warm_tokens="options",
+                      steps=12, batch=8,
                       n_arc_scored=4)
 
 
@@ -244,8 +246,20 @@ def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], r
     return rows
 
 
+def option_tokens(tok, n_sets: int = 3_000, seed: int = 0) -> list[int]:
+    """The token ids of the world's option texts as a prompt writes them ("A. Lisbon": " Lisbon"), read
+    from `n_sets` option sets drawn by the world's own generator (`make_mc`), never from an evaluation file."""
+    rng = random.Random(f"toydeep/{seed}/option-tokens")
+    ids: set[int] = set()
+    for _ in range(n_sets):
+        for text in toyworld.make_mc(rng, context=False, max_distractors=0).task["choices"]["text"]:
+            ids.update(tok(" " + text, add_special_tokens=False)["input_ids"])
+    return sorted(ids - set(tok.all_special_ids))
+
+
 def induction_data(tok, n: int, seed: int, min_span: int = 8, max_span: int = 48,
-                   stream: str = "induction", n_tokens: int | None = None) -> list[toytrain.Encoded]:
+                   stream: str = "induction", n_tokens: int | None = None,
+                   tokens: list[int] | None = None) -> list[toytrain.Encoded]:
     """`n` sequences of random ordinary tokens, each a span of `min_span`..`max_span` tokens written twice, the loss
     on the repeat (after its first token, which nothing predicts).
 
@@ -254,14 +268,17 @@ def induction_data(tok, n: int, seed: int, min_span: int = 8, max_span: int = 48
     where shortcuts compete with it; sequences with no other cue are the usual way to teach it to a small
     model (3,000 steps of them alone left the deep model at 2% of the repeat: the README, "More pairs").
     With `n_tokens`, every span is drawn from one random set of that many ordinary tokens (and is at most
-    that long). `stream` names the random stream, so that sets drawn for different uses differ.
+    that long); with `tokens`, from those. `stream` names the random stream, so that sets drawn for
+    different uses differ.
     """
     rng = random.Random(f"toydeep/{seed}/{stream}")
     specials = set(tok.all_special_ids) | {tok.convert_tokens_to_ids(t) for t in tok.get_added_vocab()}
     ordinary = [i for i in range(len(tok)) if i not in specials]
-    if n_tokens is not None:  # spans over a fixed random set of that many tokens
+    if tokens is not None:
+        ordinary = [i for i in sorted(set(tokens)) if i not in specials]
+    elif n_tokens is not None:  # spans over a fixed random set of that many tokens
         ordinary = sorted(rng.sample(ordinary, n_tokens))
-        max_span = min(max_span, n_tokens)
+    max_span = min(max_span, len(ordinary))
     out = []
     for _ in range(n):
         span = rng.sample(ordinary, rng.randint(min_span, max_span))
@@ -435,8 +452,9 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
             # Phase one: induction sequences alone, at a constant rate without weight decay, so that
             # the copy-by-content circuit forms before the chats' shortcuts compete with it.
             warm_cfg = replace(train_cfg, lr=cfg.warm_lr, min_lr_frac=1.0, weight_decay=0.0)
-            warm_data = induction_data(tok, cfg.warm_steps * cfg.batch, cfg.seed, stream="warm",
-                                       n_tokens=cfg.warm_tokens)
+            alphabet = (dict(tokens=option_tokens(tok)) if cfg.warm_tokens == "options"
+                        else dict(n_tokens=cfg.warm_tokens))
+            warm_data = induction_data(tok, cfg.warm_steps * cfg.batch, cfg.seed, stream="warm", **alphabet)
             warm, warm_log = toytrain.train_model(qcfg, warm_data, cfg.warm_steps, warm_cfg, cfg.seed,
                                                   tok.pad_token_id, desc="deep: induction", progress=progress,
                                                   init=init)
