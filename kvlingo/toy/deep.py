@@ -96,8 +96,7 @@ def mini_deep_config() -> DeepConfig:
     return DeepConfig(layers=3, kv_heads=4, head_dim=8, shape=ModelShape(hidden=32, intermediate=64, heads=4,
                                                                            rope_theta=20_000.0),
                       mc_copies=2, fresh_mc=16, drills=8, induction=8, qk_gain=2.0, warm_steps=4, warm_tokens="options",
-                      steps=12, batch=8,
-                      n_arc_scored=4)
+                      steps=12, batch=8, n_arc_scored=4)
 
 
 SOURCES = [Path(__file__), *toytrain.SOURCES]
@@ -273,10 +272,8 @@ def induction_data(tok, n: int, seed: int, min_span: int = 8, max_span: int = 48
     """
     rng = random.Random(f"toydeep/{seed}/{stream}")
     specials = set(tok.all_special_ids) | {tok.convert_tokens_to_ids(t) for t in tok.get_added_vocab()}
-    ordinary = [i for i in range(len(tok)) if i not in specials]
-    if tokens is not None:
-        ordinary = [i for i in sorted(set(tokens)) if i not in specials]
-    elif n_tokens is not None:  # spans over a fixed random set of that many tokens
+    ordinary = [i for i in (sorted(set(tokens)) if tokens is not None else range(len(tok))) if i not in specials]
+    if tokens is None and n_tokens is not None:  # spans over a fixed random set of that many tokens
         ordinary = sorted(rng.sample(ordinary, n_tokens))
     max_span = min(max_span, len(ordinary))
     out = []
@@ -414,6 +411,8 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
         raise ValueError(f"{world} holds no toy world; install it first (make toy)")
     pair = read_json(world / "manifest.json")
     cfg = cfg or (mini_deep_config() if toytrain.is_mini(pair) else DeepConfig())
+    if isinstance(cfg.warm_tokens, str) and cfg.warm_tokens != "options":
+        raise ValueError(f"DeepConfig(warm_tokens={cfg.warm_tokens!r}): give a token count, \"options\" or None")
     inputs = _world_inputs(world)
     build_key = sha256_json({"config": asdict(cfg), "code": code_sha(), "inputs": inputs})
     out = world / "deep"
