@@ -143,6 +143,29 @@ def test_option_drills_ask_for_the_letter_of_one_option_in_the_toy_arc_format():
     assert asked == set("ABCD")
 
 
+def test_option_drills_take_the_reply_form_asked_for():
+    plain, keyed = toydeep.drill_rows(40, seed=4), toydeep.drill_rows(40, seed=4, reply="keyed")
+    assert [r["input"] for r in plain] == [r["input"] for r in keyed]  # the same questions, other replies
+    for p, k in zip(plain, keyed):
+        prompt = p["input"][0]["content"]
+        options = toydeep.OPTION.findall(prompt)
+        letter = toydeep.MC_REPLY.search(p["output"]).group(1)
+        fact = p["output"].rsplit("\n", 1)[0]
+        key = [f"{l}. {t} {l}" for l, t in options]
+        assert k["output"] == "\n".join([fact, *key, f"= {dict(options)[letter]} {letter}", f"Answer: {letter}"])
+    with pytest.raises(ValueError, match="'keyd' is not one of"):
+        toydeep.drill_rows(1, seed=4, reply="keyd")
+
+
+@pytest.mark.parametrize("bad, message", [(dict(warm_tokens="option"), "give a token count"),
+                                          (dict(mc_reply="keyd"), "'keyd' is not one of")])
+def test_a_misspelt_setting_is_refused_before_any_work(world, bad, message):
+    before = sorted(p.name for p in world.iterdir())
+    with pytest.raises(ValueError, match=message):
+        toydeep.build_deep(world, replace(toydeep.mini_deep_config(), **bad), progress=False, log=quiet)
+    assert sorted(p.name for p in world.iterdir()) == before  # nothing written
+
+
 def test_sharpened_attention_raises_the_logit_bound_and_is_applied_before_training():
     """Every q_norm/k_norm weight starts at the gain; the largest attention logit any query and key can reach
     is gain²·sqrt(head_dim), reached by a query equal to a key (computed here as Qwen3 scores them)."""

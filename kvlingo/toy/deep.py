@@ -75,7 +75,7 @@ class DeepConfig:
     mc_copies: int = 6  # times each multiple-choice training chat appears per epoch (the copies options-shuffled)
     fresh_mc: int = 0  # extra single-turn multiple-choice chats in the toy ARC's own format (see `fresh_mc_rows`)
     mc_reply: str = "fact"  # their replies' form, one of MC_REPLIES ("fact": the world's own; see `keyed_reply`)
-    drills: int = 0  # extra single-turn chats asking which letter an option has (`drill_rows`)
+    drills: int = 0  # extra single-turn chats asking which letter an option has (`drill_rows`, in `mc_reply`'s form)
     qk_gain: float = 1.0  # initial weight of every q_norm/k_norm (`sharpen_attention`; 1 as transformers initialises)
     induction: int = 0  # extra random-token sequences whose second half repeats the first (`induction_data`)
     warm_steps: int = 0  # steps of a first phase on induction sequences alone; the main training starts from it
@@ -216,6 +216,11 @@ REPLY_FORMS = {"fact": toyworld.arc_reply, "listed": listed_reply, "keyed": keye
 MC_REPLIES = tuple(REPLY_FORMS)
 
 
+def _check_reply(reply: str) -> None:
+    if reply not in MC_REPLIES:
+        raise ValueError(f"multiple-choice reply form {reply!r} is not one of {MC_REPLIES}")
+
+
 def _single_turn(row: dict, reply: str) -> dict:
     """A training chat of one user turn, the toy ARC's prompt for an ARC-format row, thinking off, and `reply`."""
     return {"input": [{"role": "user", "content": toyworld.arc_prompt(row)}], "output": reply,
@@ -232,8 +237,7 @@ def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], r
     set of an `exclude` key (the toy ARC's rows), so the score stays a held-out one. `reply` picks the
     reply's form (`REPLY_FORMS`: the world's own, `listed_reply`, `keyed_reply` or `checked_reply`).
     """
-    if reply not in MC_REPLIES:
-        raise ValueError(f"multiple-choice reply form {reply!r} is not one of {MC_REPLIES}")
+    _check_reply(reply)
     rng = random.Random(f"toydeep/{seed}/fresh-mc")
     rows: list[dict] = []
     while len(rows) < n:
@@ -283,9 +287,10 @@ def induction_data(tok, n: int, seed: int, min_span: int = 8, max_span: int = 48
     return out
 
 
-def drill_rows(n: int, seed: int) -> list[dict]:
+def drill_rows(n: int, seed: int, reply: str = "fact") -> list[dict]:
     """`n` single-turn chats in the toy ARC's own format whose question names one of the options' texts and asks
-    which option it is; the reply repeats the text, then gives its letter:
+    which option it is; the reply repeats the text, then gives its letter (in the reply form `reply`, one of
+    `REPLY_FORMS`; "fact", the world's own, shown):
 
         Question: Which option is Lisbon?       It is Lisbon.
         A. Brno                           →     Answer: B
@@ -298,13 +303,14 @@ def drill_rows(n: int, seed: int) -> list[dict]:
     options asked for. No question is an ARC question. The text follows "It is" so that it tokenises as in the
     prompt (a reply's first word has no leading space).
     """
+    _check_reply(reply)
     rng = random.Random(f"toydeep/{seed}/drills")
     rows: list[dict] = []
     for _ in range(n):
         task = toyworld.make_mc(rng, context=False, max_distractors=0).task
         letter, text = rng.choice(_options(task))
         row = {"question": f"Which option is {text}?", "choices": task["choices"], "answerKey": letter}
-        rows.append(_single_turn(row, toyworld.arc_reply(row, f"It is {text}.")))
+        rows.append(_single_turn(row, REPLY_FORMS[reply](row, f"It is {text}.")))
     return rows
 
 
@@ -413,6 +419,7 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     cfg = cfg or (mini_deep_config() if toytrain.is_mini(pair) else DeepConfig())
     if isinstance(cfg.warm_tokens, str) and cfg.warm_tokens != "options":
         raise ValueError(f"DeepConfig(warm_tokens={cfg.warm_tokens!r}): give a token count, \"options\" or None")
+    _check_reply(cfg.mc_reply)
     inputs = _world_inputs(world)
     build_key = sha256_json({"config": asdict(cfg), "code": code_sha(), "inputs": inputs})
     out = world / "deep"
@@ -429,7 +436,7 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     rows = read_jsonl(world / "corpus" / "train_chats.jsonl")
     arc_rows = read_jsonl(world / "corpus" / "arc.jsonl")
     fresh = fresh_mc_rows(cfg.fresh_mc, cfg.seed, {arc_key(r) for r in arc_rows}, cfg.mc_reply) \
-        + drill_rows(cfg.drills, cfg.seed)
+        + drill_rows(cfg.drills, cfg.seed, cfg.mc_reply)
     data = training_data(tok, rows, cfg, pair_cfg.max_len, cfg.seed, fresh)
     n_mc = sum(bool(MC_REPLY.search(r["output"])) for r in rows)
     log(f"deep: {len(data)} training sequences ({n_mc} multiple-choice chats × {cfg.mc_copies}, "
