@@ -14,6 +14,7 @@ import torch
 from kvlingo.io import read_json, sha256_file
 from kvlingo.toy import deep as toydeep
 from kvlingo.toy import train as toytrain
+from kvlingo.toy import world as toyworld
 
 
 def quiet(_msg: str) -> None:
@@ -145,6 +146,9 @@ def test_option_drills_ask_for_the_letter_of_one_option_in_the_toy_arc_format():
 
 def test_option_drills_take_the_reply_form_asked_for():
     plain, keyed = toydeep.drill_rows(40, seed=4), toydeep.drill_rows(40, seed=4, reply="keyed")
+    items = toydeep.drill_items(40, seed=4)  # the same drills as ARC-format rows, for arc_accuracy
+    assert [toyworld.arc_prompt(i) for i in items] == [r["input"][0]["content"] for r in plain]
+    assert [i["answerKey"] for i in items] == [toydeep.MC_REPLY.search(r["output"]).group(1) for r in plain]
     assert [r["input"] for r in plain] == [r["input"] for r in keyed]  # the same questions, other replies
     for p, k in zip(plain, keyed):
         prompt = p["input"][0]["content"]
@@ -158,7 +162,8 @@ def test_option_drills_take_the_reply_form_asked_for():
 
 
 @pytest.mark.parametrize("bad, message", [(dict(warm_tokens="option"), "give a token count"),
-                                          (dict(mc_reply="keyd"), "'keyd' is not one of")])
+                                          (dict(mc_reply="keyd"), "'keyd' is not one of"),
+                                          (dict(warm_data="drill"), "choose one of")])
 def test_a_misspelt_setting_is_refused_before_any_work(world, bad, message):
     before = sorted(p.name for p in world.iterdir())
     with pytest.raises(ValueError, match=message):
@@ -308,6 +313,21 @@ def world(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("deep") / "toy"
     toytrain.install_pair(out, log=quiet)
     return out
+
+
+@pytest.mark.slow
+def test_a_drill_first_phase_is_recorded(world, tmp_path):
+    """warm_data="drills": the first phase trains on option drills alone, and the manifest says how many
+    held-out drills the model answered after it and after the whole build."""
+    local = tmp_path / "toy"
+    shutil.copytree(world, local, ignore=shutil.ignore_patterns("deep"))
+    cfg = replace(toydeep.mini_deep_config(), warm_data="drills", mc_reply="keyed")
+    info = toydeep.build_deep(local, cfg, progress=False, log=quiet)["results"]["model"]
+    assert info["warm_data"] == "drills" and info["warm_loss_log"][-1]["step"] == cfg.warm_steps
+    assert info["copy_accuracy"].keys() == {"final"}  # no copy phase ran
+    drills = info["drill_accuracy"]
+    assert drills.keys() == {"after_warm", "final"}
+    assert all(d["n"] == toydeep.N_HELD_DRILLS and 0.0 <= d["accuracy"] <= 1.0 for d in drills.values())
 
 
 @pytest.mark.slow

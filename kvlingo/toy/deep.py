@@ -80,6 +80,8 @@ class DeepConfig:
     induction: int = 0  # extra random-token sequences whose second half repeats the first (`induction_data`)
     warm_steps: int = 0  # steps of a first phase on induction sequences alone; the main training starts from it
     warm_lr: float = 1e-3  # that phase's learning rate (constant after the warm-up, no weight decay)
+    warm_data: str = "induction"  # that phase's data: "induction" (copy sequences, below) or "drills" (option drills
+    # alone in `mc_reply`'s form, trained on the main phase's schedule at warm_lr: warm-up, cosine decay, weight decay)
     warm_tokens: int | str | None = 16  # that phase's spans: over this many random ordinary tokens, over
     # "options" (the tokens of the world's option texts, `option_tokens`), or None (all ordinary tokens)
     steps: int = 900  # optimiser steps (fixed, so the weights do not depend on the machine's speed)
@@ -287,6 +289,22 @@ def induction_data(tok, n: int, seed: int, min_span: int = 8, max_span: int = 48
     return out
 
 
+WARM_DATA = ("induction", "drills")
+WARM_SEED, HELD_SEED, N_HELD_DRILLS = 1_000, 2_000, 96  # drill streams of the first phase and of the held-out check
+
+
+def drill_items(n: int, seed: int) -> list[dict]:
+    """`n` ARC-format rows asking which option a text is ("Which option is Lisbon?"), on the world's own option
+    sets, any of the four options asked for (what `drill_rows` trains on, and `arc_accuracy` can score)."""
+    rng = random.Random(f"toydeep/{seed}/drills")
+    rows: list[dict] = []
+    for _ in range(n):
+        task = toyworld.make_mc(rng, context=False, max_distractors=0).task
+        letter, text = rng.choice(_options(task))
+        rows.append({"question": f"Which option is {text}?", "choices": task["choices"], "answerKey": letter})
+    return rows
+
+
 def drill_rows(n: int, seed: int, reply: str = "fact") -> list[dict]:
     """`n` single-turn chats in the toy ARC's own format whose question names one of the options' texts and asks
     which option it is; the reply repeats the text, then gives its letter (in the reply form `reply`, one of
@@ -304,14 +322,12 @@ def drill_rows(n: int, seed: int, reply: str = "fact") -> list[dict]:
     prompt (a reply's first word has no leading space).
     """
     _check_reply(reply)
-    rng = random.Random(f"toydeep/{seed}/drills")
-    rows: list[dict] = []
-    for _ in range(n):
-        task = toyworld.make_mc(rng, context=False, max_distractors=0).task
-        letter, text = rng.choice(_options(task))
-        row = {"question": f"Which option is {text}?", "choices": task["choices"], "answerKey": letter}
-        rows.append(_single_turn(row, REPLY_FORMS[reply](row, f"It is {text}.")))
-    return rows
+    return [_single_turn(row, REPLY_FORMS[reply](row, f"It is {_asked(row)}.")) for row in drill_items(n, seed)]
+
+
+def _asked(drill: dict) -> str:
+    """The option text a drill asks about."""
+    return drill["question"].removeprefix("Which option is ").removesuffix("?")
 
 
 def sharpen_attention(model, gain: float) -> None:
@@ -417,6 +433,8 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
         raise ValueError(f"{world} holds no toy world; install it first (make toy)")
     pair = read_json(world / "manifest.json")
     cfg = cfg or (mini_deep_config() if toytrain.is_mini(pair) else DeepConfig())
+    if cfg.warm_data not in WARM_DATA:
+        raise ValueError(f"DeepConfig(warm_data={cfg.warm_data!r}): choose one of {WARM_DATA}")
     if isinstance(cfg.warm_tokens, str) and cfg.warm_tokens != "options":
         raise ValueError(f"DeepConfig(warm_tokens={cfg.warm_tokens!r}): give a token count, \"options\" or None")
     _check_reply(cfg.mc_reply)
@@ -454,7 +472,21 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
         init = None if cfg.qk_gain == 1.0 else (lambda model: sharpen_attention(model, cfg.qk_gain))
         held = induction_data(tok, 256, cfg.seed, stream="held-out")
         warm_log, copy = [], {}
-        if cfg.warm_steps:
+        warm_drills = None
+        if cfg.warm_steps and cfg.warm_data == "drills":
+            # Phase one: option drills alone, so that the text-to-letter lookup forms before the chats.
+            warm_cfg = replace(train_cfg, lr=cfg.warm_lr)
+            warm_data = toytrain.encode_rows(tok, drill_rows(cfg.warm_steps * cfg.batch, cfg.seed + WARM_SEED,
+                                                             cfg.mc_reply), all_assistant_turns=False)
+            warm, warm_log = toytrain.train_model(qcfg, warm_data, cfg.warm_steps, warm_cfg, cfg.seed,
+                                                  tok.pad_token_id, desc="deep: drills", progress=progress,
+                                                  init=init)
+            warm_drills = arc_accuracy(warm, tok, drill_items(N_HELD_DRILLS, cfg.seed + HELD_SEED))
+            log(f"deep: drill phase done, {warm_drills['accuracy']:.1%} of {warm_drills['n']} held-out drills "
+                "answered")
+            state = warm.state_dict()
+            init = lambda model: model.load_state_dict(state)  # noqa: E731  phase two starts from phase one
+        elif cfg.warm_steps:
             # Phase one: induction sequences alone, at a constant rate without weight decay, so that
             # the copy-by-content circuit forms before the chats' shortcuts compete with it.
             warm_cfg = replace(train_cfg, lr=cfg.warm_lr, min_lr_frac=1.0, weight_decay=0.0)
@@ -478,6 +510,8 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
         scores = toytrain.score_model(model, tok, sets)
         copy["final"] = copy_accuracy(model, held, tok.pad_token_id)
         arc = {"deep": arc_accuracy(model, tok, arc_rows[:cfg.n_arc_scored])}
+        drills_after = {"after_warm": warm_drills} if warm_drills else {}
+        drills_after["final"] = arc_accuracy(model, tok, drill_items(N_HELD_DRILLS, cfg.seed + HELD_SEED))
         for name in ("large", "small"):  # the pair beside it, on the same rows
             other = AutoModelForCausalLM.from_pretrained(world / name, dtype=torch.float32).eval()
             arc[name] = arc_accuracy(other, tok, arc_rows[:cfg.n_arc_scored])
@@ -489,7 +523,8 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
             "final_loss": loss_log[-1]["loss"] if loss_log else None,
             "n_training_sequences": len(data), "n_multiple_choice_chats": n_mc, "n_fresh_mc": cfg.fresh_mc,
             "n_drills": cfg.drills, "n_induction": cfg.induction, "warm_steps": cfg.warm_steps,
-            "warm_loss_log": warm_log, "copy_accuracy": copy}
+            "warm_data": cfg.warm_data if cfg.warm_steps else None, "warm_loss_log": warm_log,
+            "copy_accuracy": copy, "drill_accuracy": drills_after}
     toytrain._save_model(model, tok, out, {"model_key": build_key, "name": "deep", "seed": cfg.seed,
                                            "loss_log": loss_log, "exact_reply": scores, **info})
     rel_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
