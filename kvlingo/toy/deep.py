@@ -17,8 +17,8 @@ multiple-choice chats mostly hold their facts in earlier turns, often with reaso
 the reply form `mc_reply` (`REPLY_FORMS`). More training options aim at the step every run
 failed, naming the letter of the option a text belongs to: `drills` (chats that ask for exactly
 that), `induction` (random-token copy sequences), `qk_gain` (sharper attention from the first
-step) and `warm_steps` (a first phase on copy sequences alone, over a small token set, before the
-chats). All are off by default: trained from scratch with them, no setting reached the 60% that
+step) and `warm_steps` (a first phase before the chats, on copy sequences alone over a small token
+set, or with `warm_data="drills"` on option drills alone). All are off by default: trained from scratch with them, no setting reached the 60% that
 would give the deep pairs a meaningful ARC column (the README, "More pairs", has the runs).
 `copy_accuracy` measures the copy itself, and `build_deep` records it after each phase.
 `build_deep` scores the greedy toy-ARC accuracy of the model and of the pair beside it, as
