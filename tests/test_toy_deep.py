@@ -149,6 +149,12 @@ def test_option_drills_take_the_reply_form_asked_for():
     items = toydeep.drill_items(40, seed=4)  # the same drills as ARC-format rows, for arc_accuracy
     assert [toyworld.arc_prompt(i) for i in items] == [r["input"][0]["content"] for r in plain]
     assert [i["answerKey"] for i in items] == [toydeep.MC_REPLY.search(r["output"]).group(1) for r in plain]
+    assert toydeep.drill_chats(items, "keyed") == keyed
+    # a check's drills leave out every question and option set trained on, in any option order
+    seen = {toydeep.arc_key(i) for i in toydeep.drill_items(3_000, seed=5)}
+    held = toydeep.drill_items(200, seed=6, exclude=seen)
+    assert len(held) == 200 and not {toydeep.arc_key(i) for i in held} & seen
+    assert any(toydeep.arc_key(i) in seen for i in toydeep.drill_items(200, seed=6))  # without it, some recur
     assert [r["input"] for r in plain] == [r["input"] for r in keyed]  # the same questions, other replies
     for p, k in zip(plain, keyed):
         prompt = p["input"][0]["content"]

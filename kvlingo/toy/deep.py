@@ -18,8 +18,9 @@ the reply form `mc_reply` (`REPLY_FORMS`). More training options aim at the step
 failed, naming the letter of the option a text belongs to: `drills` (chats that ask for exactly
 that), `induction` (random-token copy sequences), `qk_gain` (sharper attention from the first
 step) and `warm_steps` (a first phase before the chats, on copy sequences alone over a small token
-set, or with `warm_data="drills"` on option drills alone). All are off by default: trained from scratch with them, no setting reached the 60% that
-would give the deep pairs a meaningful ARC column (the README, "More pairs", has the runs).
+set, or with `warm_data="drills"` on option drills alone). All are off by default: trained from
+scratch with them, no setting reached the 60% that would give the deep pairs a meaningful ARC
+column (the README, "More pairs", has the runs).
 `copy_accuracy` measures the copy itself, and `build_deep` records it after each phase.
 `build_deep` scores the greedy toy-ARC accuracy of the model and of the pair beside it, as
 task_eval.py scores the native path (`results.toy_arc`), and the exact-reply scores beside the
@@ -293,15 +294,19 @@ WARM_DATA = ("induction", "drills")
 WARM_SEED, HELD_SEED, N_HELD_DRILLS = 1_000, 2_000, 96  # drill streams of the first phase and of the held-out check
 
 
-def drill_items(n: int, seed: int) -> list[dict]:
+def drill_items(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]] = frozenset()) -> list[dict]:
     """`n` ARC-format rows asking which option a text is ("Which option is Lisbon?"), on the world's own option
-    sets, any of the four options asked for (what `drill_rows` trains on, and `arc_accuracy` can score)."""
+    sets, any of the four options asked for (what `drill_rows` trains on, and `arc_accuracy` can score).
+    None has the question and option set of an `exclude` key (`arc_key`): the world draws its option sets
+    from a small pool, so a check on drills must leave out the ones trained on."""
     rng = random.Random(f"toydeep/{seed}/drills")
     rows: list[dict] = []
-    for _ in range(n):
+    while len(rows) < n:
         task = toyworld.make_mc(rng, context=False, max_distractors=0).task
         letter, text = rng.choice(_options(task))
-        rows.append({"question": f"Which option is {text}?", "choices": task["choices"], "answerKey": letter})
+        row = {"question": f"Which option is {text}?", "choices": task["choices"], "answerKey": letter}
+        if not exclude or arc_key(row) not in exclude:
+            rows.append(row)
     return rows
 
 
@@ -321,8 +326,13 @@ def drill_rows(n: int, seed: int, reply: str = "fact") -> list[dict]:
     options asked for. No question is an ARC question. The text follows "It is" so that it tokenises as in the
     prompt (a reply's first word has no leading space).
     """
+    return drill_chats(drill_items(n, seed), reply)
+
+
+def drill_chats(items: list[dict], reply: str = "fact") -> list[dict]:
+    """`drill_items` as training chats, their replies in the form `reply` (see `drill_rows`)."""
     _check_reply(reply)
-    return [_single_turn(row, REPLY_FORMS[reply](row, f"It is {_asked(row)}.")) for row in drill_items(n, seed)]
+    return [_single_turn(row, REPLY_FORMS[reply](row, f"It is {_asked(row)}.")) for row in items]
 
 
 def _asked(drill: dict) -> str:
@@ -453,8 +463,11 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     tok = AutoTokenizer.from_pretrained(world / "tokenizer")
     rows = read_jsonl(world / "corpus" / "train_chats.jsonl")
     arc_rows = read_jsonl(world / "corpus" / "arc.jsonl")
+    drills = drill_items(cfg.drills, cfg.seed)
+    warm_drills = drill_items(cfg.warm_steps * cfg.batch, cfg.seed + WARM_SEED) if cfg.warm_data == "drills" else []
+    held_drills = drill_items(N_HELD_DRILLS, cfg.seed + HELD_SEED, exclude={arc_key(r) for r in drills + warm_drills})
     fresh = fresh_mc_rows(cfg.fresh_mc, cfg.seed, {arc_key(r) for r in arc_rows}, cfg.mc_reply) \
-        + drill_rows(cfg.drills, cfg.seed, cfg.mc_reply)
+        + drill_chats(drills, cfg.mc_reply)
     data = training_data(tok, rows, cfg, pair_cfg.max_len, cfg.seed, fresh)
     n_mc = sum(bool(MC_REPLY.search(r["output"])) for r in rows)
     log(f"deep: {len(data)} training sequences ({n_mc} multiple-choice chats × {cfg.mc_copies}, "
@@ -472,18 +485,17 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
         init = None if cfg.qk_gain == 1.0 else (lambda model: sharpen_attention(model, cfg.qk_gain))
         held = induction_data(tok, 256, cfg.seed, stream="held-out")
         warm_log, copy = [], {}
-        warm_drills = None
+        drill_score: dict[str, dict] = {}
         if cfg.warm_steps and cfg.warm_data == "drills":
             # Phase one: option drills alone, so that the text-to-letter lookup forms before the chats.
             warm_cfg = replace(train_cfg, lr=cfg.warm_lr)
-            warm_data = toytrain.encode_rows(tok, drill_rows(cfg.warm_steps * cfg.batch, cfg.seed + WARM_SEED,
-                                                             cfg.mc_reply), all_assistant_turns=False)
+            warm_data = toytrain.encode_rows(tok, drill_chats(warm_drills, cfg.mc_reply), all_assistant_turns=False)
             warm, warm_log = toytrain.train_model(qcfg, warm_data, cfg.warm_steps, warm_cfg, cfg.seed,
                                                   tok.pad_token_id, desc="deep: drills", progress=progress,
                                                   init=init)
-            warm_drills = arc_accuracy(warm, tok, drill_items(N_HELD_DRILLS, cfg.seed + HELD_SEED))
-            log(f"deep: drill phase done, {warm_drills['accuracy']:.1%} of {warm_drills['n']} held-out drills "
-                "answered")
+            drill_score["after_warm"] = arc_accuracy(warm, tok, held_drills)
+            log(f"deep: drill phase done, {drill_score['after_warm']['accuracy']:.1%} of {N_HELD_DRILLS} "
+                "held-out drills answered")
             state = warm.state_dict()
             init = lambda model: model.load_state_dict(state)  # noqa: E731  phase two starts from phase one
         elif cfg.warm_steps:
@@ -510,8 +522,7 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
         scores = toytrain.score_model(model, tok, sets)
         copy["final"] = copy_accuracy(model, held, tok.pad_token_id)
         arc = {"deep": arc_accuracy(model, tok, arc_rows[:cfg.n_arc_scored])}
-        drills_after = {"after_warm": warm_drills} if warm_drills else {}
-        drills_after["final"] = arc_accuracy(model, tok, drill_items(N_HELD_DRILLS, cfg.seed + HELD_SEED))
+        drill_score["final"] = arc_accuracy(model, tok, held_drills)
         for name in ("large", "small"):  # the pair beside it, on the same rows
             other = AutoModelForCausalLM.from_pretrained(world / name, dtype=torch.float32).eval()
             arc[name] = arc_accuracy(other, tok, arc_rows[:cfg.n_arc_scored])
@@ -524,7 +535,7 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
             "n_training_sequences": len(data), "n_multiple_choice_chats": n_mc, "n_fresh_mc": cfg.fresh_mc,
             "n_drills": cfg.drills, "n_induction": cfg.induction, "warm_steps": cfg.warm_steps,
             "warm_data": cfg.warm_data if cfg.warm_steps else None, "warm_loss_log": warm_log,
-            "copy_accuracy": copy, "drill_accuracy": drills_after}
+            "copy_accuracy": copy, "drill_accuracy": drill_score}
     toytrain._save_model(model, tok, out, {"model_key": build_key, "name": "deep", "seed": cfg.seed,
                                            "loss_log": loss_log, "exact_reply": scores, **info})
     rel_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
