@@ -79,8 +79,8 @@ class DeepConfig:
     drills: int = 0  # extra single-turn chats asking which letter an option has (`drill_rows`, in `mc_reply`'s form)
     qk_gain: float = 1.0  # initial weight of every q_norm/k_norm (`sharpen_attention`; 1 as transformers initialises)
     induction: int = 0  # extra random-token sequences whose second half repeats the first (`induction_data`)
-    warm_steps: int = 0  # steps of a first phase on induction sequences alone; the main training starts from it
-    warm_lr: float = 1e-3  # that phase's learning rate (constant after the warm-up, no weight decay)
+    warm_steps: int = 0  # steps of a first phase (on `warm_data` alone); the main training starts from it
+    warm_lr: float = 1e-3  # that phase's learning rate (for induction: constant after the warm-up, no weight decay)
     warm_data: str = "induction"  # that phase's data: "induction" (copy sequences, below) or "drills" (option drills
     # alone in `mc_reply`'s form, trained on the main phase's schedule at warm_lr: warm-up, cosine decay, weight decay)
     warm_tokens: int | str | None = 16  # that phase's spans: over this many random ordinary tokens, over
@@ -336,8 +336,8 @@ def drill_chats(items: list[dict], reply: str = "fact") -> list[dict]:
 
 
 def _asked(drill: dict) -> str:
-    """The option text a drill asks about."""
-    return drill["question"].removeprefix("Which option is ").removesuffix("?")
+    """The option text a drill asks about: its answer's."""
+    return dict(_options(drill))[drill["answerKey"]]
 
 
 def sharpen_attention(model, gain: float) -> None:
@@ -486,32 +486,30 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
         held = induction_data(tok, 256, cfg.seed, stream="held-out")
         warm_log, copy = [], {}
         drill_score: dict[str, dict] = {}
-        if cfg.warm_steps and cfg.warm_data == "drills":
-            # Phase one: option drills alone, so that the text-to-letter lookup forms before the chats.
-            warm_cfg = replace(train_cfg, lr=cfg.warm_lr)
-            warm_data = toytrain.encode_rows(tok, drill_chats(warm_drills, cfg.mc_reply), all_assistant_turns=False)
+        if cfg.warm_steps:
+            if cfg.warm_data == "drills":
+                # Phase one: option drills alone, so that the text-to-letter lookup forms before the chats.
+                warm_cfg = replace(train_cfg, lr=cfg.warm_lr)
+                warm_data = toytrain.encode_rows(tok, drill_chats(warm_drills, cfg.mc_reply), all_assistant_turns=False)
+            else:
+                # Phase one: induction sequences alone, at a constant rate without weight decay, so that
+                # the copy-by-content circuit forms before the chats' shortcuts compete with it.
+                warm_cfg = replace(train_cfg, lr=cfg.warm_lr, min_lr_frac=1.0, weight_decay=0.0)
+                alphabet = (dict(tokens=option_tokens(tok)) if cfg.warm_tokens == "options"
+                            else dict(n_tokens=cfg.warm_tokens))
+                warm_data = induction_data(tok, cfg.warm_steps * cfg.batch, cfg.seed, stream="warm", **alphabet)
             warm, warm_log = toytrain.train_model(qcfg, warm_data, cfg.warm_steps, warm_cfg, cfg.seed,
-                                                  tok.pad_token_id, desc="deep: drills", progress=progress,
+                                                  tok.pad_token_id, desc=f"deep: {cfg.warm_data}", progress=progress,
                                                   init=init)
-            drill_score["after_warm"] = arc_accuracy(warm, tok, held_drills)
-            log(f"deep: drill phase done, {drill_score['after_warm']['accuracy']:.1%} of {N_HELD_DRILLS} "
-                "held-out drills answered")
-            state = warm.state_dict()
-            init = lambda model: model.load_state_dict(state)  # noqa: E731  phase two starts from phase one
-        elif cfg.warm_steps:
-            # Phase one: induction sequences alone, at a constant rate without weight decay, so that
-            # the copy-by-content circuit forms before the chats' shortcuts compete with it.
-            warm_cfg = replace(train_cfg, lr=cfg.warm_lr, min_lr_frac=1.0, weight_decay=0.0)
-            alphabet = (dict(tokens=option_tokens(tok)) if cfg.warm_tokens == "options"
-                        else dict(n_tokens=cfg.warm_tokens))
-            warm_data = induction_data(tok, cfg.warm_steps * cfg.batch, cfg.seed, stream="warm", **alphabet)
-            warm, warm_log = toytrain.train_model(qcfg, warm_data, cfg.warm_steps, warm_cfg, cfg.seed,
-                                                  tok.pad_token_id, desc="deep: induction", progress=progress,
-                                                  init=init)
-            copy["warm_set"] = copy_accuracy(warm, warm_data[:256], tok.pad_token_id)
-            copy["after_warm"] = copy_accuracy(warm, held, tok.pad_token_id)
-            log(f"deep: induction phase done, {copy['warm_set']:.1%} of its own repeats copied, "
-                f"{copy['after_warm']:.1%} of held-out ones over all tokens")
+            if cfg.warm_data == "drills":
+                drill_score["after_warm"] = arc_accuracy(warm, tok, held_drills)
+                log(f"deep: drill phase done, {drill_score['after_warm']['accuracy']:.1%} of {N_HELD_DRILLS} "
+                    "held-out drills answered")
+            else:
+                copy["warm_set"] = copy_accuracy(warm, warm_data[:256], tok.pad_token_id)
+                copy["after_warm"] = copy_accuracy(warm, held, tok.pad_token_id)
+                log(f"deep: induction phase done, {copy['warm_set']:.1%} of its own repeats copied, "
+                    f"{copy['after_warm']:.1%} of held-out ones over all tokens")
             state = warm.state_dict()
             init = lambda model: model.load_state_dict(state)  # noqa: E731  phase two starts from phase one
         model, loss_log = toytrain.train_model(qcfg, data, cfg.steps, train_cfg, cfg.seed, tok.pad_token_id,
