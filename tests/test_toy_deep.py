@@ -321,6 +321,28 @@ def world(tmp_path_factory) -> Path:
     return out
 
 
+def test_unnamed_drills_name_their_text_in_the_reply_alone():
+    named, unnamed = toydeep.drill_items(50, seed=4), toydeep.drill_items(50, seed=4, named=False)
+    assert [(r["choices"], r["answerKey"]) for r in named] == [(r["choices"], r["answerKey"]) for r in unnamed]
+    assert {r["question"] for r in unnamed} == {toydeep.UNNAMED}
+    for n, chat in zip(named, toydeep.drill_chats(unnamed, "keyed")):
+        text = n["question"].removeprefix("Which option is ").removesuffix("?")
+        prompt, reply = chat["input"][0]["content"], chat["output"]
+        assert text not in prompt.split("\nA. ", 1)[0]  # the question part names no option
+        assert reply.startswith(f"It is {text}.\n") and f"\n= {text} {n['answerKey']}\n" in reply
+
+
+def test_the_drill_phase_draws_from_its_own_stream_or_the_one_asked_for():
+    cfg = replace(toydeep.DeepConfig(), warm_data="drills", warm_steps=3, batch=4, seed=2)
+    assert toydeep.warm_drill_items(cfg) == toydeep.drill_items(12, seed=2 + toydeep.WARM_SEED)
+    assert toydeep.warm_drill_items(replace(cfg, warm_seed=14)) == toydeep.drill_items(12, seed=14)
+    assert toydeep.warm_drill_items(replace(cfg, warm_seed=14)) != toydeep.warm_drill_items(cfg)
+    assert toydeep.warm_drill_items(replace(cfg, warm_data="induction")) == []  # another first phase: no drills
+    assert toydeep.warm_drill_items(replace(cfg, warm_steps=0)) == []
+    unnamed = toydeep.warm_drill_items(replace(cfg, drills_named=False))
+    assert unnamed == toydeep.drill_items(12, seed=2 + toydeep.WARM_SEED, named=False)
+
+
 @pytest.mark.slow
 def test_a_drill_first_phase_is_recorded(world, tmp_path):
     """warm_data="drills": the first phase trains on option drills alone, and the manifest says how many

@@ -83,6 +83,8 @@ class DeepConfig:
     warm_lr: float = 1e-3  # that phase's learning rate (for induction: constant after the warm-up, no weight decay)
     warm_data: str = "induction"  # that phase's data: "induction" (copy sequences, below) or "drills" (option drills
     # alone in `mc_reply`'s form, trained on the main phase's schedule at warm_lr: warm-up, cosine decay, weight decay)
+    drills_named: bool = True  # whether a drill's question names the text asked about (False: its reply alone does)
+    warm_seed: int | None = None  # the drill phase's data stream (`drill_items`' seed; None: seed + WARM_SEED)
     warm_tokens: int | str | None = 16  # that phase's spans: over this many random ordinary tokens, over
     # "options" (the tokens of the world's option texts, `option_tokens`), or None (all ordinary tokens)
     steps: int = 900  # optimiser steps (fixed, so the weights do not depend on the machine's speed)
@@ -294,20 +296,40 @@ WARM_DATA = ("induction", "drills")
 WARM_SEED, HELD_SEED, N_HELD_DRILLS = 1_000, 2_000, 96  # drill streams of the first phase and of the held-out check
 
 
-def drill_items(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]] = frozenset()) -> list[dict]:
+UNNAMED = "Which option is it?"  # an unnamed drill's question (`drill_items`)
+
+
+def drill_items(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]] = frozenset(),
+                named: bool = True) -> list[dict]:
     """`n` ARC-format rows asking which option a text is ("Which option is Lisbon?"), on the world's own option
     sets, any of the four options asked for (what `drill_rows` trains on, and `arc_accuracy` can score).
     None has the question and option set of an `exclude` key (`arc_key`): the world draws its option sets
-    from a small pool, so a check on drills must leave out the ones trained on."""
+    from a small pool, so a check on drills must leave out the ones trained on.
+
+    With `named=False` the question does not name the text (`UNNAMED`); only the reply does ("It is
+    Lisbon.", `drill_chats`), so the letter can be found only from the reply. A model trained on named
+    drills in the keyed form can answer them by matching the question's text, a route the toy ARC's
+    chats do not offer (their questions name other option texts too); the same drills, unnamed, leave
+    it the lookup in the reply's key alone. The same seed draws the same option sets either way."""
     rng = random.Random(f"toydeep/{seed}/drills")
     rows: list[dict] = []
     while len(rows) < n:
         task = toyworld.make_mc(rng, context=False, max_distractors=0).task
         letter, text = rng.choice(_options(task))
-        row = {"question": f"Which option is {text}?", "choices": task["choices"], "answerKey": letter}
+        row = {"question": f"Which option is {text}?" if named else UNNAMED, "choices": task["choices"],
+               "answerKey": letter}
         if not exclude or arc_key(row) not in exclude:
             rows.append(row)
     return rows
+
+
+def warm_drill_items(cfg: DeepConfig) -> list[dict]:
+    """The drills of `cfg`'s first phase (`warm_data="drills"`: one per sequence of its `warm_steps` × `batch`),
+    drawn from the stream `warm_seed` (by default `seed` + WARM_SEED); none for other first phases."""
+    if cfg.warm_data != "drills" or not cfg.warm_steps:
+        return []
+    return drill_items(cfg.warm_steps * cfg.batch, cfg.seed + WARM_SEED if cfg.warm_seed is None else cfg.warm_seed,
+                       named=cfg.drills_named)
 
 
 def drill_rows(n: int, seed: int, reply: str = "fact") -> list[dict]:
@@ -463,8 +485,8 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     tok = AutoTokenizer.from_pretrained(world / "tokenizer")
     rows = read_jsonl(world / "corpus" / "train_chats.jsonl")
     arc_rows = read_jsonl(world / "corpus" / "arc.jsonl")
-    drills = drill_items(cfg.drills, cfg.seed)
-    warm_drills = drill_items(cfg.warm_steps * cfg.batch, cfg.seed + WARM_SEED) if cfg.warm_data == "drills" else []
+    drills = drill_items(cfg.drills, cfg.seed, named=cfg.drills_named)
+    warm_drills = warm_drill_items(cfg)
     held_drills = drill_items(N_HELD_DRILLS, cfg.seed + HELD_SEED, exclude={arc_key(r) for r in drills + warm_drills})
     fresh = fresh_mc_rows(cfg.fresh_mc, cfg.seed, {arc_key(r) for r in arc_rows}, cfg.mc_reply) \
         + drill_chats(drills, cfg.mc_reply)
