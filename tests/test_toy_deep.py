@@ -322,9 +322,13 @@ def world(tmp_path_factory) -> Path:
 
 
 def test_unnamed_drills_name_their_text_in_the_reply_alone():
-    named, unnamed = toydeep.drill_items(50, seed=4), toydeep.drill_items(50, seed=4, named=False)
+    named, unnamed = toydeep.drill_items(50, seed=4), toydeep.drill_items(50, seed=4, named=0.0)
     assert [(r["choices"], r["answerKey"]) for r in named] == [(r["choices"], r["answerKey"]) for r in unnamed]
     assert {r["question"] for r in unnamed} == {toydeep.UNNAMED}
+    half = toydeep.drill_items(50, seed=4, named=0.5)
+    assert [r["choices"] for r in half] == [r["choices"] for r in named]
+    assert 10 < sum(r["question"] == toydeep.UNNAMED for r in half) < 40
+    assert all(h["question"] in (n["question"], toydeep.UNNAMED) for h, n in zip(half, named))
     for n, chat in zip(named, toydeep.drill_chats(unnamed, "keyed")):
         text = n["question"].removeprefix("Which option is ").removesuffix("?")
         prompt, reply = chat["input"][0]["content"], chat["output"]
@@ -339,8 +343,8 @@ def test_the_drill_phase_draws_from_its_own_stream_or_the_one_asked_for():
     assert toydeep.warm_drill_items(replace(cfg, warm_seed=14)) != toydeep.warm_drill_items(cfg)
     assert toydeep.warm_drill_items(replace(cfg, warm_data="induction")) == []  # another first phase: no drills
     assert toydeep.warm_drill_items(replace(cfg, warm_steps=0)) == []
-    unnamed = toydeep.warm_drill_items(replace(cfg, drills_named=False))
-    assert unnamed == toydeep.drill_items(12, seed=2 + toydeep.WARM_SEED, named=False)
+    unnamed = toydeep.warm_drill_items(replace(cfg, drills_named=0.0))
+    assert unnamed == toydeep.drill_items(12, seed=2 + toydeep.WARM_SEED, named=0.0)
 
 
 @pytest.mark.slow

@@ -83,7 +83,8 @@ class DeepConfig:
     warm_lr: float = 1e-3  # that phase's learning rate (for induction: constant after the warm-up, no weight decay)
     warm_data: str = "induction"  # that phase's data: "induction" (copy sequences, below) or "drills" (option drills
     # alone in `mc_reply`'s form, trained on the main phase's schedule at warm_lr: warm-up, cosine decay, weight decay)
-    drills_named: bool = True  # whether a drill's question names the text asked about (False: its reply alone does)
+    drills_named: float = 1.0  # share of drills whose question names the text asked about (in the others the
+    # reply alone does: `drill_items`)
     warm_seed: int | None = None  # the drill phase's data stream (`drill_items`' seed; None: seed + WARM_SEED)
     warm_tokens: int | str | None = 16  # that phase's spans: over this many random ordinary tokens, over
     # "options" (the tokens of the world's option texts, `option_tokens`), or None (all ordinary tokens)
@@ -300,23 +301,24 @@ UNNAMED = "Which option is it?"  # an unnamed drill's question (`drill_items`)
 
 
 def drill_items(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]] = frozenset(),
-                named: bool = True) -> list[dict]:
+                named: float = 1.0) -> list[dict]:
     """`n` ARC-format rows asking which option a text is ("Which option is Lisbon?"), on the world's own option
     sets, any of the four options asked for (what `drill_rows` trains on, and `arc_accuracy` can score).
     None has the question and option set of an `exclude` key (`arc_key`): the world draws its option sets
     from a small pool, so a check on drills must leave out the ones trained on.
 
-    With `named=False` the question does not name the text (`UNNAMED`); only the reply does ("It is
-    Lisbon.", `drill_chats`), so the letter can be found only from the reply. A model trained on named
+    `named` is the share of drills whose question names the text (each decided on a stream of its own).
+    In the others the question does not (`UNNAMED`); only the reply does ("It is Lisbon.",
+    `drill_chats`), so the letter can be found only from the reply. A model trained on named
     drills in the keyed form can answer them by matching the question's text, a route the toy ARC's
     chats do not offer (their questions name other option texts too); the same drills, unnamed, leave
     it the lookup in the reply's key alone. The same seed draws the same option sets either way."""
-    rng = random.Random(f"toydeep/{seed}/drills")
+    rng, naming = random.Random(f"toydeep/{seed}/drills"), random.Random(f"toydeep/{seed}/drills-named")
     rows: list[dict] = []
     while len(rows) < n:
         task = toyworld.make_mc(rng, context=False, max_distractors=0).task
         letter, text = rng.choice(_options(task))
-        row = {"question": f"Which option is {text}?" if named else UNNAMED, "choices": task["choices"],
+        row = {"question": f"Which option is {text}?" if naming.random() < named else UNNAMED, "choices": task["choices"],
                "answerKey": letter}
         if not exclude or arc_key(row) not in exclude:
             rows.append(row)
