@@ -343,7 +343,7 @@ def test_the_drill_phase_draws_from_its_own_stream_or_the_one_asked_for():
     assert toydeep.warm_drill_items(replace(cfg, warm_seed=14)) != toydeep.warm_drill_items(cfg)
     assert toydeep.warm_drill_items(replace(cfg, warm_data="induction")) == []  # another first phase: no drills
     assert toydeep.warm_drill_items(replace(cfg, warm_steps=0)) == []
-    unnamed = toydeep.warm_drill_items(replace(cfg, drills_named=0.0))
+    unnamed = toydeep.warm_drill_items(replace(cfg, warm_drills_named=0.0))
     assert unnamed == toydeep.drill_items(12, seed=2 + toydeep.WARM_SEED, named=0.0)
 
 

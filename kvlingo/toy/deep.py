@@ -85,6 +85,7 @@ class DeepConfig:
     # alone in `mc_reply`'s form, trained on the main phase's schedule at warm_lr: warm-up, cosine decay, weight decay)
     drills_named: float = 1.0  # share of drills whose question names the text asked about (in the others the
     # reply alone does: `drill_items`)
+    warm_drills_named: float = 1.0  # the same share for the drill phase's drills
     warm_seed: int | None = None  # the drill phase's data stream (`drill_items`' seed; None: seed + WARM_SEED)
     warm_tokens: int | str | None = 16  # that phase's spans: over this many random ordinary tokens, over
     # "options" (the tokens of the world's option texts, `option_tokens`), or None (all ordinary tokens)
@@ -331,7 +332,7 @@ def warm_drill_items(cfg: DeepConfig) -> list[dict]:
     if cfg.warm_data != "drills" or not cfg.warm_steps:
         return []
     return drill_items(cfg.warm_steps * cfg.batch, cfg.seed + WARM_SEED if cfg.warm_seed is None else cfg.warm_seed,
-                       named=cfg.drills_named)
+                       named=cfg.warm_drills_named)
 
 
 def drill_rows(n: int, seed: int, reply: str = "fact") -> list[dict]:
