@@ -18,7 +18,9 @@ the reply form `mc_reply` (`REPLY_FORMS`). More training options aim at the step
 failed, naming the letter of the option a text belongs to: `drills` (chats that ask for exactly
 that), `induction` (random-token copy sequences), `qk_gain` (sharper attention from the first
 step) and `warm_steps` (a first phase before the chats, on copy sequences alone over a small token
-set, or with `warm_data="drills"` on option drills alone). All are off by default: trained from
+set, or with `warm_data="drills"` on option drills alone, drawn from `warm_seed`'s stream), and
+`drills_named`/`warm_drills_named` (the share of drills whose question names the text; in the
+others only the reply does, so the question cannot be matched instead). All are off by default: trained from
 scratch with them, no setting reached the 60% that would give the deep pairs a meaningful ARC
 column (the README, "More pairs", has the runs).
 `copy_accuracy` measures the copy itself, and `build_deep` records it after each phase.
