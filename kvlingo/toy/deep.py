@@ -20,9 +20,9 @@ that), `induction` (random-token copy sequences), `qk_gain` (sharper attention f
 step) and `warm_steps` (a first phase before the chats, on copy sequences alone over a small token
 set, or with `warm_data="drills"` on option drills alone, drawn from `warm_seed`'s stream), and
 `drills_named`/`warm_drills_named` (the share of drills whose question names the text; in the
-others only the reply does, so the question cannot be matched instead). All are off by default: trained from
-scratch with them, no setting reached the 60% that would give the deep pairs a meaningful ARC
-column (the README, "More pairs", has the runs).
+others only the reply does, so the question cannot be matched instead). All are off by default:
+trained from scratch with them, no setting reached the 60% that would give the deep pairs a
+meaningful ARC column (the README, "More pairs", has the runs).
 `copy_accuracy` measures the copy itself, and `build_deep` records it after each phase.
 `build_deep` scores the greedy toy-ARC accuracy of the model and of the pair beside it, as
 task_eval.py scores the native path (`results.toy_arc`), and the exact-reply scores beside the
