@@ -321,8 +321,8 @@ def drill_items(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]] = fr
     while len(rows) < n:
         task = toyworld.make_mc(rng, context=False, max_distractors=0).task
         letter, text = rng.choice(_options(task))
-        row = {"question": f"Which option is {text}?" if naming.random() < named else UNNAMED, "choices": task["choices"],
-               "answerKey": letter}
+        question = f"Which option is {text}?" if naming.random() < named else UNNAMED
+        row = {"question": question, "choices": task["choices"], "answerKey": letter}
         if not exclude or arc_key(row) not in exclude:
             rows.append(row)
     return rows
