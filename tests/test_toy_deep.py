@@ -325,6 +325,8 @@ def test_unnamed_drills_name_their_text_in_the_reply_alone():
     named, unnamed = toydeep.drill_items(50, seed=4), toydeep.drill_items(50, seed=4, named=0.0)
     assert [(r["choices"], r["answerKey"]) for r in named] == [(r["choices"], r["answerKey"]) for r in unnamed]
     assert {r["question"] for r in unnamed} == {toydeep.UNNAMED}
+    # a held-out check keys both alike, so a named check drill never repeats an unnamed training drill
+    assert [toydeep.drill_key(r) for r in unnamed] == [toydeep.arc_key(r) for r in named]
     half = toydeep.drill_items(50, seed=4, named=0.5)
     assert [r["choices"] for r in half] == [r["choices"] for r in named]
     assert 10 < sum(r["question"] == toydeep.UNNAMED for r in half) < 40

@@ -328,6 +328,12 @@ def drill_items(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]] = fr
     return rows
 
 
+def drill_key(drill: dict) -> tuple[str, frozenset[str]]:
+    """A drill's `arc_key` as if its question named the text asked about: an unnamed drill and the named one
+    on the same option set and text are the same item to a held-out check."""
+    return f"Which option is {_asked(drill)}?", frozenset(drill["choices"]["text"])
+
+
 def warm_drill_items(cfg: DeepConfig) -> list[dict]:
     """The drills of `cfg`'s first phase (`warm_data="drills"`: one per sequence of its `warm_steps` × `batch`),
     drawn from the stream `warm_seed` (by default `seed` + WARM_SEED); none for other first phases."""
@@ -492,7 +498,7 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     arc_rows = read_jsonl(world / "corpus" / "arc.jsonl")
     drills = drill_items(cfg.drills, cfg.seed, named=cfg.drills_named)
     warm_drills = warm_drill_items(cfg)
-    held_drills = drill_items(N_HELD_DRILLS, cfg.seed + HELD_SEED, exclude={arc_key(r) for r in drills + warm_drills})
+    held_drills = drill_items(N_HELD_DRILLS, cfg.seed + HELD_SEED, exclude={drill_key(r) for r in drills + warm_drills})
     fresh = fresh_mc_rows(cfg.fresh_mc, cfg.seed, {arc_key(r) for r in arc_rows}, cfg.mc_reply) \
         + drill_chats(drills, cfg.mc_reply)
     data = training_data(tok, rows, cfg, pair_cfg.max_len, cfg.seed, fresh)
