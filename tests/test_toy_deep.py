@@ -321,6 +321,16 @@ def world(tmp_path_factory) -> Path:
     return out
 
 
+def test_the_asked_reply_repeats_the_drill_question_and_the_options_after_the_fact():
+    items = toydeep.drill_items(30, seed=4)
+    for item, chat, plain in zip(items, toydeep.drill_chats(items, "asked"), toydeep.drill_chats(items, "fact")):
+        prompt, lines = chat["input"][0]["content"], chat["output"].split("\n")
+        fact, answer = plain["output"].split("\n")
+        options = toydeep.OPTION.findall(prompt)
+        assert lines[0] == fact and lines[-1] == answer and lines[1] == item["question"]
+        assert lines[2:6] == [f"{l}. {t}" for l, t in options]
+
+
 def test_unnamed_drills_name_their_text_in_the_reply_alone():
     named, unnamed = toydeep.drill_items(50, seed=4), toydeep.drill_items(50, seed=4, named=0.0)
     assert [(r["choices"], r["answerKey"]) for r in named] == [(r["choices"], r["answerKey"]) for r in unnamed]

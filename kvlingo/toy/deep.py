@@ -219,7 +219,28 @@ def checked_reply(row: dict, fact: str) -> str:
     return toyworld.arc_reply(row, "\n".join([fact, *lines]))
 
 
-REPLY_FORMS = {"fact": toyworld.arc_reply, "listed": listed_reply, "keyed": keyed_reply,
+def asked_reply(row: dict, fact: str) -> str:
+    """The world's reply to an ARC-format row with the drill's question asked again after the fact, about the
+    text the fact names, and the options listed again under it:
+
+        Vera lives in Lisbon.          Vera lives in Lisbon.
+        Answer: B               →      Which option is Lisbon?
+                                       A. Brno
+                                       B. Lisbon
+                                       C. Aarhus
+                                       D. Split
+                                       Answer: B
+
+    A named drill's prompt has this order (a question naming one text, then the options), and models that
+    fail the toy ARC learn to answer such drills by checking each option against the question before it
+    (a comparison forward in the text; the README, "More pairs"). Here the reply itself has that order,
+    so the same comparison answers a chat whose own question names other option texts too.
+    """
+    lines = [f"{l}. {t}" for l, t in _options(row)]
+    return toyworld.arc_reply(row, "\n".join([fact, f"Which option is {dict(_options(row))[row['answerKey']]}?", *lines]))
+
+
+REPLY_FORMS = {"fact": toyworld.arc_reply, "listed": listed_reply, "keyed": keyed_reply, "asked": asked_reply,
                "keyed_list_first": lambda row, fact: keyed_reply(row, fact, list_first=True),
                "checked": checked_reply}
 MC_REPLIES = tuple(REPLY_FORMS)
