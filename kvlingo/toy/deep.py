@@ -236,8 +236,9 @@ def asked_reply(row: dict, fact: str) -> str:
     (a comparison forward in the text; the README, "More pairs"). Here the reply itself has that order,
     so the same comparison answers a chat whose own question names other option texts too.
     """
-    lines = [f"{l}. {t}" for l, t in _options(row)]
-    return toyworld.arc_reply(row, "\n".join([fact, f"Which option is {dict(_options(row))[row['answerKey']]}?", *lines]))
+    options = _options(row)
+    question = f"Which option is {dict(options)[row['answerKey']]}?"
+    return toyworld.arc_reply(row, "\n".join([fact, question, *(f"{l}. {t}" for l, t in options)]))
 
 
 REPLY_FORMS = {"fact": toyworld.arc_reply, "listed": listed_reply, "keyed": keyed_reply, "asked": asked_reply,
@@ -265,7 +266,8 @@ def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], r
     corpus's multiple-choice chats mostly hold their facts in earlier turns, behind distractor exchanges,
     often with reasoning on; these are the evaluation's format itself. No row has the question and option
     set of an `exclude` key (the toy ARC's rows), so the score stays a held-out one. `reply` picks the
-    reply's form (`REPLY_FORMS`: the world's own, `listed_reply`, `keyed_reply` or `checked_reply`).
+    reply's form (`REPLY_FORMS`: the world's own, `listed_reply`, `keyed_reply`, `asked_reply` or
+    `checked_reply`).
     """
     _check_reply(reply)
     rng = random.Random(f"toydeep/{seed}/fresh-mc")
