@@ -184,7 +184,7 @@ def keyed_reply(row: dict, fact: str, list_first: bool = False) -> str:
     """
     letter, options = row["answerKey"], _options(row)
     key = [f"{l}. {t} {l}" for l, t in options]
-    lookup = f"= {dict(options)[letter]} {letter}"
+    lookup = f"= {_answer_text(row)} {letter}"
     return toyworld.arc_reply(row, "\n".join([*key, fact, lookup] if list_first else [fact, *key, lookup]))
 
 
@@ -236,9 +236,8 @@ def asked_reply(row: dict, fact: str) -> str:
     (a comparison forward in the text; the README, "More pairs"). Here the reply itself has that order,
     so the same comparison answers a chat whose own question names other option texts too.
     """
-    options = _options(row)
-    question = f"Which option is {dict(options)[row['answerKey']]}?"
-    return toyworld.arc_reply(row, "\n".join([fact, question, *(f"{l}. {t}" for l, t in options)]))
+    lines = [f"{l}. {t}" for l, t in _options(row)]
+    return toyworld.arc_reply(row, "\n".join([fact, named_question(_answer_text(row)), *lines]))
 
 
 REPLY_FORMS = {"fact": toyworld.arc_reply, "listed": listed_reply, "keyed": keyed_reply, "asked": asked_reply,
@@ -326,12 +325,17 @@ WARM_SEED, HELD_SEED, N_HELD_DRILLS = 1_000, 2_000, 96  # drill streams of the f
 UNNAMED = "Which option is it?"  # an unnamed drill's question (`drill_items`)
 
 
+def named_question(text: str) -> str:
+    """A named drill's question about the option text `text` (`drill_items`)."""
+    return f"Which option is {text}?"
+
+
 def drill_items(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]] = frozenset(),
                 named: float = 1.0) -> list[dict]:
     """`n` ARC-format rows asking which option a text is ("Which option is Lisbon?"), on the world's own option
     sets, any of the four options asked for (what `drill_rows` trains on, and `arc_accuracy` can score).
-    None has the question and option set of an `exclude` key (`arc_key`): the world draws its option sets
-    from a small pool, so a check on drills must leave out the ones trained on.
+    None has the option set and asked text of an `exclude` key (`drill_key`, named or not): the world draws
+    its option sets from a small pool, so a check on drills must leave out the ones trained on.
 
     `named` is the share of drills whose question names the text (each decided on a stream of its own).
     In the others the question does not (`UNNAMED`); only the reply does ("It is Lisbon.",
@@ -344,9 +348,9 @@ def drill_items(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]] = fr
     while len(rows) < n:
         task = toyworld.make_mc(rng, context=False, max_distractors=0).task
         letter, text = rng.choice(_options(task))
-        question = f"Which option is {text}?" if naming.random() < named else UNNAMED
+        question = named_question(text) if naming.random() < named else UNNAMED
         row = {"question": question, "choices": task["choices"], "answerKey": letter}
-        if not exclude or arc_key(row) not in exclude:
+        if not exclude or drill_key(row) not in exclude:
             rows.append(row)
     return rows
 
@@ -354,7 +358,7 @@ def drill_items(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]] = fr
 def drill_key(drill: dict) -> tuple[str, frozenset[str]]:
     """A drill's `arc_key` as if its question named the text asked about: an unnamed drill and the named one
     on the same option set and text are the same item to a held-out check."""
-    return f"Which option is {_asked(drill)}?", frozenset(drill["choices"]["text"])
+    return named_question(_answer_text(drill)), frozenset(drill["choices"]["text"])
 
 
 def warm_drill_items(cfg: DeepConfig) -> list[dict]:
@@ -388,12 +392,12 @@ def drill_rows(n: int, seed: int, reply: str = "fact") -> list[dict]:
 def drill_chats(items: list[dict], reply: str = "fact") -> list[dict]:
     """`drill_items` as training chats, their replies in the form `reply` (see `drill_rows`)."""
     _check_reply(reply)
-    return [_single_turn(row, REPLY_FORMS[reply](row, f"It is {_asked(row)}.")) for row in items]
+    return [_single_turn(row, REPLY_FORMS[reply](row, f"It is {_answer_text(row)}.")) for row in items]
 
 
-def _asked(drill: dict) -> str:
-    """The option text a drill asks about: its answer's."""
-    return dict(_options(drill))[drill["answerKey"]]
+def _answer_text(row: dict) -> str:
+    """The text of an ARC-format row's answer option (what a drill asks about)."""
+    return dict(_options(row))[row["answerKey"]]
 
 
 def sharpen_attention(model, gain: float) -> None:
