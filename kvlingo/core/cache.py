@@ -9,7 +9,8 @@ Two kinds of cache (`CACHE_KINDS`), both on transformers' public cache interface
   capacity, head_dim] hold the context and leave room for what follows. A translator writes
   the context straight into them, a new turn's K/V go in place after it, and attention reads
   views of the filled part with grouped-query attention that never repeats K/V
-  (kvlingo.core.attention). Logits equal DynamicCache's to rounding.
+  (kvlingo.core.attention); on a CPU a few rows' projections are split across threads
+  (kvlingo.core.linear). Logits equal DynamicCache's to rounding.
 - `dynamic`: transformers' DynamicCache and sdpa attention, as transformers ships them (each
   step concatenates the whole cache in every layer; attention under a mask repeats K/V for
   every query head).
@@ -20,11 +21,12 @@ on CUDA with torch 2.11 it hit a device-side assert for a long prefill followed 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from . import attention
+from . import attention, linear
 from .arch import head_dim
 
 CACHE_KINDS = ("preallocated", "dynamic")
@@ -85,7 +87,9 @@ def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: boo
         for layer in model.model.layers:
             hooks.append(layer.self_attn.k_proj.register_forward_hook(lambda _m, _i, out: prenorm.append(out)))
     try:
-        with attention.using(model, attention.NAME if isinstance(cache, PreallocatedCache) else None):
+        optimised = isinstance(cache, PreallocatedCache)
+        with attention.using(model, attention.NAME if optimised else None), \
+                (linear.few_rows(model) if optimised else nullcontext()):
             out = model(input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
     finally:
         for h in hooks:

@@ -19,7 +19,8 @@ every optimisation the handoff gets:
     optimised  a preallocated cache with room for the new turn, reserved once per context and
                reused by every call (as a serving engine reserves its KV memory), which the
                translation writes straight into; grouped-query attention without repeated K/V
-               (kvlingo.core.attention); the maps' matmuls in the run dtype on CUDA
+               (kvlingo.core.attention); on a CPU, a few rows' linear layers split across
+               threads (kvlingo.core.linear); the maps' matmuls in the run dtype on CUDA
                (translator.fast_precision); on CUDA each path (and the translation and new turn apart)
                replayed as a CUDA graph (`cuda_graphs`, kvlingo.core.graphs)
 
