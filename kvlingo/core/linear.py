@@ -9,12 +9,13 @@ machine (2 threads, FP32, the seven projections of a Qwen3-0.6B layer, median of
     rows           1     8     16    17    24    30    33    48    64    100   128
     x·Wᵀ / (W·xᵀ)ᵀ 1.04  1.00  1.58  1.16  1.22  0.86  1.33  1.16  1.20  0.98  1.09
 
-so `few_rows` takes the second form for ROWS rows (below 16 it was no faster, and not bit-identical
-there; above 128 within 5%), on weights of MIN_WEIGHT elements or more (a toy model's products
-take microseconds either way, and keep transformers' own bits). In that range both forms gave the same bits on this machine (each
-output is one dot product either way; a BLAS may still block it differently, so the tests hold it
-to the FP32 tolerance, not to the bit). Layers with a bias keep `F.linear` (a fused bias add may
-round differently). Elsewhere than on a CPU, or in another dtype, nothing changes.
+so `few_rows` takes the second form for ROWS rows (below 16 it was no faster, and not
+bit-identical there; above 128 within 5%), on weights of MIN_WEIGHT elements or more (a toy
+model's products take microseconds either way, and keep transformers' own bits). In that range
+both forms gave the same bits on this machine (each output is one dot product either way; a BLAS
+may still block it differently, so the tests hold it to the FP32 tolerance, not to the bit).
+Layers with a bias keep `F.linear` (a fused bias add may round differently). Elsewhere than on a
+CPU, or in another dtype, nothing changes.
 
 `few_rows(model)` switches a model's `nn.Linear` layers for one call and back, as
 `attention.using` switches its attention: the optimised timing mode's cache (kvlingo.core.cache)
