@@ -140,12 +140,14 @@ def test_few_rows_switches_a_model_for_the_block_only(models, few_rows_everywher
     ids = _ids(20, model.config.vocab_size, 3)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-        with linear.few_rows(model):
+        with linear.few_rows(model, 1):  # a decode step's row count: nothing switched
+            assert all("forward" not in vars(m) for m in layers)
+        with linear.few_rows(model, 20):
             assert all("forward" in vars(m) for m in layers)
             got = model(input_ids=ids).logits  # 20 rows: every projection takes (W·xᵀ)ᵀ
         assert all("forward" not in vars(m) for m in layers)
         with pytest.raises(RuntimeError, match="inside"):
-            with linear.few_rows(model):
+            with linear.few_rows(model, 20):
                 raise RuntimeError("inside")
         assert all("forward" not in vars(m) for m in layers)  # switched back after an error too
     assert (got - ref).abs().max().item() <= 1e-5

@@ -17,9 +17,9 @@ may still block it differently, so the tests hold it to the FP32 tolerance, not 
 Layers with a bias keep `F.linear` (a fused bias add may round differently). Elsewhere than on a
 CPU, or in another dtype, nothing changes.
 
-`few_rows(model)` switches a model's `nn.Linear` layers for one call and back, as
-`attention.using` switches its attention: the optimised timing mode's cache (kvlingo.core.cache)
-turns both on.
+`few_rows(model, rows)` switches a model's `nn.Linear` layers for one call of that many tokens
+and back, as `attention.using` switches its attention: the optimised timing mode's cache
+(kvlingo.core.cache) turns both on.
 """
 
 from __future__ import annotations
@@ -46,16 +46,19 @@ def few_rows_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def few_rows(model):
-    """Run `model`'s own `nn.Linear` layers through `few_rows_linear` inside the block, then as before.
+def few_rows(model, rows: int):
+    """Run `model`'s own `nn.Linear` layers through `few_rows_linear` inside a block that feeds it `rows`
+    tokens, then as before.
 
-    Only on a CPU (elsewhere the block runs the model as it is). A layer that already has a forward of
-    its own (a hook library's wrapper) is left alone."""
+    Nothing is switched for a row count outside ROWS (a decode step, a prefill) or off a CPU, nor for
+    a layer the few-rows form would not take (a bias, not FP32, under MIN_WEIGHT: a toy model's) or
+    that already has a forward of its own (a hook library's wrapper)."""
     params = next(model.parameters(), None)
-    if params is None or params.device.type != "cpu":
+    if rows not in ROWS or params is None or params.device.type != "cpu":
         yield
         return
-    layers = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)]
+    layers = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m) and m.bias is None
+              and m.weight.dtype == torch.float32 and m.weight.numel() >= MIN_WEIGHT]
     for layer in layers:
         layer.forward = few_rows_linear.__get__(layer)
     try:
