@@ -89,7 +89,7 @@ def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: boo
     try:
         optimised = isinstance(cache, PreallocatedCache)
         with attention.using(model, attention.NAME if optimised else None), \
-                (linear.few_rows(model, input_ids.shape[1]) if optimised else nullcontext()):
+                (linear.few_rows(model, input_ids.numel()) if optimised else nullcontext()):
             out = model(input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
     finally:
         for h in hooks:

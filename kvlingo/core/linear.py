@@ -34,12 +34,16 @@ ROWS = range(16, 129)  # row counts that take (W·xᵀ)ᵀ (see the table above)
 MIN_WEIGHT = 1 << 20  # weights smaller than this (in elements) keep F.linear
 
 
+def takes(layer: nn.Linear) -> bool:
+    """Whether a layer's weights take the few-rows form: bias-free, FP32, MIN_WEIGHT elements or more."""
+    return layer.bias is None and layer.weight.dtype == torch.float32 and layer.weight.numel() >= MIN_WEIGHT
+
+
 def few_rows_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` for x [..., in]: (W·xᵀ)ᵀ when x has a row count in ROWS (and the weight is large enough),
     else `F.linear`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows not in ROWS or layer.bias is not None or x.device.type != "cpu" or x.dtype != torch.float32 \
-            or layer.weight.dtype != torch.float32 or layer.weight.numel() < MIN_WEIGHT:
+    if rows not in ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or not takes(layer):
         return F.linear(x, layer.weight, layer.bias)
     out = torch.mm(layer.weight, x.reshape(rows, x.shape[-1]).t())  # [out, rows]
     return out.t().contiguous().view(*x.shape[:-1], layer.weight.shape[0])
@@ -57,8 +61,7 @@ def few_rows(model, rows: int):
     if rows not in ROWS or params is None or params.device.type != "cpu":
         yield
         return
-    layers = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m) and m.bias is None
-              and m.weight.dtype == torch.float32 and m.weight.numel() >= MIN_WEIGHT]
+    layers = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m) and takes(m)]
     for layer in layers:
         layer.forward = few_rows_linear.__get__(layer)
     try:
