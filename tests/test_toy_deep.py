@@ -113,6 +113,27 @@ def test_fresh_multiple_choice_chats_are_the_toy_arc_format_held_out_and_consist
     assert n_short > 0  # some option sets share words ("the red box"), which the checks leave out
     assert toydeep._distinct_words(["the red box", "the blue box", "a tan box", "the tan box"]) == \
         ["the red", "the blue", "a tan", "the tan"]
+    # the spelled form: the answer and each option respelled after "=", so only the answer's spelling repeats
+    spelled = toydeep.fresh_mc_rows(400, seed=5, exclude=keys, reply="spelled")
+    assert [r["input"] for r in spelled] == [r["input"] for r in rows]
+    unseen = alone = 0
+    for plain, row in zip(rows, spelled):
+        fact, answer = plain["output"].rsplit("\n", 1)
+        options = toydeep.OPTION.findall(row["input"][0]["content"])
+        short = dict(zip("ABCD", toydeep._distinct_words([t for _, t in options])))
+        lines = row["output"].split("\n")
+        assert lines == [fact, f"={short[answer[-1]]}", *(f"{l}={short[l]}" for l, _ in options), answer]
+        spell = {l: tok.encode(f"={short[l]}", add_special_tokens=False)[1:] for l, _ in options}
+        ids = tok.encode(row["output"], add_special_tokens=False)
+        # the answer's spelling is the one option spelling written twice in the reply
+        repeats = [l for l, sp in spell.items() if sum(ids[i:i + len(sp)] == sp for i in range(len(ids))) >= 2]
+        assert answer[-1] in repeats
+        alone += repeats == [answer[-1]]
+        prompt = tok.encode(row["input"][0]["content"], add_special_tokens=False)
+        unseen += not any(prompt[i:i + len(sp)] == sp for sp in spell.values() for i in range(len(prompt)))
+        assert len(ids) + 1 <= 47
+    assert unseen == len(spelled)  # no prompt holds an option's respelling
+    assert alone >= 0.8 * len(spelled)  # a few options share a piece of their spelling
     with pytest.raises(ValueError, match="not one of"):
         toydeep.fresh_mc_rows(1, seed=5, exclude=keys, reply="verdicts")
     # held out: rows whose keys are excluded are never drawn

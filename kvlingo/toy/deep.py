@@ -219,6 +219,31 @@ def checked_reply(row: dict, fact: str) -> str:
     return toyworld.arc_reply(row, "\n".join([fact, *lines]))
 
 
+def spelled_reply(row: dict, fact: str) -> str:
+    """The world's reply to an ARC-format row with the answer and every option written again in a spelling the
+    prompt does not use (no leading space, after "="), the letters before them:
+
+        Vera lives in Lisbon.          Vera lives in Lisbon.
+        Answer: B               →      =Lisbon
+                                       A=Brno
+                                       B=Lisbon
+                                       C=Aarhus
+                                       D=Split
+                                       Answer: B
+
+    The prompt writes an option as " Lisbon" (one token of the toy tokenizer); here it is "L", "isbon". So
+    in the reply only the answer's spelling has an earlier copy, and its letter stands just before it: the
+    situation of a named drill, whose options are read after a question naming one of them (the one
+    lookup these models learned), moved into the reply. Only the options' distinct words are written
+    ("the red box" as "red"), so that every reply fits in 47 tokens of the toy tokenizer with the stop
+    token, inside the demo's 48-token cap.
+    """
+    letter, (letters, texts) = row["answerKey"], zip(*_options(row))
+    short = dict(zip(letters, _distinct_words(list(texts))))
+    lines = [f"={short[letter]}", *(f"{l}={short[l]}" for l in letters)]
+    return toyworld.arc_reply(row, "\n".join([fact, *lines]))
+
+
 def asked_reply(row: dict, fact: str) -> str:
     """The world's reply to an ARC-format row with the drill's question asked again after the fact, about the
     text the fact names, and the options listed again under it:
@@ -242,7 +267,7 @@ def asked_reply(row: dict, fact: str) -> str:
 
 REPLY_FORMS = {"fact": toyworld.arc_reply, "listed": listed_reply, "keyed": keyed_reply, "asked": asked_reply,
                "keyed_list_first": lambda row, fact: keyed_reply(row, fact, list_first=True),
-               "checked": checked_reply}
+               "checked": checked_reply, "spelled": spelled_reply}
 MC_REPLIES = tuple(REPLY_FORMS)
 
 
@@ -265,8 +290,8 @@ def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], r
     corpus's multiple-choice chats mostly hold their facts in earlier turns, behind distractor exchanges,
     often with reasoning on; these are the evaluation's format itself. No row has the question and option
     set of an `exclude` key (the toy ARC's rows), so the score stays a held-out one. `reply` picks the
-    reply's form (`REPLY_FORMS`: the world's own, `listed_reply`, `keyed_reply`, `asked_reply` or
-    `checked_reply`).
+    reply's form (`REPLY_FORMS`: the world's own, `listed_reply`, `keyed_reply`, `asked_reply`,
+    `checked_reply` or `spelled_reply`).
     """
     _check_reply(reply)
     rng = random.Random(f"toydeep/{seed}/fresh-mc")
