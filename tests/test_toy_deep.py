@@ -412,13 +412,15 @@ def test_build_export_install_and_pair(world, tmp_path):
     assert manifest["results"]["model"]["n_training_sequences"] >= 24_000 - 100 + (cfg.mc_copies - 1) * n_mc > 24_000
     info = manifest["results"]["model"]
     assert (info["n_fresh_mc"], info["n_drills"], info["n_induction"]) == (cfg.fresh_mc, cfg.drills, cfg.induction)
-    assert cfg.warm_steps and info["warm_steps"] == cfg.warm_steps and info["warm_loss_log"][-1]["step"] == cfg.warm_steps
+    assert cfg.warm_steps and info["warm_steps"] == cfg.warm_steps
+    assert info["warm_loss_log"][-1]["step"] == cfg.warm_steps
     assert set(info["copy_accuracy"]) == {"warm_set", "after_warm", "final"}
     assert all(0.0 <= a <= 1.0 for a in info["copy_accuracy"].values())
     arc = manifest["results"]["toy_arc"]
     assert set(arc) == {"deep", "large", "small"} and all(a["n"] == cfg.n_arc_scored for a in arc.values())
     model = AutoModelForCausalLM.from_pretrained(deep)
-    assert next(model.parameters()).dtype == torch.bfloat16 and model.config.num_hidden_layers == cfg.layers  # stored BF16
+    assert next(model.parameters()).dtype == torch.bfloat16  # stored in BF16
+    assert model.config.num_hidden_layers == cfg.layers
     messages: list[str] = []
     toydeep.build_deep(world, cfg, progress=False, log=messages.append)
     assert any("up to date" in m for m in messages)

@@ -449,7 +449,8 @@ def training_data(tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: in
     the same question point to another letter, so the letter has to be read off the options.
     """
     data = [d for d in toytrain.encode_rows(tok, rows) if len(d.ids) <= max_len]
-    mc = [row for row in rows if MC_REPLY.search(row["output"]) and len(OPTION.findall(row["input"][-1]["content"])) == 4]
+    mc = [row for row in rows
+          if MC_REPLY.search(row["output"]) and len(OPTION.findall(row["input"][-1]["content"])) == 4]
     rng = random.Random(f"toydeep/{seed}/options")
     copies = [shuffle_options(row, rng) for _ in range(cfg.mc_copies - 1) for row in mc] + list(fresh or [])
     extra = toytrain.encode_rows(tok, copies, all_assistant_turns=False) if copies else []
