@@ -51,6 +51,11 @@ def test_multiple_choice_chats_are_repeated():
     assert [bool(toydeep.MC_REPLY.search(r["output"])) for r in rows] == [True, False, True, False]
 
 
+def _occurrences(ids: list[int], sub: list[int]) -> int:
+    """How many times the token run `sub` occurs in `ids`."""
+    return sum(ids[i:i + len(sub)] == sub for i in range(len(ids) - len(sub) + 1))
+
+
 def test_fresh_multiple_choice_chats_are_the_toy_arc_format_held_out_and_consistent(world):
     """Single-turn chats tokenised exactly as task_eval.py prompts the toy ARC; the reply's fact names the option
     its letter points to; none is an excluded item; a seed gives the same rows."""
@@ -126,11 +131,11 @@ def test_fresh_multiple_choice_chats_are_the_toy_arc_format_held_out_and_consist
         spell = {l: tok.encode(f"={short[l]}", add_special_tokens=False)[1:] for l, _ in options}
         ids = tok.encode(row["output"], add_special_tokens=False)
         # the answer's spelling is the one option spelling written twice in the reply
-        repeats = [l for l, sp in spell.items() if sum(ids[i:i + len(sp)] == sp for i in range(len(ids))) >= 2]
+        repeats = [l for l, sp in spell.items() if _occurrences(ids, sp) >= 2]
         assert answer[-1] in repeats
         alone += repeats == [answer[-1]]
         prompt = tok.encode(row["input"][0]["content"], add_special_tokens=False)
-        unseen += not any(prompt[i:i + len(sp)] == sp for sp in spell.values() for i in range(len(prompt)))
+        unseen += not any(_occurrences(prompt, sp) for sp in spell.values())
         assert len(ids) + 1 <= 47
     assert unseen == len(spelled)  # no prompt holds an option's respelling
     assert alone >= 0.8 * len(spelled)  # a few options share a piece of their spelling

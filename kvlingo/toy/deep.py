@@ -197,6 +197,12 @@ def _distinct_words(texts: list[str]) -> list[str]:
     return [" ".join(w[lead:len(w) - trail]) or t for w, t in zip(words, texts)]
 
 
+def _short_options(row: dict) -> dict[str, str]:
+    """Letter → that option's distinct words (`_distinct_words`) for an ARC-format row."""
+    letters, texts = zip(*_options(row))
+    return dict(zip(letters, _distinct_words(list(texts))))
+
+
 def checked_reply(row: dict, fact: str) -> str:
     """The world's reply to an ARC-format row with every option checked against the answer, side by side:
 
@@ -213,9 +219,8 @@ def checked_reply(row: dict, fact: str) -> str:
     words all four options share are left out ("the red box" is checked as "red"), so that every reply
     fits in 47 tokens of the toy tokenizer with the stop token, inside the demo's 48-token cap.
     """
-    letter, (letters, texts) = row["answerKey"], zip(*_options(row))
-    short = dict(zip(letters, _distinct_words(list(texts))))
-    lines = [f"{l} {short[l]} = {short[letter]} {'match' if l == letter else 'no'}" for l in letters]
+    letter, short = row["answerKey"], _short_options(row)
+    lines = [f"{l} {text} = {short[letter]} {'match' if l == letter else 'no'}" for l, text in short.items()]
     return toyworld.arc_reply(row, "\n".join([fact, *lines]))
 
 
@@ -238,9 +243,8 @@ def spelled_reply(row: dict, fact: str) -> str:
     ("the red box" as "red"), so that every reply fits in 47 tokens of the toy tokenizer with the stop
     token, inside the demo's 48-token cap.
     """
-    letter, (letters, texts) = row["answerKey"], zip(*_options(row))
-    short = dict(zip(letters, _distinct_words(list(texts))))
-    lines = [f"={short[letter]}", *(f"{l}={short[l]}" for l in letters)]
+    short = _short_options(row)
+    lines = [f"={short[row['answerKey']]}", *(f"{l}={text}" for l, text in short.items())]
     return toyworld.arc_reply(row, "\n".join([fact, *lines]))
 
 
