@@ -62,7 +62,7 @@ EXPORT_ARGS  ?=
 # perf: float32 on a CPU (its BF16 kernels are slow for small steps), bfloat16 on a GPU
 PERF_DTYPE   ?= auto
 # The toy pair(s) make demo runs: toy = large ↔ small (head-wise maps); deep = large ↔ deep, then deep ↔ small
-# (the deep model's 6 layers × 4 KV heads × head_dim 16 against the pair's 4 × 2 × 32: cross-layer maps).
+# (the deep model's 3 layers × 4 KV heads × head_dim 32 against the pair's 4 × 2 × 32: cross-layer maps).
 PAIR ?= toy
 DEMO_PAIRS_toy  := large:small
 DEMO_PAIRS_deep := large:deep deep:small
@@ -128,7 +128,7 @@ toy: $(VENV)/.synced ## install the offline toy world: packaged toy Qwen3 pair a
 toy-train: $(VENV)/.synced ## retrain the toy pair from scratch (~26 CPU-minutes) and re-package it into kvlingo/toy/pair
 	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) --train --export kvlingo/toy/pair $(TOY_ARGS)
 
-toy-train-deep: $(VENV)/.synced ## retrain the deep toy model (6 layers, 4 KV heads) on the packaged pair's corpus and re-package it into kvlingo/toy/deep
+toy-train-deep: $(VENV)/.synced ## retrain the deep toy model (3 layers, 4 KV heads, about an hour of one core) on the packaged pair's corpus and re-package it into kvlingo/toy/deep
 	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) --train-deep --export-deep kvlingo/toy/deep $(TOY_ARGS)
 
 # Every stage on a toy pair, offline, on the CPU. The demo profile holds every setting (learning

@@ -1,6 +1,6 @@
 """Install (or train) the offline toy world: a procedural chat corpus, evaluation files, a shared
-tokenizer, a toy Qwen3 pair ("large" and "small") and a third, deeper model ("deep": 6 layers,
-4 KV heads, head_dim 16), so every stage runs on a CPU without the Hub.
+tokenizer, a toy Qwen3 pair ("large" and "small") and a third model of another depth and KV-head
+count ("deep": 3 layers, 4 KV heads, head_dim 32), so every stage runs on a CPU without the Hub.
 
 Usage:
     python toy_world.py --out artifacts/toy                  # install the packaged pair: seconds

@@ -42,7 +42,7 @@ def test_packaged_deep_model_is_complete_small_bf16_and_shares_the_pair_tokenize
     assert manifest["inputs"]["corpus_sha256"] == {k: v for k, v in pair["files"].items() if k.startswith("corpus/")}
     assert sha256_file(pkg / "tokenizer.json") == pair["files"]["tokenizer/tokenizer.json"]
     config = read_json(pkg / "config.json")
-    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]) == (6, 4, 16)
+    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]) == (3, 4, 32)
 
 
 def test_multiple_choice_chats_are_repeated():
@@ -375,7 +375,8 @@ def test_unnamed_drills_name_their_text_in_the_reply_alone():
 
 
 def test_the_drill_phase_draws_from_its_own_stream_or_the_one_asked_for():
-    cfg = replace(toydeep.DeepConfig(), warm_data="drills", warm_steps=3, batch=4, seed=2)
+    cfg = replace(toydeep.DeepConfig(), warm_data="drills", warm_steps=3, batch=4, seed=2, warm_seed=None,
+                  warm_drills_named=1.0)
     assert toydeep.warm_drill_items(cfg) == toydeep.drill_items(12, seed=2 + toydeep.WARM_SEED)
     assert toydeep.warm_drill_items(replace(cfg, warm_seed=14)) == toydeep.drill_items(12, seed=14)
     assert toydeep.warm_drill_items(replace(cfg, warm_seed=14)) != toydeep.warm_drill_items(cfg)

@@ -3,26 +3,30 @@ packaged pair's own corpus and tokenizer, so that it pairs with either packaged 
 
     large  4 layers × 2 KV heads × head_dim 32   (kvlingo/toy/pair)
     small  4 layers × 2 KV heads × head_dim 32   (kvlingo/toy/pair)
-    deep   6 layers × 4 KV heads × head_dim 16   (kvlingo/toy/deep, this module)
+    deep   3 layers × 4 KV heads × head_dim 32   (kvlingo/toy/deep, this module)
 
 large↔deep and deep↔small are pairs whose caches line up neither layer by layer nor head by
 head: head-wise maps refuse them, cross-layer maps join them (`make demo PAIR=deep`).
 
 The packaged pair scores 27-29% on the toy ARC (chance 25%), so an ARC column of a translated
-run on it says nothing. The packaged deep model sees each multiple-choice training chat (a reply
-ending "Answer: A".."D") `mc_copies` times per epoch, five of them with shuffled options; at its
-budget (900 steps, about 16 CPU-minutes) it answers the toy ARC at chance too. `fresh_mc` adds
-single-turn chats in the toy ARC's own format (the facts inline, thinking off; the corpus's
-multiple-choice chats mostly hold their facts in earlier turns, often with reasoning on), with
-the reply form `mc_reply` (`REPLY_FORMS`). More training options aim at the step every run
-failed, naming the letter of the option a text belongs to: `drills` (chats that ask for exactly
-that), `induction` (random-token copy sequences), `qk_gain` (sharper attention from the first
-step) and `warm_steps` (a first phase before the chats, on copy sequences alone over a small token
-set, or with `warm_data="drills"` on option drills alone, drawn from `warm_seed`'s stream), and
-`drills_named`/`warm_drills_named` (the share of drills whose question names the text; in the
-others only the reply does, so the question cannot be matched instead). All are off by default:
-trained from scratch with them, no setting reached the 60% that would give the deep pairs a
-meaningful ARC column (the README, "More pairs", has the runs).
+run on it says nothing. The deep model is trained to answer it. The step that every other recipe
+failed is naming the letter of the option a text belongs to, because in a chat each option's
+text already has copies in the prompt. The defaults therefore:
+- reply in the `spelled` form (`mc_reply`, `REPLY_FORMS`): the fact, the answer's text again after
+  "=", every option respelled after its letter ("B=Lisbon", tokenised unlike the prompt's
+  " Lisbon"), then "Answer: B". Only the answer's respelling repeats, right after its letter;
+- first train `warm_steps` steps on option drills alone (`warm_data="drills"`: chats that ask
+  which letter an option has, none naming the text in the question, drawn from `warm_seed`'s
+  stream) at `warm_lr` 1e-3, where the letter lookup forms (at 3e-3 it never did);
+- then train on the corpus plus `fresh_mc` single-turn chats in the toy ARC's own format (the
+  facts inline, thinking off) and `drills` more drills, with each corpus multiple-choice chat seen
+  `mc_copies` times per epoch.
+The other options stay for the recorded runs that did not reach 60%: `induction` (random-token
+copy sequences, `warm_data="induction"`), `qk_gain` (sharper attention from the first step),
+`drills_named`/`warm_drills_named` (the share of drills whose question names the text) and the
+other reply forms (the README, "More pairs", has every run). With the defaults the deep model is
+shallower than the pair (3 layers against 4) and has twice its KV heads: its caches line up with
+neither packaged model's, which is what the deep pairs are for.
 `copy_accuracy` measures the copy itself, and `build_deep` records it after each phase.
 `build_deep` scores the greedy toy-ARC accuracy of the model and of the pair beside it, as
 task_eval.py scores the native path (`results.toy_arc`), and the exact-reply scores beside the
@@ -30,8 +34,9 @@ pair's. The packaged pair's files are untouched.
 
 Training runs in FP32 on one thread (bf16 autocast is a large speedup only on CPUs with
 AVX-512 BF16; without it BF16 matmuls are ~20× slower), for a fixed step count, so a seed gives
-the same weights on one machine. The weights are rounded to BF16 before scoring and stored in
-BF16 shards of at most 4 MB, like the pair's.
+the same weights on one machine (the defaults: 8,000 + 4,000 steps, about an hour of one core).
+The weights are rounded to BF16 before scoring and stored in BF16 shards of at most 4 MB, like
+the pair's.
 
 Layout: DIR/deep/ is a save_pretrained folder (weights, config, tokenizer, meta.json) plus
 manifest.json, written last (the build key, the pair's tokenizer and corpus hashes it was
@@ -71,29 +76,30 @@ TRAIN_HINT = ("retrain and re-export the deep model with `make toy-train-deep` "
 
 @dataclass(frozen=True)
 class DeepConfig:
-    layers: int = 6  # decoder layers (the pair has 4)
+    layers: int = 3  # decoder layers (the pair has 4)
     kv_heads: int = 4  # KV heads (the pair has 2)
-    head_dim: int = 16  # per-head width (the pair has 32)
+    head_dim: int = 32  # per-head width (the pair has 32)
     shape: ModelShape = ModelShape(hidden=128, intermediate=384, heads=4, rope_theta=20_000.0)  # widths and RoPE base
-    mc_copies: int = 6  # times each multiple-choice training chat appears per epoch (the copies options-shuffled)
-    fresh_mc: int = 0  # extra single-turn multiple-choice chats in the toy ARC's own format (see `fresh_mc_rows`)
-    mc_reply: str = "fact"  # their replies' form, one of MC_REPLIES ("fact": the world's own; see `keyed_reply`)
-    drills: int = 0  # extra single-turn chats asking which letter an option has (`drill_rows`, in `mc_reply`'s form)
+    mc_copies: int = 1  # times each multiple-choice training chat appears per epoch (the copies options-shuffled)
+    fresh_mc: int = 60_000  # extra single-turn multiple-choice chats in the toy ARC's own format (see `fresh_mc_rows`)
+    mc_reply: str = "spelled"  # their replies' form, one of MC_REPLIES ("fact": the world's own; see `keyed_reply`)
+    drills: int = 20_000  # extra single-turn chats asking which letter an option has (`drill_rows`, in
+    # `mc_reply`'s form)
     qk_gain: float = 1.0  # initial weight of every q_norm/k_norm (`sharpen_attention`; 1 as transformers initialises)
     induction: int = 0  # extra random-token sequences whose second half repeats the first (`induction_data`)
-    warm_steps: int = 0  # steps of a first phase (on `warm_data` alone); the main training starts from it
+    warm_steps: int = 8_000  # steps of a first phase (on `warm_data` alone); the main training starts from it
     warm_lr: float = 1e-3  # that phase's learning rate (for induction: constant after the warm-up, no weight decay)
-    warm_data: str = "induction"  # that phase's data: "induction" (copy sequences, below) or "drills" (option drills
+    warm_data: str = "drills"  # that phase's data: "induction" (copy sequences, below) or "drills" (option drills
     # alone in `mc_reply`'s form, trained on the main phase's schedule at warm_lr: warm-up, cosine decay, weight decay)
-    drills_named: float = 1.0  # share of drills whose question names the text asked about (in the others the
+    drills_named: float = 0.0  # share of drills whose question names the text asked about (in the others the
     # reply alone does: `drill_items`)
-    warm_drills_named: float = 1.0  # the same share for the drill phase's drills
-    warm_seed: int | None = None  # the drill phase's data stream (`drill_items`' seed; None: seed + WARM_SEED)
+    warm_drills_named: float = 0.0  # the same share for the drill phase's drills
+    warm_seed: int | None = 14  # the drill phase's data stream (`drill_items`' seed; None: seed + WARM_SEED)
     warm_tokens: int | str | None = 16  # that phase's spans: over this many random ordinary tokens, over
     # "options" (the tokens of the world's option texts, `option_tokens`), or None (all ordinary tokens)
-    steps: int = 900  # optimiser steps (fixed, so the weights do not depend on the machine's speed)
+    steps: int = 4_000  # optimiser steps (fixed, so the weights do not depend on the machine's speed)
     batch: int = 32  # conversations per step
-    lr: float = 3e-3  # AdamW peak learning rate (warm-up, cosine decay and the rest as the pair's)
+    lr: float = 1e-3  # AdamW peak learning rate (warm-up, cosine decay and the rest as the pair's)
     autocast_bf16: bool = False  # FP32 training (see the module docstring)
     seed: int = 2  # weights and batch order (the pair used 0 and 1)
     threads: int = 1  # torch CPU threads for training and scoring
@@ -104,8 +110,9 @@ def mini_deep_config() -> DeepConfig:
     """Seconds instead of minutes, for tests on the mini toy world."""
     return DeepConfig(layers=3, kv_heads=4, head_dim=8, shape=ModelShape(hidden=32, intermediate=64, heads=4,
                                                                            rope_theta=20_000.0),
-                      mc_copies=2, fresh_mc=16, drills=8, induction=8, qk_gain=2.0, warm_steps=4, warm_tokens="options",
-                      steps=12, batch=8, n_arc_scored=4)
+                      mc_copies=2, fresh_mc=16, mc_reply="fact", drills=8, drills_named=1.0, induction=8, qk_gain=2.0,
+                      warm_steps=4, warm_data="induction", warm_drills_named=1.0, warm_seed=None,
+                      warm_tokens="options", steps=12, batch=8, lr=3e-3, n_arc_scored=4)
 
 
 SOURCES = [Path(__file__), *toytrain.SOURCES]
