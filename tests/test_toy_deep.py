@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlingo.io import read_json, sha256_file
+from kvlingo.io import read_json, read_jsonl, sha256_file
 from kvlingo.toy import deep as toydeep
 from kvlingo.toy import train as toytrain
 from kvlingo.toy import world as toyworld
@@ -44,6 +44,22 @@ def test_packaged_deep_model_is_complete_small_bf16_and_shares_the_pair_tokenize
     config = read_json(pkg / "config.json")
     assert (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]) == (3, 4, 32)
 
+
+
+def test_packaged_deep_model_answers_the_toy_arc(world, one_thread):
+    """The point of the deep model: unlike the pair it answers the toy ARC, scored greedily as task_eval.py
+    scores the native path: 79.2% of the demo's 48 items on a 2-core x86 CPU (its manifest records 72.9% of
+    the first 240; chance is 25%, the pair 27-29%)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = read_jsonl(world / "corpus" / "arc.jsonl")[:48]  # the items the demo's ARC column scores
+    tok = AutoTokenizer.from_pretrained(toydeep.PACKAGED_DEEP)
+    model = AutoModelForCausalLM.from_pretrained(toydeep.PACKAGED_DEEP, dtype=torch.float32).eval()
+    got = toydeep.arc_accuracy(model, tok, rows)
+    assert got["n"] == 48 and got["unparsed"] < 0.1
+    assert got["accuracy"] >= 0.6, got
+    recorded = read_json(toydeep.PACKAGED_DEEP / toydeep.MANIFEST)["results"]["toy_arc"]["deep"]
+    assert recorded["n"] >= 240 and recorded["accuracy"] >= 0.6
 
 def test_multiple_choice_chats_are_repeated():
     rows = [{"output": "The map is in the red box.\nAnswer: C"}, {"output": "3 + 4 = 7.\nAnswer: 7"},
