@@ -45,7 +45,6 @@ def test_packaged_deep_model_is_complete_small_bf16_and_shares_the_pair_tokenize
     assert (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]) == (3, 4, 32)
 
 
-
 def test_packaged_deep_model_answers_the_toy_arc(world, one_thread):
     """The point of the deep model: unlike the pair it answers the toy ARC, scored greedily as task_eval.py
     scores the native path: 79.2% of the demo's 48 items on a 2-core x86 CPU (its manifest records 72.9% of
@@ -60,6 +59,7 @@ def test_packaged_deep_model_answers_the_toy_arc(world, one_thread):
     assert got["accuracy"] >= 0.6, got
     recorded = read_json(toydeep.PACKAGED_DEEP / toydeep.MANIFEST)["results"]["toy_arc"]["deep"]
     assert recorded["n"] >= 240 and recorded["accuracy"] >= 0.6
+
 
 def test_multiple_choice_chats_are_repeated():
     rows = [{"output": "The map is in the red box.\nAnswer: C"}, {"output": "3 + 4 = 7.\nAnswer: 7"},
