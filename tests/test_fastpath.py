@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlingo.core import attention, graphs, linear
+from kvlingo.core import attention, fused, graphs, linear
 from kvlingo.core.cache import build_cache, capture, continue_from, empty_cache, run_with_cache
 from kvlingo.core.handoff import greedy_generate, translate, translate_to_cache
 from kvlingo.core.headwise import Headwise
@@ -309,6 +309,82 @@ def test_bf16_fast_crosslayer_within_tolerance_of_fp32_maths(models, settings):
         for layer in range(ref.shape[0]):
             bound = FAST_BF16_TOLERANCE * ref[layer].float().abs().max().item()
             assert (got[layer].float() - ref[layer].float()).abs().max().item() <= bound
+
+
+# --------------------------------------------------------------------------- fused key finish (CPU)
+@pytest.fixture
+def fused_any_size(monkeypatch):
+    """The fused finish for chunks of any size (the tiny pair's are far under MIN_ELEMENTS), from a fresh state."""
+    fused.reset()
+    monkeypatch.setattr(fused, "MIN_ELEMENTS", 0)
+    yield
+    fused.reset()
+
+
+def _keyed_maps(source, target, key_space: str, seed: int) -> Headwise:
+    maps = Headwise(Geometry.of(source, target), key_space).bind(source, target)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        maps.weight.copy_(torch.eye(16) + 0.3 * torch.randn(maps.weight.shape, generator=g))
+        maps.bias.normal_(0, 0.1, generator=g)
+    return maps.requires_grad_(False)
+
+
+@pytest.mark.parametrize("key_space,dtype", [("prenorm", torch.float32), ("cache", torch.float32),
+                                             ("prenorm", torch.bfloat16)])
+def test_fused_key_finish_within_tolerance_of_fp32(models, fused_any_size, key_space, dtype):
+    """k_norm and RoPE as one compiled kernel, written into a preallocated cache's context: keys within
+    fused.TOLERANCE of the fp32 path per layer (plus one rounding in BF16), values bit for bit."""
+    source, target = models["large", torch.float32], models["small", torch.float32]
+    ids = _ids(40, target.config.vocab_size, 11)
+    maps = _keyed_maps(source, target, key_space, 12)
+    with torch.no_grad():
+        cap = capture(source, ids)
+        exact = maps(cap, dtype, precision="fp32")
+        cache = empty_cache(target, 40, 3, dtype)
+        got = maps(cap, precision="fused", out=cache.context(40))
+    state = fused.status()
+    if state["failure"]:
+        pytest.skip(f"torch.compile cannot build the fused kernel here: {state['failure']}")
+    assert state["compiled_shapes"] == 1 and state["skipped_chunks"] == 0  # the compiled kernel ran
+    assert torch.equal(got[1], exact[1])
+    rounding = 0.0 if dtype == torch.float32 else BF16_EPS
+    for layer in range(exact[0].shape[0]):
+        ref = exact[0][layer].float()
+        bound = (fused.TOLERANCE + rounding) * ref.abs().max().item()
+        assert (got[0][layer].float() - ref).abs().max().item() <= bound
+    assert cache.context(40)[0].data_ptr() == got[0].data_ptr()  # written in place, not copied
+
+
+def test_fused_key_finish_falls_back_to_fp32_bits(models, fused_any_size, monkeypatch):
+    """Where compiling fails (no C++ compiler) the eager finish runs, with the fp32 path's bits, and the
+    reason is kept; past MAX_SHAPES new shapes run the eager finish as well."""
+    source, target = models["large", torch.float32], models["small", torch.float32]
+    maps = _keyed_maps(source, target, "prenorm", 13)
+    attempts = []
+
+    def broken(*args, **kwargs):
+        attempts.append(1)
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: broken)
+    with torch.no_grad():
+        cap = capture(source, _ids(30, target.config.vocab_size, 14))
+        exact = maps(cap, precision="fp32")
+        for _ in range(2):
+            got = maps(cap, precision="fused")
+            assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])
+    assert len(attempts) == 1  # one failure is remembered, not retried per chunk
+    assert fused.status()["failure"] == "RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
+
+    fused.reset()
+    monkeypatch.undo()
+    monkeypatch.setattr(fused, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(fused, "MAX_SHAPES", 0)
+    with torch.no_grad():
+        got = maps(cap, precision="fused")
+    assert torch.equal(got[0], exact[0]) and fused.status()["skipped_chunks"] == 1
+    assert fused.status()["compiled_shapes"] == 0
 
 
 def test_family_without_fast_paths_keeps_fp32_maths_and_contiguous_scratch(models):

@@ -25,6 +25,11 @@ Precision of the no-grad path (`PRECISIONS`):
 - `fp32` (the default): FP32 maths, rounded once to the output dtype: the same bits as the
   gradient path on every device, so scores reproduce across CPU and GPU; what the exactness
   tests check.
+- `fused`: what the optimised handoff runs on a CPU (`fast_precision`): FP32 maths, with the
+  keys' norm and RoPE as one compiled kernel per chunk (kvlingo.core.fused) instead of a
+  dozen eager passes. Not the same bits: keys within `fused.TOLERANCE` (relative) of `fp32`,
+  values identical. Chunks too small to be worth a compile, and machines where compiling
+  fails, run the `fp32` finish. Elsewhere than on a CPU, `fused` is `fp32`.
 - `fast`: what the optimised handoff runs on CUDA (`fast_precision`). The maps' matmuls take
   their inputs in the run dtype (BF16 or FP16; TF32 tensor cores for an FP32 run) with FP32
   accumulation; values come out of the matmul straight into the cache, keys are normed and
@@ -63,7 +68,7 @@ DEFAULT_CHUNK_ELEMENTS = {"cpu": 1 << 22, "mps": 1 << 25, "cuda": 1 << 24}
 # Elements of a token tile of the keys' norm and RoPE (FP32; about 1 MB on a CPU); untiled elsewhere.
 TILE_ELEMENTS = {"cpu": 1 << 18}
 FAMILIES: dict[str, type["Translator"]] = {}  # family name → class, filled by @family
-PRECISIONS = ("fp32", "fast")
+PRECISIONS = ("fp32", "fused", "fast")
 # How far the `fast` path in BF16 may be from the `fp32` path (both rounded to BF16), in units of the
 # largest |output| of the `fp32` path, per target layer. The fast path rounds the maps to BF16
 # (relative 2^-9 each; its inputs are BF16 already in a BF16 run, or rounded once from the FP32
@@ -75,9 +80,10 @@ FAST_BF16_TOLERANCE = 2.0**-6
 
 
 def fast_precision(device) -> str:
-    """The precision an optimised handoff translates in: `fast` on CUDA (tensor cores), `fp32` elsewhere
-    (a CPU's BF16 matmuls are no faster here, and CPU runs keep exact FP32 maths)."""
-    return "fast" if torch.device(device).type == "cuda" else "fp32"
+    """The precision an optimised handoff translates in: `fast` on CUDA (tensor cores), `fused` on a CPU
+    (FP32 maths, the keys' finish compiled: a CPU's BF16 matmuls are no faster here), `fp32` elsewhere."""
+    kind = torch.device(device).type
+    return "fast" if kind == "cuda" else "fused" if kind == "cpu" else "fp32"
 
 
 @contextmanager
@@ -145,6 +151,7 @@ class Translator(nn.Module):
         self.key_space = key_space
         self.space: KeySpace | None = None  # bound to a pair's models by `bind`
         self._compute = torch.float32  # dtype of map inputs on the running no-grad path
+        self._fuse_keys = False  # the running no-grad path finishes keys with kvlingo.core.fused
         self._casts: dict = {}  # (parameter id, dtype) → (version, data pointer, cast copy)
 
     # ------------------------------------------------------------------ what a family provides
@@ -301,7 +308,7 @@ class Translator(nn.Module):
             keys, values = out
         scratch = Scratch((step, H, T, d), device, tile)
         with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False), \
-                matmul_precision(device, precision), self._computing(compute):
+                matmul_precision(device, precision), self._computing(compute, precision == "fused"):
             for start in range(first, stop, step):
                 layers = slice(start, min(stop, start + step))
                 rows = slice(start - first, layers.stop - first)
@@ -309,12 +316,12 @@ class Translator(nn.Module):
         return keys, values
 
     @contextmanager
-    def _computing(self, dtype: torch.dtype):
-        self._compute = dtype
+    def _computing(self, dtype: torch.dtype, fuse_keys: bool = False):
+        self._compute, self._fuse_keys = dtype, fuse_keys
         try:
             yield
         finally:
-            self._compute = torch.float32
+            self._compute, self._fuse_keys = torch.float32, False
 
     def _translate_into(self, cap: Capture, layers: slice, k_out: torch.Tensor, v_out: torch.Tensor,
                         scratch: "Scratch") -> None:
@@ -325,6 +332,7 @@ class Translator(nn.Module):
         memory, the norm scales in place, RoPE writes each half straight into the output. A family
         without `fast_paths` maps into contiguous scratch, which is then copied into the output.
         Under a compute dtype below FP32, the key map's output is widened once for norm and RoPE.
+        Under `fused`, norm and RoPE run as one compiled kernel over the chunk (when it runs).
         """
         n, compute, T = k_out.shape[0], self._compute, k_out.shape[2]
         yk = scratch.take("yk", n)  # [n, heads, tokens, d_out] FP32
@@ -334,10 +342,11 @@ class Translator(nn.Module):
             low = scratch.take("low", n, compute)
             self.map_into(0, cap, layers, low)
             yk.copy_(low)
-        for begin in range(0, T, scratch.tile):  # per-token norm and RoPE, tile by tile: the same bits
-            end = min(T, begin + scratch.tile)
-            scratch.tokens = end - begin
-            self.space.finish_keys_into(yk[:, :, begin:end], layers, k_out[:, :, begin:end], scratch, start=begin)
+        if not (self._fuse_keys and self.space.finish_keys_fused(yk, layers, k_out)):
+            for begin in range(0, T, scratch.tile):  # per-token norm and RoPE, tile by tile: the same bits
+                end = min(T, begin + scratch.tile)
+                scratch.tokens = end - begin
+                self.space.finish_keys_into(yk[:, :, begin:end], layers, k_out[:, :, begin:end], scratch, start=begin)
         if v_out.dtype == compute and (self.fast_paths or v_out.is_contiguous()):
             self.map_into(1, cap, layers, v_out)  # straight into the output (a cache's layout)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core import fused
 from ..core.handoff import prefill
 from ..core.translator import Translator, fast_precision
 from . import timing
@@ -66,6 +67,7 @@ def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: 
     return {"paths": summaries, "speedup": timing.speedups(summaries), "breakdown": breakdown,
             "precision": paths.precision, "cache": paths.kind, "cuda_graphs": paths.graphed,
             "graph_errors": paths.graph_errors,
+            "fused_keys": fused.status() if paths.precision == "fused" else None,
             "noisy": timing.noisy_timings(summaries) + timing.noisy_timings(breakdown, "source_cache_handoff/")}
 
 

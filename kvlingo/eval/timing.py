@@ -20,7 +20,8 @@ every optimisation the handoff gets:
                reused by every call (as a serving engine reserves its KV memory), which the
                translation writes straight into; grouped-query attention without repeated K/V
                (kvlingo.core.attention); on a CPU, a few rows' linear layers split across
-               threads (kvlingo.core.linear); the maps' matmuls in the run dtype on CUDA
+               threads (kvlingo.core.linear) and the translated keys' norm and RoPE as one
+               compiled kernel (kvlingo.core.fused); the maps' matmuls in the run dtype on CUDA
                (translator.fast_precision); on CUDA each path (and the translation and new turn apart)
                replayed as a CUDA graph (`cuda_graphs`, kvlingo.core.graphs)
 
