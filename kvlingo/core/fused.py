@@ -21,6 +21,9 @@ past those limits, `finish_keys` returns False, the caller runs the `fp32` finis
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
+
 import torch
 
 MIN_ELEMENTS = 1 << 20  # keys per chunk below which the eager finish runs (no compile for small chunks)
@@ -56,12 +59,26 @@ def finish_keys(yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: 
     if _state["kernel"] is None:
         _state["kernel"] = torch.compile(_finish, dynamic=False)
     try:
-        _state["kernel"](yk, weight, eps, cos, sin, out)
+        with _quiet_cuda_probe():
+            _state["kernel"](yk, weight, eps, cos, sin, out)
     except Exception as err:  # no C++ compiler, or inductor cannot build the kernel: the eager finish runs
         _state["failure"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         return False
     _state["shapes"].add(key)
     return True
+
+
+@contextmanager
+def _quiet_cuda_probe():
+    """Compiling a CPU kernel makes torch's extension builder look for CUDA and warn when it finds none;
+    on a CPU run that warning says nothing, so it is held back for the call."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def status() -> dict:
