@@ -10,8 +10,9 @@ cannot map the pair; --flops-only stops there (seconds, nothing built). Then, fo
 length and each mode (kvlingo/eval/timing.py: "shipped" = transformers' DynamicCache and sdpa
 attention, FP32 translation maths, eager; "optimised" = a preallocated cache the translation
 writes into, grouped-query attention without repeated K/V, the keys' norm and RoPE compiled into
-one kernel on a CPU, the maps in the run dtype and CUDA graphs on a GPU): re-prefill, the handoff from an existing source cache (translate, build the
-cache, run a k-token new turn), the handoff with the source's prefill, and the target
+one kernel on a CPU, the maps in the run dtype and CUDA graphs on a GPU): re-prefill, the
+handoff from an existing source cache (translate, build the cache, run a k-token new turn), the
+handoff with the source's prefill, and the target
 continuing its own cache (raw trials, median, CV); where the handoff's time goes; the physical
 limit of the speedup from FLOPs and bytes at the device's peaks (kvlingo/eval/roofline.py:
 measured here unless --peak-tflops/--peak-gbps).
@@ -178,15 +179,18 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
 
 def fused_note(points: list[dict]) -> str:
     """What the optimised rows did with the translated keys' norm and RoPE on a CPU (kvlingo.core.fused)."""
-    state = next((p["modes"]["optimised"].get("fused_keys") for p in reversed(points) if "optimised" in p["modes"]), None)
+    state = next((p["modes"]["optimised"].get("fused_keys") for p in reversed(points) if "optimised" in p["modes"]),
+                 None)
     if not state:
         return ""
     if state["failure"]:
         return f", the keys' norm and RoPE eager (the compiled kernel could not be built: {state['failure']})"
     if not state["compiled_shapes"]:
-        return f", the keys' norm and RoPE eager (every chunk under {state['min_elements']:,} elements, too small to pay for a compile)"
+        return (f", the keys' norm and RoPE eager (every chunk under {state['min_elements']:,} elements, too small "
+                "to pay for a compile)")
     return (f", the keys' norm and RoPE as one compiled kernel ({state['compiled_shapes']} shape(s)"
-            + (f"; {state['skipped_chunks']} chunk(s) past the shape limit eager" if state["skipped_chunks"] else "") + ")")
+            + (f"; {state['skipped_chunks']} chunk(s) past the shape limit eager" if state["skipped_chunks"] else "")
+            + ")")
 
 
 def family_ceilings(source: str, target: str, key_space: str, lengths, k: int) -> tuple[list[dict], dict[str, str]]:

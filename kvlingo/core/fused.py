@@ -4,16 +4,17 @@ The `fp32` path (`KeySpace.finish_keys_into`) runs the norm and RoPE in the targ
 operations and order, about a dozen elementwise passes per 256-token tile, so a translation of
 a model's own keys comes back bit for bit. The `fused` precision runs the same maths as one
 torch.compile (inductor) kernel that reads the maps' output once and writes the cache once.
-Measured on the 2-core machine (2 threads, FP32, Qwen3-0.6B's keys, 8 heads × 4,096 tokens ×
-head_dim 128 per layer; real shapes, random maps): the whole translation 455 → 395 ms.
+Measured on the 2-core machine (2 threads, FP32, Qwen3-1.7B → 0.6B shapes, random maps, 8 KV
+heads × head_dim 128 per layer): the whole translation 477–485 → 423–424 ms at 4,096 tokens and
+117–120 → 102–107 ms at 1,024.
 
 It is not the same bits: inductor sums the squares of the norm in its own order. Against the
-`fp32` path the keys differ by at most 2.7e-7 of the largest |key| there (`TOLERANCE` allows
-2^-20 ≈ 9.5e-7); values are not touched.
+`fp32` path the keys differ by at most 2.8e-7 of a layer's largest |key| there (`TOLERANCE`
+allows 2^-20 ≈ 9.5e-7); values are not touched.
 
-Each shape compiles once (`dynamic=False`: a kernel compiled for dynamic shapes ran about
-twice as slowly here), in about 3 s, so the kernel only takes chunks of `MIN_ELEMENTS` or
-more (a smaller one costs under a millisecond unfused) and at most `MAX_SHAPES` shapes per
+Each shape compiles once (`dynamic=False`: a kernel compiled for dynamic shapes ran two to
+three times as slowly here), in about 3 s, so the kernel only takes chunks of `MIN_ELEMENTS` or
+more (a smaller one costs about a millisecond unfused) and at most `MAX_SHAPES` shapes per
 process (torch's own recompile limit is 8). Compiling needs a C++ compiler; where it fails, or
 past those limits, `finish_keys` returns False, the caller runs the `fp32` finish, and
 `status()` says why.
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-MIN_ELEMENTS = 1 << 20  # keys per chunk below which the eager finish runs (no compile for small chunks)
+MIN_ELEMENTS = 1 << 20  # elements per chunk below which the eager finish runs (no compile for small chunks)
 MAX_SHAPES = 6  # distinct shapes compiled per process (torch's recompile limit is 8)
 TOLERANCE = 2.0**-20  # max |fused - fp32| / max |fp32 key| per chunk
 
@@ -47,8 +48,8 @@ def _finish(yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torc
 def finish_keys(yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                 out: torch.Tensor) -> bool:
     """Norm (when `weight` is given) and RoPE of yk into `out` as one compiled kernel. True when it ran;
-    False (nothing written) for a chunk off the CPU, under `MIN_ELEMENTS`, past `MAX_SHAPES`, or after a
-    compile failure."""
+    False (the caller then writes every key itself) for a chunk off the CPU, under `MIN_ELEMENTS`, past
+    `MAX_SHAPES`, or after a compile failure."""
     if yk.device.type != "cpu" or yk.dtype != torch.float32 or yk.numel() < MIN_ELEMENTS or _state["failure"]:
         return False
     key = (tuple(yk.shape), tuple(yk.stride()), tuple(out.stride()), out.dtype, weight is None, eps,
