@@ -179,8 +179,7 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
 
 def fused_note(points: list[dict]) -> str:
     """What the optimised rows did with the translated keys' norm and RoPE on a CPU (kvlingo.core.fused)."""
-    state = next((p["modes"]["optimised"].get("fused_keys") for p in reversed(points) if "optimised" in p["modes"]),
-                 None)
+    state = points[-1]["modes"].get("optimised", {}).get("fused_keys") if points else None  # the process's totals
     if not state:
         return ""
     if state["failure"]:

@@ -36,8 +36,8 @@ def transformers_split(model, prefix, new):
         return model(input_ids=new, cache=first.cache, use_cache=True).logits[0]
 
 
-def random_maps(source, target, seed: int = 0) -> Headwise:
-    maps = Headwise(Geometry.of(source, target)).bind(source, target)
+def random_maps(source, target, seed: int = 0, key_space: str = "prenorm") -> Headwise:
+    maps = Headwise(Geometry.of(source, target), key_space).bind(source, target)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         maps.weight.normal_(0, 0.3, generator=g)
@@ -321,15 +321,6 @@ def fused_any_size(monkeypatch):
     fused.reset()
 
 
-def _keyed_maps(source, target, key_space: str, seed: int) -> Headwise:
-    maps = Headwise(Geometry.of(source, target), key_space).bind(source, target)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        maps.weight.copy_(torch.eye(16) + 0.3 * torch.randn(maps.weight.shape, generator=g))
-        maps.bias.normal_(0, 0.1, generator=g)
-    return maps.requires_grad_(False)
-
-
 @pytest.mark.parametrize("key_space,dtype", [("prenorm", torch.float32), ("cache", torch.float32),
                                              ("prenorm", torch.bfloat16)])
 def test_fused_key_finish_within_tolerance_of_fp32(models, fused_any_size, key_space, dtype):
@@ -337,7 +328,7 @@ def test_fused_key_finish_within_tolerance_of_fp32(models, fused_any_size, key_s
     fused.TOLERANCE of the fp32 path per layer (plus one rounding in BF16), values bit for bit."""
     source, target = models["large", torch.float32], models["small", torch.float32]
     ids = _ids(40, target.config.vocab_size, 11)
-    maps = _keyed_maps(source, target, key_space, 12)
+    maps = random_maps(source, target, 12, key_space)
     with torch.no_grad():
         cap = capture(source, ids)
         exact = maps(cap, dtype, precision="fp32")
@@ -360,7 +351,7 @@ def test_fused_key_finish_falls_back_to_fp32_bits(models, fused_any_size, monkey
     """Where compiling fails (no C++ compiler) the eager finish runs, with the fp32 path's bits, and the
     reason is kept; past MAX_SHAPES new shapes run the eager finish as well."""
     source, target = models["large", torch.float32], models["small", torch.float32]
-    maps = _keyed_maps(source, target, "prenorm", 13)
+    maps = random_maps(source, target, 13)
     attempts = []
 
     def broken(*args, **kwargs):

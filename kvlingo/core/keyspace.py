@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import arch, fused
+from . import arch
 from .cache import Capture
 from .rope import RopeCache, apply_rope, apply_rope_into, strip_rope
 
@@ -119,6 +119,8 @@ class KeySpace:
     def finish_keys_fused(self, yk: torch.Tensor, layers: slice, k_out: torch.Tensor) -> bool:
         """`finish_keys_into` for a whole chunk as one compiled kernel (kvlingo.core.fused): the same maths,
         not the same bits. False when the kernel did not run (then the caller's eager finish writes the keys)."""
+        from . import fused  # imported here: it compiles this module's rms_norm
+
         norm = self.name == "prenorm" and self.k_norm_weight is not None
         cos, sin = self.target_rope(yk.shape[2], device=yk.device)
         return fused.finish_keys(yk, self.k_norm_weight[layers] if norm else None, self.k_norm_eps, cos, sin, k_out)
