@@ -174,6 +174,12 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
                  "floor(re-prefill) / (floor(translation) + floor(new turn)).\n\n"
                  + fmt_table(["context", "re-prefill floor ms", "bound", "translation floor ms", "bound",
                               "new turn floor ms", "bound", "speedup limit", "peak mem / cache"], limits))
+        beaten = [f"{p['context_tokens']} {mode} {step} ({ratio:.2f}× its floor)" for p in points
+                  for mode, row in p["modes"].items()
+                  for step, ratio in row.get("vs_limit", {}).get("below_floor", {}).items()]
+        if beaten:
+            text += ("\n\nFaster than their floor, so the peak probe read low on this run and these floors are not "
+                     "lower bounds (the limit, a ratio of floors, is not affected): " + "; ".join(beaten) + ".")
     return text
 
 

@@ -91,3 +91,27 @@ def test_perf_times_a_family_on_another_geometry(tmp_path):
     report = json.loads((tmp_path / "perf" / "perf.json").read_text())
     assert report["config"]["family"] == "crosslayer" and report["config"]["refresh"] == "tail:4"
     assert report["results"]["lengths"][0]["limit"]["speedup_limit"] > 0
+
+
+def test_below_floor_names_the_steps_faster_than_their_floor():
+    from kvlingo.eval.perf import below_floor
+
+    vs = {"speedup_fraction_of_limit": 0.5, "translate_over_floor": 0.9, "new_turn_over_floor": 2.1,
+          "reprefill_over_floor": 1.0}
+    assert below_floor(vs) == {"translate": 0.9}  # exactly at the floor is not below it; the fraction is no floor
+
+
+def test_perf_says_when_a_step_beats_its_floor(tmp_path, capsys):
+    """Peaks far below the machine's (given, not measured) make every floor longer than its step: perf.json lists
+    the steps under `below_floor` and perf.md says the floors were not lower bounds on that run."""
+    import perf
+
+    perf.main(["--arch", "tiny", "--lengths", "16", "--new-turn-tokens", "4", "--modes", "optimised",
+               "--paths", "target_reprefill", "source_cache_handoff", "--timing-warmups", "0",
+               "--timing-repeats", "1", "--peak-tflops", "1e-9", "--peak-gbps", "1e-6", "--device", "cpu",
+               "--results", str(tmp_path)])
+    out = capsys.readouterr().out
+    row = json.loads((tmp_path / "perf" / "perf.json").read_text())["results"]["lengths"][0]["modes"]["optimised"]
+    assert set(row["vs_limit"]["below_floor"]) == {"translate", "new_turn", "reprefill"}
+    assert all(r < 1 for r in row["vs_limit"]["below_floor"].values())
+    assert "Faster than their floor" in out and "16 optimised translate" in out

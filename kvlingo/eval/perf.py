@@ -71,6 +71,13 @@ def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: 
             "noisy": timing.noisy_timings(summaries) + timing.noisy_timings(breakdown, "source_cache_handoff/")}
 
 
+def below_floor(vs_limit: dict) -> dict[str, float]:
+    """The steps whose median beat their floor (time / floor < 1): the peak probe read lower than what those
+    steps reached, so on that run the floors are not lower bounds (their ratio, the limit, still holds)."""
+    return {name[:-len("_over_floor")]: ratio for name, ratio in vs_limit.items()
+            if name.endswith("_over_floor") and ratio < 1.0}
+
+
 def perf_at_length(source, target, translator: Translator, n: int, k: int, warmups: int, repeats: int,
                    cv_limit: float = timing.CV_LIMIT, seed: int = 0, modes=timing.MODES,
                    max_repeats: int | None = None, cuda_graphs: bool | None = None,
@@ -115,6 +122,7 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, warmu
                 "new_turn_over_floor": b["new_turn"]["median_s"] / limit["new_turn"]["floor_s"],
                 "reprefill_over_floor": row["paths"]["target_reprefill"]["median_s"] / limit["reprefill"]["floor_s"],
             }
+            row["vs_limit"]["below_floor"] = below_floor(row["vs_limit"])
         point["limit"] = limit
     del cap, own
     return point
