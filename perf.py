@@ -178,8 +178,9 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
                   for mode, row in p["modes"].items()
                   for step, ratio in row.get("vs_limit", {}).get("below_floor", {}).items()]
         if beaten:
-            text += ("\n\nFaster than their floor, so the peak probe read low on this run and these floors are not "
-                     "lower bounds (the limit, a ratio of floors, is not affected): " + "; ".join(beaten) + ".")
+            text += ("\n\nFaster than their floor: the peaks assumed are below what these steps reached, so on this "
+                     "run the floors are not lower bounds (where every floor is compute-bound the peak cancels from "
+                     "the limit): " + "; ".join(beaten) + ".")
     return text
 
 

@@ -72,8 +72,9 @@ def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: 
 
 
 def below_floor(vs_limit: dict) -> dict[str, float]:
-    """The steps whose median beat their floor (time / floor < 1): the peak probe read lower than what those
-    steps reached, so on that run the floors are not lower bounds (their ratio, the limit, still holds)."""
+    """The steps whose median beat their floor (time / floor < 1): the peaks assumed (measured by a probe that
+    caught a slow moment, or given too low) are below what those steps reached, so on that run the floors are
+    not lower bounds. Where every floor is compute-bound the peak cancels from the limit; otherwise it does not."""
     return {name[:-len("_over_floor")]: ratio for name, ratio in vs_limit.items()
             if name.endswith("_over_floor") and ratio < 1.0}
 
