@@ -15,7 +15,8 @@ handoff from an existing source cache (translate, build the cache, run a k-token
 handoff with the source's prefill, and the target
 continuing its own cache (raw trials, median, CV); where the handoff's time goes; the physical
 limit of the speedup from FLOPs and bytes at the device's peaks (kvlingo/eval/roofline.py:
-measured here unless --peak-tflops/--peak-gbps).
+given with --peak-tflops/--peak-gbps, or measured here by a probe and then raised to the best
+rate any timed step reached, so that every floor is a lower bound on what this run timed).
 
 Writes RESULTS/RUN/perf.json (default run "perf"), perf.md (the tables, also printed) and
 perf.png; --flops-only writes perf-flops.json and .md instead. On a CPU the CV flags are
@@ -33,9 +34,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvlingo.eval import timing
-from kvlingo.eval.perf import perf_at_length
+from kvlingo.eval.perf import perf_at_length, reached, set_limit
 from kvlingo.core.translator import FAMILIES, Geometry, TranslatorError
-from kvlingo.eval.roofline import Peaks, measure_peaks
+from kvlingo.eval.roofline import Peaks, measure_peaks, raise_to_reached
 from kvlingo.eval.shapes import RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, translator_at
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
@@ -72,7 +73,7 @@ class PerfConfig:
     cv_limit: float  # a timing with CV above this is flagged
     allow_cv: bool  # flagged timings do not fail the run
     threads: int  # torch intra-op threads
-    peaks: dict  # device peaks the physical limit assumes: FLOP/s, bytes/s and where they come from
+    peaks: dict  # device peaks the physical limit assumes: FLOP/s, bytes/s, where they come from, and the probe's
 
 
 @dataclass
@@ -318,7 +319,7 @@ def main(argv=None) -> None:
         peaks = Peaks(args.peak_tflops * 1e12 if args.peak_tflops else got.flops_per_s,
                       args.peak_gbps * 1e9 if args.peak_gbps else got.bytes_per_s,
                       got.source + (" (partly given)" if args.peak_tflops or args.peak_gbps else ""))
-    cfg = replace(cfg, peaks=asdict(peaks))
+    probe = peaks
     print(f"building random {source} → {target} pair ({args.direction}, {dtype}, {device})...", file=sys.stderr)
     pair = random_pair(args.arch or "qwen3", args.direction, device, resolve_dtype(dtype), names=(large, small))
     translator = random_translator(pair.source, pair.target, args.key_space, family=args.family)
@@ -326,6 +327,11 @@ def main(argv=None) -> None:
                              modes=cfg.modes, max_repeats=cfg.max_repeats, cuda_graphs=cfg.cuda_graphs, peaks=peaks,
                              names=cfg.paths, refresh=args.refresh)
               for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)]
+    # measured peaks never stay below a rate this run's own steps reached (given ones are kept as given)
+    peaks = raise_to_reached(probe, reached(points), flops=not args.peak_tflops, memory=not args.peak_gbps)
+    for point in points:
+        set_limit(point, peaks)
+    cfg = replace(cfg, peaks={**asdict(peaks), "probe": asdict(probe)})
     noisy = [f"{p['context_tokens']}/{name}" for p in points for name in p["noisy"]]
     checks = timing.cv_checks(noisy, cfg.cv_limit, cfg.allow_cv)
     switch = [{"context_tokens": p["context_tokens"], "mode": mode,

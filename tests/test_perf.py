@@ -115,3 +115,49 @@ def test_perf_says_when_a_step_beats_its_floor(tmp_path, capsys):
     assert set(row["vs_limit"]["below_floor"]) == {"translate", "new_turn", "reprefill"}
     assert all(r < 1 for r in row["vs_limit"]["below_floor"].values())
     assert "Faster than their floor" in out and "16 optimised translate" in out
+
+
+def test_measured_peaks_are_raised_to_the_rates_the_timed_steps_reached():
+    """A step that did F FLOPs and moved B bytes in t s shows the device reaches F / t and B / t: a measured peak
+    below either is raised to it (naming the step), so every floor is at most its step's time; peaks already higher,
+    or given (not to be raised), stay as they are."""
+    from kvlingo.eval.roofline import Peaks, raise_to_reached, step_floor
+
+    probe = Peaks(1e9, 1e9, "measured (test)")
+    steps = [("a", 4e9, 1e8, 2.0), ("b", 1e9, 3e9, 1.0), ("c", 1e9, 1e9, 4.0)]  # 2e9 / 1e9 / 2.5e8 FLOP/s
+    up = raise_to_reached(probe, steps)
+    assert (up.flops_per_s, up.bytes_per_s) == (2e9, 3e9)
+    assert up.source.startswith("measured (test); ") and "what a reached" in up.source and "what b reached" in up.source
+    for _, flops, nbytes, seconds in steps:
+        assert step_floor(flops, nbytes, up)["floor_s"] <= seconds * (1 + 1e-12)
+    assert step_floor(4e9, 1e8, probe)["floor_s"] == 4.0  # the probe's floor for step a: twice its time
+    kept = raise_to_reached(probe, steps, flops=False)
+    assert (kept.flops_per_s, kept.bytes_per_s) == (1e9, 3e9) and "FLOP/s raised" not in kept.source
+    high = Peaks(1e12, 1e12, "given")
+    assert raise_to_reached(high, steps) == high
+
+
+def test_perf_raises_a_low_probe_so_no_step_beats_its_floor(tmp_path, capsys, monkeypatch):
+    """A probe that reads far below the machine (stubbed at 1 FLOP/s and 1 byte/s): perf raises the peaks to the best
+    rate a timed step reached, keeps the probe beside them, and no step is then faster than its floor; the step that
+    set the FLOP peak sits exactly on it (one trial: its median is its best trial)."""
+    import perf
+    from kvlingo.eval.roofline import Peaks
+
+    monkeypatch.setattr(perf, "measure_peaks", lambda device, dtype: Peaks(1.0, 1.0, "measured (stub)"))
+    perf.main(["--arch", "tiny", "--lengths", "16", "32", "--new-turn-tokens", "4", "--modes", "optimised",
+               "--paths", "target_reprefill", "source_cache_handoff", "--timing-warmups", "0",
+               "--timing-repeats", "1", "--device", "cpu", "--results", str(tmp_path)])
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "perf" / "perf.json").read_text())
+    peaks = report["config"]["peaks"]
+    assert peaks["probe"] == {"flops_per_s": 1.0, "bytes_per_s": 1.0, "source": "measured (stub)"}
+    assert peaks["flops_per_s"] > 1e3 and peaks["bytes_per_s"] > 1e3 and "raised from the probe" in peaks["source"]
+    ratios = []
+    for p in report["results"]["lengths"]:
+        assert p["limit"]["peaks"] == {k: v for k, v in peaks.items() if k != "probe"}
+        row = p["modes"]["optimised"]
+        assert row["vs_limit"]["below_floor"] == {}
+        ratios += [v for k, v in row["vs_limit"].items() if k.endswith("_over_floor")]
+    assert min(ratios) == pytest.approx(1.0, rel=1e-9) and all(r >= 1 - 1e-9 for r in ratios)
+    assert "raised from the probe" in out and "Faster than their floor" not in out

@@ -14,7 +14,7 @@ from ..core import fused
 from ..core.handoff import prefill
 from ..core.translator import Translator, fast_precision
 from . import timing
-from .roofline import Peaks, handoff_limits
+from .roofline import Peaks, handoff_work, limits_at
 
 
 def random_ids(vocab: int, n: int, seed: int, device) -> torch.Tensor:
@@ -71,12 +71,50 @@ def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: 
             "noisy": timing.noisy_timings(summaries) + timing.noisy_timings(breakdown, "source_cache_handoff/")}
 
 
+# vs_limit's ratio per step: (its name there, the step in the limit, where its timing sits in a row)
+FLOOR_STEPS = (("translate", "translation", ("breakdown", "translate")), ("new_turn", "new_turn", ("breakdown", "new_turn")),
+               ("reprefill", "reprefill", ("paths", "target_reprefill")))
+FLOOR_SLACK = 1e-9  # a floor set by the step itself is its own time to rounding: not below it
+
+
 def below_floor(vs_limit: dict) -> dict[str, float]:
-    """The steps whose median beat their floor (time / floor < 1): the peaks assumed (measured by a probe that
-    caught a slow moment, or given too low) are below what those steps reached, so on that run the floors are
-    not lower bounds. Where every floor is compute-bound the peak cancels from the limit; otherwise it does not."""
+    """The steps whose median beat their floor (time / floor < 1): the peaks assumed (given too low, or
+    measured without `roofline.raise_to_reached`) are below what those steps reached, so on that run the
+    floors are not lower bounds. Where every floor is compute-bound the peak cancels from the limit;
+    otherwise it does not."""
     return {name[:-len("_over_floor")]: ratio for name, ratio in vs_limit.items()
-            if name.endswith("_over_floor") and ratio < 1.0}
+            if name.endswith("_over_floor") and ratio < 1.0 - FLOOR_SLACK}
+
+
+def set_limit(point: dict, peaks: Peaks, work: dict[str, tuple[float, float]] | None = None) -> dict:
+    """The point's physical limit at `peaks` and each row's timings against it (`vs_limit`), in place.
+
+    `work`: each step's (FLOPs, bytes) (`roofline.handoff_work`); by default the counts of the
+    point's existing limit, so a point can be measured against other peaks after the run.
+    """
+    if work is None:
+        work = {step: (point["limit"][step]["flops"], point["limit"][step]["bytes"]) for _, step, _ in FLOOR_STEPS}
+    limit = limits_at(work, peaks)
+    for row in point["modes"].values():
+        vs = {"speedup_fraction_of_limit": row["speedup"]["source_cache_handoff"] / limit["speedup_limit"]}
+        for name, step, (part, key) in FLOOR_STEPS:
+            vs[f"{name}_over_floor"] = row[part][key]["median_s"] / limit[step]["floor_s"]
+        vs["below_floor"] = below_floor(vs)
+        row["vs_limit"] = vs
+    point["limit"] = limit
+    return point
+
+
+def reached(points: list[dict]) -> list[tuple[str, float, float, float]]:
+    """(label, FLOPs, bytes, seconds) of every timed step with a floor, at its best trial: what the device
+    demonstrably sustained in this run (for `roofline.raise_to_reached`)."""
+    out = []
+    for p in points:
+        for mode, row in p["modes"].items():
+            for name, step, (part, key) in FLOOR_STEPS:
+                label = f"{name.replace('_', ' ')} at {p['context_tokens']:,} tokens ({mode})"
+                out.append((label, p["limit"][step]["flops"], p["limit"][step]["bytes"], row[part][key]["min_s"]))
+    return out
 
 
 def perf_at_length(source, target, translator: Translator, n: int, k: int, warmups: int, repeats: int,
@@ -114,16 +152,6 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, warmu
              "memory": translation_memory(translator, cap, dtype, fast_precision(device)),
              "noisy": [f"{mode}/{name}" for mode, row in rows.items() for name in row["noisy"]]}
     if peaks is not None:
-        limit = handoff_limits(source, target, translator, n, k, dtype, peaks, cap.values.dtype)
-        for row in rows.values():
-            b = row["breakdown"]
-            row["vs_limit"] = {
-                "speedup_fraction_of_limit": row["speedup"]["source_cache_handoff"] / limit["speedup_limit"],
-                "translate_over_floor": b["translate"]["median_s"] / limit["translation"]["floor_s"],
-                "new_turn_over_floor": b["new_turn"]["median_s"] / limit["new_turn"]["floor_s"],
-                "reprefill_over_floor": row["paths"]["target_reprefill"]["median_s"] / limit["reprefill"]["floor_s"],
-            }
-            row["vs_limit"]["below_floor"] = below_floor(row["vs_limit"])
-        point["limit"] = limit
+        set_limit(point, peaks, handoff_work(source, target, translator, n, k, dtype, cap.values.dtype))
     del cap, own
     return point

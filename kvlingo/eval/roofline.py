@@ -19,6 +19,12 @@ measured here (`measure_peaks`: the best of a few large matmuls in the run dtype
 large copy), or given (e.g. a datasheet's: H200 SXM, 4.8 TB/s HBM3e and about 790 TFLOP/s
 dense BF16). Measured peaks are what this machine reaches with these kernels, so the limit
 is one that the same libraries could approach; a shared CPU's are lower than an idle one's.
+
+A probe is a few seconds of one matmul shape and can catch a slow moment or a shape the
+library runs below its best, while a timed step is evidence too: a step that did F FLOPs and
+moved B bytes in t seconds shows the device reaches at least F / t FLOP/s and B / t bytes/s.
+`raise_to_reached` lifts measured peaks to the best such rate of a run's timed steps, so that
+every floor of that run is a lower bound on what was timed. Given peaks are left as given.
 """
 
 from __future__ import annotations
@@ -108,22 +114,49 @@ def step_floor(flops: float, nbytes: float, peaks: Peaks) -> dict:
             "bound": "compute" if compute >= memory else "memory"}
 
 
-def handoff_limits(source, target, translator, n: int, k: int, dtype: torch.dtype, peaks: Peaks,
-                   feature_dtype: torch.dtype | None = None) -> dict:
-    """Floors of re-prefill, translation, new turn and target continuation, and the speedup limit.
+def handoff_work(source, target, translator, n: int, k: int, dtype: torch.dtype,
+                 feature_dtype: torch.dtype | None = None) -> dict[str, tuple[float, float]]:
+    """(FLOPs, bytes) of re-prefill, translation and the new turn for a context of n tokens and a new turn of k.
 
     `dtype`: the models' (and caches') dtype; `feature_dtype`: what the translation reads (the
     capture's dtype; default `dtype`).
     """
     g = translator.geometry
     feature_dtype = feature_dtype or dtype
-    reprefill = step_floor(forward_flops(target, n + k, 0), weight_bytes(target) + kv_bytes(target, n + k, dtype), peaks)
-    new_turn = step_floor(forward_flops(target, k, n),
-                          weight_bytes(target) + kv_bytes(target, n, dtype) + kv_bytes(target, k, dtype), peaks)
     source_features = 2 * g.source_layers * g.source_kv_heads * n * g.source_head_dim * _element_size(feature_dtype)
     maps = sum(p.numel() * p.element_size() for p in translator.parameters())
-    translation = step_floor(translator.flops_per_token() * n, source_features + maps + kv_bytes(target, n, dtype),
-                             peaks)
-    handoff = translation["floor_s"] + new_turn["floor_s"]
-    return {"peaks": asdict(peaks), "reprefill": reprefill, "translation": translation, "new_turn": new_turn,
-            "handoff_floor_s": handoff, "speedup_limit": reprefill["floor_s"] / handoff}
+    return {
+        "reprefill": (forward_flops(target, n + k, 0), weight_bytes(target) + kv_bytes(target, n + k, dtype)),
+        "translation": (translator.flops_per_token() * n, source_features + maps + kv_bytes(target, n, dtype)),
+        "new_turn": (forward_flops(target, k, n),
+                     weight_bytes(target) + kv_bytes(target, n, dtype) + kv_bytes(target, k, dtype)),
+    }
+
+
+def limits_at(work: dict[str, tuple[float, float]], peaks: Peaks) -> dict:
+    """Each step's floor at `peaks` and the speedup limit floor(re-prefill) / (floor(translation) + floor(new turn))."""
+    floors = {step: step_floor(flops, nbytes, peaks) for step, (flops, nbytes) in work.items()}
+    handoff = floors["translation"]["floor_s"] + floors["new_turn"]["floor_s"]
+    return {"peaks": asdict(peaks), **floors, "handoff_floor_s": handoff,
+            "speedup_limit": floors["reprefill"]["floor_s"] / handoff}
+
+
+def raise_to_reached(peaks: Peaks, reached: list[tuple[str, float, float, float]], flops: bool = True,
+                     memory: bool = True) -> Peaks:
+    """`peaks` lifted to the best rate a timed step reached, where that is higher.
+
+    `reached`: (label, FLOPs, bytes, seconds) of each timed step; a step's FLOPs / seconds and
+    bytes / seconds are rates the device demonstrably sustained, so a peak below either is wrong
+    for that run. `flops` / `memory`: which of the two peaks may be raised (a given peak is kept).
+    The source names the probe's figures and the steps that raised them.
+    """
+    best_flops = max(((f / t, label) for label, f, _, t in reached if t > 0), default=(0.0, ""))
+    best_bytes = max(((b / t, label) for label, _, b, t in reached if t > 0), default=(0.0, ""))
+    flops_per_s, bytes_per_s, notes = peaks.flops_per_s, peaks.bytes_per_s, []
+    if flops and best_flops[0] > flops_per_s:
+        notes.append(f"FLOP/s raised from the probe's {flops_per_s / 1e12:.3g} T to what {best_flops[1]} reached")
+        flops_per_s = best_flops[0]
+    if memory and best_bytes[0] > bytes_per_s:
+        notes.append(f"bandwidth raised from the probe's {bytes_per_s / 1e9:.3g} GB/s to what {best_bytes[1]} reached")
+        bytes_per_s = best_bytes[0]
+    return Peaks(flops_per_s, bytes_per_s, peaks.source + "".join(f"; {n}" for n in notes))
