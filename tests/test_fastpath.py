@@ -436,6 +436,29 @@ def test_adaptive_trials_stop_at_the_cv_limit_or_the_cap(monkeypatch):
     assert len(timing.run_trials(jumpy, "cpu", 0, 3)) == 3  # no cap given: exactly the repeats
 
 
+def test_interleaved_trials_take_turns_after_every_warm_up(monkeypatch):
+    """Warm-ups first (per name), then one trial of each callable per round in the order given; a noisy one goes
+    on alone after the steady one has its repeats; every trial is the time of its own call."""
+    clock, calls = {"t": 0.0}, []
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["t"])
+    jumps = iter([1.0, 3.0] * 50)
+
+    def steady():
+        calls.append("a")
+        clock["t"] += 2.0
+
+    def jumpy():
+        calls.append("b")
+        clock["t"] += next(jumps)
+
+    trials = timing.run_interleaved({"a": steady, "b": jumpy}, "cpu", {"a": 1, "b": 2}, 3, cv_limit=0.1,
+                                    max_repeats=5)
+    assert calls == ["a", "b", "b"] + ["a", "b"] * 3 + ["b", "b"]
+    assert trials == {"a": [2.0] * 3, "b": [1.0, 3.0, 1.0, 3.0, 1.0]}  # the warm-ups took the first 1.0 and 3.0
+    with pytest.raises(ValueError, match="warmups ≥ 0"):
+        timing.run_interleaved({"a": steady}, "cpu", {"a": -1}, 3)
+
+
 # --------------------------------------------------------------------------- CUDA graphs
 def test_cuda_graph_capture_refuses_a_cpu():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):

@@ -56,13 +56,10 @@ def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, prec
 def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: float,
               max_repeats: int | None, names=timing.PATHS) -> dict:
     """One row set: the paths, the existing-source handoff's stages, speedups and CV flags."""
-    device = paths.context_ids.device
     prefill_warmups = max(0, warmups - 1)  # the shared set-up prefills stood in for their first warm-up
-    summaries = {}
-    for name in names:
-        w = prefill_warmups if name in ("target_reprefill", "source_prefill_handoff") else warmups
-        summaries[name] = timing.summarize(timing.run_trials(paths.path(name), device, w, repeats, cv_limit,
-                                                             max_repeats), cv_limit)
+    per_path = {name: prefill_warmups if name in ("target_reprefill", "source_prefill_handoff") else warmups
+                for name in names}
+    summaries = timing.time_paths(paths, names, per_path, repeats, cv_limit, max_repeats)
     breakdown = timing.time_breakdown(paths, warmups, repeats, cv_limit, max_repeats)
     return {"paths": summaries, "speedup": timing.speedups(summaries), "breakdown": breakdown,
             "precision": paths.precision, "cache": paths.kind, "cuda_graphs": paths.graphed,

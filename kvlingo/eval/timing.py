@@ -76,20 +76,40 @@ def run_trials(fn: Callable[[], object], device, warmups: int, repeats: int, cv_
     exceeds `cv_limit`, up to `max_repeats` (a GPU's first trials can include clock ramps and
     allocator growth). Every trial is kept and reported; the screen still sees them all.
     """
-    if repeats < 1 or warmups < 0:
+    return run_interleaved({"": fn}, device, warmups, repeats, cv_limit, max_repeats)[""]
+
+
+def run_interleaved(fns: dict[str, Callable[[], object]], device, warmups: int | dict[str, int], repeats: int,
+                    cv_limit: float | None = None, max_repeats: int | None = None) -> dict[str, list[float]]:
+    """`run_trials` for several callables at once, their trials interleaved round by round.
+
+    Every warm-up runs first (`warmups`: one count for all, or one per name). Then each round
+    times one trial of every callable that still wants one (fewer than `repeats`, or a CV above
+    `cv_limit` and fewer than `max_repeats`), in the order given. A slow spell of a shared machine
+    then falls on every callable of that round alike instead of on whichever was being timed,
+    so ratios of their medians move less from run to run. Returns {name: seconds per trial}.
+    """
+    if repeats < 1 or (min(warmups.values(), default=0) if isinstance(warmups, dict) else warmups) < 0:
         raise ValueError(f"need repeats ≥ 1 and warmups ≥ 0 (got {repeats} and {warmups})")
     cap = max(repeats, max_repeats or repeats)
+    trials: dict[str, list[float]] = {name: [] for name in fns}
+
+    def wants(name: str) -> bool:
+        done = trials[name]
+        return len(done) < repeats or (cv_limit is not None and len(done) < cap and cv(done) > cv_limit)
+
     with torch.inference_mode():
-        for _ in range(warmups):
-            fn()
+        for name, fn in fns.items():
+            for _ in range(warmups[name] if isinstance(warmups, dict) else warmups):
+                fn()
         synchronize(device)
-        trials: list[float] = []
-        while len(trials) < repeats or (cv_limit is not None and len(trials) < cap and cv(trials) > cv_limit):
-            synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            trials.append(time.perf_counter() - t0)
+        while due := [name for name in fns if wants(name)]:
+            for name in due:
+                synchronize(device)
+                t0 = time.perf_counter()
+                fns[name]()
+                synchronize(device)
+                trials[name].append(time.perf_counter() - t0)
     return trials
 
 
@@ -261,16 +281,18 @@ class HandoffPaths:
         return getattr(self, name)
 
 
-def time_paths(paths: HandoffPaths, names=PATHS, warmups: int = 5, repeats: int = 30, cv_limit: float = CV_LIMIT,
-               max_repeats: int | None = None) -> dict:
-    """Time each named path on its own (all its warm-ups and trials, then the next path); with
-    `max_repeats`, a noisy path gets more trials (`run_trials`).
+def time_paths(paths: HandoffPaths, names=PATHS, warmups: int | dict[str, int] = 5, repeats: int = 30,
+               cv_limit: float = CV_LIMIT, max_repeats: int | None = None) -> dict:
+    """Time the named paths, their trials interleaved round by round after every warm-up
+    (`run_interleaved`; `warmups` one count or one per path); with `max_repeats`, a noisy path
+    gets more trials.
 
     Returns {path: summary}; speedups are `speedups(...)` of the result.
     """
     device = device_of(paths.target)
-    return {name: summarize(run_trials(paths.path(name), device, warmups, repeats, cv_limit, max_repeats), cv_limit)
-            for name in names}
+    trials = run_interleaved({name: paths.path(name) for name in names}, device, warmups, repeats, cv_limit,
+                             max_repeats)
+    return {name: summarize(t, cv_limit) for name, t in trials.items()}
 
 
 def time_breakdown(paths: HandoffPaths, warmups: int = 5, repeats: int = 30, cv_limit: float = CV_LIMIT,
