@@ -162,7 +162,8 @@ class Plan:
 
 
 def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: int) -> dict:
-    """Re-prefill and each (run, setting)'s handoff at the real shapes with random weights (seconds)."""
+    """Re-prefill and each (run, setting)'s handoff at the real shapes with random weights (seconds), every
+    trial interleaved round by round with the others (timing.time_handoffs)."""
     from kvlingo.eval.perf import random_ids
     from kvlingo.eval.shapes import real_settings
     from kvlingo.toy.random import random_pair, random_translator
@@ -173,25 +174,15 @@ def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: 
     T, k = cfg.real_tokens, 16
     ids = random_ids(pair.target.config.vocab_size, T + k, 0, device)
     width = pair.target.config.num_key_value_heads * pair.target.config.head_dim
-    out = {"tokens": T, "new_turn_tokens": k, "threads": timing.threads(), "dtype": str(dtype).removeprefix("torch."),
-           "handoff": {}}
+    handoffs = {}
     for run, spec in family_specs.items():
         tr = random_translator(pair.source, pair.target, spec["key_space"], family=spec["family"],
                                settings=real_settings(spec["settings"], width / toy_width))
-        cap = None  # one source capture per translator (its prefill is not timed: the handoff starts from it)
-        for setting in cfg.settings:  # timing paths per setting (CUDA graphs are captured per refresh)
-            paths = timing.HandoffPaths(pair.source, pair.target, tr, ids[:, :T], ids[:, T:],
-                                        need=("source_cache_handoff",), source_capture=cap,
-                                        refresh=Refresh.parse(setting))
-            cap = paths.source_capture
-            if "reprefill" not in out:
-                out["reprefill"] = timing.summarize(timing.run_trials(paths.target_reprefill, device,
-                                                                      cfg.timing_warmups, cfg.timing_repeats))
-            out["handoff"][f"{run}|{setting}"] = timing.summarize(
-                timing.run_trials(paths.source_cache_handoff, device, cfg.timing_warmups, cfg.timing_repeats))
-            del paths
-        del cap, tr
-    return out
+        handoffs.update({f"{run}|{setting}": (tr, Refresh.parse(setting)) for setting in cfg.settings})
+    timed = timing.time_handoffs(pair.source, pair.target, handoffs, ids[:, :T], ids[:, T:], cfg.timing_warmups,
+                                 cfg.timing_repeats)
+    return {"tokens": T, "new_turn_tokens": k, "threads": timing.threads(), "dtype": str(dtype).removeprefix("torch."),
+            "interleaved": True, **timed}
 
 
 def layer_sweep(none: dict, per_layer: list[dict]) -> dict:
@@ -239,7 +230,7 @@ def markdown(cfg: FrontierConfig, rows: list[dict], native: dict, best: dict, t:
     head = (f"# Refresh frontier: {cfg.pair.large} / {cfg.pair.small}, {cfg.pair.direction}, profile {cfg.profile}\n\n"
             f"Costs at the real Qwen3-1.7B/0.6B shapes with a {cfg.real_tokens}-token context"
             + (f"; times measured there with random weights ({t['threads']} thread(s), {t['dtype']}, "
-               f"{cfg.timing_repeats} trials after {cfg.timing_warmups} warm-up(s); re-prefill "
+               f"{cfg.timing_repeats} interleaved trials after {cfg.timing_warmups} warm-up(s); re-prefill "
                f"{1e3 * t['reprefill']['median_s']:.0f} ms)" if t else "") + ".\n\n")
     goal = "\n".join(f"- {run}: " + (f"**{b['setting']}**, {100 * b['fraction_of_reprefill']:.1f}% of re-prefill FLOPs"
                                      + (f", {b['speedup']:.1f}× faster than re-prefill" if b.get("speedup") else "")

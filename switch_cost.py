@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         ids = as_ids(stream[:n + k], pair.device)  # [1, n + k]
         handoff = timing.HandoffPaths(pair.source, pair.target, translator, ids[:, :n], ids[:, n:],
                                       need=tuple(PATHS.values()), refresh=args.refresh)
-        summaries = {label: timing.time_paths(handoff, [name], cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)[name]
-                     for label, name in PATHS.items()}
+        timed = timing.time_paths(handoff, list(PATHS.values()), cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
+        summaries = {label: timed[name] for label, name in PATHS.items()}  # trials interleaved round by round
         points.append({"context_tokens": n, "new_turn_tokens": k, "paths": summaries,
                        "speedup": summaries["re_reading"]["median_s"] / summaries["switching"]["median_s"]})
         noisy += timing.noisy_timings(summaries, f"{n}/")

@@ -459,6 +459,54 @@ def test_interleaved_trials_take_turns_after_every_warm_up(monkeypatch):
         timing.run_interleaved({"a": steady}, "cpu", {"a": -1}, 3)
 
 
+def test_handoffs_time_interleaved_and_reserve_only_the_caches_their_paths_write(models, monkeypatch):
+    """Re-prefill and every (translator, refresh) handoff take one trial each per round; each translator's source
+    capture is made once; one handoff cache per pure translation and one re-prefill cache are reserved; a
+    path left out of `need` is refused, not run on a cache that was never reserved; results equal the paths'."""
+    from kvlingo.core.refresh import Refresh
+
+    source, target = models["large", torch.float32], models["small", torch.float32]
+    ids = _ids(30, target.config.vocab_size, 11)
+    a, b = random_maps(source, target, 5), random_maps(source, target, 6)
+    made, prefills = [], []
+    real_init, real_prefill = timing.HandoffPaths.__init__, timing.prefill
+
+    def spy_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(timing.HandoffPaths, "__init__", spy_init)
+    monkeypatch.setattr(timing, "prefill", lambda *args, **kwargs: prefills.append(1) or real_prefill(*args, **kwargs))
+    order = []
+    real_run = timing.run_interleaved
+
+    def spy_run(fns, *args, **kwargs):
+        order.extend(fns)
+        return real_run(fns, *args, **kwargs)
+
+    monkeypatch.setattr(timing, "run_interleaved", spy_run)
+    handoffs = {"a|none": (a, None), "a|tail:5": (a, Refresh.parse("tail:5")), "b|none": (b, Refresh.parse("none"))}
+    out = timing.time_handoffs(source, target, handoffs, ids[:, :26], ids[:, 26:], warmups=1, repeats=2,
+                               mode="optimised")
+    assert order == ["target_reprefill", *handoffs]  # one run_interleaved call over all of them
+    assert list(out["handoff"]) == list(handoffs) and out["reprefill"]["n"] == 2
+    assert all(s["n"] == 2 and len(s["trials_s"]) == 2 for s in out["handoff"].values())
+    assert len(prefills) == 2  # one source capture per translator, shared by its settings
+    assert [p.reprefill_cache is not None for p in made] == [True, False, False]
+    assert [p.handoff_cache is not None for p in made] == [True, False, True]  # the refresh builds its own
+    with torch.inference_mode():
+        for p in made[1:]:
+            with pytest.raises(ValueError, match="not in `need`"):
+                p.path("target_reprefill")
+            with pytest.raises(ValueError, match="no cache was reserved"):
+                p.target_reprefill()
+        full = timing.HandoffPaths(source, target, a, ids[:, :26], ids[:, 26:], mode="optimised")
+        assert torch.equal(made[0].source_cache_handoff(), full.source_cache_handoff())
+        assert torch.equal(made[0].target_reprefill(), full.target_reprefill())
+    with pytest.raises(ValueError, match="at least one handoff"):
+        timing.time_handoffs(source, target, {}, ids[:, :26], ids[:, 26:], 0, 1)
+
+
 # --------------------------------------------------------------------------- CUDA graphs
 def test_cuda_graph_capture_refuses_a_cpu():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):

@@ -144,7 +144,8 @@ class HandoffPaths:
     both). `mode` None follows the process's cache kind (`cache.default_kind`, a stage's --cache).
     `cuda_graphs` (optimised mode on CUDA only; None: on there) replays each path as a
     CUDA graph captured here after warm-ups; a path whose capture fails runs eagerly, and
-    `graph_errors` says why.
+    `graph_errors` says why. The optimised mode reserves only the caches that the paths in
+    `need` write, and `path` refuses a path outside `need`.
     """
 
     def __init__(self, source, target, translator: Translator, context_ids: torch.Tensor, new_ids: torch.Tensor,
@@ -179,12 +180,16 @@ class HandoffPaths:
             if "target_cache_continue" in need and self.target_kv is None:
                 own = prefill(target, context_ids, want_prenorm=False, kind=self.kind)
                 self.target_kv = (own.keys, own.values)
+        self.need = tuple(need)
+        self.handoff_cache = self.reprefill_cache = self.own_cache = None
         if self.optimised:  # reserved once, reused by every call (ordinary tensors: writable in any mode)
-            with torch.no_grad():
-                self.handoff_cache = empty_cache(target, n, k, self.out_dtype, device)
-                self.reprefill_cache = empty_cache(target, n + k, 0, self.out_dtype, device)
-                self.own_cache = build_cache(target, *self.target_kv, kind="preallocated", room=k) \
-                    if self.target_kv is not None else None
+            with torch.no_grad():  # only what the paths in `need` write (a refresh assembles its own cache)
+                if {"source_cache_handoff", "source_prefill_handoff"} & set(need) and not refreshing(refresh):
+                    self.handoff_cache = empty_cache(target, n, k, self.out_dtype, device)
+                if "target_reprefill" in need:
+                    self.reprefill_cache = empty_cache(target, n + k, 0, self.out_dtype, device)
+                if self.target_kv is not None:
+                    self.own_cache = build_cache(target, *self.target_kv, kind="preallocated", room=k)
         self._steps: dict[str, Callable] = {}
         if self.graphs_on:
             with torch.inference_mode():
@@ -197,8 +202,17 @@ class HandoffPaths:
             return translate_to_cache(self.source, self.target, self.translator, self.context_ids, cap=cap,
                                       room=self.new_ids.shape[1], out_dtype=self.out_dtype, precision=self.precision,
                                       refresh=self.refresh)
-        return translate_to_cache(self.source, self.target, self.translator, cap=cap, into=self.handoff_cache,
+        return translate_to_cache(self.source, self.target, self.translator, cap=cap,
+                                  into=self._reserved("handoff_cache", "source_cache_handoff"),
                                   out_dtype=self.out_dtype, precision=self.precision)
+
+    def _reserved(self, name: str, path: str):
+        """The cache reserved at set-up for `path` (optimised mode), or a clear error when `need` left it out."""
+        cache = getattr(self, name)
+        if cache is None:
+            raise ValueError(f"path {path!r} was not in `need` {self.need} when these paths were set up, so no "
+                             "cache was reserved for it; add it there")
+        return cache
 
     def _new_turn(self, cache) -> torch.Tensor:
         if self.optimised:
@@ -227,7 +241,7 @@ class HandoffPaths:
         if name == "target_reprefill":
             cache = None
             if self.optimised:
-                cache = self.reprefill_cache
+                cache = self._reserved("reprefill_cache", name)
                 cache.set_length(0)
             out, _ = run_with_cache(self.target, self.full_ids, cache=cache, kind=self.kind, logits_to_keep=1)
             return out.logits[0, -1]
@@ -275,9 +289,9 @@ class HandoffPaths:
     def path(self, name: str) -> Callable[[], torch.Tensor]:
         if name not in PATHS:
             raise ValueError(f"unknown path {name!r}; choose from {PATHS}")
-        if (name == "source_cache_handoff" and self.source_capture is None) or \
-                (name == "target_cache_continue" and self.target_kv is None):
-            raise ValueError(f"path {name!r} was not in `need` when these paths were set up")
+        if name not in self.need:
+            raise ValueError(f"path {name!r} was not in `need` {self.need} when these paths were set up "
+                             "(what it reads or writes was not made); add it there")
         return getattr(self, name)
 
 
@@ -293,6 +307,34 @@ def time_paths(paths: HandoffPaths, names=PATHS, warmups: int | dict[str, int] =
     trials = run_interleaved({name: paths.path(name) for name in names}, device, warmups, repeats, cv_limit,
                              max_repeats)
     return {name: summarize(t, cv_limit) for name, t in trials.items()}
+
+
+def time_handoffs(source, target, handoffs: dict[str, tuple[Translator, object]], context_ids: torch.Tensor,
+                  new_ids: torch.Tensor, warmups: int, repeats: int, cv_limit: float = CV_LIMIT,
+                  max_repeats: int | None = None, mode: str | None = None) -> dict:
+    """Re-prefill and several handoffs from an existing source cache on one context, every trial interleaved
+    round by round (`run_interleaved`), so that the handoffs' speedups share one slow spell or none.
+
+    `handoffs`: {name: (translator, refresh setting or None)}. Each translator's source capture is made
+    once and shared by its settings; the optimised mode reserves one handoff cache per pure translation
+    and one re-prefill cache in all. Returns {"reprefill": summary, "handoff": {name: summary}}.
+    """
+    if not handoffs or "target_reprefill" in handoffs:
+        raise ValueError(f"time_handoffs needs at least one handoff, none named 'target_reprefill' (got {list(handoffs)})")
+    device = device_of(target)
+    fns: dict[str, Callable[[], object]] = {}
+    captures: dict[int, Capture] = {}
+    for name, (translator, refresh) in handoffs.items():
+        need = ("source_cache_handoff",) if fns else ("target_reprefill", "source_cache_handoff")
+        paths = HandoffPaths(source, target, translator, context_ids, new_ids, need=need, mode=mode,
+                             source_capture=captures.get(id(translator)), refresh=refresh)
+        captures[id(translator)] = paths.source_capture
+        if not fns:
+            fns["target_reprefill"] = paths.path("target_reprefill")
+        fns[name] = paths.path("source_cache_handoff")
+    trials = run_interleaved(fns, device, warmups, repeats, cv_limit, max_repeats)
+    return {"reprefill": summarize(trials.pop("target_reprefill"), cv_limit),
+            "handoff": {name: summarize(t, cv_limit) for name, t in trials.items()}}
 
 
 def time_breakdown(paths: HandoffPaths, warmups: int = 5, repeats: int = 30, cv_limit: float = CV_LIMIT,
