@@ -10,7 +10,8 @@ cannot map the pair; --flops-only stops there (seconds, nothing built). Then, fo
 length and each mode (kvlingo/eval/timing.py: "shipped" = transformers' DynamicCache and sdpa
 attention, FP32 translation maths, eager; "optimised" = a preallocated cache the translation
 writes into, grouped-query attention without repeated K/V, the keys' norm and RoPE compiled into
-one kernel on a CPU, the maps in the run dtype and CUDA graphs on a GPU): re-prefill, the
+one kernel on a CPU (--fuse-keys on: on CUDA too), the maps in the run dtype and CUDA graphs on a
+GPU): re-prefill, the
 handoff from an existing source cache (translate, build the cache, run a k-token new turn), the
 handoff with the source's prefill, and the target
 continuing its own cache (raw trials, median, CV); where the handoff's time goes; the physical
@@ -48,6 +49,7 @@ from kvlingo.run.stage import add_refresh_arg, add_timing_args, refuse, refusals
 from kvlingo.toy.random import random_pair, random_translator
 
 SCRIPT = Path(__file__).resolve()
+FUSE_KEYS = {"auto": None, "on": True, "off": False}  # --fuse-keys → translator.fast_precision's fuse_keys
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class PerfConfig:
     modes: tuple[str, ...]  # timing modes: shipped (as transformers ships) and/or optimised
     paths: tuple[str, ...]  # timed paths
     cuda_graphs: bool  # optimised mode on CUDA replays each path as a CUDA graph
+    fuse_keys: str  # optimised mode's compiled key finish: auto (on a CPU, not on CUDA), on or off
     warmups: int  # untimed warm-ups per path
     repeats: int  # timed trials per path (at least)
     max_repeats: int  # a path whose CV exceeds the limit gets more trials, up to this many
@@ -124,6 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--paths", nargs="+", choices=timing.PATHS, default=list(timing.PATHS),
                    help="paths to time (target_reprefill and source_cache_handoff at least; default all four)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="optimised mode on CUDA: run eagerly, not as CUDA graphs")
+    p.add_argument("--fuse-keys", choices=("auto", "on", "off"), default="auto",
+                   help="optimised mode: the translated keys' k_norm and RoPE as one compiled kernel (auto: on a CPU; "
+                        "on CUDA only with 'on', the fast-fused precision, not yet timed on a GPU by this suite)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense matmul TFLOP/s in the run dtype for the physical limit (default: measured)")
     p.add_argument("--peak-gbps", type=float, default=None,
@@ -161,8 +167,8 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
             f"after {cfg.warmups} warm-up(s)\n\n"
             "Row sets: **shipped** = transformers' DynamicCache and sdpa attention as shipped, FP32 translation "
             "maths, eager; **optimised** = preallocated cache written by the translation, grouped-query attention "
-            "without repeated K/V" + (", maps in the run dtype, CUDA graphs" if cfg.device == "cuda" else
-                                        fused_note(points))
+            "without repeated K/V" + (", maps in the run dtype, CUDA graphs" if cfg.device == "cuda" else "")
+            + fused_note(points)
             + ".\n\n"
             + fmt_table(["context", "mode", "path", "median ms", "CV", "trials", "flag", "speedup vs re-prefill"], rows)
             + "\n### Where the existing-source handoff's time goes\n\n"
@@ -186,7 +192,8 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
 
 
 def fused_note(points: list[dict]) -> str:
-    """What the optimised rows did with the translated keys' norm and RoPE on a CPU (kvlingo.core.fused)."""
+    """What the optimised rows did with the translated keys' norm and RoPE (kvlingo.core.fused), when they
+    asked for the compiled kernel."""
     state = points[-1]["modes"].get("optimised", {}).get("fused_keys") if points else None  # the process's totals
     if not state:
         return ""
@@ -287,7 +294,7 @@ def main(argv=None) -> None:
         refresh=str(args.refresh), flops_only=args.flops_only, direction=args.direction, device=device, dtype=dtype,
         key_space=args.key_space, lengths=tuple(sorted(set(args.lengths))), new_turn_tokens=k,
         modes=tuple(m for m in timing.MODES if m in args.modes), paths=tuple(n for n in timing.PATHS if n in args.paths),
-        cuda_graphs=device == "cuda" and not args.no_cuda_graphs,
+        cuda_graphs=device == "cuda" and not args.no_cuda_graphs, fuse_keys=args.fuse_keys,
         warmups=args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups),
         repeats=repeats, max_repeats=max(repeats, args.max_repeats or (repeats if on_cpu else 100)),
         cv_limit=args.cv_limit, allow_cv=args.allow_cv or (on_cpu and not args.strict_cv), threads=timing.threads(),
@@ -325,7 +332,7 @@ def main(argv=None) -> None:
     translator = random_translator(pair.source, pair.target, args.key_space, family=args.family)
     points = [perf_at_length(pair.source, pair.target, translator, n, k, cfg.warmups, cfg.repeats, cfg.cv_limit,
                              modes=cfg.modes, max_repeats=cfg.max_repeats, cuda_graphs=cfg.cuda_graphs, peaks=peaks,
-                             names=cfg.paths, refresh=args.refresh)
+                             names=cfg.paths, refresh=args.refresh, fuse_keys=FUSE_KEYS[cfg.fuse_keys])
               for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)]
     # measured peaks never stay below a rate this run's own steps reached (given ones are kept as given)
     peaks = raise_to_reached(probe, reached(points), flops=not args.peak_tflops, memory=not args.peak_gbps)

@@ -378,6 +378,49 @@ def test_fused_key_finish_falls_back_to_fp32_bits(models, fused_any_size, monkey
     assert fused.status()["compiled_shapes"] == 0
 
 
+def test_fast_fused_finish_reads_the_narrow_map_output_and_matches_fast(models, fused_any_size, monkeypatch):
+    """`fast-fused` (BF16 maps, compiled finish): the kernel reads the BF16 key map itself, so no FP32 staging
+    chunk is taken; keys within fused.TOLERANCE plus one BF16 rounding of `fast` and within FAST_BF16_TOLERANCE of
+    `fp32`; values the same bits as `fast`'s."""
+    from kvlingo.core import translator as T
+
+    source, target = models["large", torch.float32], models["small", torch.float32]
+    ids = _ids(40, target.config.vocab_size, 21)
+    maps = random_maps(source, target, 22)
+    taken = []
+    real_take = T.Scratch.take
+    monkeypatch.setattr(T.Scratch, "take", lambda self, name, *a, **k: taken.append(name) or real_take(self, name, *a, **k))
+    with torch.no_grad():
+        cap = capture(source, ids)
+        exact = maps(cap, torch.bfloat16, precision="fp32")
+        fast = maps(cap, torch.bfloat16, precision="fast")
+        assert "yk" in taken  # the eager finish widens the BF16 map into FP32 scratch
+        taken.clear()
+        cache = empty_cache(target, 40, 3, torch.bfloat16)
+        got = maps(cap, precision="fast-fused", out=cache.context(40))
+    state = fused.status()
+    if state["failure"]:
+        pytest.skip(f"torch.compile cannot build the fused kernel here: {state['failure']}")
+    assert state["compiled_shapes"] == 1 and state["skipped_chunks"] == 0  # the compiled kernel ran
+    assert "low" in taken and "yk" not in taken  # BF16 map output only: no FP32 staging of the keys
+    assert maps.compute_dtype(torch.bfloat16, "fast-fused") == torch.bfloat16
+    assert torch.equal(got[1], fast[1])
+    for layer in range(exact[0].shape[0]):
+        ref, eager = exact[0][layer].float(), fast[0][layer].float()
+        mine = got[0][layer].float()
+        assert (mine - eager).abs().max().item() <= (fused.TOLERANCE + BF16_EPS) * eager.abs().max().item()
+        assert (mine - ref).abs().max().item() <= FAST_BF16_TOLERANCE * ref.abs().max().item()
+    assert cache.context(40)[0].data_ptr() == got[0].data_ptr()
+
+
+def test_fast_precision_follows_the_device_and_the_fuse_keys_switch():
+    from kvlingo.core.translator import fast_precision
+
+    assert [fast_precision("cuda", f) for f in (None, True, False)] == ["fast", "fast-fused", "fast"]
+    assert [fast_precision("cpu", f) for f in (None, True, False)] == ["fused", "fused", "fp32"]
+    assert [fast_precision("mps", f) for f in (None, True, False)] == ["fp32"] * 3
+
+
 def test_family_without_fast_paths_keeps_fp32_maths_and_contiguous_scratch(models):
     source, target = models["large", torch.float32], models["small", torch.float32]
 

@@ -161,3 +161,19 @@ def test_perf_raises_a_low_probe_so_no_step_beats_its_floor(tmp_path, capsys, mo
         ratios += [v for k, v in row["vs_limit"].items() if k.endswith("_over_floor")]
     assert min(ratios) == pytest.approx(1.0, rel=1e-9) and all(r >= 1 - 1e-9 for r in ratios)
     assert "raised from the probe" in out and "Faster than their floor" not in out
+
+
+def test_perf_fuse_keys_switch_reaches_the_optimised_rows(tmp_path):
+    """--fuse-keys off times the optimised handoff with the exact key finish (`fp32` on a CPU); auto keeps the
+    device's default (`fused` on a CPU), and the choice is recorded in the config."""
+    import perf
+
+    base = ["--arch", "tiny", "--lengths", "16", "--new-turn-tokens", "4", "--modes", "optimised",
+            "--paths", "target_reprefill", "source_cache_handoff", "--timing-warmups", "0", "--timing-repeats", "1",
+            "--peak-tflops", "1", "--peak-gbps", "1", "--device", "cpu"]
+    for switch, precision in (("off", "fp32"), ("auto", "fused")):
+        perf.main([*base, "--fuse-keys", switch, "--results", str(tmp_path / switch)])
+        rep = json.loads((tmp_path / switch / "perf" / "perf.json").read_text())
+        row = rep["results"]["lengths"][0]["modes"]["optimised"]
+        assert rep["config"]["fuse_keys"] == switch and row["precision"] == precision
+        assert (row["fused_keys"] is None) == (precision == "fp32")

@@ -1,4 +1,4 @@
-"""The translated keys' finish (the target's k_norm, then its RoPE) as one compiled CPU kernel.
+"""The translated keys' finish (the target's k_norm, then its RoPE) as one compiled kernel.
 
 The `fp32` path (`KeySpace.finish_keys_into`) runs the norm and RoPE in the target model's own
 operations and order, about a dozen elementwise passes per 256-token tile, so a translation of
@@ -11,6 +11,12 @@ heads × head_dim 128 per layer): the whole translation 477–485 → 423–424 
 It is not the same bits: inductor sums the squares of the norm in its own order. Against the
 `fp32` path the keys differ by at most 2.8e-7 of a layer's largest |key| there (`TOLERANCE`
 allows 2^-20 ≈ 9.5e-7); values are not touched.
+
+The kernel also takes the key map's output in a narrower dtype (the `fast-fused` precision: BF16
+or FP16 matmuls), widening it inside the kernel, so the FP32 staging copy is never written. That
+is how it would run on CUDA, where torch.compile builds it with Triton; a CUDA run takes it only
+when asked (`translator.fast_precision(device, fuse_keys=True)`), because no GPU run of this suite
+has timed it yet.
 
 Each shape compiles once (`dynamic=False`: a kernel compiled for dynamic shapes ran two to
 three times as slowly here), in about 3 s, so the kernel only takes chunks of `MIN_ELEMENTS` or
@@ -32,18 +38,22 @@ from .keyspace import rms_norm
 MIN_ELEMENTS = 1 << 20  # elements per chunk below which the eager finish runs (no compile for small chunks)
 MAX_SHAPES = 6  # distinct shapes compiled per process (torch's recompile limit is 8)
 TOLERANCE = 2.0**-20  # max |fused - fp32| / max |fp32 key| per chunk
+DEVICES = ("cpu", "cuda")  # inductor's C++ and Triton back ends
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the key map may write (widened in the kernel)
 
 _state: dict = {"kernel": None, "shapes": set(), "failure": None, "skipped": 0}
 
 
 def _finish(yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
             out: torch.Tensor) -> None:
-    """yk [n, heads, tokens, d] FP32; weight [n, d] (None: no k_norm); cos/sin [tokens, d] → out (any dtype).
+    """yk [n, heads, tokens, d] (FP32, or narrower: widened here); weight [n, d] (None: no k_norm); cos/sin
+    [tokens, d] → out (any dtype).
 
     The norm is `keyspace.rms_norm` itself. RoPE is written half by half, as `rope.apply_rope_into`
     computes it (k1·cos1 - k2·sin1, k2·cos2 + k1·sin2; the same values as `apply_rope`): traced through
     `apply_rope`'s rotate_half (a concatenation of a negated half), the kernel took 2.6 ms per layer
     at 4,096 tokens against 1.9 ms this way, with the same bits."""
+    yk = yk.float()
     y = yk if weight is None else rms_norm(yk, weight, eps)
     h = y.shape[-1] // 2
     y1, y2 = y[..., :h], y[..., h:]
@@ -53,12 +63,12 @@ def _finish(yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torc
 def finish_keys(yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                 out: torch.Tensor) -> bool:
     """Norm (when `weight` is given) and RoPE of yk into `out` as one compiled kernel. True when it ran;
-    False (the caller then writes every key itself) for a chunk off the CPU, under `MIN_ELEMENTS`, past
-    `MAX_SHAPES`, or after a compile failure."""
-    if yk.device.type != "cpu" or yk.dtype != torch.float32 or yk.numel() < MIN_ELEMENTS or _state["failure"]:
+    False (the caller then writes every key itself) for a chunk off a CPU or CUDA device, not in a float
+    dtype, under `MIN_ELEMENTS`, past `MAX_SHAPES`, or after a compile failure."""
+    if yk.device.type not in DEVICES or yk.dtype not in DTYPES or yk.numel() < MIN_ELEMENTS or _state["failure"]:
         return False
-    key = (tuple(yk.shape), tuple(yk.stride()), tuple(out.stride()), out.dtype, weight is None, eps,
-           tuple(cos.stride()))
+    key = (yk.device.type, yk.dtype, tuple(yk.shape), tuple(yk.stride()), tuple(out.stride()), out.dtype,
+           weight is None, eps, tuple(cos.stride()))
     new = key not in _state["shapes"]  # this call compiles
     if new and len(_state["shapes"]) >= MAX_SHAPES:
         _state["skipped"] += 1

@@ -37,6 +37,13 @@ Precision of the no-grad path (`PRECISIONS`):
   differs by a few BF16 roundings (`FAST_BF16_TOLERANCE`). A family opts in with
   `fast_paths = True` (its `map_into` then takes compute-dtype features and strided
   outputs); the others run `fp32` maths.
+- `fast-fused`: `fast`, with the keys' norm and RoPE as one compiled kernel (kvlingo.core.fused)
+  that reads the matmul's output in the run dtype once and writes the cache once, in place of
+  the FP32 staging and a dozen eager passes over it. Opt-in (`fast_precision(device,
+  fuse_keys=True)`; `perf.py --fuse-keys on`): on CUDA the kernel is Triton's, which this suite
+  has not yet timed, so it is not the default until a GPU run shows it helps. Within
+  `FAST_BF16_TOLERANCE` of `fp32` as `fast` is, and within `fused.TOLERANCE` plus one rounding
+  of `fast` itself.
 
 Folder format: `maps.safetensors` (the state dict), then `manifest.json`, written last, so
 its presence marks a complete translator. It records the family, key space, settings and
@@ -68,7 +75,9 @@ DEFAULT_CHUNK_ELEMENTS = {"cpu": 1 << 22, "mps": 1 << 25, "cuda": 1 << 24}
 # Elements of a token tile of the keys' norm and RoPE (FP32; about 1 MB on a CPU); untiled elsewhere.
 TILE_ELEMENTS = {"cpu": 1 << 18}
 FAMILIES: dict[str, type["Translator"]] = {}  # family name → class, filled by @family
-PRECISIONS = ("fp32", "fused", "fast")
+PRECISIONS = ("fp32", "fused", "fast", "fast-fused")
+FAST = ("fast", "fast-fused")  # the maps' matmuls in the run dtype
+FUSED = ("fused", "fast-fused")  # the keys' norm and RoPE as one compiled kernel
 # How far the `fast` path in BF16 may be from the `fp32` path (both rounded to BF16), in units of the
 # largest |output| of the `fp32` path, per target layer. The fast path rounds the maps to BF16
 # (relative 2^-9 each; its inputs are BF16 already in a BF16 run, or rounded once from the FP32
@@ -79,17 +88,23 @@ PRECISIONS = ("fp32", "fused", "fast")
 FAST_BF16_TOLERANCE = 2.0**-6
 
 
-def fast_precision(device) -> str:
+def fast_precision(device, fuse_keys: bool | None = None) -> str:
     """The precision an optimised handoff translates in: `fast` on CUDA (tensor cores), `fused` on a CPU
-    (FP32 maths, the keys' finish compiled: a CPU's BF16 matmuls are no faster here), `fp32` elsewhere."""
+    (FP32 maths, the keys' finish compiled: a CPU's BF16 matmuls are no faster here), `fp32` elsewhere.
+    `fuse_keys` True or False asks for the compiled finish or not (CUDA: `fast-fused` or `fast`; CPU:
+    `fused` or `fp32`); None takes the default above."""
     kind = torch.device(device).type
-    return "fast" if kind == "cuda" else "fused" if kind == "cpu" else "fp32"
+    if kind == "cuda":
+        return "fast-fused" if fuse_keys else "fast"
+    if kind == "cpu":
+        return "fp32" if fuse_keys is False else "fused"
+    return "fp32"
 
 
 @contextmanager
 def matmul_precision(device, precision: str):
     """On CUDA under `fast`: TF32 for FP32 matmuls and FP32 accumulation for BF16/FP16 ones; elsewhere nothing."""
-    if torch.device(device).type != "cuda" or precision != "fast":
+    if torch.device(device).type != "cuda" or precision not in FAST:
         yield
         return
     fp32_before = torch.get_float32_matmul_precision()
@@ -245,7 +260,7 @@ class Translator(nn.Module):
         """dtype the maps' inputs and matmuls take on the no-grad path."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
-        fast = precision == "fast" and self.fast_paths and out_dtype in (torch.bfloat16, torch.float16)
+        fast = precision in FAST and self.fast_paths and out_dtype in (torch.bfloat16, torch.float16)
         return out_dtype if fast else torch.float32
 
     def translate_layers(self, cap: Capture, layers: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +323,7 @@ class Translator(nn.Module):
             keys, values = out
         scratch = Scratch((step, H, T, d), device, tile)
         with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False), \
-                matmul_precision(device, precision), self._computing(compute, precision == "fused"):
+                matmul_precision(device, precision), self._computing(compute, precision in FUSED):
             for start in range(first, stop, step):
                 layers = slice(start, min(stop, start + step))
                 rows = slice(start - first, layers.stop - first)
@@ -332,17 +347,17 @@ class Translator(nn.Module):
         memory, the norm scales in place, RoPE writes each half straight into the output. A family
         without `fast_paths` maps into contiguous scratch, which is then copied into the output.
         Under a compute dtype below FP32, the key map's output is widened once for norm and RoPE.
-        Under `fused`, norm and RoPE run as one compiled kernel over the chunk (when it runs).
+        Under `fused` and `fast-fused`, norm and RoPE run as one compiled kernel over the chunk (when
+        it runs), reading the key map's output in the compute dtype.
         """
         n, compute, T = k_out.shape[0], self._compute, k_out.shape[2]
-        yk = scratch.take("yk", n)  # [n, heads, tokens, d_out] FP32
-        if compute == torch.float32:
-            self.map_into(0, cap, layers, yk)
-        else:
-            low = scratch.take("low", n, compute)
-            self.map_into(0, cap, layers, low)
-            yk.copy_(low)
-        if not (self._fuse_keys and self.space.finish_keys_fused(yk, layers, k_out)):
+        key_map = scratch.take("yk" if compute == torch.float32 else "low", n, compute)  # [n, heads, tokens, d_out]
+        self.map_into(0, cap, layers, key_map)
+        if not (self._fuse_keys and self.space.finish_keys_fused(key_map, layers, k_out)):
+            yk = key_map
+            if compute != torch.float32:  # widened once for the FP32 norm and RoPE
+                yk = scratch.take("yk", n)
+                yk.copy_(key_map)
             for begin in range(0, T, scratch.tile):  # per-token norm and RoPE, tile by tile: the same bits
                 end = min(T, begin + scratch.tile)
                 scratch.tokens = end - begin

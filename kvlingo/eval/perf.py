@@ -12,7 +12,7 @@ import torch
 
 from ..core import fused
 from ..core.handoff import prefill
-from ..core.translator import Translator, fast_precision
+from ..core.translator import FUSED, Translator, fast_precision
 from . import timing
 from .roofline import Peaks, handoff_work, limits_at
 
@@ -64,7 +64,7 @@ def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: 
     return {"paths": summaries, "speedup": timing.speedups(summaries), "breakdown": breakdown,
             "precision": paths.precision, "cache": paths.kind, "cuda_graphs": paths.graphed,
             "graph_errors": paths.graph_errors,
-            "fused_keys": fused.status() if paths.precision == "fused" else None,
+            "fused_keys": fused.status() if paths.precision in FUSED else None,
             "noisy": timing.noisy_timings(summaries) + timing.noisy_timings(breakdown, "source_cache_handoff/")}
 
 
@@ -117,10 +117,11 @@ def reached(points: list[dict]) -> list[tuple[str, float, float, float]]:
 def perf_at_length(source, target, translator: Translator, n: int, k: int, warmups: int, repeats: int,
                    cv_limit: float = timing.CV_LIMIT, seed: int = 0, modes=timing.MODES,
                    max_repeats: int | None = None, cuda_graphs: bool | None = None,
-                   peaks: Peaks | None = None, names=timing.PATHS, refresh=None) -> dict:
+                   peaks: Peaks | None = None, names=timing.PATHS, refresh=None, fuse_keys: bool | None = None) -> dict:
     """Time the paths `names` (re-prefill and the existing-source handoff at least) in each mode for a
     random context of n tokens and a new turn of k tokens (the handoffs under `refresh`, when given;
-    the physical limit stays that of pure translation).
+    the physical limit stays that of pure translation). `fuse_keys`: the optimised mode's compiled key
+    finish on or off (None: the device's default; `translator.fast_precision`).
 
     The set-up prefills (the existing source capture, the target's own cache) do the same
     work as one run of the source-prefill and re-prefill paths at this length, so they
@@ -140,13 +141,14 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, warmu
     for mode in modes:
         paths = timing.HandoffPaths(source, target, translator, context, new, need=tuple(names), mode=mode,
                                     cuda_graphs=cuda_graphs, source_capture=cap,
-                                    target_kv=None if own is None else (own.keys, own.values), refresh=refresh)
+                                    target_kv=None if own is None else (own.keys, own.values), refresh=refresh,
+                                    fuse_keys=fuse_keys)
         rows[mode] = time_mode(paths, warmups, repeats, cv_limit, max_repeats, names)
         rows[mode]["translation_gflops_per_s"] = \
             translator.flops_per_token() * n / rows[mode]["breakdown"]["translate"]["median_s"] / 1e9
         del paths
     point = {"context_tokens": n, "new_turn_tokens": k, "modes": rows,
-             "memory": translation_memory(translator, cap, dtype, fast_precision(device)),
+             "memory": translation_memory(translator, cap, dtype, fast_precision(device, fuse_keys)),
              "noisy": [f"{mode}/{name}" for mode, row in rows.items() for name in row["noisy"]]}
     if peaks is not None:
         set_limit(point, peaks, handoff_work(source, target, translator, n, k, dtype, cap.values.dtype))

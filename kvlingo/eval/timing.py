@@ -145,13 +145,16 @@ class HandoffPaths:
     `cuda_graphs` (optimised mode on CUDA only; None: on there) replays each path as a
     CUDA graph captured here after warm-ups; a path whose capture fails runs eagerly, and
     `graph_errors` says why. The optimised mode reserves only the caches that the paths in
-    `need` write, and `path` refuses a path outside `need`.
+    `need` write, and `path` refuses a path outside `need`. `fuse_keys` (optimised mode): the
+    translated keys' finish as one compiled kernel or not (`translator.fast_precision`; None: the
+    device's default).
     """
 
     def __init__(self, source, target, translator: Translator, context_ids: torch.Tensor, new_ids: torch.Tensor,
                  out_dtype: torch.dtype | None = None, need: tuple[str, ...] = PATHS, mode: str | None = None,
                  cuda_graphs: bool | None = None, source_capture: Capture | None = None,
-                 target_kv: tuple[torch.Tensor, torch.Tensor] | None = None, refresh=None):
+                 target_kv: tuple[torch.Tensor, torch.Tensor] | None = None, refresh=None,
+                 fuse_keys: bool | None = None):
         mode = mode or ("optimised" if default_kind() == "preallocated" else "shipped")
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
@@ -164,7 +167,7 @@ class HandoffPaths:
         self.optimised = mode == "optimised"
         self.kind = "preallocated" if self.optimised else "dynamic"
         device = context_ids.device
-        self.precision = fast_precision(device) if self.optimised else "fp32"
+        self.precision = fast_precision(device, fuse_keys) if self.optimised else "fp32"
         # a refresh runs the target inside the translation and assembles a cache per call: not graphed
         self.graphs_on = self.optimised and device.type == "cuda" and cuda_graphs is not False and not refreshing(refresh)
         self.graph_errors: dict[str, str] = {}
