@@ -29,7 +29,8 @@ Precision of the no-grad path (`PRECISIONS`):
   keys' norm and RoPE as one compiled kernel per chunk (kvlingo.core.fused) instead of a
   dozen eager passes. Not the same bits: keys within `fused.TOLERANCE` (relative) of `fp32`,
   values identical. Chunks too small to be worth a compile, and machines where compiling
-  fails, run the `fp32` finish. Elsewhere than on a CPU, `fused` is `fp32`.
+  fails, run the `fp32` finish. On CUDA the kernel is Triton's; on other devices `fused` is
+  `fp32`.
 - `fast`: what the optimised handoff runs on CUDA (`fast_precision`). The maps' matmuls take
   their inputs in the run dtype (BF16 or FP16; TF32 tensor cores for an FP32 run) with FP32
   accumulation; values come out of the matmul straight into the cache, keys are normed and
