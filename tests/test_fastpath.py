@@ -537,11 +537,12 @@ def test_handoffs_time_interleaved_and_reserve_only_the_caches_their_paths_write
     assert len(prefills) == 2  # one source capture per translator, shared by its settings
     assert [p.reprefill_cache is not None for p in made] == [True, False, False]
     assert [p.handoff_cache is not None for p in made] == [True, False, True]  # the refresh builds its own
+    assert all(p.own_cache is None for p in made)  # no copy of the target's own cache: no path continues it
     with torch.inference_mode():
         for p in made[1:]:
             with pytest.raises(ValueError, match="not in `need`"):
                 p.path("target_reprefill")
-            with pytest.raises(ValueError, match="no cache was reserved"):
+            with pytest.raises(ValueError, match="not in `need`.*was not made"):
                 p.target_reprefill()
         full = timing.HandoffPaths(source, target, a, ids[:, :26], ids[:, 26:], mode="optimised")
         assert torch.equal(made[0].source_cache_handoff(), full.source_cache_handoff())

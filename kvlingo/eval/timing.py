@@ -191,7 +191,7 @@ class HandoffPaths:
                     self.handoff_cache = empty_cache(target, n, k, self.out_dtype, device)
                 if "target_reprefill" in need:
                     self.reprefill_cache = empty_cache(target, n + k, 0, self.out_dtype, device)
-                if self.target_kv is not None:
+                if "target_cache_continue" in need:  # a copy of the target's own cache, with room for the turn
                     self.own_cache = build_cache(target, *self.target_kv, kind="preallocated", room=k)
         self._steps: dict[str, Callable] = {}
         if self.graphs_on:
@@ -213,9 +213,12 @@ class HandoffPaths:
         """The cache reserved at set-up for `path` (optimised mode), or a clear error when `need` left it out."""
         cache = getattr(self, name)
         if cache is None:
-            raise ValueError(f"path {path!r} was not in `need` {self.need} when these paths were set up, so no "
-                             "cache was reserved for it; add it there")
+            raise self._not_set_up(path)
         return cache
+
+    def _not_set_up(self, path: str) -> ValueError:
+        return ValueError(f"path {path!r} was not in `need` {self.need} when these paths were set up, so what it "
+                          "reads or writes was not made; add it there")
 
     def _new_turn(self, cache) -> torch.Tensor:
         if self.optimised:
@@ -293,8 +296,7 @@ class HandoffPaths:
         if name not in PATHS:
             raise ValueError(f"unknown path {name!r}; choose from {PATHS}")
         if name not in self.need:
-            raise ValueError(f"path {name!r} was not in `need` {self.need} when these paths were set up "
-                             "(what it reads or writes was not made); add it there")
+            raise self._not_set_up(name)
         return getattr(self, name)
 
 
