@@ -537,9 +537,12 @@ def test_handoffs_time_interleaved_and_reserve_only_the_caches_their_paths_write
     assert len(prefills) == 2  # one source capture per translator, shared by its settings
     assert [p.reprefill_cache is not None for p in made] == [True, False, False]
     assert [p.handoff_cache is not None for p in made] == [True, False, True]  # the refresh builds its own
-    assert all(p.own_cache is None for p in made)  # no copy of the target's own cache: no path continues it
+    own = real_prefill(target, ids[:, :26])  # the target's own cache given, but no path continues it: not copied
+    lean = timing.HandoffPaths(source, target, a, ids[:, :26], ids[:, 26:], need=("target_reprefill",),
+                               mode="optimised", target_kv=(own.keys, own.values))
+    assert lean.own_cache is None and lean.handoff_cache is None and lean.reprefill_cache is not None
     with torch.inference_mode():
-        for p in made[1:]:
+        for p in made[1:len(handoffs)]:  # the handoffs after the first (not `lean` below)
             with pytest.raises(ValueError, match="not in `need`"):
                 p.path("target_reprefill")
             with pytest.raises(ValueError, match="not in `need`.*was not made"):
