@@ -217,13 +217,26 @@ def layer_table(sweep: dict) -> str:
             "layers (1 = the layer whose translation does the most damage).\n\n" + "\n".join(parts))
 
 
+def cv_note(t: dict) -> str:
+    """The CV screen of the real-shape times, under the table: which medians came from noisy trials."""
+    if not t:
+        return ""
+    summaries = {"re-prefill": t["reprefill"], **t["handoff"]}
+    flagged = [f"{name} {s['cv']:.2f}" for name, s in summaries.items() if s["noisy"]]
+    if not flagged:
+        return f"\nCV screen (SD / mean ≤ {timing.CV_LIMIT:g}): every timing passed.\n"
+    return (f"\nCV screen (SD / mean > {timing.CV_LIMIT:g}) flagged {len(flagged)} of {len(summaries)} timings: "
+            + ", ".join(flagged) + ". Their medians stand in the table; rerun on an idle machine or with more "
+            "`--timing-repeats` to firm them up.\n")
+
+
 def markdown(cfg: FrontierConfig, rows: list[dict], native: dict, best: dict, t: dict, sweep: dict) -> str:
     pct = lambda s: fmt_pm(s, 100.0, ".1f")  # noqa: E731
     table = fmt_table(
-        ["run", "refresh", "% of re-prefill FLOPs", "time ms", "speedup", "test KL/token", "KL/conv ± SE", "top-1",
+        ["run", "refresh", "% of re-prefill FLOPs", "time s", "speedup", "test KL/token", "KL/conv ± SE", "top-1",
          "IFEval strict %", "kept", "GSM8K %", "kept"],
         [[r["run"], r["setting"], f"{100 * r['fraction_of_reprefill']:.1f}",
-          None if r.get("time_s") is None else 1e3 * r["time_s"],
+          None if r.get("time_s") is None else f"{r['time_s']:.2f}",
           None if r.get("speedup") is None else f"{r['speedup']:.1f}×", r["test_kl_token"],
           fmt_pm(r["test_kl_conversation"]), r["top1"], pct(r.get("ifeval_strict_prompt")),
           _frac(r.get("ifeval_kept")), pct(r.get("gsm8k")), _frac(r.get("gsm8k_kept"))] for r in rows])
@@ -231,11 +244,11 @@ def markdown(cfg: FrontierConfig, rows: list[dict], native: dict, best: dict, t:
             f"Costs at the real Qwen3-1.7B/0.6B shapes with a {cfg.real_tokens}-token context"
             + (f"; times measured there with random weights ({t['threads']} thread(s), {t['dtype']}, "
                f"{cfg.timing_repeats} interleaved trials after {cfg.timing_warmups} warm-up(s); re-prefill "
-               f"{1e3 * t['reprefill']['median_s']:.0f} ms)" if t else "") + ".\n\n")
+               f"{t['reprefill']['median_s']:.2f} s)" if t else "") + ".\n\n")
     goal = "\n".join(f"- {run}: " + (f"**{b['setting']}**, {100 * b['fraction_of_reprefill']:.1f}% of re-prefill FLOPs"
                                      + (f", {b['speedup']:.1f}× faster than re-prefill" if b.get("speedup") else "")
                                      if b else "no setting keeps ≥ 95% of both") for run, b in best.items())
-    return (head + table + f"\nNative target: IFEval strict {pct(native.get('ifeval'))}, GSM8K {pct(native.get('gsm8k'))}."
+    return (head + table + cv_note(t) + f"\nNative target: IFEval strict {pct(native.get('ifeval'))}, GSM8K {pct(native.get('gsm8k'))}."
             + f"\n\nCheapest setting keeping ≥ {KEEP:.0%} of the native target's IFEval and GSM8K:\n{goal}\n\n"
             "![quality against cost](frontier.png)\n" + layer_table(sweep))
 

@@ -48,3 +48,17 @@ def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths
     assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG" and "tail:100%" in md and "Which layers matter" in md
     again = frontier.main([*argv, "--resume"])  # every cell finished: read back, nothing rerun
     assert again["results"]["rows"] == rep["results"]["rows"]
+
+
+def test_frontier_report_names_the_timings_the_cv_screen_flagged():
+    import frontier
+
+    def summary(cv):
+        return {"median_s": 1.0, "cv": cv, "noisy": cv > 0.10}
+
+    t = {"reprefill": summary(0.15), "handoff": {"run|none": summary(0.11), "run|tail:10%": summary(0.02)}}
+    note = frontier.cv_note(t)
+    assert "flagged 2 of 3 timings: re-prefill 0.15, run|none 0.11." in note and "tail:10%" not in note
+    t["reprefill"], t["handoff"]["run|none"] = summary(0.05), summary(0.01)
+    assert "every timing passed" in frontier.cv_note(t)
+    assert frontier.cv_note({}) == ""  # --no-timing: no times, no screen
