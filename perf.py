@@ -50,6 +50,9 @@ from kvlingo.toy.random import random_pair, random_translator
 
 SCRIPT = Path(__file__).resolve()
 FUSE_KEYS = {"auto": None, "on": True, "off": False}  # --fuse-keys → translator.fast_precision's fuse_keys
+# On a CPU a noisy timing gets extra trials up to 30 of them or 20 s in all: the handoff's steps
+# (about a second at 4,096 tokens) get many, a 45-second re-prefill no more than --timing-repeats.
+CPU_MAX_REPEATS, CPU_MAX_SECONDS = 30, 20.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class PerfConfig:
     warmups: int  # untimed warm-ups per path
     repeats: int  # timed trials per path (at least)
     max_repeats: int  # a path whose CV exceeds the limit gets more trials, up to this many
+    max_seconds: float | None  # ... while its trials add up to less than this (None: no time cap)
     cv_limit: float  # a timing with CV above this is flagged
     allow_cv: bool  # flagged timings do not fail the run
     threads: int  # torch intra-op threads
@@ -121,7 +125,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_timing_args(p, "1 on a CPU, else 5", "3 on a CPU, else 30")
     p.add_argument("--max-repeats", type=int, default=None,
                    help="trials go on past --timing-repeats while a path's CV exceeds --cv-limit, up to this many "
-                        "(default: --timing-repeats on a CPU, 100 elsewhere)")
+                        f"(default: {CPU_MAX_REPEATS} on a CPU, 100 elsewhere)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="those extra trials also stop once a path's trials add up to this many seconds, so cheap "
+                        f"steps get many and a long prefill only --timing-repeats (default: {CPU_MAX_SECONDS:g} on a "
+                        "CPU, no limit elsewhere; 0: no limit)")
     p.add_argument("--modes", nargs="+", choices=timing.MODES, default=list(timing.MODES),
                    help="row sets: shipped (transformers' DynamicCache and sdpa as shipped) and optimised")
     p.add_argument("--paths", nargs="+", choices=timing.PATHS, default=list(timing.PATHS),
@@ -163,7 +171,8 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
     peaks = cfg.peaks
     text = (f"## Handoff speed: {cfg.source} → {cfg.target} (random {cfg.family} maps, refresh {cfg.refresh}), "
             f"{cfg.dtype}, {cfg.device}, "
-            f"{cfg.threads} thread(s), ≥{cfg.repeats} trials (≤{cfg.max_repeats} while CV > {cfg.cv_limit:g}) "
+            f"{cfg.threads} thread(s), ≥{cfg.repeats} trials (≤{cfg.max_repeats} while CV > {cfg.cv_limit:g}"
+            + (f" and a path's trials total < {cfg.max_seconds:g} s" if cfg.max_seconds else "") + ") "
             f"after {cfg.warmups} warm-up(s)\n\n"
             "Row sets: **shipped** = transformers' DynamicCache and sdpa attention as shipped, FP32 translation "
             "maths, eager; **optimised** = preallocated cache written by the translation, grouped-query attention "
@@ -296,7 +305,8 @@ def main(argv=None) -> None:
         modes=tuple(m for m in timing.MODES if m in args.modes), paths=tuple(n for n in timing.PATHS if n in args.paths),
         cuda_graphs=device == "cuda" and not args.no_cuda_graphs, fuse_keys=args.fuse_keys,
         warmups=args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups),
-        repeats=repeats, max_repeats=max(repeats, args.max_repeats or (repeats if on_cpu else 100)),
+        repeats=repeats, max_repeats=max(repeats, args.max_repeats or (CPU_MAX_REPEATS if on_cpu else 100)),
+        max_seconds=(args.max_seconds if args.max_seconds is not None else CPU_MAX_SECONDS if on_cpu else None) or None,
         cv_limit=args.cv_limit, allow_cv=args.allow_cv or (on_cpu and not args.strict_cv), threads=timing.threads(),
         peaks={},  # measured below, once the FLOP-only path has returned
     )
@@ -332,7 +342,8 @@ def main(argv=None) -> None:
     translator = random_translator(pair.source, pair.target, args.key_space, family=args.family)
     points = [perf_at_length(pair.source, pair.target, translator, n, k, cfg.warmups, cfg.repeats, cfg.cv_limit,
                              modes=cfg.modes, max_repeats=cfg.max_repeats, cuda_graphs=cfg.cuda_graphs, peaks=peaks,
-                             names=cfg.paths, refresh=args.refresh, fuse_keys=FUSE_KEYS[cfg.fuse_keys])
+                             names=cfg.paths, refresh=args.refresh, fuse_keys=FUSE_KEYS[cfg.fuse_keys],
+                             max_seconds=cfg.max_seconds)
               for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)]
     # measured peaks never stay below a rate this run's own steps reached (given ones are kept as given)
     peaks = raise_to_reached(probe, reached(points), flops=not args.peak_tflops, memory=not args.peak_gbps)

@@ -477,6 +477,48 @@ def test_adaptive_trials_stop_at_the_cv_limit_or_the_cap(monkeypatch):
     assert len(timing.run_trials(steady, "cpu", 0, 3, cv_limit=0.1, max_repeats=20)) == 3
     assert len(timing.run_trials(jumpy, "cpu", 0, 3, cv_limit=0.1, max_repeats=20)) == 20
     assert len(timing.run_trials(jumpy, "cpu", 0, 3)) == 3  # no cap given: exactly the repeats
+    # a time cap ends the extra trials once they add up to max_seconds, but never cuts the repeats short
+    trials = timing.run_trials(jumpy, "cpu", 0, 3, cv_limit=0.1, max_repeats=20, max_seconds=6)
+    assert len(trials) == 4 and sum(trials[:3]) < 6 <= sum(trials)  # 1 + 2 + 1 (or 2 + 1 + 2) < 6 s: one more
+    assert len(timing.run_trials(jumpy, "cpu", 0, 3, cv_limit=0.1, max_repeats=20, max_seconds=1)) == 3
+
+
+def test_a_time_cap_gives_cheap_noisy_steps_more_trials_than_slow_ones(monkeypatch):
+    """Interleaved with max_seconds: both callables are as noisy, but the 10× slower one reaches the cap first."""
+    clock = {"t": 0.0}
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["t"])
+
+    def jumpy(scale):
+        steps = iter([1.0, 2.0] * 50)
+
+        def fn():
+            clock["t"] += scale * next(steps)
+        return fn
+
+    trials = timing.run_interleaved({"slow": jumpy(10.0), "cheap": jumpy(1.0)}, "cpu", 0, 3, cv_limit=0.1,
+                                    max_repeats=30, max_seconds=20)
+    assert trials["slow"] == [10.0, 20.0, 10.0]  # 40 s after its repeats: no extra trial
+    assert len(trials["cheap"]) == 14 and sum(trials["cheap"][:-1]) < 20 <= sum(trials["cheap"])
+
+
+def test_breakdown_extra_trials_stop_at_the_time_cap(monkeypatch):
+    """The handoff's breakdown goes on while translate or new turn is noisy, until its trials add up to max_seconds."""
+    from types import SimpleNamespace
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["t"])
+    steps = iter([1.0, 2.0] * 50)
+
+    def handoff(mark):
+        for stage in timing.STAGES:
+            clock["t"] += next(steps) if stage == "translate" else 0.5
+            mark(stage)
+
+    paths = SimpleNamespace(target=torch.nn.Linear(1, 1), optimised=False, source_cache_handoff=handoff)
+    out = timing.time_breakdown(paths, warmups=0, repeats=2, cv_limit=0.1, max_repeats=30, max_seconds=10)
+    # trials of 2.0 / 3.0 s in turn: 2 + 3 + 2 < 10 ≤ 2 + 3 + 2 + 3, so four trials
+    assert out["translate"]["trials_s"] == [1.0, 2.0, 1.0, 2.0] and out["new_turn"]["n"] == 4
+    assert timing.time_breakdown(paths, 0, 2, 0.1, 30)["translate"]["n"] == 30  # no time cap: the count cap
 
 
 def test_interleaved_trials_take_turns_after_every_warm_up(monkeypatch):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvlingo.eval import timing
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -29,7 +31,9 @@ def test_make_perf_smoke(tmp_path):
             row = p["modes"][mode]
             assert set(row["paths"]) == {"target_reprefill", "source_cache_handoff", "source_prefill_handoff",
                                          "target_cache_continue"}
-            assert all(len(s["trials_s"]) == 2 for s in row["paths"].values())
+            for s in row["paths"].values():  # 2 trials, more only while the CV so far was over the limit
+                t = s["trials_s"]
+                assert 2 <= len(t) <= 30 and (len(t) == 2 or timing.cv(t[:-1]) > 0.10)
             assert row["translation_gflops_per_s"] > 0 and row["vs_limit"]["speedup_fraction_of_limit"] > 0
         assert p["modes"]["shipped"]["cache"] == "dynamic" and p["modes"]["optimised"]["cache"] == "preallocated"
         limit = p["limit"]

@@ -54,13 +54,13 @@ def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, prec
 
 
 def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: float,
-              max_repeats: int | None, names=timing.PATHS) -> dict:
+              max_repeats: int | None, names=timing.PATHS, max_seconds: float | None = None) -> dict:
     """One row set: the paths, the existing-source handoff's stages, speedups and CV flags."""
     prefill_warmups = max(0, warmups - 1)  # the shared set-up prefills stood in for their first warm-up
     per_path = {name: prefill_warmups if name in ("target_reprefill", "source_prefill_handoff") else warmups
                 for name in names}
-    summaries = timing.time_paths(paths, names, per_path, repeats, cv_limit, max_repeats)
-    breakdown = timing.time_breakdown(paths, warmups, repeats, cv_limit, max_repeats)
+    summaries = timing.time_paths(paths, names, per_path, repeats, cv_limit, max_repeats, max_seconds)
+    breakdown = timing.time_breakdown(paths, warmups, repeats, cv_limit, max_repeats, max_seconds)
     return {"paths": summaries, "speedup": timing.speedups(summaries), "breakdown": breakdown,
             "precision": paths.precision, "cache": paths.kind, "cuda_graphs": paths.graphed,
             "graph_errors": paths.graph_errors,
@@ -117,11 +117,14 @@ def reached(points: list[dict]) -> list[tuple[str, float, float, float]]:
 def perf_at_length(source, target, translator: Translator, n: int, k: int, warmups: int, repeats: int,
                    cv_limit: float = timing.CV_LIMIT, seed: int = 0, modes=timing.MODES,
                    max_repeats: int | None = None, cuda_graphs: bool | None = None,
-                   peaks: Peaks | None = None, names=timing.PATHS, refresh=None, fuse_keys: bool | None = None) -> dict:
+                   peaks: Peaks | None = None, names=timing.PATHS, refresh=None, fuse_keys: bool | None = None,
+                   max_seconds: float | None = None) -> dict:
     """Time the paths `names` (re-prefill and the existing-source handoff at least) in each mode for a
     random context of n tokens and a new turn of k tokens (the handoffs under `refresh`, when given;
     the physical limit stays that of pure translation). `fuse_keys`: the optimised mode's compiled key
-    finish on or off (None: the device's default; `translator.fast_precision`).
+    finish on or off (None: the device's default; `translator.fast_precision`). `max_repeats` and
+    `max_seconds`: a noisy timing's extra trials stop at that many trials, or once they add up to
+    that many seconds.
 
     The set-up prefills (the existing source capture, the target's own cache) do the same
     work as one run of the source-prefill and re-prefill paths at this length, so they
@@ -143,7 +146,7 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, warmu
                                     cuda_graphs=cuda_graphs, source_capture=cap,
                                     target_kv=None if own is None else (own.keys, own.values), refresh=refresh,
                                     fuse_keys=fuse_keys)
-        rows[mode] = time_mode(paths, warmups, repeats, cv_limit, max_repeats, names)
+        rows[mode] = time_mode(paths, warmups, repeats, cv_limit, max_repeats, names, max_seconds)
         rows[mode]["translation_gflops_per_s"] = \
             translator.flops_per_token() * n / rows[mode]["breakdown"]["translate"]["median_s"] / 1e9
         del paths

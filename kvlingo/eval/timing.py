@@ -67,25 +67,29 @@ def synchronize(device: str | torch.device) -> None:
 
 
 def run_trials(fn: Callable[[], object], device, warmups: int, repeats: int, cv_limit: float | None = None,
-               max_repeats: int | None = None) -> list[float]:
+               max_repeats: int | None = None, max_seconds: float | None = None) -> list[float]:
     """`warmups` untimed calls, then at least `repeats` timed ones: seconds per call, in call order.
 
     Each trial is bracketed by device synchronisations and read with `time.perf_counter`,
     so it covers the device work it queued and nothing queued before it. With `cv_limit` and
     `max_repeats` above `repeats`, trials go on past `repeats` while the CV of all trials so far
     exceeds `cv_limit`, up to `max_repeats` (a GPU's first trials can include clock ramps and
-    allocator growth). Every trial is kept and reported; the screen still sees them all.
+    allocator growth). With `max_seconds`, those extra trials also stop once the trials add up to
+    that many seconds, so a cheap step can take many and a slow one no more than `repeats`. Every
+    trial is kept and reported; the screen still sees them all.
     """
-    return run_interleaved({"": fn}, device, warmups, repeats, cv_limit, max_repeats)[""]
+    return run_interleaved({"": fn}, device, warmups, repeats, cv_limit, max_repeats, max_seconds)[""]
 
 
 def run_interleaved(fns: dict[str, Callable[[], object]], device, warmups: int | dict[str, int], repeats: int,
-                    cv_limit: float | None = None, max_repeats: int | None = None) -> dict[str, list[float]]:
+                    cv_limit: float | None = None, max_repeats: int | None = None,
+                    max_seconds: float | None = None) -> dict[str, list[float]]:
     """`run_trials` for several callables at once, their trials interleaved round by round.
 
     Every warm-up runs first (`warmups`: one count for all, or one per name). Then each round
     times one trial of every callable that still wants one (fewer than `repeats`, or a CV above
-    `cv_limit` and fewer than `max_repeats`), in the order given. A slow spell of a shared machine
+    `cv_limit`, fewer than `max_repeats` and, with `max_seconds`, trials adding up to less than
+    that), in the order given. A slow spell of a shared machine
     then falls on every callable of that round alike instead of on whichever was being timed,
     so ratios of their medians move less from run to run. Returns {name: seconds per trial}.
     """
@@ -96,7 +100,8 @@ def run_interleaved(fns: dict[str, Callable[[], object]], device, warmups: int |
 
     def wants(name: str) -> bool:
         done = trials[name]
-        return len(done) < repeats or (cv_limit is not None and len(done) < cap and cv(done) > cv_limit)
+        return len(done) < repeats or (cv_limit is not None and len(done) < cap and cv(done) > cv_limit
+                                       and (max_seconds is None or sum(done) < max_seconds))
 
     with torch.inference_mode():
         for name, fn in fns.items():
@@ -301,16 +306,16 @@ class HandoffPaths:
 
 
 def time_paths(paths: HandoffPaths, names=PATHS, warmups: int | dict[str, int] = 5, repeats: int = 30,
-               cv_limit: float = CV_LIMIT, max_repeats: int | None = None) -> dict:
+               cv_limit: float = CV_LIMIT, max_repeats: int | None = None, max_seconds: float | None = None) -> dict:
     """Time the named paths, their trials interleaved round by round after every warm-up
     (`run_interleaved`; `warmups` one count or one per path); with `max_repeats`, a noisy path
-    gets more trials.
+    gets more trials (while its trials add up to less than `max_seconds`, when given).
 
     Returns {path: summary}; speedups are `speedups(...)` of the result.
     """
     device = device_of(paths.target)
     trials = run_interleaved({name: paths.path(name) for name in names}, device, warmups, repeats, cv_limit,
-                             max_repeats)
+                             max_repeats, max_seconds)
     return {name: summarize(t, cv_limit) for name, t in trials.items()}
 
 
@@ -343,12 +348,13 @@ def time_handoffs(source, target, handoffs: dict[str, tuple[Translator, object]]
 
 
 def time_breakdown(paths: HandoffPaths, warmups: int = 5, repeats: int = 30, cv_limit: float = CV_LIMIT,
-                   max_repeats: int | None = None) -> dict:
+                   max_repeats: int | None = None, max_seconds: float | None = None) -> dict:
     """Where the time of `source_cache_handoff` goes: translate, cache build, new-turn step.
 
     Separate trials from the path's own, with a synchronisation between stages (which the
     end-to-end trials do not pay), so each stage's clock covers its own device work only.
-    With `max_repeats`, trials go on while a stage's CV exceeds the limit, as in `run_trials`.
+    With `max_repeats`, trials go on while a stage's CV exceeds the limit (and, with `max_seconds`,
+    while the trials add up to less than that), as in `run_trials`.
     """
     device = device_of(paths.target)
     per_stage: dict[str, list[float]] = {s: [] for s in STAGES}
@@ -366,7 +372,9 @@ def time_breakdown(paths: HandoffPaths, warmups: int = 5, repeats: int = 30, cv_
         paths.source_cache_handoff(mark)
 
     def noisy() -> bool:
-        return any(cv(per_stage[name]) > cv_limit for name in ("translate", "new_turn"))
+        spent = sum(sum(per_stage[name]) for name in STAGES)
+        return (max_seconds is None or spent < max_seconds) and any(
+            cv(per_stage[name]) > cv_limit for name in ("translate", "new_turn"))
 
     cap = max(repeats, max_repeats or repeats)
     with torch.inference_mode():
