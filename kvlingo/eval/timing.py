@@ -81,6 +81,20 @@ def run_trials(fn: Callable[[], object], device, warmups: int, repeats: int, cv_
     return run_interleaved({"": fn}, device, warmups, repeats, cv_limit, max_repeats, max_seconds)[""]
 
 
+def wants_trial(done: list[list[float]], repeats: int, cv_limit: float | None, max_repeats: int | None,
+                max_seconds: float | None, spent: float | None = None) -> bool:
+    """Whether a timing wants one more trial: fewer than `repeats`, or one of its series `done` (trials
+    taken together, e.g. a handoff's stages) has a CV above `cv_limit` while the trials number fewer
+    than `max_repeats` and, with `max_seconds`, took less than that (`spent`; default: `done`'s sum)."""
+    n = len(done[0])
+    if n < repeats:
+        return True
+    if cv_limit is None or n >= max(repeats, max_repeats or repeats):
+        return False
+    spent = sum(sum(series) for series in done) if spent is None else spent
+    return (max_seconds is None or spent < max_seconds) and any(cv(series) > cv_limit for series in done)
+
+
 def run_interleaved(fns: dict[str, Callable[[], object]], device, warmups: int | dict[str, int], repeats: int,
                     cv_limit: float | None = None, max_repeats: int | None = None,
                     max_seconds: float | None = None) -> dict[str, list[float]]:
@@ -95,13 +109,10 @@ def run_interleaved(fns: dict[str, Callable[[], object]], device, warmups: int |
     """
     if repeats < 1 or (min(warmups.values(), default=0) if isinstance(warmups, dict) else warmups) < 0:
         raise ValueError(f"need repeats ≥ 1 and warmups ≥ 0 (got {repeats} and {warmups})")
-    cap = max(repeats, max_repeats or repeats)
     trials: dict[str, list[float]] = {name: [] for name in fns}
 
     def wants(name: str) -> bool:
-        done = trials[name]
-        return len(done) < repeats or (cv_limit is not None and len(done) < cap and cv(done) > cv_limit
-                                       and (max_seconds is None or sum(done) < max_seconds))
+        return wants_trial([trials[name]], repeats, cv_limit, max_repeats, max_seconds)
 
     with torch.inference_mode():
         for name, fn in fns.items():
@@ -371,18 +382,14 @@ def time_breakdown(paths: HandoffPaths, warmups: int = 5, repeats: int = 30, cv_
         clock["t"] = time.perf_counter()
         paths.source_cache_handoff(mark)
 
-    def noisy() -> bool:
-        spent = sum(sum(per_stage[name]) for name in STAGES)
-        return (max_seconds is None or spent < max_seconds) and any(
-            cv(per_stage[name]) > cv_limit for name in ("translate", "new_turn"))
-
-    cap = max(repeats, max_repeats or repeats)
+    screened = [per_stage["translate"], per_stage["new_turn"]]  # the build's microseconds say nothing
     with torch.inference_mode():
         for _ in range(warmups):
             trial()
         for s in STAGES:
             per_stage[s].clear()
-        while len(per_stage["new_turn"]) < repeats or (len(per_stage["new_turn"]) < cap and noisy()):
+        while wants_trial(screened, repeats, cv_limit, max_repeats, max_seconds,
+                          spent=sum(sum(per_stage[s]) for s in STAGES)):
             trial()
     out = {s: summarize(per_stage[s], cv_limit) for s in STAGES}
     if paths.optimised:  # microseconds of bookkeeping: their CV says nothing about the machine
