@@ -37,7 +37,7 @@ from kvlingo.run.data import open_prepared, read_split
 from kvlingo.run.models import PairConfig, dtype_name, load_model, load_pair, pair_config_from_args, resolve_dtype
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table, publish
+from kvlingo.run.report import Metric, Report, fmt_interval, fmt_pm, fmt_table, publish
 from kvlingo.run.stage import add_refresh_arg, add_timing_args, refusals_exit, stage_parser
 
 SCRIPT = Path(__file__).resolve()
@@ -109,11 +109,12 @@ def timing_table(contexts: list[dict]) -> str:
     for c in contexts:
         for name, s in c["paths"].items():
             rows.append([c["id"][:12], c["context_tokens"], name, 1e3 * s["median_s"], s["cv"],
-                         c["speedup"].get(name, 1.0), "NOISY" if s["noisy"] else ""])
-        for name, s in c.get("breakdown", {}).items():
-            rows.append([c["id"][:12], c["context_tokens"], f"  └ {name}", 1e3 * s["median_s"], s["cv"], None,
+                         c["speedup"].get(name, 1.0), fmt_interval(c.get("speedup_interval", {}).get(name)),
                          "NOISY" if s["noisy"] else ""])
-    return fmt_table(["context", "tokens", "path", "median ms", "CV", "speedup", "flag"], rows)
+        for name, s in c.get("breakdown", {}).items():
+            rows.append([c["id"][:12], c["context_tokens"], f"  └ {name}", 1e3 * s["median_s"], s["cv"], None, "",
+                         "NOISY" if s["noisy"] else ""])
+    return fmt_table(["context", "tokens", "path", "median ms", "CV", "speedup", "95% interval", "flag"], rows)
 
 
 def summary_markdown(results: BenchmarkResults, dtype: str, refresh: str = "none") -> str:
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
             breakdown = timing.time_breakdown(paths_, cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
             contexts.append({"id": conv["id"], "context_tokens": ids.shape[1] - k, "new_turn_tokens": k,
                              "paths": summaries, "speedup": timing.speedups(summaries),
+                             "speedup_interval": timing.speedup_intervals(summaries),
                              "breakdown": breakdown})  # the stages of source_cache_handoff
             noisy += timing.noisy_timings(summaries, f"{conv['id'][:12]}/") + \
                 timing.noisy_timings(breakdown, f"{conv['id'][:12]}/source_cache_handoff/")

@@ -44,7 +44,7 @@ from kvlingo.run import resume
 from kvlingo.run.models import DIRECTIONS, resolve_device, resolve_dtype
 from kvlingo.run.paths import RunPaths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_table, publish
+from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, publish
 from kvlingo.run.stage import add_refresh_arg, add_timing_args, refuse, refusals_exit, stage_parser
 from kvlingo.toy.random import random_pair, random_translator
 
@@ -157,7 +157,7 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
             r = p["modes"][mode]
             for name, s in r["paths"].items():
                 rows.append([n, mode, name, 1e3 * s["median_s"], s["cv"], s["n"], "NOISY" if s["noisy"] else "",
-                             r["speedup"].get(name)])
+                             r["speedup"].get(name), fmt_interval(r.get("speedup_interval", {}).get(name))])
             b, v = r["breakdown"], r.get("vs_limit", {})
             stages.append([n, mode, *(1e3 * b[st]["median_s"] for st in timing.STAGES), r["translation_gflops_per_s"],
                            r["speedup"]["source_cache_handoff"], v.get("speedup_fraction_of_limit"),
@@ -179,7 +179,11 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
             "without repeated K/V" + (", maps in the run dtype, CUDA graphs" if cfg.device == "cuda" else "")
             + fused_note(points)
             + ".\n\n"
-            + fmt_table(["context", "mode", "path", "median ms", "CV", "trials", "flag", "speedup vs re-prefill"], rows)
+            + fmt_table(["context", "mode", "path", "median ms", "CV", "trials", "flag", "speedup vs re-prefill",
+                         "95% interval"], rows)
+            + "\n\nThe interval: a percentile bootstrap of the ratio of medians over the two paths' raw trials "
+            "(2,000 resamples, seed 0), as far as the trials alone move it; a run on a busier or quieter machine "
+            "can still land outside it.\n"
             + "\n### Where the existing-source handoff's time goes\n\n"
             + fmt_table(["context", "mode", "translate ms", "build cache ms", "new turn ms", "translate GFLOP/s",
                          "speedup", "of limit", "translate / floor", "new turn / floor"], stages))
@@ -355,7 +359,9 @@ def main(argv=None) -> None:
     switch = [{"context_tokens": p["context_tokens"], "mode": mode,
                "re_reading_s": p["modes"][mode]["paths"]["target_reprefill"]["median_s"],
                "switching_s": p["modes"][mode]["paths"]["source_cache_handoff"]["median_s"],
-               "speedup": p["modes"][mode]["speedup"]["source_cache_handoff"]} for p in points for mode in cfg.modes]
+               "speedup": p["modes"][mode]["speedup"]["source_cache_handoff"],
+               "speedup_interval": p["modes"][mode]["speedup_interval"]["source_cache_handoff"]}
+              for p in points for mode in cfg.modes]
     results = PerfResults(lengths=points, switch_cost=switch, checks=checks, flop_ceilings=ceilings)
     md = flops_md + "\n\n" + perf_markdown(cfg, points) + timing.checks_line(checks)
     plot = paths.beside("perf", ".png")

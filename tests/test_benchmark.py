@@ -193,6 +193,8 @@ def test_timing_paths_agree_and_keep_raw_trials(setup):
         assert s["cv"] == pytest.approx(statistics.stdev(s["trials_s"]) / statistics.mean(s["trials_s"]))
     sp = timing.speedups(summaries)
     assert sp["source_cache_handoff"] == summaries["target_reprefill"]["median_s"] / summaries["source_cache_handoff"]["median_s"]
+    intervals = timing.speedup_intervals(summaries)
+    assert set(intervals) == set(sp) and all(lo <= sp[name] <= hi for name, (lo, hi) in intervals.items())
     br = timing.time_breakdown(paths, warmups=0, repeats=3)
     assert list(br) == list(timing.STAGES) and all(len(s["trials_s"]) == 3 for s in br.values())
     assert timing.summarize([1.0, 1.0, 1.3], cv_limit=0.1)["noisy"] and not timing.summarize([1.0, 1.01], 0.1)["noisy"]
@@ -235,6 +237,7 @@ def test_benchmark_script_writes_every_row(setup):
     assert t["id"] == max(setup["test"], key=lambda c: len(c["prefix_ids"]))["id"]
     assert set(t["paths"]) == set(timing.PATHS) and all(len(s["trials_s"]) == 3 for s in t["paths"].values())
     assert set(t["breakdown"]) == set(timing.STAGES) and set(t["speedup"]) == set(timing.PATHS[1:])
+    assert set(t["speedup_interval"]) == set(t["speedup"]) and "95% interval" in proc.stdout
     assert res["checks"]["passed"] and rep["files"]["benchmark.rows.jsonl"] == sha256_file(out / "benchmark.rows.jsonl")
     assert rep["config"]["pair"]["device"] == "cpu" and rep["env"]["threads"] >= 1 and res["timing"]["threads"] >= 1
     assert "| distilled" in (out / "benchmark.md").read_text() and "| distilled" in proc.stdout

@@ -35,11 +35,17 @@ def test_make_perf_smoke(tmp_path):
                 t = s["trials_s"]
                 assert 2 <= len(t) <= 30 and (len(t) == 2 or timing.cv(t[:-1]) > timing.CV_LIMIT)
             assert row["translation_gflops_per_s"] > 0 and row["vs_limit"]["speedup_fraction_of_limit"] > 0
+            for name, (lo, hi) in row["speedup_interval"].items():  # every path against re-prefill
+                assert lo <= row["speedup"][name] <= hi
+            assert set(row["speedup_interval"]) == set(row["speedup"])
         assert p["modes"]["shipped"]["cache"] == "dynamic" and p["modes"]["optimised"]["cache"] == "preallocated"
         limit = p["limit"]
         assert limit["speedup_limit"] > 0 and limit["peaks"]["flops_per_s"] > 0
         assert limit["reprefill"]["flops"] > limit["new_turn"]["flops"] > 0  # n + k tokens against k
     assert len(report["results"]["switch_cost"]) == 4
+    assert all(c["speedup_interval"][0] <= c["speedup"] <= c["speedup_interval"][1]
+               for c in report["results"]["switch_cost"])
+    assert "95% interval" in proc.stdout and "percentile bootstrap" in proc.stdout
     assert (out / "perf.png").read_bytes()[:4] == b"\x89PNG"
     for heading in ("Where the existing-source handoff's time goes", "Physical limit", "| shipped ", "| optimised "):
         assert heading in proc.stdout

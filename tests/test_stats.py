@@ -1,5 +1,6 @@
 import math
 import random
+import statistics
 
 import pytest
 
@@ -33,3 +34,33 @@ def test_mcnemar_exact():
     r = stats.mcnemar_exact([True] * 6 + [True] * 4, [False] * 6 + [True] * 4)
     assert r["a_only"] == 6 and r["b_only"] == 0 and math.isclose(r["p"], 2 * 0.5**6)
     assert stats.mcnemar_exact([True, False], [True, False])["p"] == 1.0
+
+
+def test_ratio_of_medians_interval_brackets_the_ratio_and_narrows_with_trials():
+    rng = random.Random(1)
+    slow = [40.0 * (1 + 0.05 * rng.gauss(0, 1)) for _ in range(30)]
+    fast = [1.0 * (1 + 0.10 * rng.gauss(0, 1)) for _ in range(30)]
+    lo, hi = stats.ratio_of_medians_interval(slow, fast)
+    point = stats.median(slow) / stats.median(fast)
+    assert lo < point < hi
+    # each bound is a ratio of medians of some resample: inside the extreme trial ratios
+    assert min(slow) / max(fast) <= lo and hi <= max(slow) / min(fast)
+    lo3, hi3 = stats.ratio_of_medians_interval(slow[:3], fast[:3])
+    assert hi3 - lo3 > hi - lo  # three trials a side say less than thirty
+    # fixed seed: the same trials give the same interval; a wider level, a wider interval
+    assert stats.ratio_of_medians_interval(slow, fast) == [lo, hi]
+    lo99, hi99 = stats.ratio_of_medians_interval(slow, fast, level=0.99)
+    assert lo99 <= lo and hi <= hi99
+
+
+def test_ratio_of_medians_interval_matches_a_direct_bootstrap():
+    num, den = [10.0, 12.0, 11.0, 13.0], [1.0, 1.5, 1.2]
+    rng = random.Random(7)
+    ratios = sorted(statistics.median(rng.choices(num, k=4)) / statistics.median(rng.choices(den, k=3))
+                    for _ in range(1000))
+    assert stats.ratio_of_medians_interval(num, den, level=0.9, resamples=1000, seed=7) == [ratios[50], ratios[949]]
+    # constant trials: no spread at all
+    assert stats.ratio_of_medians_interval([4.0] * 3, [2.0] * 5) == [2.0, 2.0]
+    assert all(math.isnan(x) for x in stats.ratio_of_medians_interval([], [1.0]))
+    with pytest.raises(ValueError):
+        stats.ratio_of_medians_interval([1.0], [1.0], level=1.0)

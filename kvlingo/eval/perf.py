@@ -61,7 +61,8 @@ def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: 
                 for name in names}
     summaries = timing.time_paths(paths, names, per_path, repeats, cv_limit, max_repeats, max_seconds)
     breakdown = timing.time_breakdown(paths, warmups, repeats, cv_limit, max_repeats, max_seconds)
-    return {"paths": summaries, "speedup": timing.speedups(summaries), "breakdown": breakdown,
+    return {"paths": summaries, "speedup": timing.speedups(summaries),
+            "speedup_interval": timing.speedup_intervals(summaries), "breakdown": breakdown,
             "precision": paths.precision, "cache": paths.kind, "cuda_graphs": paths.graphed,
             "graph_errors": paths.graph_errors,
             "fused_keys": fused.status() if paths.precision in FUSED else None,

@@ -43,7 +43,7 @@ from ..core import graphs
 from ..core.cache import Capture, build_cache, default_kind, empty_cache, run_with_cache
 from ..core.handoff import device_of, prefill, refreshing, translate, translate_to_cache
 from ..core.translator import Translator, fast_precision
-from .stats import cv, median
+from .stats import cv, median, ratio_of_medians_interval
 
 PATHS = ("target_reprefill", "source_cache_handoff", "source_prefill_handoff", "target_cache_continue")
 STAGES = ("translate", "build_cache", "new_turn")  # the pieces of source_cache_handoff, timed apart
@@ -401,6 +401,15 @@ def speedups(summaries: dict, baseline: str = "target_reprefill") -> dict[str, f
     """median(baseline) / median(path) for every other path: > 1 means faster than re-reading."""
     base = summaries[baseline]["median_s"]
     return {name: base / s["median_s"] for name, s in summaries.items() if name != baseline}
+
+
+def speedup_intervals(summaries: dict, baseline: str = "target_reprefill", level: float = 0.95,
+                      resamples: int = 2000, seed: int = 0) -> dict[str, list[float]]:
+    """A bootstrap interval [lo, hi] (`level`) of each `speedups` ratio, from the raw trials of the
+    baseline and the path (`stats.ratio_of_medians_interval`): how far the trials alone move it."""
+    base = summaries[baseline]["trials_s"]
+    return {name: ratio_of_medians_interval(base, s["trials_s"], level, resamples, seed)
+            for name, s in summaries.items() if name != baseline}
 
 
 def cv_checks(noisy: list[str], cv_limit: float, allow_cv: bool, failed: list[str] | None = None) -> dict:

@@ -185,6 +185,13 @@ def fmt_table(headers: list[str], rows: list[list[Any]], floatfmt: str = ".4g") 
     return "\n".join([line(headers), sep, *(line(r) for r in body)]) + "\n"
 
 
+def fmt_interval(interval: Any, fmt: str = ".3g", missing: str = "") -> str:
+    """[lo, hi] as 'lo–hi'; `missing` for none (e.g. a baseline's speedup against itself)."""
+    if not interval or len(interval) != 2:
+        return missing
+    return f"{interval[0]:{fmt}}–{interval[1]:{fmt}}"
+
+
 def fmt_pm(stat: Any, scale: float = 1.0, fmt: str = ".4g", se_fmt: str | None = None, missing: str = "—") -> str:
     """'mean ± SE' of a `stats.mean_se` dict, both times `scale`; the SE is left out when it is NaN,
     and `missing` stands for no value at all (None, no mean, or n = 0)."""
