@@ -28,13 +28,14 @@ import torch
 
 from kvlingo.core.refresh import Refresh, refresh_flops
 from kvlingo.eval import timing
+from kvlingo.eval.stats import ratio_of_medians_interval
 from kvlingo.eval.shapes import real_pair_configs, translator_at
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
 from kvlingo.run import recipe as K
 from kvlingo.run.models import PairConfig, pair_config_from_args
 from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_pm, fmt_table
+from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
 from kvlingo.run.stage import REFUSALS, add_task_data_args, generative_tasks, refusals_exit, stage_parser
 
@@ -185,6 +186,16 @@ def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: 
             "interleaved": True, **timed}
 
 
+def add_times(rows: list[dict], t: dict) -> None:
+    """Each row's real-shape handoff time (median and trials), its speedup over re-prefill and that
+    speedup's 95% bootstrap interval from both sides' trials, in place."""
+    for row in rows:
+        h = t["handoff"][f"{row['run']}|{row['setting']}"]
+        row["time_s"], row["speedup"] = h["median_s"], t["reprefill"]["median_s"] / h["median_s"]
+        row["speedup_interval"] = ratio_of_medians_interval(t["reprefill"]["trials_s"], h["trials_s"])
+        row["time_trials_s"] = h["trials_s"]
+
+
 def layer_sweep(none: dict, per_layer: list[dict]) -> dict:
     """Per target layer: test KL with that layer alone native, the share of pure translation's KL it removes,
     and its rank (1 removes the most)."""
@@ -233,11 +244,12 @@ def cv_note(t: dict) -> str:
 def markdown(cfg: FrontierConfig, rows: list[dict], native: dict, best: dict, t: dict, sweep: dict) -> str:
     pct = lambda s: fmt_pm(s, 100.0, ".1f")  # noqa: E731
     table = fmt_table(
-        ["run", "refresh", "% of re-prefill FLOPs", "time s", "speedup", "test KL/token", "KL/conv ± SE", "top-1",
+        ["run", "refresh", "% of re-prefill FLOPs", "time s", "speedup (95% interval)", "test KL/token", "KL/conv ± SE", "top-1",
          "IFEval strict %", "kept", "GSM8K %", "kept"],
         [[r["run"], r["setting"], f"{100 * r['fraction_of_reprefill']:.1f}",
           None if r.get("time_s") is None else f"{r['time_s']:.2f}",
-          None if r.get("speedup") is None else f"{r['speedup']:.1f}×", r["test_kl_token"],
+          None if r.get("speedup") is None else f"{r['speedup']:.1f}× ({fmt_interval(r.get('speedup_interval'), '.1f')})",
+          r["test_kl_token"],
           fmt_pm(r["test_kl_conversation"]), r["top1"], pct(r.get("ifeval_strict_prompt")),
           _frac(r.get("ifeval_kept")), pct(r.get("gsm8k")), _frac(r.get("gsm8k_kept"))] for r in rows])
     head = (f"# Refresh frontier: {cfg.pair.large} / {cfg.pair.small}, {cfg.pair.direction}, profile {cfg.profile}\n\n"
@@ -357,10 +369,7 @@ def main(argv=None) -> dict:
     if not args.no_timing:
         print(f"timing at the real shapes ({cfg.real_tokens} tokens, random weights)...", file=sys.stderr)
         t = real_timings(cfg, specs, toy_width)
-        for row in rows:
-            h = t["handoff"][f"{row['run']}|{row['setting']}"]
-            row["time_s"], row["speedup"] = h["median_s"], t["reprefill"]["median_s"] / h["median_s"]
-            row["time_trials_s"] = h["trials_s"]
+        add_times(rows, t)
     best = {}
     for r in cfg.runs:
         ok = [row for row in rows if row["run"] == r and all((row.get(f"{x}_kept") or 0) >= KEEP for x in tasks)]

@@ -30,13 +30,14 @@ from tqdm import tqdm
 from kvlingo.core.handoff import as_ids
 from kvlingo.core.translator import load_translator
 from kvlingo.eval import timing
+from kvlingo.eval.stats import ratio_of_medians_interval
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
 from kvlingo.run.data import open_prepared, read_split
 from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_table, publish
+from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, publish
 from kvlingo.run.stage import add_refresh_arg, add_timing_args, refusals_exit, stage_parser
 
 SCRIPT = Path(__file__).resolve()
@@ -170,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
         timed = timing.time_paths(handoff, list(PATHS.values()), cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
         summaries = {label: timed[name] for label, name in PATHS.items()}  # trials interleaved round by round
         points.append({"context_tokens": n, "new_turn_tokens": k, "paths": summaries,
-                       "speedup": summaries["re_reading"]["median_s"] / summaries["switching"]["median_s"]})
+                       "speedup": summaries["re_reading"]["median_s"] / summaries["switching"]["median_s"],
+                       "speedup_interval": ratio_of_medians_interval(summaries["re_reading"]["trials_s"],
+                                                                     summaries["switching"]["trials_s"])})
         noisy += timing.noisy_timings(summaries, f"{n}/")
         del handoff
 
@@ -181,10 +184,12 @@ def main(argv: list[str] | None = None) -> None:
     atomic_write_bytes(plot_path, plot(points, title))
     results = SwitchResults(lengths=points, chat=chat, paths=PATHS, checks=checks)
     rows = [[p["context_tokens"], label, 1e3 * s["median_s"], s["cv"], s["n"], "NOISY" if s["noisy"] else "",
-             p["speedup"] if label == "switching" else None] for p in points for label, s in p["paths"].items()]
+             p["speedup"] if label == "switching" else None,
+             fmt_interval(p["speedup_interval"]) if label == "switching" else ""]
+            for p in points for label, s in p["paths"].items()]
     md = (f"## Switch cost ({title}; {cfg.timing_repeats} trials after {cfg.timing_warmups} warm-ups)\n"
           + ("(test conversations repeated to reach the longest length)\n" if chat["repeated"] else "")
-          + fmt_table(["history tokens", "path", "median ms", "CV", "trials", "flag", "speedup"], rows)
+          + fmt_table(["history tokens", "path", "median ms", "CV", "trials", "flag", "speedup", "95% interval"], rows)
           + timing.checks_line(checks))
     report = Report("switch_cost", config=cfg, inputs=inputs, results=results, metrics=SwitchResults.METRICS,
                     n_samples={"lengths": len(points), "trials_per_path": cfg.timing_repeats},

@@ -306,8 +306,10 @@ def test_switch_cost_script(setup, capsys):
         assert set(p["paths"]) == {"re_reading", "switching"}
         assert all(len(s["trials_s"]) == 3 and s["cv"] >= 0 for s in p["paths"].values())
         assert p["speedup"] == p["paths"]["re_reading"]["median_s"] / p["paths"]["switching"]["median_s"]
+        assert p["speedup_interval"][0] <= p["speedup"] <= p["speedup_interval"][1]
     assert (out / "switch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "re_reading" in capsys.readouterr().out and "re_reading" in (out / "switch.md").read_text()
+    assert "re_reading" in capsys.readouterr().out and "re_reading" in (md := (out / "switch.md").read_text())
+    assert "95% interval" in md
     # the joined chat really is the test conversations in order: its first tokens are the first conversation's
     stream, chat = switch_cost.join_chat(setup["test"], 10)
     assert stream == (setup["test"][0]["prefix_ids"] + setup["test"][0]["reply_ids"])[:10] and not chat["repeated"]

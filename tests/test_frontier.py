@@ -62,3 +62,18 @@ def test_frontier_report_names_the_timings_the_cv_screen_flagged():
     t["reprefill"], t["handoff"]["run|none"] = summary(0.05), summary(0.01)
     assert "every timing passed" in frontier.cv_note(t)
     assert frontier.cv_note({}) == ""  # --no-timing: no times, no screen
+
+
+def test_frontier_rows_get_each_speedup_with_its_interval():
+    import frontier
+    from kvlingo.eval import timing
+
+    t = {"reprefill": timing.summarize([40.0, 42.0, 44.0]),
+         "handoff": {"run|none": timing.summarize([5.0, 5.5, 6.0]), "run|tail:10%": timing.summarize([15.0, 15.0, 15.0])}}
+    rows = [{"run": "run", "setting": "none"}, {"run": "run", "setting": "tail:10%"}]
+    frontier.add_times(rows, t)
+    none, tail = rows
+    assert none["speedup"] == 42.0 / 5.5 and none["time_trials_s"] == [5.0, 5.5, 6.0]
+    lo, hi = none["speedup_interval"]
+    assert 40.0 / 6.0 <= lo < none["speedup"] < hi <= 44.0 / 5.0  # inside the extreme trial ratios
+    assert tail["speedup_interval"][0] < tail["speedup"] < tail["speedup_interval"][1]  # only re-prefill varies
