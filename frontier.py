@@ -28,8 +28,8 @@ import torch
 
 from kvlingo.core.refresh import Refresh, refresh_flops
 from kvlingo.eval import timing
-from kvlingo.eval.stats import ratio_of_medians_interval
 from kvlingo.eval.shapes import real_pair_configs, translator_at
+from kvlingo.eval.stats import ratio_of_medians_interval
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
 from kvlingo.run import recipe as K
 from kvlingo.run.models import PairConfig, pair_config_from_args
