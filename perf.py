@@ -244,6 +244,8 @@ def flops_markdown(cfg: PerfConfig, geometry: Geometry, rows: list[dict], refuse
             f"{g.target_head_dim}), each family at its default settings, new turn {cfg.new_turn_tokens} tokens\n\n"
             + fmt_table(["family", "context", "re-prefill GFLOP", "translation GFLOP", "new turn GFLOP",
                          "ceiling (translation)", "ceiling (+ new turn)"], table, floatfmt=".4g")
+            + "\nDense FLOPs (`shapes.prefill_flops`): 2 × parameters × tokens, the tied LM head on every token, "
+            "attention not counted; a timed run's physical limit counts attention and one row of logits instead.\n"
             + "".join(f"\n- {family}: cannot map this pair: {why}" for family, why in refused.items()))
 
 
