@@ -34,7 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlingo.eval import timing
+from kvlingo.eval import stats, timing
 from kvlingo.eval.perf import perf_at_length, reached, set_limit
 from kvlingo.core.translator import FAMILIES, Geometry, TranslatorError
 from kvlingo.eval.roofline import Peaks, measure_peaks, raise_to_reached
@@ -182,8 +182,8 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
             + fmt_table(["context", "mode", "path", "median ms", "CV", "trials", "flag", "speedup vs re-prefill",
                          "95% interval"], rows)
             + "\n\nThe interval: a percentile bootstrap of the ratio of medians over the two paths' raw trials "
-            "(2,000 resamples, seed 0), as far as the trials alone move it; a run on a busier or quieter machine "
-            "can still land outside it.\n"
+            f"({stats.BOOTSTRAP_RESAMPLES:,} resamples, seed {stats.BOOTSTRAP_SEED}), as far as the trials alone "
+            "move it; a run on a busier or quieter machine can still land outside it.\n"
             + "\n### Where the existing-source handoff's time goes\n\n"
             + fmt_table(["context", "mode", "translate ms", "build cache ms", "new turn ms", "translate GFLOP/s",
                          "speedup", "of limit", "translate / floor", "new turn / floor"], stages))

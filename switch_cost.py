@@ -30,7 +30,6 @@ from tqdm import tqdm
 from kvlingo.core.handoff import as_ids
 from kvlingo.core.translator import load_translator
 from kvlingo.eval import timing
-from kvlingo.eval.stats import ratio_of_medians_interval
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
 from kvlingo.run.data import open_prepared, read_split
@@ -171,9 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         timed = timing.time_paths(handoff, list(PATHS.values()), cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
         summaries = {label: timed[name] for label, name in PATHS.items()}  # trials interleaved round by round
         points.append({"context_tokens": n, "new_turn_tokens": k, "paths": summaries,
-                       "speedup": summaries["re_reading"]["median_s"] / summaries["switching"]["median_s"],
-                       "speedup_interval": ratio_of_medians_interval(summaries["re_reading"]["trials_s"],
-                                                                     summaries["switching"]["trials_s"])})
+                       "speedup": timing.speedups(summaries, "re_reading")["switching"],
+                       "speedup_interval": timing.speedup_intervals(summaries, "re_reading")["switching"]})
         noisy += timing.noisy_timings(summaries, f"{n}/")
         del handoff
 

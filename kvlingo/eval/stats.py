@@ -101,8 +101,11 @@ def median(xs: Sequence[float]) -> float:
     return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
 
 
+BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 2000, 0  # what every report's speedup interval uses
+
+
 def ratio_of_medians_interval(num: Sequence[float], den: Sequence[float], level: float = 0.95,
-                              resamples: int = 2000, seed: int = 0) -> list[float]:
+                              resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> list[float]:
     """Percentile-bootstrap interval [lo, hi] of median(num) / median(den), e.g. a speedup from the
     trials of a baseline (num) and of a faster path (den).
 

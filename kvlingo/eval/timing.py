@@ -403,12 +403,11 @@ def speedups(summaries: dict, baseline: str = "target_reprefill") -> dict[str, f
     return {name: base / s["median_s"] for name, s in summaries.items() if name != baseline}
 
 
-def speedup_intervals(summaries: dict, baseline: str = "target_reprefill", level: float = 0.95,
-                      resamples: int = 2000, seed: int = 0) -> dict[str, list[float]]:
+def speedup_intervals(summaries: dict, baseline: str = "target_reprefill", level: float = 0.95) -> dict[str, list[float]]:
     """A bootstrap interval [lo, hi] (`level`) of each `speedups` ratio, from the raw trials of the
     baseline and the path (`stats.ratio_of_medians_interval`): how far the trials alone move it."""
     base = summaries[baseline]["trials_s"]
-    return {name: ratio_of_medians_interval(base, s["trials_s"], level, resamples, seed)
+    return {name: ratio_of_medians_interval(base, s["trials_s"], level)
             for name, s in summaries.items() if name != baseline}
 
 
