@@ -21,6 +21,7 @@ from pathlib import Path
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
 from kvlingo.run import ablation as A
 from kvlingo.run import recipe as K
+from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig, pair_config_from_args
 from kvlingo.run.paths import RunPaths, default_data, default_run
 from kvlingo.run.profiles import get_profile
@@ -66,7 +67,7 @@ def parse_args(argv=None):
                      common=True, data=True)
     p.add_argument("--settings", nargs="+", default=[s.name for s in A.SETTINGS],
                    choices=[s.name for s in A.SETTINGS], help="settings to run (default: all)")
-    p.add_argument("--long-factor", type=int, default=A.LONG_FACTOR, help="the best two's longer budget (0: none)")
+    p.add_argument("--long-factor", type=whole(0), default=A.LONG_FACTOR, help="the best two's longer budget (0: none)")
     add_task_data_args(p)
     return p.parse_args(argv)
 

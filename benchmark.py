@@ -33,6 +33,7 @@ from kvlingo.core.translator import load_translator
 from kvlingo.eval import controls, quality, timing
 from kvlingo.io import sha256_file
 from kvlingo.run import resume
+from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split
 from kvlingo.run.models import PairConfig, dtype_name, load_model, load_pair, pair_config_from_args, resolve_dtype
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
@@ -86,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                     "python benchmark.py --profile demo --large runs/large --small runs/small "
                                     "--dtype float32 --timing-repeats 8"], common=True, data=True)
     parser.add_argument("--variant", choices=("natural", "packed"), default="natural", help="test-split variant to score")
-    parser.add_argument("--limit", type=int, default=None, help="score only the first N test conversations")
+    parser.add_argument("--limit", type=whole(1), default=None, help="score only the first N test conversations")
     parser.add_argument("--skip-missing", action="store_true",
                         help="leave out the closed-form/distilled rows whose translator is missing instead of stopping")
     parser.add_argument("--control-dtypes", nargs="+", default=["bfloat16", "float32"],
@@ -97,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "a negative value forces every control to fail, to test the exit path)")
     add_timing_args(parser)
     add_refresh_arg(parser)
-    parser.add_argument("--timing-conversations", type=int, default=1,
+    parser.add_argument("--timing-conversations", type=whole(0), default=1,
                         help="time the paths on the N test conversations with the longest prefixes (0: no timing)")
     parser.add_argument("--force", action="store_true", help="re-run even when a passed report with the same inputs exists")
     return parser.parse_args(argv)
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         print(md.read_text() if md.exists() else "")
         return
 
+    paths.check_writable()  # before the models load, not after the work
     pair = load_pair(pair_cfg, tokenizer)
     translators = {name: load_translator(f, pair)[0] for name, f in folders.items()}
     control_name = "distilled" if "distilled" in translators else ("closed_form" if translators else None)

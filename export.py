@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvlingo.run.export import CONFIG_FILE, gather, write_export
 from kvlingo.run.models import DIRECTIONS
-from kvlingo.run.paths import TRANSLATORS, add_run_args, run_paths
+from kvlingo.run.paths import TRANSLATORS, add_run_args, run_paths, writable
 from kvlingo.run.profiles import PROFILES
 from kvlingo.run.stage import refusals_exit, stage_parser
 
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     paths = run_paths(args)
     out = args.out or paths.art / "export"
     maps, config, evidence = gather(paths, args.translator, evidence=not args.no_evidence)
+    writable(out, "--out")
     verdict = write_export(out, maps, config, evidence)
     print(f"wrote {out} ({config['family']} {config['direction']}, {args.translator} maps of run {paths.run}; "
           f"{CONFIG_FILE} last)")

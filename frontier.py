@@ -32,6 +32,7 @@ from kvlingo.eval.shapes import real_pair_configs, translator_at
 from kvlingo.eval.stats import ratio_of_medians_interval
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
 from kvlingo.run import recipe as K
+from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig, pair_config_from_args
 from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
@@ -89,10 +90,10 @@ def parse_args(argv=None):
     p.add_argument("--runs", nargs="*", default=[], help="other trained runs to put on the frontier (other families)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), help="refresh settings (default: the grid)")
     add_task_data_args(p)
-    p.add_argument("--real-tokens", type=int, default=REAL_TOKENS, help="context length of the real-shape timing")
+    p.add_argument("--real-tokens", type=whole(1), default=REAL_TOKENS, help="context length of the real-shape timing")
     p.add_argument("--no-timing", action="store_true", help="skip the real-shape timing (costs from FLOPs only)")
-    p.add_argument("--timing-warmups", type=int, default=1, help="warm-ups per timed path")
-    p.add_argument("--timing-repeats", type=int, default=3, help="timed trials per path")
+    p.add_argument("--timing-warmups", type=whole(0), default=1, help="warm-ups per timed path")
+    p.add_argument("--timing-repeats", type=whole(1), default=3, help="timed trials per path")
     p.add_argument("--no-layer-sweep", action="store_true",
                    help="skip the per-layer sweep (test KL with one target layer native, for each layer)")
     return p.parse_args(argv)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvlingo.run.argtypes import whole
 from kvlingo.run.data import NEMOTRON, HubSource, load_tokenizer, prepare
 from kvlingo.run.profiles import PROFILES, get_profile
 from kvlingo.run.report import fmt_table
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--force", action="store_true", help="rebuild even when the existing data is up to date")
     ap.add_argument("--revision", default=NEMOTRON.revision,
                     help=f"Hub dataset revision to stream (a commit sha pins it; default {NEMOTRON.revision!r})")
-    ap.add_argument("--max-rows", type=int, default=None, help="read at most this many source rows")
+    ap.add_argument("--max-rows", type=whole(1), default=None, help="read at most this many source rows")
     args = ap.parse_args(argv)
 
     profile = get_profile(args.profile)

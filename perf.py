@@ -41,6 +41,7 @@ from kvlingo.eval.roofline import Peaks, measure_peaks, raise_to_reached
 from kvlingo.eval.shapes import RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, translator_at
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
+from kvlingo.run.argtypes import number, whole
 from kvlingo.run.models import DIRECTIONS, resolve_device, resolve_dtype
 from kvlingo.run.paths import RunPaths
 from kvlingo.run.profiles import get_profile
@@ -121,12 +122,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="model dtype; auto: float32 on a CPU (its BF16 kernels are slow "
                    "for small steps), bfloat16 elsewhere")
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="the random maps' key space")
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
+    p.add_argument("--lengths", type=whole(1), nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
     add_timing_args(p, "1 on a CPU, else 5", "3 on a CPU, else 30")
-    p.add_argument("--max-repeats", type=int, default=None,
+    p.add_argument("--max-repeats", type=whole(1), default=None,
                    help="trials go on past --timing-repeats while a path's CV exceeds --cv-limit, up to this many "
                         f"(default: {CPU_MAX_REPEATS} on a CPU, 100 elsewhere)")
-    p.add_argument("--max-seconds", type=float, default=None,
+    p.add_argument("--max-seconds", type=number(at_least=0), default=None,
                    help="those extra trials also stop once a path's trials add up to this many seconds, so cheap "
                         f"steps get many and a long prefill only --timing-repeats (default: {CPU_MAX_SECONDS:g} on a "
                         "CPU, no limit elsewhere; 0: no limit)")
@@ -138,9 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fuse-keys", choices=("auto", "on", "off"), default="auto",
                    help="optimised mode: the translated keys' k_norm and RoPE as one compiled kernel (auto: on a CPU; "
                         "on CUDA only with 'on', the fast-fused precision, not yet timed on a GPU by this suite)")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--peak-tflops", type=number(above=0), default=None,
                    help="the device's dense matmul TFLOP/s in the run dtype for the physical limit (default: measured)")
-    p.add_argument("--peak-gbps", type=float, default=None,
+    p.add_argument("--peak-gbps", type=number(above=0), default=None,
                    help="the device's memory bandwidth in GB/s for the physical limit (default: measured)")
     p.add_argument("--strict-cv", action="store_true", help="on a CPU, fail on CV flags (by default only reported there)")
     p.add_argument("--run", default="perf", help="results go to RESULTS/RUN/ (default perf)")
@@ -322,6 +323,7 @@ def main(argv=None) -> None:
     limit = arch_config(target).max_position_embeddings
     if max(cfg.lengths) + k > limit:
         refuse("perf", f"--lengths up to {max(cfg.lengths)} + {k} exceed max_position_embeddings {limit}")
+    paths.check_writable()  # before the FLOP table and the timings, not after them
     ceilings, refused = family_ceilings(source, target, args.key_space, cfg.lengths, k)
     flops_md = flops_markdown(cfg, geometry, ceilings, refused)
     if args.flops_only:

@@ -32,6 +32,7 @@ from kvlingo.core.translator import load_translator
 from kvlingo.eval import timing
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
+from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split
 from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = stage_parser(__doc__, ["python switch_cost.py --profile pilot --run pilot-l2s --device cuda",
                                     "python switch_cost.py --profile pilot --run pilot-l2s --lengths 4000 8000"], common=True, data=True)
     parser.add_argument("--translator", choices=TRANSLATORS, default="distilled", help="which trained translator translates")
-    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="history lengths (tokens; default: the profile's)")
+    parser.add_argument("--lengths", type=whole(1), nargs="+", default=None, help="history lengths (tokens; default: the profile's)")
     add_timing_args(parser)
     add_refresh_arg(parser)
     parser.add_argument("--force", action="store_true", help="re-run even when a passed report with the same inputs exists")
@@ -121,8 +122,6 @@ def main(argv: list[str] | None = None) -> None:
 
     profile = get_profile(args.profile)
     lengths = tuple(sorted(set(args.lengths or profile.switch_lengths)))
-    if min(lengths) < 1 or args.new_turn_tokens < 1:
-        raise SystemExit("switch_cost: --lengths and --new-turn-tokens must be positive")
     paths = run_paths(args)
     pair_cfg, tokenizer = pair_config_from_args(args)
     folder = paths.translator(args.translator)
@@ -155,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     if chat["repeated"]:
         print(f"note: the test split holds {chat['split_tokens']} tokens, fewer than {max(cfg.lengths) + k}; "
               f"its conversations were joined {chat['passes']} times over", file=sys.stderr)
+    paths.check_writable()  # before the models load, not after the work
     pair = load_pair(pair_cfg, tokenizer)
     limit = min(pair.source.config.max_position_embeddings, pair.target.config.max_position_embeddings)
     if max(cfg.lengths) + k > limit:

@@ -38,6 +38,7 @@ from kvlingo.eval.tasks.prompts import ITEM_BUILDERS, user_prompt_ids
 from kvlingo.eval.tasks.session import Session, add_eval_args, control_paths, prepare_and_exit
 from kvlingo.io import atomic_write_text, sha256_json
 from kvlingo.run import resume
+from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig
 from kvlingo.run.paths import run_paths
 from kvlingo.run.profiles import get_profile
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--task", required=True, choices=sorted(ITEM_BUILDERS), help="arc (ARC-Challenge) or gsm8k")
     ap.add_argument("--handoff", choices=("prompt", "trace"), default="prompt",
                     help="prompt: hand over after the prompt; trace: after the source's reasoning trace")
-    ap.add_argument("--trace-tokens", type=int, default=None,
+    ap.add_argument("--trace-tokens", type=whole(1), default=None,
                     help="cap on the reasoning trace in trace mode (default: the profile's max_new_tokens)")
     add_eval_args(ap, "items scored, the first N", "the task's data set (ARC: allenai/ai2_arc ARC-Challenge/test; "
                   "GSM8K: openai/gsm8k main/test; revisions in kvlingo/eval/tasks/data.py)", "TASK")

@@ -22,6 +22,7 @@ import argparse
 import os
 from pathlib import Path
 
+from kvlingo.run.argtypes import number
 from kvlingo.toy.deep import PACKAGED_DEEP, build_deep, export_deep, install_deep
 from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
 
@@ -43,7 +44,7 @@ def main() -> None:
     parser.add_argument("--export", type=Path, default=None, metavar="DIR",
                         help="after a full --train, copy tokenizer, models and manifest into DIR (e.g. kvlingo/toy/pair)")
     parser.add_argument("--seed", type=int, default=0, help="with --train/--mini: seed for corpus, tokenizer order and weights (default 0)")
-    parser.add_argument("--minutes-per-model", type=float, default=None,
+    parser.add_argument("--minutes-per-model", type=number(at_least=0), default=None,
                         help="with --train/--mini: training budget per model in CPU-minutes, turned into a fixed "
                         "step count (default: 18 for the large model and 7 for the small one)")
     parser.add_argument("--train-deep", action="store_true",
@@ -57,8 +58,6 @@ def main() -> None:
     args = parser.parse_args()
 
     training = args.train or args.mini
-    if args.minutes_per_model is not None and args.minutes_per_model < 0:
-        raise SystemExit(f"--minutes-per-model must be >= 0, got {args.minutes_per_model}")
     if not training and (args.seed != 0 or args.minutes_per_model is not None or (args.force and not args.train_deep)):
         raise SystemExit("--seed, --minutes-per-model and --force change a training run; add --train "
                          "(the packaged pair is seed 0 with the default budgets)")

@@ -27,9 +27,10 @@ from kvlingo.core.translator import (FAMILIES, MANIFEST_FILE, check_expected, lo
 from kvlingo.core.translator import build as build_translator
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_bytes, sha256_file, sha256_json
 from kvlingo.run import resume
+from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split, split_path
 from kvlingo.run.models import load_pair, pair_config_from_args
-from kvlingo.run.paths import default_data, run_paths
+from kvlingo.run.paths import default_data, run_paths, writable
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Report, figure_png, fmt_table
 from kvlingo.run.stage import refusals_exit, stage_parser
@@ -55,13 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "python train_translator.py --profile pilot --run lr3e-4 --init-from artifacts/pilot-l2s/closed_form --lr 3e-4"], common=True, data=True)
     p.add_argument("--family", choices=sorted(FAMILIES), default=None,
                    help="translator family: headwise, crosshead, crosslayer or residual (default: the profile's)")
-    p.add_argument("--k", type=int, default=None, help="crosslayer: source layers per target layer (default 2)")
-    p.add_argument("--rank", type=int, default=None, help="crosshead/crosslayer: rank of each layer's map (0: full)")
+    p.add_argument("--k", type=whole(1), default=None, help="crosslayer: source layers per target layer (default 2)")
+    p.add_argument("--rank", type=whole(0), default=None, help="crosshead/crosslayer: rank of each layer's map (0: full)")
     p.add_argument("--pairing", choices=("ranked", "proportional"), default=None,
                    help="crosslayer: source layers ranked by held-out R² (default), or nearest by relative depth")
     p.add_argument("--base", choices=("headwise", "crosshead", "crosslayer"), default=None,
                    help="residual: the linear family under the MLP (default headwise)")
-    p.add_argument("--hidden", type=int, default=None, help="residual: the MLP's hidden width (default 64)")
+    p.add_argument("--hidden", type=whole(1), default=None, help="residual: the MLP's hidden width (default 64)")
     p.add_argument("--aux-attn-weight", type=float, default=0.0,
                    help="weight of the attention-output MSE added to the KL during distillation (default 0)")
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="what the key maps read and write")
@@ -208,6 +209,7 @@ def main(argv=None) -> dict:
                        models=pair_cfg.identities())
     before_training(pair_cfg, empty, cfg, profile, world, args)  # peak memory and time per update; refuses a misfit
 
+    writable(paths.art, "--artifacts"), paths.check_writable()  # before the models load, not after the fit
     pair = load_pair(pair_cfg, tokenizer)
     models = {"source": pair.source, "target": pair.target}
     check_frozen(models)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..io import ROOT, read_json
+from .argtypes import number, whole
 from .ledger import Ledger
 from .refusal import RunRefused
 
@@ -319,17 +320,17 @@ def add_launch_args(parser) -> None:
     g = parser.add_argument_group("launching cells (settings of the run, not of its results: a resume may change them)")
     g.add_argument("--launcher", choices=("local", "slurm"), default="local",
                    help="local: cells as processes on this machine; slurm: each level's cells as a job array")
-    g.add_argument("--max-parallel", type=int, default=1, help="cells (or array tasks) running at once")
-    g.add_argument("--gpus-per-cell", type=int, default=1,
+    g.add_argument("--max-parallel", type=whole(1), default=1, help="cells (or array tasks) running at once")
+    g.add_argument("--gpus-per-cell", type=whole(1), default=1,
                    help="GPUs of each cell; a training cell runs under torchrun with one rank per GPU")
     g.add_argument("--gpus", nargs="+", default=None, help="local: GPU ids to hand out (default: all visible)")
-    g.add_argument("--max-requeues", type=int, default=1,
+    g.add_argument("--max-requeues", type=whole(0), default=1,
                    help="local: reruns of a cell killed by a signal; slurm: requeues after the time limit")
     g.add_argument("--partition", default=None, help="slurm: partition")
     g.add_argument("--account", default=None, help="slurm: account")
-    g.add_argument("--time-limit", type=int, default=24 * 60, help="slurm: minutes per job (requeued from its checkpoint)")
-    g.add_argument("--cpus-per-cell", type=int, default=None, help="slurm: CPUs per job")
-    g.add_argument("--mem-gb", type=float, default=None, help="slurm: host memory per job, GB")
+    g.add_argument("--time-limit", type=whole(1), default=24 * 60, help="slurm: minutes per job (requeued from its checkpoint)")
+    g.add_argument("--cpus-per-cell", type=whole(1), default=None, help="slurm: CPUs per job")
+    g.add_argument("--mem-gb", type=number(above=0), default=None, help="slurm: host memory per job, GB")
     g.add_argument("--slurm-folder", default=None, help="slurm: submitit's folder (default RESULTS/RUN/slurm)")
     g.add_argument("--submitit-cluster", choices=("slurm", "local", "debug"), default="slurm",
                    help="slurm: run the jobs through submitit's local or debug executor instead (checks, no cluster)")

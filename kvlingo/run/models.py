@@ -120,6 +120,8 @@ def local_weights_digest(path: str | os.PathLike) -> str:
 def resolve_device(device: str | None = None) -> str:
     """'auto' (or None/'') picks cuda, then mps, then cpu."""
     if device and device != "auto":
+        if not (device in ("cpu", "cuda", "mps") or (device.startswith("cuda:") and device[5:].isdigit())):
+            raise PairError(f"DEVICE={device} is not a device this suite runs on; use cuda (or cuda:N), mps, cpu or auto")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise PairError(f"DEVICE={device} but torch sees no CUDA device; use DEVICE=cpu or DEVICE=auto")
         if device == "mps" and not torch.backends.mps.is_available():

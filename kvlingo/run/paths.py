@@ -13,8 +13,11 @@ A run nested in another (the recipe's cells) is just a longer run name, `RUN/cel
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from .refusal import RunRefused
 
 TRANSLATORS = ("closed_form", "distilled")  # the translator folders a training run writes
 
@@ -62,8 +65,26 @@ class RunPaths:
         """A file next to a report: results/RUN/<stem><suffix> (.md, .png, .rows.jsonl)."""
         return self.res / f"{stem}{suffix}"
 
+    def check_writable(self, flag: str = "--results") -> Path:
+        """Make the results folder now and write a probe file in it, so a run whose reports could not be
+        saved stops before its work rather than after it (RunRefused, naming the folder and `flag`)."""
+        return writable(self.res, flag)
+
     def nested(self, name: str) -> "RunPaths":
         return RunPaths(f"{self.run}/{name}", self.artifacts_root, self.results_root)
+
+
+def writable(folder: str | Path, flag: str) -> Path:
+    """`folder`, made (with its parents) and checked by creating and removing a file in it; RunRefused
+    naming the folder, the reason and `flag` when that fails."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise RunRefused(f"cannot write to {folder} ({e.strerror or e}); give {flag} a folder you can write to") from None
+    return folder
 
 
 def add_run_args(parser, required: bool = False) -> None:

@@ -19,6 +19,7 @@ from ..core.cache import CACHE_KINDS, set_default_kind
 from ..core.translator import TranslatorError
 from ..eval.itemrows import RowsError
 from ..eval.timing import CV_LIMIT
+from .argtypes import number, whole
 from .data import SplitIntegrityError
 from .models import PairError, add_pair_args
 from .paths import add_run_args
@@ -65,10 +66,10 @@ def stage_parser(doc: str, examples: list[str], common: bool = False, data: bool
 
 def add_timing_args(parser, warmups: str = "the profile's", repeats: str = "the profile's") -> None:
     """The timing flags: new-turn length, warm-ups, trials and the CV screen (`warmups`/`repeats`: their defaults, in words)."""
-    parser.add_argument("--new-turn-tokens", type=int, default=16, help="k: tokens of the new turn after the context")
-    parser.add_argument("--timing-warmups", type=int, default=None, help=f"untimed warm-ups per path (default: {warmups})")
-    parser.add_argument("--timing-repeats", type=int, default=None, help=f"timed trials per path (default: {repeats})")
-    parser.add_argument("--cv-limit", type=float, default=CV_LIMIT, help="flag timings whose CV exceeds this")
+    parser.add_argument("--new-turn-tokens", type=whole(1), default=16, help="k: tokens of the new turn after the context")
+    parser.add_argument("--timing-warmups", type=whole(0), default=None, help=f"untimed warm-ups per path (default: {warmups})")
+    parser.add_argument("--timing-repeats", type=whole(1), default=None, help=f"timed trials per path (default: {repeats})")
+    parser.add_argument("--cv-limit", type=number(at_least=0), default=CV_LIMIT, help="flag timings whose CV exceeds this")
     parser.add_argument("--allow-cv", action="store_true",
                         help="do not fail the run on CV flags; they stay in the report (default: the profile's)")
 

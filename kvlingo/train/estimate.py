@@ -39,6 +39,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..run.argtypes import number, whole
 from ..run.refusal import RunRefused
 
 GIB = 1024 ** 3
@@ -262,9 +263,9 @@ def refusal(est: Estimate, fits_with: list[str], dtype_bytes: int) -> str:
 
 
 def add_estimate_args(parser) -> None:
-    parser.add_argument("--memory-limit-gib", type=float, default=None,
+    parser.add_argument("--memory-limit-gib", type=number(above=0), default=None,
                         help="memory per rank to plan against (default: the device's own)")
-    parser.add_argument("--assume-tflops", type=float, default=None,
+    parser.add_argument("--assume-tflops", type=number(above=0), default=None,
                         help="sustained TFLOP/s for the time estimate (default: a share of the device's dense peak)")
     parser.add_argument("--no-memory-check", action="store_true",
                         help="run even when the estimated peak memory exceeds the device's")
@@ -350,8 +351,8 @@ def main(argv=None) -> Estimate:
     p.add_argument("--family", choices=sorted(FAMILIES), default=None,
                    help="translator family at its default settings (default: the profile's for the direction, with its flags)")
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="translator key space")
-    p.add_argument("--batch", type=int, default=None, help="conversations per update (default: the profile's)")
-    p.add_argument("--nproc", type=int, default=1, help="data-parallel ranks (torchrun --nproc-per-node)")
+    p.add_argument("--batch", type=whole(1), default=None, help="conversations per update (default: the profile's)")
+    p.add_argument("--nproc", type=whole(1), default=1, help="data-parallel ranks (torchrun --nproc-per-node)")
     p.add_argument("--device", default="auto", help="cuda, mps, cpu or auto (this machine's)")
     p.add_argument("--gpu", default=None, help=f"a planned CUDA GPU by name ({', '.join(DEVICES)}) instead of this machine's")
     add_estimate_args(p)

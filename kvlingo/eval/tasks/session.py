@@ -16,6 +16,7 @@ from ...io import sha256_file
 from ...run import resume
 from ...run.models import load_pair, pair_config_from_args
 from ...run.paths import TRANSLATORS, RunPaths
+from ...run.argtypes import whole
 from ...run.stage import add_common_args, add_refresh_arg
 from ..itemrows import ItemRows
 from .data import HubData, prepare_data
@@ -28,11 +29,11 @@ ROW_SAFE = ("settings.limit", "settings.controls", "settings.max_accuracy_loss")
 def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None:
     """The flags IFEval and the task evaluation share (besides --profile, the pair and the run folders)."""
     add_common_args(ap)
-    ap.add_argument("--limit", type=int, default=None, help=f"{items_help} (default: the profile's)")
+    ap.add_argument("--limit", type=whole(1), default=None, help=f"{items_help} (default: the profile's)")
     ap.add_argument("--native", action="store_true", help="score the native paths only (native source, native target)")
     ap.add_argument("--translator", choices=TRANSLATORS, default="distilled",
                     help="which translator of the run answers: ARTIFACTS/RUN/{distilled,closed_form}")
-    ap.add_argument("--max-new-tokens", type=int, default=None,
+    ap.add_argument("--max-new-tokens", type=whole(1), default=None,
                     help="greedy generation cap per answer (default: the profile's max_new_tokens)")
     ap.add_argument("--thinking", action="store_true",
                     help="render the prompt with enable_thinking=True (default False: an empty think block)")
@@ -78,6 +79,7 @@ class Session:
         if not args.native:
             self.translator_dir = paths.translator(args.translator)
             read_manifest(self.translator_dir)  # refuses a missing or damaged translator before any weights load
+        paths.check_writable()  # before the models load, not after the answers
         self.pair = load_pair(self.pair_cfg, tokenizer)
         self.translator = None
         if self.translator_dir is not None:
