@@ -76,14 +76,44 @@ def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> Path:
     return atomic_write_text(path, text)
 
 
+class DamagedFile(ValueError):
+    """A JSON or JSONL file the suite should be able to read that does not parse (cut short, or edited by
+    hand). `problem` names the file and where it breaks; the message adds the usual fix, which a caller
+    that knows better can replace."""
+
+    def __init__(self, path, err: ValueError, line: int | None = None):
+        if line is not None:
+            where = f"line {line}"
+        elif isinstance(err, json.JSONDecodeError):
+            where = f"line {err.lineno}, column {err.colno}"
+        else:
+            where = "its text"
+        why = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
+        self.path, self.problem = Path(path), f"{path} does not parse as JSON at {where} ({why})"
+        super().__init__(f"{self.problem}: it was cut short or edited; restore it, or remove it and rerun the "
+                         "stage that wrote it")
+
+
 def read_json(path: str | os.PathLike) -> Any:
+    """The JSON in `path`; DamagedFile (a ValueError naming the file) when it does not parse."""
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+            raise DamagedFile(path, e) from None
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    """The rows of a JSONL file (blank lines skipped); DamagedFile naming the file and line when one does not parse."""
+    rows = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        try:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    rows.append(json.loads(line))
+        except ValueError as e:
+            raise DamagedFile(path, e, n) from None
+    return rows
 
 
 # --------------------------------------------------------------------------- hashes

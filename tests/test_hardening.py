@@ -123,3 +123,48 @@ def test_training_refuses_a_folder_without_manifest(finished, tmp_path, capsys):
     (half / "manifest.json").unlink()
     err = refused(train_translator.main, [*finished["train"], "--data", str(half)], capsys)
     assert "manifest.json not found" in err
+
+
+def test_a_damaged_json_file_is_refused_by_name(finished, tmp_path, capsys):
+    """A manifest or report cut short (a bad copy, a hand edit) ends the stage with one line that names the
+    file, where it breaks and the fix, never a JSONDecodeError traceback; the damaged file is left as it is."""
+    import export
+    from kvlingo.eval import summary
+    from kvlingo.io import DamagedFile, read_jsonl
+
+    root = tmp_path / "copy"
+    shutil.copytree(finished["root"], root)
+    run = [a.replace(str(finished["root"]), str(root)) for a in finished["run"]]
+    data = root / "data" / "tiny"
+
+    def cut(path: Path) -> str:
+        text = path.read_text()
+        path.write_text(text[: len(text) // 2])
+        return text
+
+    # the translator's manifest, read by the benchmark
+    manifest = root / "artifacts" / "r" / "distilled" / "manifest.json"
+    good = cut(manifest)
+    err = refused(benchmark.main, [*run, *finished["pair"], "--data", str(data)], capsys)
+    assert f"{manifest} does not parse as JSON at line" in err and "train or export it again" in err
+    manifest.write_text(good)
+
+    # the prepared data's manifest
+    data_manifest = data / "manifest.json"
+    good = cut(data_manifest)
+    err = refused(benchmark.main, [*run, *finished["pair"], "--data", str(data)], capsys)
+    assert f"{data_manifest} does not parse as JSON" in err and "rerun the stage that wrote it" in err
+    data_manifest.write_text(good)
+
+    # a report, read by the summary and by the export
+    report = root / "results" / "r" / "benchmark.json"
+    report.write_text('{"stage": "benchmark", "results": {"quality"')
+    for fn, argv in ((summary.main, run[2:]), (export.main, run[2:])):
+        err = refused(fn, argv, capsys)
+        assert f"{report} does not parse as JSON at line 1" in err and "rerun the stage that wrote it" in err
+    assert report.read_text() == '{"stage": "benchmark", "results": {"quality"'
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"a": 1}\n\n{"a": \n')
+    with pytest.raises(DamagedFile, match=r"rows.jsonl does not parse as JSON at line 3"):
+        read_jsonl(rows)

@@ -54,7 +54,6 @@ model identities, data and code hashes).
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,7 +62,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..io import atomic_write_bytes, atomic_write_json, sha256_file
+from ..io import DamagedFile, atomic_write_bytes, atomic_write_json, read_json, sha256_file
 from .arch import head_dim
 from .cache import Capture
 from .keyspace import KeySpace
@@ -435,7 +434,10 @@ def read_manifest(folder: str | Path, name: str = MANIFEST_FILE) -> dict[str, An
     if not mpath.is_file():
         raise TranslatorError(f"{folder} holds no {name}: not a complete translator; train it first "
                               "(make train RUN=...) or name a run that has one")
-    manifest = json.loads(mpath.read_text())
+    try:
+        manifest = read_json(mpath)
+    except DamagedFile as e:
+        raise TranslatorError(f"{e.problem}: the translator folder is damaged; train or export it again") from None
     if manifest.get("family") not in FAMILIES:
         raise TranslatorError(f"{mpath}: unknown translator family {manifest.get('family')!r} "
                               f"(known: {', '.join(sorted(FAMILIES))}); it was written by other code")

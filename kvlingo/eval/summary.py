@@ -17,6 +17,7 @@ from ..io import atomic_write_text, read_json
 from ..run.models import DIRECTIONS
 from ..run.paths import add_run_args, run_paths
 from ..run.report import fmt_pm, fmt_table
+from ..run.stage import refusals_exit
 
 ARMS = ("native_source", "native_target", "closed_form", "distilled", "control", "no_context")
 # Which path of an IFEval/task report stands for an arm (the translated path uses the distilled maps).
@@ -77,6 +78,7 @@ def write_summary(folder: str | Path) -> str:
     return md
 
 
+@refusals_exit("summary")
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="One summary table of a run's reports (results/RUN/summary.md).")
     ap.add_argument("--profile", default="pilot", help="profile (for the default run name)")

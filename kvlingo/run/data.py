@@ -84,8 +84,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
-from ..io import (atomic_write_jsonl, read_json, read_jsonl, remove_stale_temps, sha256_bytes, sha256_file, sha256_json,
-                  sha256_tree, to_jsonable)
+from ..io import (DamagedFile, atomic_write_jsonl, read_json, read_jsonl, remove_stale_temps, sha256_bytes, sha256_file,
+                  sha256_json, sha256_tree, to_jsonable)
 from . import models
 from .models import tokenizer_digest
 from .profiles import Profile
@@ -635,7 +635,7 @@ def _up_to_date(data_dir: Path, identity: dict) -> tuple[bool, str]:
         return False, "no manifest"
     try:
         manifest = verify_split(data_dir)
-    except (SplitIntegrityError, json.JSONDecodeError) as e:
+    except (SplitIntegrityError, DamagedFile) as e:
         return False, f"files changed ({e})"
     if manifest.get("resume_key") == resume_key(identity):
         return True, "up to date"

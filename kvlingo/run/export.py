@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.translator import MANIFEST_FILE, MAPS_FILE, TranslatorError, read_manifest, same_model
-from ..io import atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_bytes, sha256_file
+from ..io import (DamagedFile, atomic_write_bytes, atomic_write_json, atomic_write_text, read_json, sha256_bytes,
+                  sha256_file)
 from .evidence import EvidenceError, Verdict, collect, judge
 from .paths import RunPaths
 from .report import fmt_pm, fmt_table, read_report
@@ -130,7 +131,10 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any] | No
         hint = (" It is a training folder: export it with `make export RUN=...`."
                 if (folder / MANIFEST_FILE).is_file() else "")
         raise TranslatorError(f"{folder} holds no {CONFIG_FILE}: not a complete exported translator.{hint}")
-    config = json.loads((folder / CONFIG_FILE).read_text())
+    try:
+        config = read_json(folder / CONFIG_FILE)
+    except DamagedFile as e:
+        raise TranslatorError(f"{e.problem}: the export is damaged; export it again (make export RUN=...)") from None
     if config.get("format") != FORMAT:
         raise TranslatorError(f"{folder / CONFIG_FILE} is not a {FORMAT} config (format {config.get('format')!r})")
     if config.get("format_version", 0) > FORMAT_VERSION:
@@ -143,7 +147,7 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any] | No
         return config, None, f"{EVIDENCE_FILE} is missing"
     if sha256_file(path) != recorded:
         return config, None, f"{EVIDENCE_FILE} does not match the hash recorded in {CONFIG_FILE} (edited or replaced)"
-    return config, json.loads(path.read_text()), None
+    return config, read_json(path), None  # its bytes match the recorded hash
 
 
 # --------------------------------------------------------------------------- the model card

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..io import atomic_write_json, read_json, sha256_file, to_jsonable
+from ..io import DamagedFile, atomic_write_json, read_json, sha256_file, to_jsonable
 from .resume import ResumeRefused, diff
 
 LEDGER_FILE = "recipe-state.json"
@@ -59,9 +59,8 @@ class Ledger:
             if resume and self.path.is_file():
                 try:
                     old = read_json(self.path)
-                except ValueError as e:
-                    raise ResumeRefused(f"{self.path} is not valid JSON ({e}); move it away and start a fresh recipe "
-                                        "(drop --resume)") from e
+                except DamagedFile as e:
+                    raise ResumeRefused(f"{e.problem}: move it away and start a fresh recipe (drop --resume)") from None
                 if old.get("format") != LEDGER_FORMAT:
                     raise ResumeRefused(f"{self.path} has ledger format {old.get('format')}, not {LEDGER_FORMAT}; "
                                         "start a fresh recipe (drop --resume) or use another --run")

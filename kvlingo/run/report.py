@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..io import ROOT, atomic_write_json, atomic_write_jsonl, atomic_write_text, read_json, sha256_file, sha256_json, to_jsonable
+from ..io import (ROOT, DamagedFile, atomic_write_json, atomic_write_jsonl, atomic_write_text, read_json, sha256_file,
+                  sha256_json, to_jsonable)
 
 SCHEMA_VERSION = 2
 
@@ -136,14 +137,21 @@ def publish(report: Report, path: str | os.PathLike, rows: list | None = None, m
     return data
 
 
+class ReportError(ValueError):
+    """A report that cannot be read, or is of another stage (one of the stages' refusals)."""
+
+
 def read_report(path: str | os.PathLike, stage: str | None = None) -> dict[str, Any]:
-    """A report from disk, refusing one of another stage. ValueError names the file and the problem."""
+    """A report from disk, refusing one of another stage. ReportError names the file, the problem and the fix."""
     try:
         data = read_json(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable report ({type(e).__name__}: {e})") from e
-    if stage is not None and data.get("stage") != stage:
-        raise ValueError(f"{path} is a {data.get('stage')!r} report, not {stage!r}")
+    except DamagedFile as e:
+        raise ReportError(f"{e.problem}: rerun the stage that wrote it") from None
+    except OSError as e:
+        raise ReportError(f"{path}: not a readable report ({e.strerror or e})") from None
+    if stage is not None and (not isinstance(data, dict) or data.get("stage") != stage):
+        got = data.get("stage") if isinstance(data, dict) else type(data).__name__
+        raise ReportError(f"{path} is a {got!r} report, not {stage!r}; rerun the {stage} stage")
     return data
 
 

@@ -19,15 +19,18 @@ from ..core.cache import CACHE_KINDS, set_default_kind
 from ..core.translator import TranslatorError
 from ..eval.itemrows import RowsError
 from ..eval.timing import CV_LIMIT
+from ..io import DamagedFile
 from .argtypes import number, whole
 from .data import SplitIntegrityError
 from .models import PairError, add_pair_args
 from .paths import add_run_args
 from .profiles import PROFILES
 from .refusal import RunRefused
+from .report import ReportError
 from .resume import ResumeRefused
 
-REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused)
+REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused, DamagedFile,
+            ReportError)
 REFUSED_STATUS = 2
 
 
