@@ -103,3 +103,29 @@ def test_missing_hub_model_offline_says_what_to_do(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(PairError, match="pass a local folder"):
         load_tokenizer(ModelSpec.parse("Qwen/Qwen3-0.6B"))
+
+
+def test_a_missing_or_damaged_model_folder_is_named_as_a_folder(tiny_pair_paths, tmp_path):
+    """A path that does not exist is not sent to the Hub as a repo id, and a folder that cannot be loaded is
+    named as a folder to save again (no download hint for it)."""
+    import shutil
+
+    from kvlingo.run.models import load_config, load_model
+
+    for missing in (tmp_path / "nowhere", "./nowhere", "runs/a/b"):
+        with pytest.raises(PairError, match="no model folder at .*nowhere|no model folder at runs/a/b"):
+            ModelSpec.parse(str(missing))
+    assert ModelSpec.parse("Qwen/Qwen3-0.6B").revision  # a Hub id still parses as one
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(PairError, match=r"(?s)could not load the model folder .*empty.*save or copy the model there") as e:
+        load_config(ModelSpec.parse(str(empty)))
+    assert "huggingface-cli" not in str(e.value)
+
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_pair_paths[1], cut)
+    weights = next(cut.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(PairError, match=r"could not load the model folder .*cut: SafetensorError"):
+        load_model(ModelSpec.parse(str(cut)))

@@ -62,6 +62,9 @@ class ModelSpec:
         """`id`, `id@revision` or a local path. Known Hub ids get their pinned revision."""
         if Path(text).exists():
             return cls(str(Path(text)), None)
+        if text.startswith(("/", ".", "~")) or text.count("/") > 1:  # a path, never a Hub id (owner/name)
+            raise PairError(f"no model folder at {text}: give a folder saved with save_pretrained, or a Hub id "
+                            "such as Qwen/Qwen3-0.6B")
         name, _, rev = text.partition("@")
         return cls(name, revision or rev or PINNED_REVISIONS.get(name, "main"))
 
@@ -158,6 +161,11 @@ def hub_offline() -> bool:
 
 
 def _hub_hint(spec: ModelSpec, err: Exception) -> "PairError":
+    if spec.is_local:  # nothing to download: the folder itself is incomplete or damaged
+        first = (str(err).strip().splitlines() or [""])[0]
+        return PairError(f"could not load the model folder {spec.name_or_path}: {type(err).__name__}: {first}\n"
+                         "A model folder holds config.json, the tokenizer files and *.safetensors, as "
+                         "save_pretrained writes them; save or copy the model there again.")
     offline = hub_offline()
     return PairError(
         f"could not load {spec.name_or_path} (revision {spec.revision}): {type(err).__name__}: {err}\n"
@@ -178,13 +186,14 @@ def load_tokenizer(spec: ModelSpec):
 
 def load_model(spec: ModelSpec, device: str = "cpu", dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
     """A frozen model in eval mode. Built outside inference_mode: CPU BF16 kernels are far slower inside it."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
             spec.name_or_path, revision=spec.revision, dtype=dtype, attn_implementation=attn
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:  # SafetensorError: a weights file cut short
         raise _hub_hint(spec, err) from err
     model.to(device).eval()
     model.requires_grad_(False)
