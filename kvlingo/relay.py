@@ -20,6 +20,7 @@ the translated arm of the benchmark and of IFEval.
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
@@ -111,7 +112,7 @@ class Relay:
 
     def capture(self, ids: Sequence[int] | torch.Tensor) -> Capture:
         """The source's capture of `ids` (all of them), with what the translator reads."""
-        return capture_source(self.source, ids, [self.translator])
+        return capture_source(self.source, self._ids(ids), [self.translator])
 
     # ------------------------------------------------------------------ the handoff
     def translate(self, source: Source) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +137,9 @@ class Relay:
     def reply_ids(self, messages: Messages, max_new_tokens: int = 256,
                   enable_thinking: bool = False) -> tuple[list[int], bool]:
         """The target's greedy reply to `messages` after the handoff: (ids without the stop token, hit the cap)."""
-        ids = self.prompt_ids(messages, enable_thinking)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens is {max_new_tokens}; give 0 or more")
+        ids = self._in_range(self.prompt_ids(messages, enable_thinking))
         return greedy_generate(self.target, ids[-1:], self.translate(ids), max_new_tokens=max_new_tokens,
                                eos_ids=stop_ids(self.tokenizer))
 
@@ -146,12 +149,31 @@ class Relay:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _ids(self, source: Source) -> list[int]:
+        """Token ids of messages or ids, checked: whole numbers the models embed, no longer than both read."""
         if torch.is_tensor(source):
             if source.dim() == 2 and source.shape[0] != 1:
                 raise ValueError(f"prompt ids have shape {tuple(source.shape)}; a relay is batch-one ([1, tokens])")
-            return source.reshape(-1).tolist()
-        source = list(source)
-        return self.prompt_ids(source) if source and isinstance(source[0], dict) else [int(i) for i in source]
+            if source.dtype.is_floating_point or source.dtype.is_complex or source.dtype == torch.bool:
+                raise ValueError(f"prompt ids are a {source.dtype} tensor; pass token ids as integers (torch.long)")
+            ids = source.reshape(-1).tolist()
+        else:
+            source = list(source)
+            if source and isinstance(source[0], dict):
+                return self._in_range(self.prompt_ids(source))
+            ids = [_token_id(i) for i in source]
+        return self._in_range(ids)
+
+    def _in_range(self, ids: list[int]) -> list[int]:
+        vocab = min(m.get_input_embeddings().num_embeddings for m in (self.source, self.target))
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the models' vocabulary [0, {vocab}); "
+                             "ids must come from the pair's tokenizer (relay.tokenizer)")
+        limit = min(m.config.max_position_embeddings for m in (self.source, self.target))
+        if len(ids) > limit:
+            raise ValueError(f"the prompt is {len(ids)} tokens, more than the models read "
+                             f"(max_position_embeddings {limit}); shorten the conversation")
+        return ids
 
     def _as_capture(self, source: Any) -> Capture:
         if isinstance(source, Capture):
@@ -171,6 +193,14 @@ class Relay:
 
 
 # --------------------------------------------------------------------------- helpers
+def _token_id(i: Any) -> int:
+    """An int, NumPy or 0-d torch integer as a token id; anything else (1.5, "7") is refused, never rounded."""
+    try:
+        return operator.index(i)
+    except TypeError:
+        raise ValueError(f"prompt ids must be integers, got {i!r}; pass token ids or chat messages") from None
+
+
 def locate(path_or_repo: str | Path, revision: str | None = None) -> Path:
     """A local folder as is; otherwise a Hub repo id fetched with huggingface_hub at `revision`."""
     path = Path(path_or_repo)

@@ -316,3 +316,30 @@ def test_a_hub_repo_that_cannot_be_fetched_is_named(monkeypatch):
         Relay.load("nobody/no-such-translator", revision="abc123")
     with pytest.raises(TranslatorError, match="no such folder"):
         Relay.load("./not/a/folder")
+
+
+def test_bad_prompt_ids_are_refused_before_any_model_runs(proven, monkeypatch):
+    """Ids are whole numbers inside the vocabulary and no longer than the models read, and max_new_tokens is not
+    negative: each is refused with a message that names the value, before the source runs (an id past the
+    vocabulary in the last position would otherwise pass the handoff and fail only in the reply)."""
+    import numpy as np
+
+    relay = Relay.load(proven["export"], device="cpu")
+    vocab = relay.source.get_input_embeddings().num_embeddings
+    limit = relay.source.config.max_position_embeddings
+    monkeypatch.setattr(relay.pair.source, "forward", lambda *a, **k: pytest.fail("the source ran"))
+    for ids, why in (([1, 2, vocab], f"token id {vocab} is outside the models' vocabulary \\[0, {vocab}\\)"),
+                     ([1, -3, 4], "token id -3 is outside"),
+                     ([1, 2.5, 3], "prompt ids must be integers, got 2.5"),
+                     (torch.tensor([1.0, 2.0]), "torch.float32 tensor"),
+                     ([1] * (limit + 1), f"the prompt is {limit + 1} tokens, more than the models read")):
+        with pytest.raises(ValueError, match=why):
+            relay.handoff(ids)
+    with pytest.raises(ValueError, match="token id"):
+        relay.capture([1, vocab + 5])
+    with pytest.raises(ValueError, match="max_new_tokens is -1"):
+        relay.chat([{"role": "user", "content": "hi"}], max_new_tokens=-1)
+    monkeypatch.undo()
+    a = relay.translate(np.array([3, 4, 5]))  # NumPy integers are ids
+    b = relay.translate(torch.tensor([[3, 4, 5]]))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
