@@ -28,7 +28,7 @@ from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
 from kvlingo.run.ledger import LEDGER_FILE
-from kvlingo.run.stage import REFUSALS, add_task_data_args, generative_tasks, refusals_exit, stage_parser
+from kvlingo.run.stage import REFUSALS, add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": "train_translator.py", "benchmark": "benchmark.py", "ifeval": "ifeval.py", "task": "task_eval.py"}
@@ -182,6 +182,7 @@ def main(argv=None) -> dict:
                          settings=tuple(args.settings), long_factor=args.long_factor, eval_root=args.data_root,
                          tasks=tasks, artifacts=args.artifacts, results=args.results, pair=pair)
     plan = Plan(cfg)
+    lock_run(plan.paths.res, "ablate")
     ledger = K.Ledger(plan.paths.res / LEDGER_FILE, asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
     chosen = [s for s in A.SETTINGS if s.name in cfg.settings]

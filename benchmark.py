@@ -39,7 +39,7 @@ from kvlingo.run.models import PairConfig, dtype_name, load_model, load_pair, pa
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_interval, fmt_pm, fmt_table, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, refusals_exit, stage_parser
+from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     paths.check_writable()  # before the models load, not after the work
+    lock_run(paths.res, "benchmark")
     pair = load_pair(pair_cfg, tokenizer)
     translators = {name: load_translator(f, pair)[0] for name, f in folders.items()}
     control_name = "distilled" if "distilled" in translators else ("closed_form" if translators else None)

@@ -38,7 +38,7 @@ from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import REFUSALS, add_task_data_args, generative_tasks, refusals_exit, stage_parser
+from kvlingo.run.stage import REFUSALS, add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SETTINGS = ("none", "tail:10%", "tail:25%", "tail:50%", "layers:25%", "layers:50%", "layers:75%",
@@ -335,6 +335,7 @@ def main(argv=None) -> dict:
     toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
     n_layers = pair.geometry["target_layers"]
     plan = Plan(cfg)
+    lock_run(plan.paths.res, "frontier")
     ledger = K.Ledger(plan.paths.res / "frontier-state.json", asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
     try:

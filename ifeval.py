@@ -38,7 +38,7 @@ from kvlingo.run.models import PairConfig
 from kvlingo.run.paths import run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table
-from kvlingo.run.stage import refusals_exit
+from kvlingo.run.stage import lock_run, refusals_exit
 
 SCRIPT = Path(__file__).resolve()
 EPILOG = """examples:
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     name = "ifeval-native" if args.native else "ifeval"
     sibling = "ifeval" if args.native else "ifeval-native"
     inputs = {"data": data_info, **session.translator_inputs}
+    lock_run(paths.res, name)
     log = session.open_rows(paths.beside(name, ".rows.jsonl"), config, inputs, resume.code_hash(SCRIPT), args.resume,
                             paths.beside(sibling, ".rows.jsonl"))
 

@@ -46,7 +46,7 @@ from kvlingo.run.models import DIRECTIONS, resolve_device, resolve_dtype
 from kvlingo.run.paths import RunPaths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, refuse, refusals_exit, stage_parser
+from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refuse, refusals_exit, stage_parser
 from kvlingo.toy.random import random_pair, random_translator
 
 SCRIPT = Path(__file__).resolve()
@@ -324,6 +324,7 @@ def main(argv=None) -> None:
     if max(cfg.lengths) + k > limit:
         refuse("perf", f"--lengths up to {max(cfg.lengths)} + {k} exceed max_position_embeddings {limit}")
     paths.check_writable()  # before the FLOP table and the timings, not after them
+    lock_run(paths.res, "perf")  # two timing runs at once would also time each other
     ceilings, refused = family_ceilings(source, target, args.key_space, cfg.lengths, k)
     flops_md = flops_markdown(cfg, geometry, ceilings, refused)
     if args.flops_only:

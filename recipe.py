@@ -43,7 +43,7 @@ from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import REFUSALS, refusals_exit, stage_parser
+from kvlingo.run.stage import REFUSALS, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": ROOT / "train_translator.py", "benchmark": ROOT / "benchmark.py", "ifeval": ROOT / "ifeval.py"}
@@ -287,6 +287,7 @@ def main(argv=None, runner=K.run_stage) -> dict:
     pair = cells_pair(args)  # refuses a bad pair before any cell runs
     cfg = make_config(args, pair)
     plan = Plan(cfg)
+    lock_run(plan.res, "recipe")  # the ledger serialises cells; this keeps a second recipe off the same run
     ledger = K.Ledger(plan.res / K.LEDGER_FILE, asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner, launcher=launcher_from_args(args, plan.res))
     seed0 = cfg.seeds[0]

@@ -38,7 +38,7 @@ from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, refusals_exit, stage_parser
+from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 PATHS = {"re_reading": "target_reprefill", "switching": "source_cache_handoff"}
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: the test split holds {chat['split_tokens']} tokens, fewer than {max(cfg.lengths) + k}; "
               f"its conversations were joined {chat['passes']} times over", file=sys.stderr)
     paths.check_writable()  # before the models load, not after the work
+    lock_run(paths.res, "switch")
     pair = load_pair(pair_cfg, tokenizer)
     limit = min(pair.source.config.max_position_embeddings, pair.target.config.max_position_embeddings)
     if max(cfg.lengths) + k > limit:

@@ -43,7 +43,7 @@ from kvlingo.run.models import PairConfig
 from kvlingo.run.paths import run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table
-from kvlingo.run.stage import refusals_exit
+from kvlingo.run.stage import lock_run, refusals_exit
 
 SCRIPT = Path(__file__).resolve()
 EPILOG = """examples:
@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     base = f"task-{args.task}" + ("-trace" if trace else "")
     name, sibling = (f"{base}-native", base) if args.native else (base, f"{base}-native")
     inputs = {"data": data_info, **session.translator_inputs}
+    lock_run(paths.res, name)
     log = session.open_rows(paths.beside(name, ".rows.jsonl"), config, inputs, resume.code_hash(SCRIPT), args.resume,
                             paths.beside(sibling, ".rows.jsonl"))
 

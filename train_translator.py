@@ -33,7 +33,7 @@ from kvlingo.run.models import load_pair, pair_config_from_args
 from kvlingo.run.paths import default_data, run_paths, writable
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Report, figure_png, fmt_table
-from kvlingo.run.stage import refusals_exit, stage_parser
+from kvlingo.run.stage import lock_run, refusals_exit, stage_parser
 from kvlingo.train import checkpoints as ckpt
 from kvlingo.train import distributed
 from kvlingo.train.closed_form import fit_closed_form
@@ -210,6 +210,7 @@ def main(argv=None) -> dict:
     before_training(pair_cfg, empty, cfg, profile, world, args)  # peak memory and time per update; refuses a misfit
 
     writable(paths.art, "--artifacts"), paths.check_writable()  # before the models load, not after the fit
+    lock_run(paths.res, "train")  # one training per run folder: checkpoints and translators are its alone
     pair = load_pair(pair_cfg, tokenizer)
     models = {"source": pair.source, "target": pair.target}
     check_frozen(models)

@@ -168,3 +168,34 @@ def test_a_damaged_json_file_is_refused_by_name(finished, tmp_path, capsys):
     rows.write_text('{"a": 1}\n\n{"a": \n')
     with pytest.raises(DamagedFile, match=r"rows.jsonl does not parse as JSON at line 3"):
         read_jsonl(rows)
+
+
+def test_a_second_run_of_a_stage_on_the_same_run_is_refused_while_the_first_runs(finished, tmp_path, capsys):
+    """Two trainings of one run would mix their checkpoints and translators: while one process holds the run's
+    lock, another is refused at once, and the lock goes when its holder is killed (nothing left to clean up)."""
+    import subprocess
+    import sys
+
+    from kvlingo.run.stage import lock_run, refusals_exit
+
+    res = finished["root"] / "results" / "r"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from kvlingo.run.stage import lock_run; "
+         f"lock_run({str(res)!r}, 'train'); print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(finished["root"])
+        err = refused(train_translator.main, [*finished["train"], "--resume"], capsys)
+        assert "another train of this run is still running" in err and str(res / ".train.lock") in err
+        assert snapshot(finished["root"]) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+    @refusals_exit("train")
+    def stage():
+        lock_run(res, "train")
+        return "ran"
+
+    assert stage() == "ran" and stage() == "ran"  # the killed holder's lock is gone, and each call frees its own

@@ -9,6 +9,7 @@ line on stderr ("stage: why, and the fix") and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import functools
 import os
 import sys
@@ -41,19 +42,49 @@ def refuse(stage: str, message: str) -> None:
 
 
 def refusals_exit(stage: str) -> Callable:
-    """Decorator for a stage's main(): a refusal becomes one line and exit status 2."""
+    """Decorator for a stage's main(): a refusal becomes one line and exit status 2, and the run locks the
+    stage took (`lock_run`) are released when it returns or fails."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def main(*args, **kwargs):
+            held = len(_run_locks)
             try:
                 return fn(*args, **kwargs)
             except REFUSALS as e:
                 refuse(stage, str(e))
+            finally:
+                while len(_run_locks) > held:  # this call's own (a stage may run another in-process)
+                    release = _run_locks.pop()
+                    fcntl.flock(release, fcntl.LOCK_UN)
+                    release.close()
 
         return main
 
     return wrap
+
+
+_run_locks: list = []  # open lock files of the stages running in this process, innermost last
+
+
+def lock_run(folder: str | Path, name: str) -> None:
+    """Take `folder/.NAME.lock` (an exclusive flock) for the rest of the stage's main (`refusals_exit` frees
+    it), or refuse at once when another process holds it: two runs of one stage writing one run's files
+    would mix their checkpoints, rows and reports. The lock dies with its process, so a killed run never
+    leaves it behind. Under torchrun rank 0 takes it for the job."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f".{name}.lock"
+    handle = open(path, "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise RunRefused(f"another {name} of this run is still running (it holds {path}); wait for it to finish, "
+                         "or give this one another --run") from None
+    _run_locks.append(handle)
 
 
 def stage_parser(doc: str, examples: list[str], common: bool = False, data: bool = False) -> argparse.ArgumentParser:
