@@ -18,7 +18,7 @@ from kvlingo.run.argtypes import whole
 from kvlingo.run.data import NEMOTRON, HubSource, load_tokenizer, prepare
 from kvlingo.run.profiles import PROFILES, get_profile
 from kvlingo.run.report import fmt_table
-from kvlingo.run.stage import refuse
+from kvlingo.run.stage import lock_run, refusals_exit, refuse
 
 EPILOG = """examples:
   # offline, from a local JSONL in Nemotron chat format
@@ -42,6 +42,7 @@ def summary(manifest: dict) -> str:
     return fmt_table(headers, rows, floatfmt=".3g")
 
 
+@refusals_exit("paper_data")
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 
     profile = get_profile(args.profile)
     hub = HubSource(NEMOTRON.repo_id, NEMOTRON.config, NEMOTRON.split, args.revision)
+    lock_run(args.out, f"prepare-{profile.name}", "--out")  # a second build would clear this one's staging folder
     try:
         tok = load_tokenizer(args.tokenizer)
         result = prepare(

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
 
 def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under root but the stages' empty run locks (`.STAGE.lock`, not outputs)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and not (p.name.endswith(".lock") and not p.stat().st_size)}
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +182,18 @@ def test_a_second_run_of_a_stage_on_the_same_run_is_refused_while_the_first_runs
     res = finished["root"] / "results" / "r"
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from kvlingo.run.stage import lock_run; "
-         f"lock_run({str(res)!r}, 'train'); print('held', flush=True); time.sleep(120)"],
+         f"lock_run({str(res)!r}, 'train'); lock_run({str(finished['root'] / 'data')!r}, 'prepare-tiny'); "
+         "print('held', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     try:
         assert holder.stdout.readline().strip() == "held"
         before = snapshot(finished["root"])
         err = refused(train_translator.main, [*finished["train"], "--resume"], capsys)
-        assert "another train of this run is still running" in err and str(res / ".train.lock") in err
+        assert f"another train is still running in {res}" in err and str(res / ".train.lock") in err
+        source = finished["root"] / "chats.jsonl"  # never read: the data folder's build is refused first
+        err = refused(paper_data.main, ["--profile", "tiny", "--source", str(source), "--tokenizer",
+                                        str(finished["tok"].name_or_path), "--out", str(finished["root"] / "data")], capsys)
+        assert "another prepare-tiny is still running" in err and "another --out" in err
         assert snapshot(finished["root"]) == before
     finally:
         holder.kill()

@@ -67,7 +67,7 @@ def refusals_exit(stage: str) -> Callable:
 _run_locks: list = []  # open lock files of the stages running in this process, innermost last
 
 
-def lock_run(folder: str | Path, name: str) -> None:
+def lock_run(folder: str | Path, name: str, elsewhere: str = "--run") -> None:
     """Take `folder/.NAME.lock` (an exclusive flock) for the rest of the stage's main (`refusals_exit` frees
     it), or refuse at once when another process holds it: two runs of one stage writing one run's files
     would mix their checkpoints, rows and reports. The lock dies with its process, so a killed run never
@@ -82,8 +82,8 @@ def lock_run(folder: str | Path, name: str) -> None:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise RunRefused(f"another {name} of this run is still running (it holds {path}); wait for it to finish, "
-                         "or give this one another --run") from None
+        raise RunRefused(f"another {name} is still running in {folder} (it holds {path}); wait for it to finish, "
+                         f"or give this one another {elsewhere}") from None
     _run_locks.append(handle)
 
 
