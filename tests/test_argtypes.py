@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,14 @@ def test_perf_refuses_an_unwritable_results_folder_before_it_times_anything(tmp_
     assert "perf: cannot write to" in err.err and "--results" in err.err
     assert "GFLOP" not in err.out  # refused before the FLOP table, so before any timing
     assert blocker.read_text() == "a file where the results folder should be"
+
+
+def test_a_run_name_stays_inside_the_output_roots():
+    """--run names a folder under --artifacts and --results; an absolute name or a '..' part would write elsewhere."""
+    from kvlingo.run.paths import RunPaths
+    from kvlingo.run.refusal import RunRefused
+
+    assert RunPaths("qwen/lr1e-3", "a", "r").res == Path("r/qwen/lr1e-3")
+    for bad in ("/tmp/x", "../x", "a/../../b", "./a", " "):
+        with pytest.raises(RunRefused, match="must be a relative name"):
+            RunPaths(bad)

@@ -36,6 +36,12 @@ class RunPaths:
     artifacts_root: str = "artifacts"
     results_root: str = "results"
 
+    def __post_init__(self):
+        parts = Path(self.run).parts
+        if not self.run.strip() or Path(self.run).is_absolute() or ".." in parts or "." in self.run.split("/"):
+            raise RunRefused(f"run name {self.run!r} must be a relative name such as pilot-l2s or qwen/lr1e-3 (no "
+                             "leading '/', no '.' or '..' parts): a run's files stay under --artifacts and --results")
+
     @property
     def art(self) -> Path:
         return Path(self.artifacts_root) / self.run
