@@ -59,7 +59,7 @@ REFRESH      ?=
 ABLATE_DIRECTIONS ?= l2s s2l
 ABLATE_THREADS    ?= 1
 EXPORT_ARGS  ?=
-# perf: float32 on a CPU (its BF16 kernels are slow for small steps), bfloat16 on a GPU
+# perf: float32 on a CPU (the CPU goal is FP32; BF16 is fast only where the CPU has AVX512-BF16 or AMX), bfloat16 on a GPU
 PERF_DTYPE   ?= auto
 # The toy pair(s) make demo runs: toy = large ↔ small (head-wise maps); deep = large ↔ deep, then deep ↔ small
 # (the deep model's 3 layers × 4 KV heads × head_dim 32 against the pair's 4 × 2 × 32: cross-layer maps).

@@ -119,8 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="print and write the FLOP ceilings of every family only (no timing)")
     p.add_argument("--direction", choices=DIRECTIONS, default="l2s", help="l2s: large builds the cache, small continues")
     p.add_argument("--device", default="auto", help="cuda, mps, cpu or auto")
-    p.add_argument("--dtype", default="auto", help="model dtype; auto: float32 on a CPU (its BF16 kernels are slow "
-                   "for small steps), bfloat16 elsewhere")
+    p.add_argument("--dtype", default="auto", help="model dtype; auto: float32 on a CPU (BF16 is fast there only with "
+                   "AVX512-BF16 or AMX), bfloat16 elsewhere")
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="the random maps' key space")
     p.add_argument("--lengths", type=whole(1), nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
     add_timing_args(p, "1 on a CPU, else 5", "3 on a CPU, else 30")
