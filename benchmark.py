@@ -188,8 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         print(md.read_text() if md.exists() else "")
         return
 
-    paths.check_writable()  # before the models load, not after the work
-    lock_run(paths.res, "benchmark")
+    lock_run(paths.res, "benchmark")  # before the models load: also refuses a folder it cannot write
     pair = load_pair(pair_cfg, tokenizer)
     translators = {name: load_translator(f, pair)[0] for name, f in folders.items()}
     control_name = "distilled" if "distilled" in translators else ("closed_form" if translators else None)

@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     if limit > len(docs):
         print(f"note: --limit {limit} but the data holds {len(docs)} prompts; scoring all of them")
     docs = docs[:limit]
+    name = "ifeval-native" if args.native else "ifeval"
+    sibling = "ifeval" if args.native else "ifeval-native"
+    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
     session = Session(args, paths)
     pair, tok = session.pair, session.pair.tokenizer
     controls = control_paths(args, len(docs))
@@ -167,10 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     path_inputs["control"] = path_inputs["translated"]
     all_prompt_ids = [user_prompt_ids(tok, doc["prompt"], args.thinking) for doc in docs]
-    name = "ifeval-native" if args.native else "ifeval"
-    sibling = "ifeval" if args.native else "ifeval-native"
     inputs = {"data": data_info, **session.translator_inputs}
-    lock_run(paths.res, name)
     log = session.open_rows(paths.beside(name, ".rows.jsonl"), config, inputs, resume.code_hash(SCRIPT), args.resume,
                             paths.beside(sibling, ".rows.jsonl"))
 

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 
     profile = get_profile(args.profile)
     hub = HubSource(NEMOTRON.repo_id, NEMOTRON.config, NEMOTRON.split, args.revision)
-    lock_run(args.out, f"prepare-{profile.name}", "--out")  # a second build would clear this one's staging folder
+    lock_run(args.out, f"prepare-{profile.name}", "--out", "--out")  # a second build would clear this one's staging folder
     try:
         tok = load_tokenizer(args.tokenizer)
         result = prepare(

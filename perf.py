@@ -323,8 +323,7 @@ def main(argv=None) -> None:
     limit = arch_config(target).max_position_embeddings
     if max(cfg.lengths) + k > limit:
         refuse("perf", f"--lengths up to {max(cfg.lengths)} + {k} exceed max_position_embeddings {limit}")
-    paths.check_writable()  # before the FLOP table and the timings, not after them
-    lock_run(paths.res, "perf")  # two timing runs at once would also time each other
+    lock_run(paths.res, "perf")  # before the FLOP table and the timings (two timing runs would time each other)
     ceilings, refused = family_ceilings(source, target, args.key_space, cfg.lengths, k)
     flops_md = flops_markdown(cfg, geometry, ceilings, refused)
     if args.flops_only:

@@ -154,8 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     if chat["repeated"]:
         print(f"note: the test split holds {chat['split_tokens']} tokens, fewer than {max(cfg.lengths) + k}; "
               f"its conversations were joined {chat['passes']} times over", file=sys.stderr)
-    paths.check_writable()  # before the models load, not after the work
-    lock_run(paths.res, "switch")
+    lock_run(paths.res, "switch")  # before the models load: also refuses a folder it cannot write
     pair = load_pair(pair_cfg, tokenizer)
     limit = min(pair.source.config.max_position_embeddings, pair.target.config.max_position_embeddings)
     if max(cfg.lengths) + k > limit:

@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     if limit > len(rows):
         print(f"note: --limit {limit} but the data holds {len(rows)} items; scoring all of them")
     items = [ITEM_BUILDERS[args.task](r) for r in rows[:limit]]
+    base = f"task-{args.task}" + ("-trace" if trace else "")
+    name, sibling = (f"{base}-native", base) if args.native else (base, f"{base}-native")
+    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
     session = Session(args, paths)
     pair, tok, eos = session.pair, session.pair.tokenizer, session.eos
     controls = control_paths(args, len(items))
@@ -151,10 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         scored = ("native_source", "native_target")
     else:
         scored = ("translated", "native_target_with_trace" if trace else "native_target", *controls)
-    base = f"task-{args.task}" + ("-trace" if trace else "")
-    name, sibling = (f"{base}-native", base) if args.native else (base, f"{base}-native")
     inputs = {"data": data_info, **session.translator_inputs}
-    lock_run(paths.res, name)
     log = session.open_rows(paths.beside(name, ".rows.jsonl"), config, inputs, resume.code_hash(SCRIPT), args.resume,
                             paths.beside(sibling, ".rows.jsonl"))
 

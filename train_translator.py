@@ -209,8 +209,8 @@ def main(argv=None) -> dict:
                        models=pair_cfg.identities())
     before_training(pair_cfg, empty, cfg, profile, world, args)  # peak memory and time per update; refuses a misfit
 
-    writable(paths.art, "--artifacts"), paths.check_writable()  # before the models load, not after the fit
-    lock_run(paths.res, "train")  # one training per run folder: checkpoints and translators are its alone
+    writable(paths.art, "--artifacts")  # before the models load, not after the fit
+    lock_run(paths.res, "train")  # one training per run: checkpoints and translators are its alone
     pair = load_pair(pair_cfg, tokenizer)
     models = {"source": pair.source, "target": pair.target}
     check_frozen(models)

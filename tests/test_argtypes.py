@@ -111,16 +111,19 @@ def test_resolve_device_refuses_a_device_it_does_not_know():
             resolve_device(bad)
 
 
-def test_writable_makes_the_folder_and_refuses_one_it_cannot_write(tmp_path):
-    from kvlingo.run.paths import RunPaths, writable
+def test_writable_and_lock_run_make_the_folder_and_refuse_one_they_cannot_write(tmp_path):
+    from kvlingo.run.paths import writable
     from kvlingo.run.refusal import RunRefused
+    from kvlingo.run.stage import lock_run
 
-    made = writable(tmp_path / "a" / "b", "--results")
+    made = writable(tmp_path / "a" / "b", "--artifacts")
     assert made.is_dir() and not any(made.iterdir())  # the probe file is gone again
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
+    with pytest.raises(RunRefused, match=r"cannot write to .*a-file/b .*give --artifacts a folder you can write to"):
+        writable(blocker / "b", "--artifacts")
     with pytest.raises(RunRefused, match=r"cannot write to .*a-file/run .*give --results a folder you can write to"):
-        RunPaths("run", results_root=str(blocker)).check_writable()
+        lock_run(blocker / "run", "benchmark")
     assert blocker.read_text() == "not a folder"
 
 

@@ -71,11 +71,6 @@ class RunPaths:
         """A file next to a report: results/RUN/<stem><suffix> (.md, .png, .rows.jsonl)."""
         return self.res / f"{stem}{suffix}"
 
-    def check_writable(self, flag: str = "--results") -> Path:
-        """Make the results folder now and write a probe file in it, so a run whose reports could not be
-        saved stops before its work rather than after it (RunRefused, naming the folder and `flag`)."""
-        return writable(self.res, flag)
-
     def nested(self, name: str) -> "RunPaths":
         return RunPaths(f"{self.run}/{name}", self.artifacts_root, self.results_root)
 

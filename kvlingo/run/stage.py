@@ -67,17 +67,25 @@ def refusals_exit(stage: str) -> Callable:
 _run_locks: list = []  # open lock files of the stages running in this process, innermost last
 
 
-def lock_run(folder: str | Path, name: str, elsewhere: str = "--run") -> None:
+def lock_run(folder: str | Path, name: str, elsewhere: str = "--run", root_flag: str = "--results") -> None:
     """Take `folder/.NAME.lock` (an exclusive flock) for the rest of the stage's main (`refusals_exit` frees
     it), or refuse at once when another process holds it: two runs of one stage writing one run's files
     would mix their checkpoints, rows and reports. The lock dies with its process, so a killed run never
-    leaves it behind. Under torchrun rank 0 takes it for the job."""
+    leaves it behind. Under torchrun rank 0 takes it for the job.
+
+    Taking it also makes the folder and writes a file there, so a stage that calls it before its models
+    load learns then, not after its work, that its reports could not be saved (RunRefused naming
+    `root_flag`, the flag that chose the folder)."""
     if os.environ.get("RANK", "0") != "0":
         return
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f".{name}.lock"
-    handle = open(path, "a")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError as e:
+        raise RunRefused(f"cannot write to {folder} ({e.strerror or e}); give {root_flag} a folder you can "
+                         "write to") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

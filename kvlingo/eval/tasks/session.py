@@ -79,7 +79,6 @@ class Session:
         if not args.native:
             self.translator_dir = paths.translator(args.translator)
             read_manifest(self.translator_dir)  # refuses a missing or damaged translator before any weights load
-        paths.check_writable()  # before the models load, not after the answers
         self.pair = load_pair(self.pair_cfg, tokenizer)
         self.translator = None
         if self.translator_dir is not None:
