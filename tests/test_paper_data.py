@@ -468,6 +468,48 @@ def test_a_killed_rebuild_keeps_the_old_set_and_leftovers_go(world, tmp_path, mo
     assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_build_killed_between_its_two_renames_keeps_the_new_set(world, tmp_path, monkeypatch):
+    """`_swap_in` renames the old set aside, then the new one in; a kill between the two leaves no data folder.
+    The next run puts the complete new set in place (not the old one, and no rebuild from the source)."""
+    import kvlingo.run.data as data
+
+    out = tmp_path / "out"
+    prepare(world["tok"], PROFILE, source=world["source"], out_root=out, seed=0)
+    folder = out / PROFILE.name
+    real_replace, calls = data.os.replace, []
+
+    def killed(src, dst):
+        calls.append(1)
+        if len(calls) == 2 and str(dst) == str(folder):  # the new set's rename into place
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(data.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        data._swap_in(_copy_as_new_build(folder, out), folder)
+    monkeypatch.undo()
+    assert not folder.exists() and {p.name.split("-")[0] for p in out.iterdir()} == {
+        f".{PROFILE.name}.retired", f".{PROFILE.name}.building"}
+    new_manifest = next(out.glob(f".{PROFILE.name}.building-*")).joinpath("manifest.json").read_bytes()
+    (out / f".{PROFILE.name}.building-999").mkdir()  # a half-built staging folder of another killed run
+
+    monkeypatch.setattr(data, "collect_pools", lambda *a, **k: pytest.fail("rebuilt from the source"))
+    res = prepare(world["tok"], PROFILE, source=world["source"], out_root=out, seed=0)
+    assert not res.built and (folder / "manifest.json").read_bytes() == new_manifest
+    open_prepared(folder)
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def _copy_as_new_build(folder: Path, out: Path) -> Path:
+    """A complete staging folder as a build leaves it just before `_swap_in` (the same set, marked new)."""
+    staging = out / f".{folder.name}.building-1"
+    shutil.copytree(folder, staging)
+    manifest = json.loads((staging / "manifest.json").read_text())
+    manifest["wall_time_s"] = 12345.0  # tells the new set's manifest from the old one's
+    (staging / "manifest.json").write_text(json.dumps(manifest))
+    return staging
+
+
 def test_an_empty_source_keeps_the_existing_set(world, tmp_path):
     out = tmp_path / "out"
     prepare(world["tok"], PROFILE, source=world["source"], out_root=out)

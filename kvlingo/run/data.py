@@ -645,8 +645,24 @@ def _up_to_date(data_dir: Path, identity: dict) -> tuple[bool, str]:
 
 
 def _clear_leftovers(out_root: Path, name: str) -> list[Path]:
-    """Remove what a killed build left: its staging and retired folders, and stray temp files."""
+    """Remove what a killed build left: its staging and retired folders, and stray temp files.
+
+    A build killed between `_swap_in`'s two renames leaves no `name` folder, the old set retired and
+    the new one complete in staging. The complete set (the newest intact one: new before old) is
+    renamed into place first, so nothing already prepared is thrown away; `_up_to_date` then judges
+    it like any other."""
     gone = []
+    data_dir = out_root / name
+    if not data_dir.exists():
+        sets = [p for kind in (".building-", ".retired-") for p in sorted(
+            out_root.glob(f".{name}.*"), key=lambda q: q.stat().st_mtime, reverse=True) if kind in p.name]
+        for p in sets:
+            try:
+                verify_split(p)
+            except (SplitIntegrityError, DamagedFile):
+                continue
+            os.replace(p, data_dir)
+            break
     for p in out_root.glob(f".{name}.*"):
         if p.is_dir() and (".building-" in p.name or ".retired-" in p.name):
             shutil.rmtree(p, ignore_errors=True)
