@@ -165,9 +165,9 @@ class Relay:
 
     def _in_range(self, ids: list[int]) -> list[int]:
         vocab = min(m.get_input_embeddings().num_embeddings for m in (self.source, self.target))
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the models' vocabulary [0, {vocab}); "
+        if ids and (min(ids) < 0 or max(ids) >= vocab):  # builtins: no per-token Python on the handoff's path
+            bad = next(i for i in ids if not 0 <= i < vocab)
+            raise ValueError(f"token id {bad} is outside the models' vocabulary [0, {vocab}); "
                              "ids must come from the pair's tokenizer (relay.tokenizer)")
         limit = min(m.config.max_position_embeddings for m in (self.source, self.target))
         if len(ids) > limit:
