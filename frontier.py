@@ -38,7 +38,8 @@ from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import REFUSALS, add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
+from kvlingo.run.stage import (REFUSALS, add_task_data_args, generative_tasks, lock_run, refresh_setting,
+                               refusals_exit, stage_parser)
 
 ROOT = Path(__file__).resolve().parent
 SETTINGS = ("none", "tail:10%", "tail:25%", "tail:50%", "layers:25%", "layers:50%", "layers:75%",
@@ -88,7 +89,8 @@ def parse_args(argv=None):
                                "python frontier.py --profile demo ... --runs demo-l2s-ablate/crosshead --resume"],
                      common=True, data=True)
     p.add_argument("--runs", nargs="*", default=[], help="other trained runs to put on the frontier (other families)")
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), help="refresh settings (default: the grid)")
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), type=lambda text: str(refresh_setting(text)),
+                   help="refresh settings (default: the grid)")
     add_task_data_args(p)
     p.add_argument("--real-tokens", type=whole(1), default=REAL_TOKENS, help="context length of the real-shape timing")
     p.add_argument("--no-timing", action="store_true", help="skip the real-shape timing (costs from FLOPs only)")

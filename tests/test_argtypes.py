@@ -150,3 +150,12 @@ def test_a_run_name_stays_inside_the_output_roots():
     for bad in ("/tmp/x", "../x", "a/../../b", "./a", " "):
         with pytest.raises(RunRefused, match="must be a relative name"):
             RunPaths(bad)
+
+
+def test_frontier_refuses_an_unknown_refresh_setting_at_parse_time(capsys):
+    import frontier
+
+    assert frontier.parse_args(["--settings", "none", "tail:10%"]).settings == ["none", "tail:10%"]
+    with pytest.raises(SystemExit) as e:
+        frontier.parse_args(["--settings", "none", "bogus"])
+    assert e.value.code == 2 and "argument --settings: refresh 'bogus' is not none" in capsys.readouterr().err
