@@ -216,3 +216,12 @@ def test_slurm_needs_the_cells_device_named(world, capsys):
         recipe.main(argv("auto", "--launcher", "slurm", "--device", "auto"))
     assert e.value.code == 2 and "needs an explicit --device (cuda)" in capsys.readouterr().err
     assert not (root / "results").exists()
+
+
+def test_local_launcher_refuses_a_gpu_named_twice():
+    from kvlingo.run.launch import LocalLauncher
+    from kvlingo.run.refusal import RunRefused
+
+    assert [g for group in LocalLauncher(2, ["0", "1", "2", "3"], 2).groups for g in group] == ["0", "1", "2", "3"]
+    with pytest.raises(RunRefused, match="--gpus names 1 more than once"):
+        LocalLauncher(2, ["0", "1", "1", "2"], 1)

@@ -186,6 +186,10 @@ class LocalLauncher:
         if max_parallel < 1 or gpus_per_cell < 1 or max_requeues < 0:
             raise RunRefused("--max-parallel and --gpus-per-cell must be ≥ 1, --max-requeues ≥ 0")
         gpus = list(gpus)
+        if len(set(gpus)) != len(gpus):
+            twice = sorted({g for g in gpus if gpus.count(g) > 1})
+            raise RunRefused(f"--gpus names {', '.join(twice)} more than once: two cells would share a GPU; "
+                             "name each GPU once")
         self.groups = [gpus[i:i + gpus_per_cell] for i in range(0, len(gpus) - gpus_per_cell + 1, gpus_per_cell)]
         if gpus and not self.groups:
             raise RunRefused(f"--gpus-per-cell {gpus_per_cell} but only {len(gpus)} GPU(s) are visible "
