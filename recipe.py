@@ -152,8 +152,9 @@ def make_config(args, pair: PairConfig) -> RecipeConfig:
     center = args.lr_center if args.lr_center is not None else (profile.recipe_lr_center or
                                                                 profile.lr_for(pair.direction))
     updates = args.updates if args.updates is not None else (profile.recipe_updates or profile.updates)
-    if grid < 1 or ext < 0 or not center > 0 or updates < 0:
-        raise SystemExit("recipe: --grid-size must be ≥ 1, --max-extensions ≥ 0, --lr-center > 0 and --updates ≥ 0")
+    if grid < 1 or ext < 0 or not center > 0 or updates < 1:
+        raise SystemExit("recipe: --grid-size, --updates must be ≥ 1 (with no updates every rate gives the closed-form "
+                         "maps: nothing to choose), --max-extensions ≥ 0 and --lr-center > 0")
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"recipe: --seeds {' '.join(map(str, seeds))} repeats a seed")
     return RecipeConfig(

@@ -357,3 +357,12 @@ def test_tiny_recipe_killed_mid_cell_then_resumed(tiny_pair_paths, tmp_path, mon
     again = read_json(tmp_path / "results" / "e2e" / "recipe.json")
     assert {c["action"] for c in again["results"]["cells"]} == {"skipped (finished)"}
     assert read_json(state)["cells"] == after
+
+
+def test_a_recipe_without_distillation_updates_is_refused():
+    """With --updates 0 every rate of the search gives the closed-form maps, so a "chosen" rate would mean nothing."""
+    args = recipe.parse_args(["--profile", "tiny", "--lr-center", "1e-3", "--updates", "0"])
+    with pytest.raises(SystemExit, match="--updates must be ≥ 1 .*nothing to choose"):
+        recipe.make_config(args, pair=None)
+    assert recipe.make_config(recipe.parse_args(["--profile", "tiny", "--lr-center", "1e-3", "--updates", "1"]),
+                              pair=None).updates == 1
