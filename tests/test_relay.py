@@ -343,3 +343,33 @@ def test_bad_prompt_ids_are_refused_before_any_model_runs(proven, monkeypatch):
     a = relay.translate(np.array([3, 4, 5]))  # NumPy integers are ids
     b = relay.translate(torch.tensor([[3, 4, 5]]))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_an_export_never_writes_into_a_folder_of_other_files(tmp_path):
+    """`--out` naming a model folder would have replaced its config.json: a folder holding anything but an
+    export's files (or a config.json of another format) is refused before a byte is written."""
+    from kvlingo.run.export import FORMAT, check_export_folder
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(TranslatorError, match="holds files that are not an exported translator's \\(config.json\\)"):
+        check_export_folder(model)
+    (model / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(TranslatorError, match="model.safetensors"):
+        check_export_folder(model)
+    assert (model / "config.json").read_text() == '{"model_type": "qwen3"}'
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "config.json").write_text(json.dumps({"format": FORMAT}))
+    (earlier / "maps.safetensors").write_bytes(b"maps")
+    killed = tmp_path / "killed"  # an export killed before its config.json, with a temp file of its last write
+    killed.mkdir()
+    (killed / "maps.safetensors").write_bytes(b"maps")
+    (killed / ".README.md.x1y2.tmp").write_text("half")
+    for fine in (earlier, killed, tmp_path / "new"):
+        check_export_folder(fine)
+    (earlier / "config.json").write_text('{"format": ')
+    with pytest.raises(TranslatorError, match="config.json"):
+        check_export_folder(earlier)

@@ -106,9 +106,36 @@ def export_config(manifest: dict[str, Any], pair: dict[str, Any], origin: dict[s
 
 
 # --------------------------------------------------------------------------- the folder
+EXPORT_FILES = (MAPS_FILE, EVIDENCE_FILE, CARD_FILE, CONFIG_FILE)
+
+
+def check_export_folder(out: Path) -> None:
+    """Refuse (TranslatorError) to write into a folder that is not an export's: one holding any other file
+    (a model folder's config.json would be replaced), or a config.json of another format. A new or empty
+    folder, an earlier export, or one a killed export left without its config.json are fine."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise TranslatorError(f"--out {out} is a file; give a new or empty folder, or an earlier export")
+    other = sorted(p.name for p in out.iterdir()
+                   if p.name not in EXPORT_FILES and not (p.name.startswith(".") and p.name.endswith(".tmp")))
+    foreign = bool(other)
+    if not foreign and (out / CONFIG_FILE).is_file():
+        try:
+            foreign = read_json(out / CONFIG_FILE).get("format") != FORMAT
+        except (DamagedFile, AttributeError):
+            foreign = True
+        other = other or [CONFIG_FILE]
+    if foreign:
+        shown = ", ".join(other[:5]) + (", …" if len(other) > 5 else "")
+        raise TranslatorError(f"--out {out} holds files that are not an exported translator's ({shown}); an export "
+                              "would overwrite them. Give a new or empty folder, or an earlier export")
+
+
 def write_export(out: str | Path, maps: bytes, config: dict[str, Any], evidence: dict[str, Any] | None) -> Verdict:
     """Write an export folder in order (config.json last); returns the gate's verdict at its default thresholds."""
     out = Path(out)
+    check_export_folder(out)
     (out / CONFIG_FILE).unlink(missing_ok=True)
     atomic_write_bytes(out / MAPS_FILE, maps)
     verdict = judge(evidence)
