@@ -510,6 +510,23 @@ def _copy_as_new_build(folder: Path, out: Path) -> Path:
     return staging
 
 
+def test_a_folder_of_other_files_is_never_replaced_by_a_build(world, tmp_path):
+    """A rebuild swaps the whole data folder out; one holding anything the suite did not prepare is refused."""
+    out = tmp_path / "out"
+    folder = out / PROFILE.name
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("precious")
+    with pytest.raises(ValueError, match=r"holds files this suite did not prepare \(notes.txt\)"):
+        prepare(world["tok"], PROFILE, source=world["source"], out_root=out)
+    assert (folder / "notes.txt").read_text() == "precious"
+    (folder / "notes.txt").unlink()
+    (folder / "manifest.json").write_text(json.dumps({"stage": "train"}))
+    with pytest.raises(ValueError, match="manifest.json of a 'train' stage"):
+        prepare(world["tok"], PROFILE, source=world["source"], out_root=out)
+    (folder / "manifest.json").unlink()  # an empty folder is fine
+    assert prepare(world["tok"], PROFILE, source=world["source"], out_root=out).built
+
+
 def test_an_empty_source_keeps_the_existing_set(world, tmp_path):
     out = tmp_path / "out"
     prepare(world["tok"], PROFILE, source=world["source"], out_root=out)

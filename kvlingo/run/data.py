@@ -670,6 +670,28 @@ def _clear_leftovers(out_root: Path, name: str) -> list[Path]:
     return gone + remove_stale_temps(out_root / name) + remove_stale_temps(out_root)
 
 
+def _check_ours(data_dir: Path) -> None:
+    """Refuse (ValueError) to replace a folder this module did not build: a rebuild swaps the whole folder
+    out, so anything else in it (other files, another tool's manifest.json) would be deleted."""
+    if not data_dir.is_dir():
+        if data_dir.exists():
+            raise ValueError(f"{data_dir} is a file, not a data folder; move it away or give another --out")
+        return
+    ours = {MANIFEST} | {split_path(data_dir, s, v).name for s in SPLITS for v in VARIANTS}
+    other = sorted(p.name for p in data_dir.iterdir()
+                   if p.name not in ours and not (p.name.startswith(".") and p.name.endswith(".tmp")))
+    if not other and (data_dir / MANIFEST).is_file():
+        try:
+            stage = read_json(data_dir / MANIFEST).get("stage", "prepare")
+        except (DamagedFile, AttributeError):
+            stage = "prepare"  # our manifest, cut short: the rebuild replaces it
+        other = [] if stage == "prepare" else [f"{MANIFEST} of a {stage!r} stage"]
+    if other:
+        shown = ", ".join(other[:5]) + (", …" if len(other) > 5 else "")
+        raise ValueError(f"{data_dir} holds files this suite did not prepare ({shown}); building there would delete "
+                         "them. Move them away or give another --out")
+
+
 def _swap_in(staging: Path, data_dir: Path) -> None:
     """Replace data_dir by the complete staging folder. The old set stays whole until the new one is
     in place: it is renamed aside (one rename), the new one renamed in (one rename), then deleted."""
@@ -710,6 +732,7 @@ def prepare(
                 "tokenizer": {k: tok_info[k] for k in ("digest", "chat_template_sha256")}}
     identity = to_jsonable(identity)
     _clear_leftovers(Path(out_root), profile.name)
+    _check_ours(data_dir)
     fresh, reason = _up_to_date(data_dir, identity)
     if fresh and not force:
         return PrepareResult(read_json(data_dir / MANIFEST), False, reason)
