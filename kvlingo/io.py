@@ -145,12 +145,24 @@ def sha256_tree(paths: Iterable[str | os.PathLike], root: str | os.PathLike = RO
     return h.hexdigest()
 
 
+def _is_temp(path: Path) -> bool:
+    """A temp file of `atomic_write_bytes` (`.NAME.*.tmp`)."""
+    return path.name.startswith(".") and path.name.endswith(".tmp")
+
+
+def other_files(folder: str | os.PathLike, ours: Iterable[str]) -> list[str]:
+    """Sorted names in `folder` besides `ours` and atomic-write temp files: what a stage that replaces the
+    folder's contents would destroy."""
+    ours = set(ours)
+    return sorted(p.name for p in Path(folder).iterdir() if p.name not in ours and not _is_temp(p))
+
+
 def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
     """Delete the temp files a killed `atomic_write_bytes` left in `folder` (not recursive)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    stale = [p for p in folder.iterdir() if p.is_file() and p.name.startswith(".") and p.name.endswith(".tmp")]
+    stale = [p for p in folder.iterdir() if p.is_file() and _is_temp(p)]
     for p in stale:
         p.unlink(missing_ok=True)
     return stale

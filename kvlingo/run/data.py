@@ -84,8 +84,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
-from ..io import (DamagedFile, atomic_write_jsonl, read_json, read_jsonl, remove_stale_temps, sha256_bytes, sha256_file,
-                  sha256_json, sha256_tree, to_jsonable)
+from ..io import (DamagedFile, atomic_write_jsonl, other_files, read_json, read_jsonl, remove_stale_temps, sha256_bytes,
+                  sha256_file, sha256_json, sha256_tree, to_jsonable)
 from . import models
 from .models import tokenizer_digest
 from .profiles import Profile
@@ -678,8 +678,7 @@ def _check_ours(data_dir: Path) -> None:
             raise ValueError(f"{data_dir} is a file, not a data folder; move it away or give another --out")
         return
     ours = {MANIFEST} | {split_path(data_dir, s, v).name for s in SPLITS for v in VARIANTS}
-    other = sorted(p.name for p in data_dir.iterdir()
-                   if p.name not in ours and not (p.name.startswith(".") and p.name.endswith(".tmp")))
+    other = other_files(data_dir, ours)
     if not other and (data_dir / MANIFEST).is_file():
         try:
             stage = read_json(data_dir / MANIFEST).get("stage", "prepare")

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.translator import MANIFEST_FILE, MAPS_FILE, TranslatorError, read_manifest, same_model
-from ..io import (DamagedFile, atomic_write_bytes, atomic_write_json, atomic_write_text, read_json, sha256_bytes,
-                  sha256_file)
+from ..io import (DamagedFile, atomic_write_bytes, atomic_write_json, atomic_write_text, other_files, read_json,
+                  sha256_bytes, sha256_file)
 from .evidence import EvidenceError, Verdict, collect, judge
 from .paths import RunPaths
 from .report import fmt_pm, fmt_table, read_report
@@ -117,8 +117,7 @@ def check_export_folder(out: Path) -> None:
         return
     if not out.is_dir():
         raise TranslatorError(f"--out {out} is a file; give a new or empty folder, or an earlier export")
-    other = sorted(p.name for p in out.iterdir()
-                   if p.name not in EXPORT_FILES and not (p.name.startswith(".") and p.name.endswith(".tmp")))
+    other = other_files(out, EXPORT_FILES)
     foreign = bool(other)
     if not foreign and (out / CONFIG_FILE).is_file():
         try:
