@@ -304,3 +304,24 @@ def test_saved_pair_reloads_and_passes_the_pair_check(mini):
     ids = tok_l("My name is Ada.", return_tensors="pt")["input_ids"]
     out = large(input_ids=ids).logits
     assert out.shape == (1, ids.shape[1], lc.vocab_size) and torch.isfinite(out).all()
+
+
+def test_a_folder_that_is_not_a_toy_world_is_never_built_over(tmp_path):
+    """Building or installing replaces corpus/, tokenizer/, the model folders and manifest.json under --out;
+    a folder holding anything else (or another stage's manifest) is refused before it is touched."""
+    home = tmp_path / "home"
+    (home / "large").mkdir(parents=True)
+    (home / "large" / "mine.txt").write_text("precious")
+    (home / "notes.txt").write_text("precious")
+    for build in (lambda: toytrain.install_pair(home), lambda: toytrain.build_toy_world(home, mini=True)):
+        with pytest.raises(ValueError, match=r"holds what is not a toy world's \(notes.txt\)"):
+            build()
+    assert (home / "large" / "mine.txt").read_text() == "precious" and (home / "notes.txt").is_file()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text(json.dumps({"stage": "prepare"}))
+    with pytest.raises(ValueError, match="manifest.json of a 'prepare' stage"):
+        toytrain.install_pair(other)
+    toytrain.check_world_folder(tmp_path / "new")  # a new folder, an empty one, a toy world: fine
+    (tmp_path / "empty").mkdir()
+    toytrain.check_world_folder(tmp_path / "empty")

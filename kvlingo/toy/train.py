@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..io import atomic_write_json, read_json, read_jsonl, sha256_file, sha256_json, sha256_tree
+from ..io import DamagedFile, atomic_write_json, other_files, read_json, read_jsonl, sha256_file, sha256_json, sha256_tree
 from ..run.models import local_weights_digest
 from ..run.report import Report, fmt_table
 from . import world as toyworld
@@ -399,6 +399,30 @@ def _save_model(model, tok, path: Path, meta: dict) -> None:
     tmp.rename(path)
 
 
+WORLD_ENTRIES = ("manifest.json", "corpus", "tokenizer", "large", "small", "deep")  # what a toy world folder holds
+
+
+def check_world_folder(out: Path) -> None:
+    """Refuse (ValueError) a `--out` that is not a toy world's: building or installing replaces its corpus,
+    tokenizer and model folders and its manifest.json, so a folder holding anything else, or another
+    stage's manifest, is left alone. A new or empty folder, or a toy world (even a half-built one), is fine."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a new or empty folder, or a toy world")
+    other = other_files(out, WORLD_ENTRIES)
+    if not other and (out / "manifest.json").is_file():
+        try:
+            stage = read_json(out / "manifest.json").get("stage", "toy_world")
+        except (DamagedFile, AttributeError):
+            stage = "toy_world"  # ours, cut short: replaced like the rest
+        other = [] if stage == "toy_world" else [f"manifest.json of a {stage!r} stage"]
+    if other:
+        shown = ", ".join(other[:5]) + (", …" if len(other) > 5 else "")
+        raise ValueError(f"--out {out} holds what is not a toy world's ({shown}); building or installing there would "
+                         "replace or delete it. Give a new or empty folder, or a toy world")
+
+
 def build_toy_world(out: str | Path, seed: int = 0, mini: bool = False, minutes_per_model: float | None = None,
                     force: bool = False, progress: bool = True, log: Callable[[str], None] = print) -> dict:
     """Build (or verify and reuse) the toy world under `out`; return the manifest.
@@ -409,6 +433,7 @@ def build_toy_world(out: str | Path, seed: int = 0, mini: bool = False, minutes_
 
     t0 = time.time()
     out = Path(out)
+    check_world_folder(out)
     cfg = mini_config(seed) if mini else full_config(seed, minutes_per_model)
     if minutes_per_model is not None and mini:
         cfg = replace(cfg, large_minutes=minutes_per_model, small_minutes=minutes_per_model)
@@ -552,6 +577,7 @@ def install_pair(out: str | Path, packaged: str | Path = PACKAGED, log: Callable
     replaced. A second call finds everything in place and returns.
     """
     out, packaged = Path(out), Path(packaged)
+    check_world_folder(out)
     if not (packaged / "manifest.json").is_file():
         raise ValueError(f"no packaged toy pair at {packaged}; {RETRAIN_HINT}")
     manifest = read_json(packaged / "manifest.json")
