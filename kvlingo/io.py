@@ -157,6 +157,24 @@ def other_files(folder: str | os.PathLike, ours: Iterable[str]) -> list[str]:
     return sorted(p.name for p in Path(folder).iterdir() if p.name not in ours and not _is_temp(p))
 
 
+def not_ours(folder: str | os.PathLike, ours: Iterable[str], marker: str, key: str, value: Any,
+             damaged_is_ours: bool = True) -> str | None:
+    """What a stage that replaces the contents of the folder `folder` would destroy, as a short listing, or
+    None when the folder is the stage's own (or empty): entries besides `ours` and atomic-write temp files,
+    or else a `marker` file (the stage's manifest or config) whose `key` is not `value`. A marker that does
+    not parse counts as the stage's own, cut short, unless `damaged_is_ours` is False."""
+    other = other_files(folder, ours)
+    path = Path(folder) / marker
+    if not other and path.is_file():
+        try:
+            got = read_json(path)
+            got = got.get(key) if isinstance(got, dict) else None
+        except DamagedFile:
+            got = value if damaged_is_ours else "unreadable"
+        other = [] if got == value else [f"{marker} with {key} {got!r}"]
+    return ", ".join(other[:5]) + (", …" if len(other) > 5 else "") if other else None
+
+
 def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
     """Delete the temp files a killed `atomic_write_bytes` left in `folder` (not recursive)."""
     folder = Path(folder)

@@ -139,7 +139,7 @@ class Relay:
         """The target's greedy reply to `messages` after the handoff: (ids without the stop token, hit the cap)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens is {max_new_tokens}; give 0 or more")
-        ids = self._in_range(self.prompt_ids(messages, enable_thinking))
+        ids = self.prompt_ids(messages, enable_thinking)  # translate(ids) checks them
         return greedy_generate(self.target, ids[-1:], self.translate(ids), max_new_tokens=max_new_tokens,
                                eos_ids=stop_ids(self.tokenizer))
 

@@ -521,7 +521,7 @@ def test_a_folder_of_other_files_is_never_replaced_by_a_build(world, tmp_path):
     assert (folder / "notes.txt").read_text() == "precious"
     (folder / "notes.txt").unlink()
     (folder / "manifest.json").write_text(json.dumps({"stage": "train"}))
-    with pytest.raises(ValueError, match="manifest.json of a 'train' stage"):
+    with pytest.raises(ValueError, match="manifest.json with stage 'train'"):
         prepare(world["tok"], PROFILE, source=world["source"], out_root=out)
     (folder / "manifest.json").unlink()  # an empty folder is fine
     assert prepare(world["tok"], PROFILE, source=world["source"], out_root=out).built

@@ -353,7 +353,8 @@ def test_an_export_never_writes_into_a_folder_of_other_files(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen3"}')
-    with pytest.raises(TranslatorError, match="holds files that are not an exported translator's \\(config.json\\)"):
+    with pytest.raises(TranslatorError,
+                       match="holds files that are not an exported translator's \\(config.json with format None\\)"):
         check_export_folder(model)
     (model / "model.safetensors").write_bytes(b"weights")
     with pytest.raises(TranslatorError, match="model.safetensors"):

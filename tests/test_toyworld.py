@@ -320,7 +320,7 @@ def test_a_folder_that_is_not_a_toy_world_is_never_built_over(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "manifest.json").write_text(json.dumps({"stage": "prepare"}))
-    with pytest.raises(ValueError, match="manifest.json of a 'prepare' stage"):
+    with pytest.raises(ValueError, match="manifest.json with stage 'prepare'"):
         toytrain.install_pair(other)
     toytrain.check_world_folder(tmp_path / "new")  # a new folder, an empty one, a toy world: fine
     (tmp_path / "empty").mkdir()

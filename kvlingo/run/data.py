@@ -84,7 +84,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
-from ..io import (DamagedFile, atomic_write_jsonl, other_files, read_json, read_jsonl, remove_stale_temps, sha256_bytes,
+from ..io import (DamagedFile, atomic_write_jsonl, not_ours, read_json, read_jsonl, remove_stale_temps, sha256_bytes,
                   sha256_file, sha256_json, sha256_tree, to_jsonable)
 from . import models
 from .models import tokenizer_digest
@@ -678,15 +678,8 @@ def _check_ours(data_dir: Path) -> None:
             raise ValueError(f"{data_dir} is a file, not a data folder; move it away or give another --out")
         return
     ours = {MANIFEST} | {split_path(data_dir, s, v).name for s in SPLITS for v in VARIANTS}
-    other = other_files(data_dir, ours)
-    if not other and (data_dir / MANIFEST).is_file():
-        try:
-            stage = read_json(data_dir / MANIFEST).get("stage", "prepare")
-        except (DamagedFile, AttributeError):
-            stage = "prepare"  # our manifest, cut short: the rebuild replaces it
-        other = [] if stage == "prepare" else [f"{MANIFEST} of a {stage!r} stage"]
-    if other:
-        shown = ", ".join(other[:5]) + (", …" if len(other) > 5 else "")
+    shown = not_ours(data_dir, ours, MANIFEST, "stage", "prepare")  # our manifest cut short: rebuilt
+    if shown:
         raise ValueError(f"{data_dir} holds files this suite did not prepare ({shown}); building there would delete "
                          "them. Move them away or give another --out")
 

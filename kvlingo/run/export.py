@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.translator import MANIFEST_FILE, MAPS_FILE, TranslatorError, read_manifest, same_model
-from ..io import (DamagedFile, atomic_write_bytes, atomic_write_json, atomic_write_text, other_files, read_json,
+from ..io import (DamagedFile, atomic_write_bytes, atomic_write_json, atomic_write_text, not_ours, read_json,
                   sha256_bytes, sha256_file)
 from .evidence import EvidenceError, Verdict, collect, judge
 from .paths import RunPaths
@@ -117,16 +117,8 @@ def check_export_folder(out: Path) -> None:
         return
     if not out.is_dir():
         raise TranslatorError(f"--out {out} is a file; give a new or empty folder, or an earlier export")
-    other = other_files(out, EXPORT_FILES)
-    foreign = bool(other)
-    if not foreign and (out / CONFIG_FILE).is_file():
-        try:
-            foreign = read_json(out / CONFIG_FILE).get("format") != FORMAT
-        except (DamagedFile, AttributeError):
-            foreign = True
-        other = other or [CONFIG_FILE]
-    if foreign:
-        shown = ", ".join(other[:5]) + (", …" if len(other) > 5 else "")
+    shown = not_ours(out, EXPORT_FILES, CONFIG_FILE, "format", FORMAT, damaged_is_ours=False)
+    if shown:
         raise TranslatorError(f"--out {out} holds files that are not an exported translator's ({shown}); an export "
                               "would overwrite them. Give a new or empty folder, or an earlier export")
 

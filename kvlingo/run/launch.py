@@ -346,6 +346,4 @@ def launcher_from_args(args, results_dir: Path, say: Callable[[str], None] = pri
         return LocalLauncher(args.max_parallel, gpus, args.gpus_per_cell, args.max_requeues, say)
     settings = SlurmSettings(args.partition, args.account, args.gpus_per_cell, args.time_limit, args.max_parallel,
                              args.cpus_per_cell, args.mem_gb, args.max_requeues)
-    if args.max_parallel < 1 or args.gpus_per_cell < 1 or args.time_limit < 1:
-        raise RunRefused("--max-parallel, --gpus-per-cell and --time-limit must be ≥ 1")
     return SlurmLauncher(args.slurm_folder or results_dir / "slurm", settings, args.submitit_cluster, say)

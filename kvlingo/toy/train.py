@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..io import DamagedFile, atomic_write_json, other_files, read_json, read_jsonl, sha256_file, sha256_json, sha256_tree
+from ..io import atomic_write_json, not_ours, read_json, read_jsonl, sha256_file, sha256_json, sha256_tree
 from ..run.models import local_weights_digest
 from ..run.report import Report, fmt_table
 from . import world as toyworld
@@ -410,15 +410,8 @@ def check_world_folder(out: Path) -> None:
         return
     if not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a new or empty folder, or a toy world")
-    other = other_files(out, WORLD_ENTRIES)
-    if not other and (out / "manifest.json").is_file():
-        try:
-            stage = read_json(out / "manifest.json").get("stage", "toy_world")
-        except (DamagedFile, AttributeError):
-            stage = "toy_world"  # ours, cut short: replaced like the rest
-        other = [] if stage == "toy_world" else [f"manifest.json of a {stage!r} stage"]
-    if other:
-        shown = ", ".join(other[:5]) + (", …" if len(other) > 5 else "")
+    shown = not_ours(out, WORLD_ENTRIES, "manifest.json", "stage", "toy_world")  # ours cut short: replaced
+    if shown:
         raise ValueError(f"--out {out} holds what is not a toy world's ({shown}); building or installing there would "
                          "replace or delete it. Give a new or empty folder, or a toy world")
 
