@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from kvlingo.eval import stats, timing
 from kvlingo.eval.perf import perf_at_length, reached, set_limit
+from kvlingo.core import linear
 from kvlingo.core.translator import FAMILIES, Geometry, TranslatorError
 from kvlingo.eval.roofline import Peaks, measure_peaks, raise_to_reached
 from kvlingo.eval.shapes import RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, translator_at
@@ -178,7 +179,7 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
             "Row sets: **shipped** = transformers' DynamicCache and sdpa attention as shipped, FP32 translation "
             "maths, eager; **optimised** = preallocated cache written by the translation, grouped-query attention "
             "without repeated K/V" + (", maps in the run dtype, CUDA graphs" if cfg.device == "cuda" else "")
-            + fused_note(points)
+            + fused_note(points) + packed_note(points)
             + ".\n\n"
             + fmt_table(["context", "mode", "path", "median ms", "CV", "trials", "flag", "speedup vs re-prefill",
                          "95% interval"], rows)
@@ -219,6 +220,20 @@ def fused_note(points: list[dict]) -> str:
     return (f", the keys' norm and RoPE as one compiled kernel ({state['compiled_shapes']} shape(s)"
             + (f"; {state['skipped_chunks']} chunk(s) past the shape limit eager" if state["skipped_chunks"] else "")
             + ")")
+
+
+def packed_note(points: list[dict]) -> str:
+    """What the optimised rows did with the models' projections on a CPU (kvlingo.core.linear.pack)."""
+    state = points[-1]["modes"].get("optimised", {}).get("packed_linear") if points else None
+    if not state:
+        return ""
+    failure = next((s["failure"] for s in state.values() if s["failure"]), None)
+    if failure:
+        return f", projections unpacked (oneDNN packing failed: {failure})"
+    if not any(s["packed_layers"] for s in state.values()):
+        return f", projections unpacked (every weight under {linear.MIN_WEIGHT:,} elements)"
+    held = "; ".join(f"{role} {s['packed_layers']} layers, {s['packed_bytes'] / 2**30:.2f} GiB" for role, s in state.items())
+    return f", projections on oneDNN-packed weights (a second copy: {held})"
 
 
 def family_ceilings(source: str, target: str, key_space: str, lengths, k: int) -> tuple[list[dict], dict[str, str]]:

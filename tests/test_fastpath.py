@@ -153,6 +153,100 @@ def test_few_rows_switches_a_model_for_the_block_only(models, few_rows_everywher
     assert (got - ref).abs().max().item() <= 1e-5
 
 
+# --------------------------------------------------------------------------- projections on oneDNN-packed weights
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_at_any_row_count(bias, monkeypatch, few_rows_everywhere):
+    g = torch.Generator().manual_seed(7)
+    layer = torch.nn.Linear(96, 200, bias=bias)
+    with torch.no_grad():
+        layer.weight.normal_(generator=g)
+    holder = torch.nn.Sequential(layer)
+    assert linear.pack(holder) == 96 * 200 * 4 and linear.status(holder)["packed_layers"] == 1
+    real, ran = torch.ops.mkldnn._linear_pointwise, []
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: ran.append(a[0].shape[0]) or real(*a))
+    try:
+        for rows in (1, 3, 16, 300):  # a decode step, inside and outside ROWS, a prefill
+            x = torch.randn(1, rows, 96, generator=g)
+            with torch.no_grad(), linear.few_rows(holder, rows):
+                assert "forward" in vars(layer)  # packed layers are switched at every row count
+                got = holder(x)
+            ref = F.linear(x, layer.weight, layer.bias)
+            assert got.shape == ref.shape and got.is_contiguous()
+            assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    finally:
+        linear.unpack(holder)
+    assert ran == [1, 3, 16, 300]  # oneDNN's linear ran every time
+    assert linear.status(holder)["packed_layers"] == 0 and linear.packed_weight(layer) is None
+
+
+def test_a_pack_goes_stale_when_its_weight_changes_and_is_never_used_with_gradients(few_rows_everywhere):
+    g = torch.Generator().manual_seed(8)
+    layer = torch.nn.Linear(64, 80, bias=False)
+    holder = torch.nn.Sequential(layer)
+    linear.pack(holder)
+    x = torch.randn(5, 64, generator=g)
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # an optimizer step's in-place update
+    assert linear.packed_weight(layer) is None  # stale: the layer runs as if unpacked
+    with torch.no_grad():
+        assert torch.equal(linear.few_rows_linear(layer, x), F.linear(x, layer.weight))  # 5 rows: F.linear itself
+    linear.pack(holder)  # packed again, for the new weight
+    assert linear.packed_weight(layer) is not None
+    xg = x.clone().requires_grad_(True)
+    out = linear.few_rows_linear(layer, xg)  # gradients wanted: never the packed op
+    assert torch.equal(out, F.linear(xg, layer.weight))
+    out.sum().backward()
+    assert xg.grad is not None and layer.weight.grad is not None
+    linear.unpack(holder)
+
+
+def test_packing_that_fails_leaves_every_layer_unpacked_and_says_why(monkeypatch, few_rows_everywhere):
+    monkeypatch.setitem(linear._state, "failure", None)
+    holder = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=False), torch.nn.Linear(48, 16, bias=False))
+
+    def no_onednn(weight):
+        raise RuntimeError("this torch was built without oneDNN")
+
+    first = torch.ops.mkldnn._reorder_linear_weight
+    calls = []
+
+    def fail_second(weight, batch_size=None):  # the first layer packs, the second fails: both end unpacked
+        calls.append(1)
+        if len(calls) > 1:
+            no_onednn(weight)
+        return first(weight)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", fail_second)
+    assert linear.pack(holder) == 0
+    assert all(linear.packed_weight(m) is None for m in holder)
+    assert linear.status(holder) == {"packed_layers": 0, "packed_bytes": 0,
+                                     "failure": "RuntimeError: this torch was built without oneDNN"}
+
+
+def test_packed_model_logits_equal_transformers_and_timing_packs_optimised_mode_only(models, few_rows_everywhere):
+    source, target = models["large", torch.float32], models["small", torch.float32]
+    ids = _ids(40, target.config.vocab_size, 4)
+    prefix, new = ids[:, :24], ids[:, 24:]  # a 16-token turn
+    ref = transformers_split(target, prefix, new)
+    try:
+        paths = timing.HandoffPaths(source, target, random_maps(source, target), prefix, new,
+                                    need=("target_reprefill", "source_cache_handoff"), mode="shipped")
+        assert paths.packed == {} and linear.status(target)["packed_layers"] == 0
+        paths = timing.HandoffPaths(source, target, random_maps(source, target), prefix, new, mode="optimised")
+        n_linear = sum(type(m) is torch.nn.Linear for m in target.modules())
+        assert paths.packed["target"] > 0 and linear.status(target)["packed_layers"] == n_linear
+        assert set(paths.packed) == {"target"} and linear.status(source)["packed_layers"] == 0  # never the source
+        with torch.no_grad():
+            cap = capture(target, prefix, kind="preallocated")
+            got = continue_from(target, cap.keys, cap.values, new, kind="preallocated").logits[0]
+        assert (got - ref).abs().max().item() <= 1e-5
+        with torch.inference_mode():
+            reprefill = paths.target_reprefill()
+        assert (reprefill - ref[-1]).abs().max().item() <= 1e-5
+    finally:
+        linear.unpack(target)
+
+
 # --------------------------------------------------------------------------- the preallocated cache
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_new", [9, 16])  # 16: a new turn whose projections take linear.few_rows' form

@@ -187,3 +187,26 @@ def test_perf_fuse_keys_switch_reaches_the_optimised_rows(tmp_path):
         row = rep["results"]["lengths"][0]["modes"]["optimised"]
         assert rep["config"]["fuse_keys"] == switch and row["precision"] == precision
         assert (row["fused_keys"] is None) == (precision == "fp32")
+
+
+def test_perf_packs_the_targets_projections_in_the_optimised_rows_only(tmp_path, monkeypatch):
+    """On a CPU the optimised rows run the target's projections on oneDNN-packed weights (the tiny models'
+    only with the size floor lowered), the shipped rows never; perf.md says which, and how much it holds."""
+    import perf
+    from kvlingo.core import linear
+
+    base = ["--arch", "tiny", "--lengths", "16", "--new-turn-tokens", "4", "--paths", "target_reprefill",
+            "source_cache_handoff", "--timing-warmups", "0", "--timing-repeats", "1", "--peak-tflops", "1",
+            "--peak-gbps", "1", "--device", "cpu"]
+    perf.main([*base, "--results", str(tmp_path / "small")])
+    text = (tmp_path / "small" / "perf" / "perf.md").read_text()
+    assert "projections unpacked (every weight under 1,048,576 elements)" in text
+    monkeypatch.setattr(linear, "MIN_WEIGHT", 0)
+    perf.main([*base, "--results", str(tmp_path / "packed")])
+    rep = json.loads((tmp_path / "packed" / "perf" / "perf.json").read_text())
+    modes = rep["results"]["lengths"][0]["modes"]
+    assert modes["shipped"]["packed_linear"] is None
+    held = modes["optimised"]["packed_linear"]
+    assert set(held) == {"target"} and held["target"]["packed_layers"] > 0 and held["target"]["failure"] is None
+    text = (tmp_path / "packed" / "perf" / "perf.md").read_text()
+    assert f"projections on oneDNN-packed weights (a second copy: target {held['target']['packed_layers']} layers" in text

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import fused
+from ..core import fused, linear
 from ..core.handoff import prefill
 from ..core.translator import FUSED, Translator, fast_precision
 from . import timing
@@ -66,6 +66,7 @@ def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: 
             "precision": paths.precision, "cache": paths.kind, "cuda_graphs": paths.graphed,
             "graph_errors": paths.graph_errors,
             "fused_keys": fused.status() if paths.precision in FUSED else None,
+            "packed_linear": {role: linear.status(getattr(paths, role)) for role in paths.packed} or None,
             "noisy": timing.noisy_timings(summaries) + timing.noisy_timings(breakdown, "source_cache_handoff/")}
 
 

@@ -19,10 +19,10 @@ every optimisation the handoff gets:
     optimised  a preallocated cache with room for the new turn, reserved once per context and
                reused by every call (as a serving engine reserves its KV memory), which the
                translation writes straight into; grouped-query attention without repeated K/V
-               (kvlingo.core.attention); on a CPU, a few rows' linear layers split across
-               threads (kvlingo.core.linear) and the translated keys' norm and RoPE as one
-               compiled kernel (kvlingo.core.fused); the maps' matmuls in the run dtype on CUDA
-               (translator.fast_precision); on CUDA each path (and the translation and new turn apart)
+               (kvlingo.core.attention); on a CPU, the target's projections on weights packed
+               for oneDNN, a second copy held on the model (kvlingo.core.linear.pack),
+               and the translated keys' norm and RoPE as one compiled kernel (kvlingo.core.fused);
+               the maps' matmuls in the run dtype on CUDA (translator.fast_precision); on CUDA each path (and the translation and new turn apart)
                replayed as a CUDA graph (`cuda_graphs`, kvlingo.core.graphs)
 
 The paths take models, a translator and token ids only, never data files, so the same code
@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from ..core import graphs
+from ..core import graphs, linear
 from ..core.cache import Capture, build_cache, default_kind, empty_cache, run_with_cache
 from ..core.handoff import device_of, prefill, refreshing, translate, translate_to_cache
 from ..core.translator import Translator, fast_precision
@@ -182,6 +182,13 @@ class HandoffPaths:
         self.want_prenorm = translator.needs_prenorm
         self.optimised = mode == "optimised"
         self.kind = "preallocated" if self.optimised else "dynamic"
+        # Optimised on a CPU: the target's projections on oneDNN-packed weights, for the re-prefill, the new turn
+        # and the target's own continuation alike (the packs stay on the model, so the next length or mode
+        # reuses them; `linear.unpack` drops them). Not the source's: a second copy of the larger model's
+        # weights would not fit beside the rest on a 24 GiB machine at 4,096 tokens (peak RSS 15.8 GiB with
+        # the target's packs), so the source's prefill in `source_prefill_handoff` runs unpacked, which can
+        # only slow that handoff path.
+        self.packed = {"target": linear.pack(target)} if self.optimised else {}
         device = context_ids.device
         self.precision = fast_precision(device, fuse_keys) if self.optimised else "fp32"
         # a refresh runs the target inside the translation and assembles a cache per call: not graphed
