@@ -177,6 +177,8 @@ def test_packed_linear_equals_f_linear_at_any_row_count(bias, monkeypatch, few_r
         linear.unpack(holder)
     assert ran == [1, 3, 16, 300]  # oneDNN's linear ran every time
     assert linear.status(holder)["packed_layers"] == 0 and linear.packed_weight(layer) is None
+    with linear.few_rows(holder, 1):  # unpacked again: a decode step's row count switches nothing
+        assert "forward" not in vars(layer)
 
 
 def test_a_pack_goes_stale_when_its_weight_changes_and_is_never_used_with_gradients(few_rows_everywhere):

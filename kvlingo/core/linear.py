@@ -23,7 +23,7 @@ and back, as `attention.using` switches its attention: the optimised timing mode
 
 `pack(model)` goes further on a CPU: it gives each of a model's large FP32 projections a copy of
 its weight in oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's
-CPU freezing pass uses), and inside `optimised` those layers run oneDNN's linear on it, for any
+CPU freezing pass uses), and inside `few_rows` those layers run oneDNN's linear on it, for any
 row count. Measured on the 2-core machine (2 threads, FP32, the seven projections of a
 Qwen3-0.6B layer, median ms):
 
@@ -33,17 +33,18 @@ Qwen3-0.6B layer, median ms):
     packed      3.55  2.64  4.46  11.7  47.7  174   621
 
 and on the whole Qwen3-0.6B shape (random weights, 4,096-token context): a 16-token turn 393 →
-286 ms, a 4,112-token prefill 39.6 → 35.8 s. It costs a second copy of those weights (the model's
-size again, less its embeddings), held until `unpack(model)`, so nothing packs by itself: the
-optimised timing mode packs the target it times (kvlingo.eval.timing), for the re-prefill and the
-handoff's new turn alike. The products are oneDNN's, not MKL's: FP32 rounding apart (the tests hold them to the FP32
-tolerance). A pack goes stale when its weight changes (an optimizer step, a load): the layer then
+286 ms, a 4,112-token prefill 39.6 → 35.8 s. It costs a second copy of those weights (about the
+model's size again: the tied LM head is packed too), held until `unpack(model)`, so nothing packs
+by itself: the optimised timing mode packs the target it times (kvlingo.eval.timing), for the
+re-prefill and the handoff's new turn alike. The products are oneDNN's, not MKL's: the same up
+to FP32 rounding (the tests hold them to the FP32 tolerance). A pack goes stale when its weight changes (an optimizer step, a load): the layer then
 runs as if unpacked. Where the op is missing or fails (a torch built without oneDNN), nothing is
 packed and `status()` says why.
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -54,6 +55,7 @@ ROWS = range(16, 129)  # row counts that take (W·xᵀ)ᵀ (see the table above)
 MIN_WEIGHT = 1 << 20  # weights smaller than this (in elements) keep F.linear
 PACK = "_kvlingo_packed"  # attribute of a packed layer: (weight version, data pointer, oneDNN weight)
 _state: dict = {"failure": None}
+_packed = weakref.WeakSet()  # models `pack` gave packs to (so `few_rows` skips the others' layers at once)
 
 
 def takes(layer: nn.Linear) -> bool:
@@ -95,7 +97,7 @@ def few_rows(model, rows: int):
     not FP32, under MIN_WEIGHT: a toy model's), nor for a layer that already has a forward of its own
     (a hook library's wrapper)."""
     params = next(model.parameters(), None)
-    if params is None or params.device.type != "cpu":
+    if params is None or params.device.type != "cpu" or (rows not in ROWS and model not in _packed):
         yield
         return
     layers = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)
@@ -110,8 +112,8 @@ def few_rows(model, rows: int):
 
 
 def pack(model) -> int:
-    """Give `model`'s large FP32 `nn.Linear` layers (`takes`, bias or not) on a CPU a oneDNN copy of their
-    weight, used inside `few_rows` for any row count. Layers already packed with their current weight are
+    """Give `model`'s FP32 `nn.Linear` layers on a CPU of MIN_WEIGHT elements or more (with or without a
+    bias) a oneDNN copy of their weight, used inside `few_rows` for any row count. Layers already packed with their current weight are
     kept. Returns the bytes the packs hold (0 off a CPU, or when packing fails: `status()` says why)."""
     total = 0
     for layer in model.modules():
@@ -127,6 +129,8 @@ def pack(model) -> int:
                 return 0
             setattr(layer, PACK, (layer.weight._version, layer.weight.data_ptr(), weight))
         total += layer.weight.numel() * layer.weight.element_size()
+    if total:
+        _packed.add(model)
     return total
 
 
@@ -134,6 +138,7 @@ def unpack(model) -> None:
     """Drop the packs `pack` gave `model` (their memory with them)."""
     for layer in model.modules():
         vars(layer).pop(PACK, None)
+    _packed.discard(model)
 
 
 def status(model) -> dict:
