@@ -223,17 +223,16 @@ def fused_note(points: list[dict]) -> str:
 
 
 def packed_note(points: list[dict]) -> str:
-    """What the optimised rows did with the models' projections on a CPU (kvlingo.core.linear.pack)."""
+    """What the optimised rows did with the target's projections on a CPU (kvlingo.core.linear.pack)."""
     state = points[-1]["modes"].get("optimised", {}).get("packed_linear") if points else None
     if not state:
         return ""
-    failure = next((s["failure"] for s in state.values() if s["failure"]), None)
-    if failure:
-        return f", projections unpacked (oneDNN packing failed: {failure})"
-    if not any(s["packed_layers"] for s in state.values()):
+    if state["failure"]:
+        return f", projections unpacked (oneDNN packing failed: {state['failure']})"
+    if not state["packed_layers"]:
         return f", projections unpacked (every weight under {linear.MIN_WEIGHT:,} elements)"
-    held = "; ".join(f"{role} {s['packed_layers']} layers, {s['packed_bytes'] / 2**30:.2f} GiB" for role, s in state.items())
-    return f", projections on oneDNN-packed weights (a second copy: {held})"
+    return (f", projections on oneDNN-packed weights (a second copy: target {state['packed_layers']} layers, "
+            f"{state['packed_bytes'] / 2**30:.2f} GiB)")
 
 
 def family_ceilings(source: str, target: str, key_space: str, lengths, k: int) -> tuple[list[dict], dict[str, str]]:

@@ -37,8 +37,8 @@ and on the whole Qwen3-0.6B shape (random weights, 4,096-token context): a 16-to
 model's size again: the tied LM head is packed too), held until `unpack(model)`, so nothing packs
 by itself: the optimised timing mode packs the target it times (kvlingo.eval.timing), for the
 re-prefill and the handoff's new turn alike. The products are oneDNN's, not MKL's: the same up
-to FP32 rounding (the tests hold them to the FP32 tolerance). A pack goes stale when its weight changes (an optimizer step, a load): the layer then
-runs as if unpacked. Where the op is missing or fails (a torch built without oneDNN), nothing is
+to FP32 rounding (the tests hold them to the FP32 tolerance). A pack goes stale when its weight
+changes (an optimizer step, a load): the layer then runs as if unpacked. Where the op is missing or fails (a torch built without oneDNN), nothing is
 packed and `status()` says why.
 """
 
@@ -58,9 +58,14 @@ _state: dict = {"failure": None}
 _packed = weakref.WeakSet()  # models `pack` gave packs to (so `few_rows` skips the others' layers at once)
 
 
+def large_fp32(layer: nn.Linear) -> bool:
+    """Whether a layer's weight is FP32 with MIN_WEIGHT elements or more (what `pack` packs)."""
+    return layer.weight.dtype == torch.float32 and layer.weight.numel() >= MIN_WEIGHT
+
+
 def takes(layer: nn.Linear) -> bool:
     """Whether a layer's weights take the few-rows form: bias-free, FP32, MIN_WEIGHT elements or more."""
-    return layer.bias is None and layer.weight.dtype == torch.float32 and layer.weight.numel() >= MIN_WEIGHT
+    return layer.bias is None and large_fp32(layer)
 
 
 def packed_weight(layer: nn.Linear) -> torch.Tensor | None:
@@ -112,13 +117,13 @@ def few_rows(model, rows: int):
 
 
 def pack(model) -> int:
-    """Give `model`'s FP32 `nn.Linear` layers on a CPU of MIN_WEIGHT elements or more (with or without a
-    bias) a oneDNN copy of their weight, used inside `few_rows` for any row count. Layers already packed with their current weight are
-    kept. Returns the bytes the packs hold (0 off a CPU, or when packing fails: `status()` says why)."""
+    """Give `model`'s `large_fp32` `nn.Linear` layers on a CPU (with or without a bias) a oneDNN copy of
+    their weight, used inside `few_rows` for any row count. Layers already packed with their current
+    weight are kept. Returns the bytes the packs hold (0 off a CPU, or when packing fails: `status()`
+    says why)."""
     total = 0
     for layer in model.modules():
-        if type(layer) is not nn.Linear or layer.weight.device.type != "cpu" or layer.weight.dtype != torch.float32 \
-                or layer.weight.numel() < MIN_WEIGHT:
+        if type(layer) is not nn.Linear or layer.weight.device.type != "cpu" or not large_fp32(layer):
             continue
         if packed_weight(layer) is None:
             try:
@@ -141,9 +146,12 @@ def unpack(model) -> None:
     _packed.discard(model)
 
 
-def status(model) -> dict:
+def status(model) -> dict | None:
     """What `pack` did for `model`: layers packed, the bytes their packs hold, and why packing failed in
-    this process (None when it did not)."""
+    this process (None when it did not). None for a model off a CPU, which `pack` leaves alone."""
+    params = next(model.parameters(), None)
+    if params is None or params.device.type != "cpu":
+        return None
     held = [m for m in model.modules() if type(m) is nn.Linear and packed_weight(m) is not None]
     return {"packed_layers": len(held), "packed_bytes": sum(m.weight.numel() * m.weight.element_size() for m in held),
             "failure": _state["failure"]}

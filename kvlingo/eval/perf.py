@@ -66,7 +66,7 @@ def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: 
             "precision": paths.precision, "cache": paths.kind, "cuda_graphs": paths.graphed,
             "graph_errors": paths.graph_errors,
             "fused_keys": fused.status() if paths.precision in FUSED else None,
-            "packed_linear": {role: linear.status(getattr(paths, role)) for role in paths.packed} or None,
+            "packed_linear": linear.status(paths.target) if paths.optimised else None,  # None off a CPU
             "noisy": timing.noisy_timings(summaries) + timing.noisy_timings(breakdown, "source_cache_handoff/")}
 
 

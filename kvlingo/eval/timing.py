@@ -184,11 +184,12 @@ class HandoffPaths:
         self.kind = "preallocated" if self.optimised else "dynamic"
         # Optimised on a CPU: the target's projections on oneDNN-packed weights, for the re-prefill, the new turn
         # and the target's own continuation alike (the packs stay on the model, so the next length or mode
-        # reuses them; `linear.unpack` drops them). Not the source's: a second copy of the larger model's
+        # reuses them; `linear.unpack` drops them; off a CPU `pack` does nothing). Not the source's: a second copy of the larger model's
         # weights would not fit beside the rest on a 24 GiB machine at 4,096 tokens (peak RSS 15.8 GiB with
         # the target's packs), so the source's prefill in `source_prefill_handoff` runs unpacked, which can
         # only slow that handoff path.
-        self.packed = {"target": linear.pack(target)} if self.optimised else {}
+        if self.optimised:
+            linear.pack(target)
         device = context_ids.device
         self.precision = fast_precision(device, fuse_keys) if self.optimised else "fp32"
         # a refresh runs the target inside the translation and assembles a cache per call: not graphed
