@@ -5,7 +5,9 @@ split's KL/top-1 (benchmark.py --refresh), IFEval and GSM8K after a prompt hando
 native target's rows scored once and shared), the setting's FLOPs as a fraction of re-prefill
 at the real Qwen3 shapes (4,096-token context), and its measured time at those shapes with
 random weights (the handoff from an existing source cache, including the refresh, against the
-target's re-prefill; raw trials kept). Every step is a resumable cell; --resume continues.
+target's re-prefill; raw trials kept). Every step is a resumable cell, the timing too
+(RESULTS/RUN/frontier-timing.json, keyed by what it times and the thread count); --resume
+continues and reads finished cells back.
 
 Writes RESULTS/RUN/frontier.{json,md,png}: pure translation at one end, re-prefill
 (`tail:100%`) at the other, and the cheapest setting that keeps ≥ 95% of the native target's
@@ -154,6 +156,19 @@ class Plan:
             K.copy_file(native, self.sub(run, setting).res / rows)
 
         return self.cell(stage, run, setting, flags, report, resume_flag="--resume", before=before)
+
+    def timing(self, specs: dict[str, dict]) -> K.Cell:
+        """The real-shape timing as a cell this process computes (`real_timings`): keyed by what it times, the
+        code and the threads it runs on, so a resume reads the recorded trials back instead of timing again,
+        and refuses when any of those changed."""
+        c = self.cfg
+        flags = {"--direction": c.pair.direction, "--device": c.pair.device, "--settings": list(c.settings),
+                 "--real-tokens": c.real_tokens, "--timing-warmups": c.timing_warmups,
+                 "--timing-repeats": c.timing_repeats}
+        inputs = {"code_sha256": code_hash(__file__), "translators": specs, "threads": timing.threads(),
+                  "torch": torch.__version__}
+        return K.Cell("timing/real-shapes", "timing", str(ROOT / "frontier.py"), flags,
+                      str(self.paths.report("frontier-timing")), inputs)
 
     def native(self, task: str) -> K.Cell:
         stage, report = ("ifeval", "ifeval-native") if task == "ifeval" else ("task", "task-gsm8k-native")
@@ -364,16 +379,19 @@ def main(argv=None) -> dict:
                 rows.append(row)
         sweep = {r: layer_sweep(quality(r, "none"), [quality(r, f"layer:{l}") for l in range(n_layers)])
                  for r in cfg.runs} if cfg.layer_sweep else {}
+        t = None
+        if not args.no_timing:
+            def timed() -> dict:
+                print(f"timing at the real shapes ({cfg.real_tokens} tokens, random weights)...", file=sys.stderr)
+                return real_timings(cfg, specs, toy_width)
+
+            t = cells.ensure_here(plan.timing(specs), timed)
+            add_times(rows, t)
     except REFUSALS:
         raise
     except K.StageFailed as e:
         raise SystemExit(f"frontier: {e}. Fix the cause, then re-run with --resume") from None
 
-    t = None
-    if not args.no_timing:
-        print(f"timing at the real shapes ({cfg.real_tokens} tokens, random weights)...", file=sys.stderr)
-        t = real_timings(cfg, specs, toy_width)
-        add_times(rows, t)
     best = {}
     for r in cfg.runs:
         ok = [row for row in rows if row["run"] == r and all((row.get(f"{x}_kept") or 0) >= KEEP for x in tasks)]

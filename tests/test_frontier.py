@@ -10,7 +10,7 @@ from tinypair import task_inputs
 
 
 @pytest.mark.slow
-def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths, tmp_path, monkeypatch):
+def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths, tmp_path, monkeypatch, capsys):
     import frontier
     import train_translator
 
@@ -48,6 +48,40 @@ def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths
     assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG" and "tail:100%" in md and "Which layers matter" in md
     again = frontier.main([*argv, "--resume"])  # every cell finished: read back, nothing rerun
     assert again["results"]["rows"] == rep["results"]["rows"]
+
+    # the real-shape timing is a cell too: timed once, then read back by a resume, never timed again
+    from kvlingo.eval import timing
+    calls = []
+
+    def fake_timings(cfg, specs, toy_width):
+        calls.append(sorted(specs))
+        return {"tokens": cfg.real_tokens, "new_turn_tokens": 16, "threads": timing.threads(), "dtype": "float32",
+                "interleaved": True,
+                "reprefill": timing.summarize([4.0, 4.4, 4.2]),
+                "handoff": {f"tiny-l2s|{s}": timing.summarize([0.1 * (i + 1), 0.1 * (i + 1) + 1 / 3, 0.1 * (i + 1)])
+                            for i, s in enumerate(cfg.settings)}}
+
+    monkeypatch.setattr(frontier, "real_timings", fake_timings)
+    timed_argv = [a for a in argv if a != "--no-timing"] + ["--resume"]
+    timed = frontier.main(timed_argv)
+    assert calls == [["tiny-l2s"]]
+    assert (out / "frontier-timing.json").is_file()
+    assert [r["time_trials_s"] for r in timed["results"]["rows"]] == [[0.1, 0.1 + 1 / 3, 0.1], [0.2, 0.2 + 1 / 3, 0.2],
+                                                                       [0.1 * 3, 0.1 * 3 + 1 / 3, 0.1 * 3]]
+    assert timed["results"]["rows"][0]["speedup"] == 4.2 / 0.1
+    resumed = frontier.main(timed_argv)
+    assert len(calls) == 1 and resumed["results"]["rows"] == timed["results"]["rows"]  # the same trials, read back
+    assert resumed["results"]["timing"] == timed["results"]["timing"]
+    torch.set_num_threads(2)  # timings made on one thread do not stand for two: the resume says so
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as refused:
+            frontier.main(timed_argv)
+    finally:
+        torch.set_num_threads(1)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "cell timing/real-shapes was recorded with other inputs" in err, err
+    assert "inputs.threads: 1 → 2" in err and len(calls) == 1
 
 
 def test_frontier_report_names_the_timings_the_cv_screen_flagged():

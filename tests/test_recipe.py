@@ -223,6 +223,42 @@ def test_resume_refuses_changed_settings_and_inputs_naming_them(world, capsys):
     assert names(fake.calls) == EXPECTED
 
 
+def test_a_cell_computed_here_is_recorded_read_back_on_resume_and_refused_under_other_inputs(tmp_path):
+    from kvlingo.run.resume import ResumeRefused
+
+    report = tmp_path / "res" / "timing.json"
+    cell = K.Cell("timing/x", "timing", "frontier.py", {"--real-tokens": 64}, str(report), {"threads": 1})
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"median_s": 0.1 + 0.2, "trials_s": [0.1, 1 / 3]}  # floats that JSON must carry exactly
+
+    def cells(resume: bool) -> K.Cells:
+        return K.Cells(K.Ledger(tmp_path / "res" / "state.json", {"run": "x"}, resume), resume, say=lambda _m: None)
+
+    first = cells(False).ensure_here(cell, compute)
+    assert calls == [1] and first == compute() and first == read_json(report)
+    entry = read_json(tmp_path / "res" / "state.json")["cells"]["timing/x"]
+    assert entry["status"] == "done" and entry["report_sha256"] == sha256_file(report)
+    calls.clear()
+    resumed = cells(True)
+    assert resumed.ensure_here(cell, compute) == first and calls == []  # read back, not computed again
+    assert resumed.log == [{"cell": "timing/x", "action": "skipped (finished)"}]
+
+    with pytest.raises(ResumeRefused, match=r"cell timing/x .*inputs\.threads: 1 → 2"):
+        cells(True).ensure_here(K.Cell(**{**cell.__dict__, "inputs": {"threads": 2}}), compute)
+
+    def killed():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # killed while computing: marked failed, the old report kept
+        cells(False).ensure_here(cell, killed)
+    entry = read_json(tmp_path / "res" / "state.json")["cells"]["timing/x"]
+    assert entry["status"] == "failed" and "KeyboardInterrupt" in entry["error"] and read_json(report) == first
+    assert cells(True).ensure_here(cell, compute) == first and calls == [1]  # the resume computes it again
+
+
 def test_cell_key_covers_flags_and_inputs_but_not_the_hook():
     base = K.Cell("train/x", "train", "train_translator.py", {"--lr": "0.0001", "--closed-form-only": False},
                   "r.json", {"data": {"manifest_sha256": "a" * 64}}, resume_flag="--resume")

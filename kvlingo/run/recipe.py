@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from ..eval.stats import mean_se
-from ..io import read_json, sha256_file, sha256_json
+from ..io import atomic_write_json, read_json, sha256_file, sha256_json
 from .launch import CellJob, LocalLauncher, StageFailed, run_stage
 from .ledger import LEDGER_FILE, Ledger, entry_of  # noqa: F401  (LEDGER_FILE: re-exported for the stages)
 from .report import fmt_pm, fmt_table
@@ -198,6 +198,30 @@ class Cells:
 
     def ensure(self, cell: Cell) -> dict[str, Any]:
         return self.ensure_all([cell])[0]
+
+    def ensure_here(self, cell: Cell, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """A cell computed by `compute()` in this process rather than by a stage script (a timing a stage
+        makes itself), recorded in the ledger like any other: finished with the same key, its report is read
+        back and nothing runs; otherwise `compute()`'s result is written atomically as the report, then
+        marked done. Either way the caller gets the report as read from disk, so a resumed run and the run
+        that made it see the same values."""
+        state, why = self.ledger.check(cell)
+        if state == "done":
+            self.say(f"[recipe] {cell.name}: finished earlier, key {cell.key[:12]}… matches: skipped")
+            self.log.append({"cell": cell.name, "action": "skipped (finished)"})
+            return read_json(cell.report)
+        self.say(f"[recipe] {cell.name}: running here ({why})")
+        self.ledger.start(cell.name, entry_of(cell))
+        t0 = time.time()
+        try:
+            result = compute()
+        except BaseException as err:  # an interrupt too: the entry says failed, and a resume runs it again
+            self.ledger.fail(cell.name, f"{type(err).__name__}: {err}")
+            raise
+        atomic_write_json(cell.report, result)
+        self.ledger.finish(cell.name, cell.report, time.time() - t0)
+        self.log.append({"cell": cell.name, "action": "ran", "reason": why, "wall_time_s": time.time() - t0})
+        return read_json(cell.report)
 
     def job(self, cell: Cell) -> CellJob:
         log = str(self.logs / f"{cell.name}.log") if self.launcher.writes_logs else None
