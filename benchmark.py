@@ -82,7 +82,7 @@ class BenchmarkResults:
     )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = stage_parser(__doc__, ["python benchmark.py --profile pilot --run pilot-l2s --device cuda",
                                     "python benchmark.py --profile demo --large runs/large --small runs/small "
                                     "--dtype float32 --timing-repeats 8"], common=True, data=True)
@@ -101,7 +101,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timing-conversations", type=whole(0), default=1,
                         help="time the paths on the N test conversations with the longest prefixes (0: no timing)")
     parser.add_argument("--force", action="store_true", help="re-run even when a passed report with the same inputs exists")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 # --------------------------------------------------------------------------- summary tables

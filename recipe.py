@@ -43,7 +43,7 @@ from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import REFUSALS, lock_run, refusals_exit, stage_parser
+from kvlingo.run.stage import REFUSALS, check_passthrough, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": ROOT / "train_translator.py", "benchmark": ROOT / "benchmark.py", "ifeval": ROOT / "ifeval.py"}
@@ -130,15 +130,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="keep finished cells whose key matches, continue an interrupted one, refuse changed settings")
     add_launch_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for stage in RESERVED:  # each --STAGE-args string becomes its tokens, refused here before anything else runs
+        setattr(args, f"{stage}_args", passthrough(stage, getattr(args, f"{stage}_args")))
+    return args
+
+
+def stage_parser_of(stage: str) -> tuple[argparse.ArgumentParser, str]:
+    """(a fresh parser of the stage's own flags, its script's name), for checking a pass-through string."""
+    if stage == "train":
+        import train_translator as module
+    elif stage == "benchmark":
+        import benchmark as module
+    else:
+        import ifeval as module
+    return module.build_parser(), SCRIPTS[stage].name
 
 
 def passthrough(stage: str, text: str) -> tuple[str, ...]:
-    tokens = tuple(shlex.split(text))
+    """The tokens of --STAGE-args, refused up front when they set a flag the recipe sets, or when the stage's
+    own parser does not take them (an unknown flag, a bad value)."""
+    try:
+        tokens = tuple(shlex.split(text))
+    except ValueError as err:
+        raise SystemExit(f"recipe: --{stage}-args {text!r} does not split into flags: {err}") from None
     for t in tokens:
         if t.split("=")[0] in RESERVED[stage]:
             raise SystemExit(f"recipe: --{stage}-args may not set {t.split('=')[0]}: the recipe sets it "
                              "(use the recipe's own flag, e.g. --updates, --seeds, --lr-center, --data)")
+    try:
+        parser, script = stage_parser_of(stage)
+        check_passthrough(parser, tokens, script)
+    except ValueError as err:
+        raise SystemExit(f"recipe: --{stage}-args: {err}") from None
     return tokens
 
 
@@ -161,8 +185,8 @@ def make_config(args, pair: PairConfig) -> RecipeConfig:
         run=run_paths(args).run, profile=profile.name, data=str(args.data or default_data(profile.name)),
         lr_center=center, grid_size=grid, max_extensions=ext, seeds=seeds, updates=updates,
         evals=tuple(e for e in EVALS if e not in args.skip), ifeval_source=args.ifeval_source,
-        ifeval_data_root=args.ifeval_data_root, train_args=passthrough("train", args.train_args),
-        benchmark_args=passthrough("benchmark", args.benchmark_args), ifeval_args=passthrough("ifeval", args.ifeval_args),
+        ifeval_data_root=args.ifeval_data_root, train_args=args.train_args,
+        benchmark_args=args.benchmark_args, ifeval_args=args.ifeval_args,
         artifacts=args.artifacts, results=args.results, pair=pair,
     )
 

@@ -49,7 +49,7 @@ SCRIPT = Path(__file__).resolve()
 
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = stage_parser(__doc__, [
         "python train_translator.py --profile demo --large PATH --small PATH --device cpu --dtype float32",
         "python train_translator.py --profile pilot --run pilot-l2s --device cuda --resume",
@@ -86,7 +86,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--closed-form-only", action="store_true", help="stop after the closed-form fit and its validation")
     p.add_argument("--code-salt", default="", help=argparse.SUPPRESS)  # tests: stands in for a code edit
     add_estimate_args(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def given(value, default):

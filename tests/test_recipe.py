@@ -278,6 +278,33 @@ def test_passthrough_may_not_override_what_the_recipe_sets(world):
         recipe.main(world["argv"] + ["--benchmark-args=--force"], runner=FakeStages(forbid=True))
 
 
+@pytest.mark.parametrize("flag, text, message", [
+    ("--train-args", "--batch 2 --bogus 3", r"--train-args: train_translator.py has no flag '--bogus'"),
+    ("--train-args", "--batch two", r"--train-args: argument --batch: .*'two'"),
+    ("--train-args", "--upd 3", r"has no flag '--upd' \(flags are spelled out in full\)"),  # not --updates
+    ("--benchmark-args", "--variant bent", r"--benchmark-args: argument --variant: invalid choice: 'bent'"),
+    ("--ifeval-args", "--max-new-tokens", r"--ifeval-args: argument --max-new-tokens: expected one argument"),
+    ("--ifeval-args", "--help", r"--help passed through to ifeval.py would print its help"),
+    ("--train-args", "--batch '2", r"does not split into flags"),
+])
+def test_passthrough_is_parsed_by_the_stage_before_any_cell_runs(world, flag, text, message, capsys):
+    with pytest.raises(SystemExit) as refused:
+        recipe.main(world["argv"] + [f"{flag}={text}"], runner=FakeStages(forbid=True))  # forbid: no cell may run
+    assert re.search(message, str(refused.value.code)), refused.value.code
+    assert "see python" in str(refused.value.code) or "split" in message
+    assert capsys.readouterr().out == ""  # the stage's parser printed no help or usage on the way
+    assert not (world["res"] / K.LEDGER_FILE).exists()  # refused before the ledger was written
+
+
+def test_passthrough_the_stage_takes_reaches_every_cell(world):
+    fake = FakeStages()
+    recipe.main(world["argv"] + ["--train-args=--batch 2", "--benchmark-args=--allow-cv"], runner=fake)
+    train = [a for a in fake.calls if Path(a[0]).name == "train_translator.py"]
+    bench = [a for a in fake.calls if Path(a[0]).name == "benchmark.py"]
+    assert train and all(a[a.index("--batch") + 1] == "2" for a in train)
+    assert bench and all("--allow-cv" in a for a in bench)
+
+
 def test_quick_and_explicit_shrinking(world):
     fake = FakeStages()
     recipe.main(world["argv"] + ["--quick", "--skip", "ifeval", "--lr-center", "1e-3", "--grid-size", "3"], runner=fake)

@@ -14,7 +14,7 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..core.cache import CACHE_KINDS, set_default_kind
 from ..core.translator import TranslatorError
@@ -104,6 +104,24 @@ def stage_parser(doc: str, examples: list[str], common: bool = False, data: bool
     if common:
         add_common_args(parser, data)
     return parser
+
+
+def check_passthrough(parser: argparse.ArgumentParser, tokens: Sequence[str], script: str) -> None:
+    """Parse `tokens`, flags passed through to stage `script`, with that stage's own `parser` now: an unknown
+    flag or a bad value raises ValueError naming it before anything runs, rather than when the stage starts
+    (perhaps hours into a recipe). Flags must be spelled out in full: the stage would expand an abbreviation
+    silently, past any check on the exact names."""
+    def fail(message: str):
+        raise ValueError(f"{message} (see python {script} --help)")
+
+    if any(t in ("-h", "--help") for t in tokens):
+        fail(f"--help passed through to {script} would print its help in place of running it")
+    parser.prog, parser.allow_abbrev = script, False
+    parser.error = fail  # every parse error (a bad value, a missing argument) raises instead of exiting
+    parser.exit = lambda status=0, message=None: fail(message or f"{script} would exit")
+    _, unknown = parser.parse_known_args(list(tokens))
+    if unknown:
+        fail(f"{script} has no flag {unknown[0]!r} (flags are spelled out in full)")
 
 
 def add_timing_args(parser, warmups: str = "the profile's", repeats: str = "the profile's") -> None:
