@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvlingo import io as report
-from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table, read_report
+from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table, huge_pages, read_report
 
 
 def test_interrupted_write_leaves_previous_file(tmp_path, monkeypatch):
@@ -58,7 +58,8 @@ def test_hashes_and_schema(tmp_path):
     for key in ("schema_version", "stage", "config", "inputs", "env", "seeds", "results", "n_samples", "wall_time_s",
                 "metrics", "files", "resume_key"):
         assert key in r
-    assert {"git_sha", "git_dirty", "python", "torch", "transformers", "device", "dtype", "threads"} <= set(r["env"])
+    assert {"git_sha", "git_dirty", "python", "torch", "transformers", "device", "dtype", "threads",
+            "huge_pages"} <= set(r["env"])
     assert r["metrics"] == {"m": {"higher_is_better": False, "definition": "a test metric"}}
     assert read_report(tmp_path / "unit.json", "unit")["results"] == {"m": 0.5}
     with pytest.raises(ValueError, match="not 'train'"):
@@ -77,3 +78,19 @@ def test_atomic_files_get_ordinary_permissions(tmp_path):
     """mkstemp creates 0600 files; a report must get the permissions any other new file would."""
     p = report.atomic_write_text(tmp_path / "r.json", "{}")
     assert (p.stat().st_mode & 0o777) == (0o666 & ~report._UMASK)
+
+
+def test_huge_pages_reads_the_allocator_request_and_the_kernel_mode(tmp_path, monkeypatch):
+    setting = tmp_path / "enabled"
+    for text, mode in (("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
+                       ("always madvise [never]\n", "never")):
+        setting.write_text(text)
+        assert huge_pages(setting)["kernel"] == mode
+    setting.write_text("garbled\n")
+    assert huge_pages(setting)["kernel"] is None
+    assert huge_pages(tmp_path / "absent")["kernel"] is None  # not Linux, or no THP support
+    for value, on in (("1", True), ("0", False), ("yes", False)):
+        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", value)
+        assert huge_pages(setting)["torch_allocator"] is on
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    assert huge_pages(setting)["torch_allocator"] is False

@@ -49,6 +49,22 @@ def git_state(root: str | os.PathLike = ROOT) -> dict[str, Any]:
     return {"git_sha": sha, "git_dirty": bool(status) if status is not None else None}
 
 
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages(setting: str | os.PathLike = THP_SETTING) -> dict[str, Any]:
+    """Whether torch's CPU allocator asks for transparent huge pages (THP_MEM_ALLOC_ENABLE=1 in this process's
+    environment; torch reads it once, at its first allocation) and the kernel's THP mode (always, madvise or
+    never; None off Linux). Large CPU tensors on huge pages take far fewer page faults and TLB misses, so
+    CPU timings depend on both."""
+    try:
+        text = Path(setting).read_text()
+        kernel = text[text.index("[") + 1:text.index("]")]
+    except (OSError, ValueError):
+        kernel = None
+    return {"torch_allocator": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1", "kernel": kernel}
+
+
 def environment(device: str | None = None, dtype: str | None = None) -> dict[str, Any]:
     import torch
     import transformers
@@ -62,6 +78,7 @@ def environment(device: str | None = None, dtype: str | None = None) -> dict[str
         "device": device,
         "dtype": dtype,
         "threads": torch.get_num_threads(),
+        "huge_pages": huge_pages(),
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),  # data-parallel ranks (torchrun)
     }
     if device and device.startswith("cuda") and torch.cuda.is_available():
