@@ -82,7 +82,6 @@ class PerfConfig:
     cv_limit: float  # a timing with CV above this is flagged
     allow_cv: bool  # flagged timings do not fail the run
     threads: int  # torch intra-op threads
-    huge_pages: dict  # torch's CPU allocator on transparent huge pages, and the kernel's mode (report.huge_pages)
     peaks: dict  # device peaks the physical limit assumes: FLOP/s, bytes/s, where they come from, and the probe's
 
 
@@ -174,7 +173,7 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
     peaks = cfg.peaks
     text = (f"## Handoff speed: {cfg.source} → {cfg.target} (random {cfg.family} maps, refresh {cfg.refresh}), "
             f"{cfg.dtype}, {cfg.device}, "
-            f"{cfg.threads} thread(s){huge_pages_note(cfg)}, ≥{cfg.repeats} trials (≤{cfg.max_repeats} while CV > {cfg.cv_limit:g}"
+            f"{cfg.threads} thread(s){huge_pages_note(cfg.device, huge_pages())}, ≥{cfg.repeats} trials (≤{cfg.max_repeats} while CV > {cfg.cv_limit:g}"
             + (f" and a path's trials total < {cfg.max_seconds:g} s" if cfg.max_seconds else "") + ") "
             f"after {cfg.warmups} warm-up(s)\n\n"
             "Row sets: **shipped** = transformers' DynamicCache and sdpa attention as shipped, FP32 translation "
@@ -207,11 +206,11 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
     return text
 
 
-def huge_pages_note(cfg: PerfConfig) -> str:
-    """On a CPU: whether large tensors were on transparent huge pages (the Makefile turns torch's request on)."""
-    if cfg.device != "cpu":
+def huge_pages_note(device: str, hp: dict) -> str:
+    """On a CPU: whether large tensors were on transparent huge pages (`report.huge_pages`, which every report's
+    env records; the Makefile turns torch's request on)."""
+    if device != "cpu":
         return ""
-    hp = cfg.huge_pages
     if hp["torch_allocator"] and hp["kernel"] in ("always", "madvise"):
         return f", huge pages (THP_MEM_ALLOC_ENABLE=1, kernel {hp['kernel']})"
     if hp["kernel"] == "always":
@@ -342,7 +341,7 @@ def main(argv=None) -> None:
         repeats=repeats, max_repeats=max(repeats, args.max_repeats or (CPU_MAX_REPEATS if on_cpu else 100)),
         max_seconds=(args.max_seconds if args.max_seconds is not None else CPU_MAX_SECONDS if on_cpu else None) or None,
         cv_limit=args.cv_limit, allow_cv=args.allow_cv or (on_cpu and not args.strict_cv), threads=timing.threads(),
-        huge_pages=huge_pages(), peaks={},  # measured below, once the FLOP-only path has returned
+        peaks={},  # measured below, once the FLOP-only path has returned
     )
     paths = RunPaths(args.run, results_root=args.results)
     # FLOP ceilings from parameter counts (meta-device models), before any weights are allocated

@@ -29,6 +29,7 @@ folder per stage run: native/, closed/, lr<rate>-s<seed>/ (maps under ARTIFACTS/
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import shlex
 import time
@@ -138,13 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def stage_parser_of(stage: str) -> tuple[argparse.ArgumentParser, str]:
     """(a fresh parser of the stage's own flags, its script's name), for checking a pass-through string."""
-    if stage == "train":
-        import train_translator as module
-    elif stage == "benchmark":
-        import benchmark as module
-    else:
-        import ifeval as module
-    return module.build_parser(), SCRIPTS[stage].name
+    script = SCRIPTS[stage]
+    return importlib.import_module(script.stem).build_parser(), script.name
 
 
 def passthrough(stage: str, text: str) -> tuple[str, ...]:

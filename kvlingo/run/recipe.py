@@ -207,9 +207,7 @@ class Cells:
         that made it see the same values."""
         state, why = self.ledger.check(cell)
         if state == "done":
-            self.say(f"[recipe] {cell.name}: finished earlier, key {cell.key[:12]}… matches: skipped")
-            self.log.append({"cell": cell.name, "action": "skipped (finished)"})
-            return read_json(cell.report)
+            return self._read_back(cell)
         self.say(f"[recipe] {cell.name}: running here ({why})")
         self.ledger.start(cell.name, entry_of(cell))
         t0 = time.time()
@@ -219,8 +217,15 @@ class Cells:
             self.ledger.fail(cell.name, f"{type(err).__name__}: {err}")
             raise
         atomic_write_json(cell.report, result)
-        self.ledger.finish(cell.name, cell.report, time.time() - t0)
-        self.log.append({"cell": cell.name, "action": "ran", "reason": why, "wall_time_s": time.time() - t0})
+        wall = time.time() - t0
+        self.ledger.finish(cell.name, cell.report, wall)
+        self.log.append({"cell": cell.name, "action": "ran", "reason": why, "wall_time_s": wall})
+        return read_json(cell.report)
+
+    def _read_back(self, cell: Cell) -> dict[str, Any]:
+        """The report of a cell the ledger holds as finished under the same key (nothing runs)."""
+        self.say(f"[recipe] {cell.name}: finished earlier, key {cell.key[:12]}… matches: skipped")
+        self.log.append({"cell": cell.name, "action": "skipped (finished)"})
         return read_json(cell.report)
 
     def job(self, cell: Cell) -> CellJob:
@@ -238,9 +243,7 @@ class Cells:
         for cell in cells:
             state, why = self.ledger.check(cell)
             if state == "done":
-                self.say(f"[recipe] {cell.name}: finished earlier, key {cell.key[:12]}… matches: skipped")
-                self.log.append({"cell": cell.name, "action": "skipped (finished)"})
-                reports[cell.name] = read_json(cell.report)
+                reports[cell.name] = self._read_back(cell)
             else:
                 todo.append((cell, why))
         if not todo:
