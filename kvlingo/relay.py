@@ -16,11 +16,17 @@ The handoff is the suite's own (`kvlingo.core.handoff`): for a prompt of n token
 prefills the first n-1, its cache is translated (with the refresh setting the evidence was
 measured with, `config["refresh"]`), and the target reads the last token on top of it, which is
 the translated arm of the benchmark and of IFEval.
+
+A relay runs one call at a time: its calls take a lock, so threads may share one (they wait for
+each other). Two relays built on the same model objects do not share that lock.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
+from collections.abc import Iterable
+from functools import wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
@@ -35,7 +41,7 @@ from .run.export import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_name, read_
 from .run.models import Pair, load_pair, render_ids, resolve_pair
 
 if TYPE_CHECKING:
-    from transformers import DynamicCache
+    from transformers import Cache, DynamicCache
 
 Messages = Sequence[dict[str, Any]]  # chat messages: {"role": ..., "content": ...}
 Source = Union[Messages, Sequence[int], torch.Tensor, Capture, "DynamicCache"]  # what a handoff starts from
@@ -44,6 +50,16 @@ HUB_FILES = [CONFIG_FILE, EVIDENCE_FILE, CARD_FILE, "maps.safetensors"]
 
 class UnprovenTranslator(TranslatorError):
     """Maps without evidence, or whose evidence fails the gate (`allow_unproven=True` loads them anyway)."""
+
+
+def _serialised(method):
+    """Run a relay method under the relay's lock: a forward temporarily hooks and switches the shared
+    models (`core.cache.run_with_cache`, `core.attention.using`), so two at once would mix their captures."""
+    @wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class Relay:
@@ -58,22 +74,28 @@ class Relay:
         self.verdict = verdict  # the gate's verdict on that evidence at load time
         self.folder = folder
         self.refresh = Refresh.parse(config.get("refresh"))  # what the target recomputes after the translation
+        self._lock = threading.RLock()  # one call at a time (see the module docstring)
 
     @classmethod
     def load(cls, path_or_repo: str | Path, *, device: str = "auto", dtype: str | None = None,
              revision: str | None = None, allow_unproven: bool = False, large: str | None = None,
-             small: str | None = None, gate: Gate = Gate()) -> "Relay":
+             small: str | None = None, gate: Gate | None = None) -> "Relay":
         """Load an exported translator and its pair.
 
         path_or_repo: a local export folder, or a Hub repo id ("owner/name") fetched at `revision`.
         device: cuda, mps, cpu or auto. dtype: the models' dtype (default: the one the evidence was measured in).
         large/small: the pair's models (Hub id[@revision] or local folder) in place of those config.json
         records. allow_unproven: load maps without passing evidence (the hash and tokenizer checks still apply).
+        gate: the thresholds the evidence must meet (default `Gate()`).
         """
+        if gate is not None and not isinstance(gate, Gate):
+            raise TypeError(f"gate must be a kvlingo.run.evidence.Gate, got {type(gate).__name__}")
+        if isinstance(device, torch.device):
+            device = str(device)
         folder = locate(path_or_repo, revision)
         config, evidence, why_none = read_export(folder)
         read_manifest(folder, CONFIG_FILE)  # the maps hash, before anything else
-        verdict = judge(evidence, gate)
+        verdict = judge(evidence, gate or Gate())
         if not verdict.passed and not allow_unproven:
             raise UnprovenTranslator(unproven_message(folder, verdict, why_none))
         rec = config["pair"]
@@ -108,13 +130,20 @@ class Relay:
 
     def prompt_ids(self, messages: Messages, enable_thinking: bool = False) -> list[int]:
         """The chat template's ids of `messages`, through the generation prompt."""
-        return render_ids(self.tokenizer, list(messages), enable_thinking)
+        return render_ids(self.tokenizer, check_messages(messages), enable_thinking)
 
+    @_serialised
     def capture(self, ids: Sequence[int] | torch.Tensor) -> Capture:
-        """The source's capture of `ids` (all of them), with what the translator reads."""
-        return capture_source(self.source, self._ids(ids), [self.translator])
+        """The source's capture of `ids` (every one of them), with what the translator reads. For a cache that
+        `target.generate(prompt, cache=...)` continues, capture the prompt's ids but its last one
+        (`relay.capture(ids[:-1])`), as `handoff(ids)` does: generate feeds only the tokens past the cache."""
+        ids = self._ids(ids)
+        if not ids:
+            raise ValueError("a capture needs at least one token id (got none)")
+        return capture_source(self.source, ids, [self.translator])
 
     # ------------------------------------------------------------------ the handoff
+    @_serialised
     def translate(self, source: Source) -> tuple[torch.Tensor, torch.Tensor]:
         """Target-layout (keys, values), each [layers, kv_heads, tokens, head_dim], of `source`: messages or
         prompt ids (the cache of all but the last token), a `Capture`, or the source's own DynamicCache."""
@@ -129,16 +158,19 @@ class Relay:
         return translate(self.source, self.translator, ids[:-1], self.pair.dtype, refresh=self.refresh,
                          target=self.target)
 
-    def handoff(self, source: Source) -> "DynamicCache":
-        """A fresh target DynamicCache of `source` (see `translate`), ready for `target.generate(ids, cache=...)`
-        with the whole prompt `ids`: the target then reads only the uncached last token."""
+    @_serialised
+    def handoff(self, source: Source) -> "Cache":
+        """A fresh target cache of `source` (see `translate`), ready for `target.generate(ids, cache=...)` with the
+        whole prompt `ids`: the target then reads only the uncached last token. It is a transformers `Cache`
+        (the suite's `PreallocatedCache` unless `core.cache.set_default_kind` says otherwise), used as a DynamicCache is."""
         return build_cache(self.target, *self.translate(source))
 
+    @_serialised
     def reply_ids(self, messages: Messages, max_new_tokens: int = 256,
                   enable_thinking: bool = False) -> tuple[list[int], bool]:
         """The target's greedy reply to `messages` after the handoff: (ids without the stop token, hit the cap)."""
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens is {max_new_tokens}; give 0 or more")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens is {max_new_tokens!r}; give a whole number, 0 or more")
         ids = self.prompt_ids(messages, enable_thinking)  # translate(ids) checks them
         return greedy_generate(self.target, ids[-1:], self.translate(ids), max_new_tokens=max_new_tokens,
                                eos_ids=stop_ids(self.tokenizer))
@@ -151,12 +183,16 @@ class Relay:
     def _ids(self, source: Source) -> list[int]:
         """Token ids of messages or ids, checked: whole numbers the models embed, no longer than both read."""
         if torch.is_tensor(source):
-            if source.dim() == 2 and source.shape[0] != 1:
-                raise ValueError(f"prompt ids have shape {tuple(source.shape)}; a relay is batch-one ([1, tokens])")
+            if source.dim() > 2 or (source.dim() == 2 and source.shape[0] != 1):
+                raise ValueError(f"prompt ids have shape {tuple(source.shape)}; a relay is batch-one ([tokens] or "
+                                 "[1, tokens])")
             if source.dtype.is_floating_point or source.dtype.is_complex or source.dtype == torch.bool:
                 raise ValueError(f"prompt ids are a {source.dtype} tensor; pass token ids as integers (torch.long)")
             ids = source.reshape(-1).tolist()
         else:
+            if isinstance(source, (str, bytes)) or not isinstance(source, Iterable):
+                raise ValueError(f"a handoff starts from chat messages, token ids, a Capture or the source's cache; "
+                                 f"got {type(source).__name__}")
             source = list(source)
             if source and isinstance(source[0], dict):
                 return self._in_range(self.prompt_ids(source))
@@ -179,12 +215,30 @@ class Relay:
         if isinstance(source, Capture):
             cap = source
         else:  # a transformers cache: [1, kv_heads, tokens, head_dim] per layer
+            if not source.layers or any(getattr(layer, "keys", None) is None for layer in source.layers):
+                raise ValueError("the source cache is empty: prefill the source model on the context first, or pass "
+                                 "the messages or ids")
             cap = Capture(torch.stack([layer.keys[0] for layer in source.layers]),
                           torch.stack([layer.values[0] for layer in source.layers]), None, torch.empty(0))
+        self._check_capture(cap)
         if self.translator.needs_prenorm and cap.prenorm is None:
             raise ValueError(f"these maps read the source's pre-norm key features ({self.translator.key_space} key "
                              "space), which a plain cache lacks: pass the messages or ids, or relay.capture(ids)")
         return cap
+
+    def _check_capture(self, cap: Capture) -> None:
+        """Refuse a capture (or cache) that is not the source model's: another depth, KV-head count or head
+        size, or parts of different lengths."""
+        g = self.translator.geometry
+        want = (g.source_layers, g.source_kv_heads, None, g.source_head_dim)
+        parts = {"keys": cap.keys, "values": cap.values, **({"prenorm": cap.prenorm} if cap.prenorm is not None else {})}
+        for name, t in parts.items():
+            if t.dim() != 4 or any(w is not None and s != w for s, w in zip(t.shape, want)) \
+                    or t.shape[2] != cap.keys.shape[2] or t.shape[2] == 0:
+                raise ValueError(f"the source {name} are {list(t.shape)}; this relay's source caches "
+                                 f"[layers={g.source_layers}, kv_heads={g.source_kv_heads}, tokens ≥ 1, "
+                                 f"head_dim={g.source_head_dim}] with the same tokens in keys and values: pass a "
+                                 "Capture or cache of this relay's source model (relay.capture(ids))")
 
     def __repr__(self) -> str:
         rec = self.config["pair"]
@@ -194,16 +248,35 @@ class Relay:
 
 # --------------------------------------------------------------------------- helpers
 def _token_id(i: Any) -> int:
-    """An int, NumPy or 0-d torch integer as a token id; anything else (1.5, "7") is refused, never rounded."""
+    """An int, NumPy or 0-d torch integer as a token id; anything else (1.5, "7", True) is refused, never rounded."""
     try:
+        if isinstance(i, bool) or (torch.is_tensor(i) and i.dtype == torch.bool):
+            raise TypeError
         return operator.index(i)
     except TypeError:
         raise ValueError(f"prompt ids must be integers, got {i!r}; pass token ids or chat messages") from None
 
 
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages as a list, each a {"role": str, "content": str} dict; anything else is refused with the
+    message's index and what is wrong (a chat template would fail on it with a template error)."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Iterable):
+        raise ValueError(f"chat messages are a list of {{'role': ..., 'content': ...}} dicts, got "
+                         f"{type(messages).__name__}; token ids go to relay.handoff")
+    messages = list(messages)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"chat message {i} is {type(m).__name__} {m!r}, not a {{'role': ..., 'content': ...}} dict"
+                             + ("; token ids go to relay.handoff" if isinstance(m, int) else ""))
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"chat message {i} has {key} {m.get(key)!r}; give it as a string")
+    return messages
+
+
 def locate(path_or_repo: str | Path, revision: str | None = None) -> Path:
     """A local folder as is; otherwise a Hub repo id fetched with huggingface_hub at `revision`."""
-    path = Path(path_or_repo)
+    path = Path(path_or_repo).expanduser()
     if path.is_dir():
         if revision is not None:
             raise ValueError(f"revision={revision!r} applies to Hub repos; {path} is a local folder")

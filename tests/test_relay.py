@@ -374,3 +374,180 @@ def test_an_export_never_writes_into_a_folder_of_other_files(tmp_path):
     (earlier / "config.json").write_text('{"format": ')
     with pytest.raises(TranslatorError, match="config.json"):
         check_export_folder(earlier)
+
+
+# --------------------------------------------------------------------------- damaged folders and bad inputs
+def rewrite_config(folder: Path, edit) -> Path:
+    cfg = read_json(folder / CONFIG_FILE)
+    cfg = edit(cfg)
+    (folder / CONFIG_FILE).write_text(json.dumps(cfg))
+    return folder
+
+
+def rehash_evidence(folder: Path, evidence_text: str) -> Path:
+    (folder / EVIDENCE_FILE).write_text(evidence_text)
+    return rewrite_config(folder, lambda c: {**c, "evidence_sha256": sha256_file(folder / EVIDENCE_FILE)})
+
+
+def test_evidence_that_cannot_be_judged_fails_the_gate_in_words(proven, tmp_path):
+    """A figure that is NaN, missing or not a number fails its check by name (a comparison with NaN would
+    pass it); evidence that is not a mapping or does not parse is judged as no figures, so allow_unproven
+    still loads the maps."""
+    ev = read_json(proven["export"] / EVIDENCE_FILE)
+    assert judge(ev).passed
+    nan = json.loads(json.dumps(ev))
+    nan["arms"]["translated"].update(top1_agreement=float("nan"), nll_delta_vs_native_target=float("nan"))
+    failures = judge(nan).failures
+    assert failures == ("evidence arms.translated.top1_agreement is nan, not a finite number",
+                        "evidence arms.translated.nll_delta_vs_native_target is nan, not a finite number")
+    no_control = json.loads(json.dumps(ev))
+    del no_control["arms"]["control"]
+    assert judge(no_control).failures == ("evidence arms.control.kl_token_mean is None, not a finite number",)
+    assert judge(no_control, Gate(beat_control=False)).passed
+    typed = json.loads(json.dumps(ev))
+    typed["arms"]["translated"]["top1_agreement"] = "0.9"
+    typed["benchmark"]["native_controls_passed"] = None
+    assert judge(typed).failures == ("evidence arms.translated.top1_agreement is '0.9', not a finite number",
+                                     "evidence benchmark.native_controls_passed is None, not true or false")
+    assert not judge([]).passed and len(judge([]).failures) == 5  # every figure and the controls
+
+    folder = rehash_evidence(copy_export(proven["export"], tmp_path / "nan"), json.dumps(nan))
+    with pytest.raises(UnprovenTranslator, match="top1_agreement is nan, not a finite number"):
+        Relay.load(folder, device="cpu")
+    assert not Relay.load(folder, device="cpu", allow_unproven=True).verdict.passed
+    folder = rehash_evidence(copy_export(proven["export"], tmp_path / "cut"), json.dumps(ev)[:50])
+    with pytest.raises(UnprovenTranslator, match="without evidence \\(evidence.json does not parse"):
+        Relay.load(folder, device="cpu")
+    assert Relay.load(folder, device="cpu", allow_unproven=True).evidence is None
+
+
+def _pop(key):
+    return lambda c: {k: v for k, v in c.items() if k != key}
+
+
+@pytest.mark.parametrize("edit, why", [
+    (_pop("pair"), "pair None is not a mapping"),
+    (_pop("direction"), "direction None is not l2s or s2l"),
+    (lambda c: {**c, "pair": {**c["pair"], "large": {"id": "x"}}}, "pair.large {'id': 'x'} is neither"),
+    (lambda c: {**c, "pair": {k: v for k, v in c["pair"].items() if k != "tokenizer_sha256"}},
+     "pair.tokenizer_sha256 None is not a string"),
+    (lambda c: [1, 2], "is not a kvlingo-translator config \\(format 'list'\\)"),
+    (lambda c: {**c, "format_version": "2"}, "format_version '2' is not a whole number"),
+    (_pop("geometry"), "geometry None is not \\{source_layers"),
+    (lambda c: {**c, "geometry": {**c["geometry"], "extra": 1}}, "geometry .* is not \\{source_layers"),
+    (lambda c: {**c, "geometry": {**c["geometry"], "target_layers": 2.0}}, "as positive integers"),
+    (_pop("key_space"), "key space None is not one of prenorm, cache"),
+    (lambda c: {**c, "settings": {"bogus": 1}}, "settings \\{'bogus': 1\\} do not build a headwise translator"),
+    (lambda c: {**c, "settings": "rank"}, "settings 'rank' are not a mapping"),
+    (lambda c: {**c, "family": "crosshead"}, "does not hold this crosshead translator's state \\(missing"),
+])
+def test_a_damaged_config_is_refused_by_field_before_any_weights_load(proven, tmp_path, monkeypatch, edit, why):
+    folder = rewrite_config(copy_export(proven["export"], tmp_path / "damaged"), edit)
+    monkeypatch.setattr("kvlingo.relay.load_pair", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(TranslatorError, match=why) as err:
+        Relay.load(folder, device="cpu", allow_unproven=True)
+    assert "again" in str(err.value)  # the fix: export (or train) it again
+
+
+def test_maps_of_another_layout_or_not_finite_are_refused(proven, tmp_path, monkeypatch):
+    """A maps file re-hashed after an edit (a tensor reshaped, renamed or cut off, or NaN) is refused by name:
+    the layout from the file's header before any weights load, non-finite values when the maps load."""
+    from safetensors.torch import load_file, save_file
+
+    def rewritten(name: str, edit) -> Path:
+        folder = copy_export(proven["export"], tmp_path / name)
+        state = edit(load_file(folder / "maps.safetensors"))
+        if isinstance(state, bytes):
+            (folder / "maps.safetensors").write_bytes(state)
+        else:
+            save_file(state, str(folder / "maps.safetensors"))
+        return rewrite_config(folder, lambda c: {**c, "maps_sha256": sha256_file(folder / "maps.safetensors")})
+
+    first = next(iter(load_file(proven["export"] / "maps.safetensors")))
+    cases = [("shape", lambda s: {**s, first: s[first][..., :1].contiguous()}, f"{first} is F32 \\["),
+             ("dtype", lambda s: {**s, first: s[first].double()}, f"{first} is F64"),
+             ("missing", lambda s: {k: v for k, v in s.items() if k != first}, f"missing {first}"),
+             ("extra", lambda s: {**s, "bogus": torch.zeros(1)}, "unexpected bogus"),
+             ("cut", lambda s: (proven["export"] / "maps.safetensors").read_bytes()[:40], "not a readable safetensors")]
+    with monkeypatch.context() as m:
+        m.setattr("kvlingo.relay.load_pair", lambda *a, **k: pytest.fail("weights loaded"))
+        for name, edit, why in cases:
+            with pytest.raises(TranslatorError, match=why):
+                Relay.load(rewritten(name, edit), device="cpu", allow_unproven=True)
+    folder = rewritten("nan", lambda s: {**s, first: torch.full_like(s[first], float("nan"))})
+    with pytest.raises(TranslatorError, match=f"{first} hold NaN or infinite values"):
+        Relay.load(folder, device="cpu", allow_unproven=True)
+
+
+def test_threads_sharing_a_relay_get_what_each_would_alone(toy):
+    """A capture of pre-norm keys hooks the shared source model, so concurrent calls once mixed their captures
+    (wrong caches, or shape errors); a relay's calls now take its lock."""
+    import threading
+    import time
+
+    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True)
+    assert relay.translator.needs_prenorm
+    prompts = [list(range(3, 3 + n)) for n in (5, 9, 14)]
+    alone = [relay.translate(ids) for ids in prompts]
+    for layer in relay.source.model.layers:  # a pause inside every forward lets the other threads in
+        layer.register_forward_pre_hook(lambda *_: time.sleep(0.002))
+    got, errors = {}, []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(4):
+                got.setdefault(i, []).append(relay.translate(prompts[i]))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i, runs in got.items():
+        assert len(runs) == 4 and all(torch.equal(k, alone[i][0]) and torch.equal(v, alone[i][1]) for k, v in runs)
+
+
+def test_a_capture_of_the_prompt_but_its_last_token_is_the_handoff_of_the_ids(proven):
+    relay = Relay.load(proven["export"], device="cpu")
+    ids = relay.prompt_ids([{"role": "user", "content": "the cat sat on a mat"}])
+    for a, b in zip(relay.translate(relay.capture(ids[:-1])), relay.translate(ids)):
+        assert torch.equal(a, b)
+
+
+def test_inputs_a_relay_cannot_take_are_refused_in_words(proven, toy_pair, monkeypatch):
+    """Messages, ids, captures and arguments of the wrong kind get a ValueError (or TypeError) naming what is
+    wrong, not a template or tensor error from deep inside."""
+    from transformers import DynamicCache
+
+    from kvlingo.core.cache import Capture
+
+    relay = Relay.load(str(proven["export"]), device=torch.device("cpu"), gate=None)
+    other = torch.zeros(relay.translator.geometry.source_layers + 1, 1, 4, 8)
+    with monkeypatch.context() as m:
+        m.setattr(relay.pair.source, "forward", lambda *a, **k: pytest.fail("the source ran"))
+        for messages, why in (("What is my name?", "chat messages are a list .* got str"),
+                              ([1, 2, 3], "chat message 0 is int 1.*token ids go to relay.handoff"),
+                              ([{"role": "user", "content": 123}], "chat message 0 has content 123; give it as a string"),
+                              ([{"content": "hi"}], "chat message 0 has role None"),
+                              ([{"role": "user", "content": ["hi"]}], "has content \\['hi'\\]")):
+            with pytest.raises(ValueError, match=why):
+                relay.chat(messages)
+        for max_new, why in ((2.5, "max_new_tokens is 2.5"), (None, "max_new_tokens is None")):
+            with pytest.raises(ValueError, match=why):
+                relay.chat([{"role": "user", "content": "hi"}], max_new_tokens=max_new)
+        for source, why in ((torch.tensor([[[3, 4, 5]]]), "shape \\(1, 1, 3\\); a relay is batch-one"),
+                            ([3, True, 5], "must be integers, got True"),
+                            (None, "got NoneType"), (5, "got int"),
+                            (DynamicCache(), "the source cache is empty"),
+                            (Capture(other, other, None, torch.empty(0)), "this relay's source caches \\[layers=")):
+            with pytest.raises(ValueError, match=why):
+                relay.handoff(source)
+        with pytest.raises(ValueError, match="a capture needs at least one token id"):
+            relay.capture([])
+    with pytest.raises(TypeError, match="gate must be a kvlingo.run.evidence.Gate"):
+        Relay.load(proven["export"], device="cpu", gate={"min_top1": 0.5})
+    monkeypatch.setenv("HOME", str(Path(proven["export"]).parent))  # "~/export" names the folder
+    assert Relay.load(f"~/{Path(proven['export']).name}", device="cpu").folder == Path(proven["export"])

@@ -54,6 +54,7 @@ model identities, data and code hashes).
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,7 +66,7 @@ from torch import nn
 from ..io import DamagedFile, atomic_write_bytes, atomic_write_json, read_json, sha256_file
 from .arch import head_dim
 from .cache import Capture
-from .keyspace import KeySpace
+from .keyspace import KEY_SPACES, KeySpace
 
 MAPS_FILE = "maps.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -444,13 +445,54 @@ def read_manifest(folder: str | Path, name: str = MANIFEST_FILE) -> dict[str, An
     if not (folder / MAPS_FILE).is_file() or sha256_file(folder / MAPS_FILE) != manifest.get("maps_sha256"):
         raise TranslatorError(f"{folder / MAPS_FILE} does not match its manifest hash in {name} (damaged or replaced); "
                               "train or export it again")
+    try:
+        check_state(folder / MAPS_FILE, build(manifest, device="meta"))
+    except TranslatorError as err:
+        raise TranslatorError(f"{mpath}: {err}; it was written by other code or edited: train or export it again") from None
     return manifest
 
 
-def build(manifest: dict[str, Any]) -> Translator:
-    """An untrained translator of the manifest's family, settings and geometry (state not loaded)."""
+def build(manifest: dict[str, Any], device: str | torch.device | None = None) -> Translator:
+    """An untrained translator of the manifest's family, settings and geometry (state not loaded); on
+    device="meta" nothing is allocated. A spec that does not build one (a field missing or of the wrong
+    kind, settings the family does not take) is refused with a TranslatorError naming it."""
     cls = FAMILIES[manifest["family"]]
-    return cls.from_spec(Geometry(**manifest["geometry"]), manifest["key_space"], manifest.get("settings", {}))
+    geometry, fields = manifest.get("geometry"), list(Geometry.__dataclass_fields__)
+    if not (isinstance(geometry, dict) and sorted(geometry) == sorted(fields)
+            and all(type(geometry[f]) is int and geometry[f] > 0 for f in fields)):
+        raise TranslatorError(f"geometry {geometry!r} is not {{{', '.join(fields)}}} as positive integers")
+    if manifest.get("key_space") not in KEY_SPACES:
+        raise TranslatorError(f"key space {manifest.get('key_space')!r} is not one of {', '.join(KEY_SPACES)}")
+    settings = manifest.get("settings", {})
+    if not isinstance(settings, dict):
+        raise TranslatorError(f"settings {settings!r} are not a mapping of the {cls.family} family's options")
+    try:
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            return cls.from_spec(Geometry(**geometry), manifest["key_space"], settings)
+    except (TypeError, ValueError) as err:
+        raise TranslatorError(f"settings {settings} do not build a {cls.family} translator ({err})") from None
+
+
+def check_state(path: Path, translator: Translator) -> None:
+    """Refuse (TranslatorError) a safetensors file whose tensor names, shapes or dtypes are not `translator`'s
+    state (read from the file's header alone: nothing is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in translator.state_dict().items()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise TranslatorError(f"{path.name} is not a readable safetensors file ({err})") from None
+    names = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}  # safetensors' names of the dtypes
+    wrong = [f"missing {k}" for k in expected if k not in found] + [f"unexpected {k}" for k in found if k not in expected]
+    wrong += [f"{k} is {found[k][1]} {list(found[k][0])}, not {names.get(dt, dt)} {list(shape)}"
+              for k, (shape, dt) in expected.items() if k in found and found[k] != (shape, names.get(dt, dt))]
+    if wrong:
+        shown = "; ".join(wrong[:4]) + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
+        raise TranslatorError(f"{path.name} does not hold this {translator.family} translator's state ({shown})")
 
 
 def load_state(folder: str | Path, manifest: dict[str, Any] | None = None, device="cpu") -> Translator:
@@ -460,7 +502,12 @@ def load_state(folder: str | Path, manifest: dict[str, Any] | None = None, devic
     folder = Path(folder)
     manifest = manifest or read_manifest(folder)
     translator = build(manifest)
-    translator.load_state_dict(load_file(folder / MAPS_FILE), strict=True)
+    state = load_file(folder / MAPS_FILE)
+    bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise TranslatorError(f"{folder / MAPS_FILE}: {', '.join(bad[:4])} hold NaN or infinite values; train or "
+                              "export the maps again (a run whose loss diverged writes such maps)")
+    translator.load_state_dict(state, strict=True)
     return translator.to(device)
 
 

@@ -12,6 +12,7 @@ thresholds (`Gate`); `judge` names each failing figure.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -113,21 +114,40 @@ def ifeval_evidence(report: dict[str, Any]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- the gate
 def judge(evidence: dict[str, Any] | None, gate: Gate = Gate()) -> Verdict:
-    """The gate's verdict on the figures of `evidence` (None: no evidence at all)."""
+    """The gate's verdict on the figures of `evidence` (None: no evidence at all). A figure that is missing,
+    not a number or not finite (NaN) fails its check, named as such: nothing passes by a comparison with NaN."""
     if evidence is None:
         return Verdict(False, ("no evidence: the folder holds no benchmark figures",), gate)
-    arms, bench = evidence["arms"], evidence["benchmark"]
-    t, c = arms["translated"], arms["control"]
-    n = f"(n={t['n_conversations']} conversations, {t['n_tokens']} reply tokens)"
     failures = []
-    if t["top1_agreement"] < gate.min_top1:
-        failures.append(f"top-1 agreement with the native target {t['top1_agreement']:.3f} < {gate.min_top1:.2f} {n}")
-    if t["nll_delta_vs_native_target"] > gate.max_nll_delta:
-        failures.append(f"NLL Δ vs the native target {t['nll_delta_vs_native_target']:.3f} nats/token > "
-                        f"{gate.max_nll_delta:.2f} {n}")
-    if gate.beat_control and not t["kl_token_mean"] < c["kl_token_mean"]:
-        failures.append(f"translated KL {t['kl_token_mean']:.3f} nats/token does not beat the control's "
-                        f"{c['kl_token_mean']:.3f}")
-    if gate.native_controls and not bench["native_controls_passed"]:
-        failures.append("the benchmark's native controls failed (its injection path was not exact)")
+
+    def at(*keys: str) -> Any:
+        node: Any = evidence
+        for key in keys:
+            node = node.get(key) if isinstance(node, dict) else None
+        return node
+
+    def figure(*keys: str) -> float | None:
+        node = at(*keys)
+        if isinstance(node, bool) or not isinstance(node, (int, float)) or not math.isfinite(node):
+            failures.append(f"evidence {'.'.join(keys)} is {node!r}, not a finite number")
+            return None
+        return float(node)
+
+    convs, tokens = at("arms", "translated", "n_conversations"), at("arms", "translated", "n_tokens")
+    n = f"(n={convs} conversations, {tokens} reply tokens)"
+    top1 = figure("arms", "translated", "top1_agreement")
+    if top1 is not None and top1 < gate.min_top1:
+        failures.append(f"top-1 agreement with the native target {top1:.3f} < {gate.min_top1:.2f} {n}")
+    nll = figure("arms", "translated", "nll_delta_vs_native_target")
+    if nll is not None and nll > gate.max_nll_delta:
+        failures.append(f"NLL Δ vs the native target {nll:.3f} nats/token > {gate.max_nll_delta:.2f} {n}")
+    if gate.beat_control:
+        t, c = figure("arms", "translated", "kl_token_mean"), figure("arms", "control", "kl_token_mean")
+        if t is not None and c is not None and not t < c:
+            failures.append(f"translated KL {t:.3f} nats/token does not beat the control's {c:.3f}")
+    if gate.native_controls:
+        passed = at("benchmark", "native_controls_passed")
+        if passed is not True:
+            failures.append("the benchmark's native controls failed (its injection path was not exact)" if passed is False
+                            else f"evidence benchmark.native_controls_passed is {passed!r}, not true or false")
     return Verdict(not failures, tuple(failures), gate)

@@ -153,11 +153,21 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any] | No
         config = read_json(folder / CONFIG_FILE)
     except DamagedFile as e:
         raise TranslatorError(f"{e.problem}: the export is damaged; export it again (make export RUN=...)") from None
-    if config.get("format") != FORMAT:
-        raise TranslatorError(f"{folder / CONFIG_FILE} is not a {FORMAT} config (format {config.get('format')!r})")
-    if config.get("format_version", 0) > FORMAT_VERSION:
-        raise TranslatorError(f"{folder} is export format {config['format_version']}, newer than this kvlingo "
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        found = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise TranslatorError(f"{folder / CONFIG_FILE} is not a {FORMAT} config (format {found!r}); give a folder "
+                              "`make export` wrote, or export it again")
+    version = config.get("format_version", 0)
+    if type(version) is not int:
+        raise TranslatorError(f"{folder / CONFIG_FILE}: format_version {version!r} is not a whole number; the export "
+                              "is damaged or edited: export it again (make export RUN=...)")
+    if version > FORMAT_VERSION:
+        raise TranslatorError(f"{folder} is export format {version}, newer than this kvlingo "
                               f"reads ({FORMAT_VERSION}); update kvlingo")
+    wrong = config_problems(config)
+    if wrong:
+        raise TranslatorError(f"{folder / CONFIG_FILE}: {'; '.join(wrong)}; the export is damaged or edited: export it "
+                              "again (make export RUN=...)")
     recorded, path = config.get("evidence_sha256"), folder / EVIDENCE_FILE
     if recorded is None:
         return config, None, "it was exported without evidence (--no-evidence)"
@@ -165,7 +175,35 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any] | No
         return config, None, f"{EVIDENCE_FILE} is missing"
     if sha256_file(path) != recorded:
         return config, None, f"{EVIDENCE_FILE} does not match the hash recorded in {CONFIG_FILE} (edited or replaced)"
-    return config, read_json(path), None  # its bytes match the recorded hash
+    try:
+        return config, read_json(path), None  # its bytes match the recorded hash
+    except DamagedFile as e:  # hashed as it is, yet not JSON: no figures to judge
+        return config, None, f"{EVIDENCE_FILE} does not parse ({e.problem})"
+
+
+def config_problems(config: dict[str, Any]) -> list[str]:
+    """What a loader needs from config.json beyond the translator's spec (`read_manifest` checks that) and
+    is missing or of the wrong kind, in words ([] when nothing is)."""
+    wrong = []
+    if config.get("direction") not in ("l2s", "s2l"):
+        wrong.append(f"direction {config.get('direction')!r} is not l2s or s2l")
+    pair = config.get("pair")
+    if not isinstance(pair, dict):
+        return wrong + [f"pair {pair!r} is not a mapping"]
+    for role in ("large", "small"):
+        ident = pair.get(role)
+        if not (isinstance(ident, dict) and (isinstance(ident.get("id"), str) and isinstance(ident.get("revision"), str)
+                                             or isinstance(ident.get("path"), str)
+                                             and isinstance(ident.get("weights_sha256"), str))):
+            wrong.append(f"pair.{role} {ident!r} is neither {{id, revision}} nor {{path, weights_sha256}}")
+    for key in ("dtype", "tokenizer_sha256"):
+        if not isinstance(pair.get(key), str):
+            wrong.append(f"pair.{key} {pair.get(key)!r} is not a string")
+    if not isinstance(config.get("models", {}), dict):
+        wrong.append(f"models {config.get('models')!r} is not a mapping of source and target")
+    if not isinstance(config.get("refresh", "none"), str):
+        wrong.append(f"refresh {config.get('refresh')!r} is not a string")
+    return wrong
 
 
 # --------------------------------------------------------------------------- the model card
