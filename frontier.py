@@ -111,8 +111,7 @@ class Plan:
     def __init__(self, cfg: FrontierConfig):
         self.cfg, self.paths = cfg, RunPaths(cfg.run, cfg.artifacts, cfg.results)
         p = cfg.pair
-        self.flags = {"--profile": cfg.profile, "--large": p.large, "--small": p.small, "--direction": p.direction,
-                      "--device": p.device, "--dtype": p.dtype, "--artifacts": cfg.artifacts, "--results": cfg.results}
+        self.flags = K.stage_flags(cfg.profile, p, cfg.artifacts, cfg.results)
         self.inputs = {"data": K.data_hash(cfg.data), "models": p.identities()}
 
     def sub(self, run: str, setting: str) -> RunPaths:

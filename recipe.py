@@ -196,8 +196,7 @@ class Plan:
         self.paths = RunPaths(cfg.run, cfg.artifacts, cfg.results)
         self.art, self.res = self.paths.art, self.paths.res
         p = cfg.pair
-        self.flags = {"--profile": cfg.profile, "--large": p.large, "--small": p.small, "--direction": p.direction,
-                      "--device": p.device, "--dtype": p.dtype, "--artifacts": cfg.artifacts, "--results": cfg.results}
+        self.flags = K.stage_flags(cfg.profile, p, cfg.artifacts, cfg.results)
         try:
             self.common = {"data": K.data_hash(cfg.data), "models": p.identities()}
         except ValueError as e:

@@ -33,7 +33,7 @@ from kvlingo.run.models import load_pair, pair_config_from_args
 from kvlingo.run.paths import default_data, run_paths, writable
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Report, figure_png, fmt_table
-from kvlingo.run.stage import lock_run, refusals_exit, stage_parser
+from kvlingo.run.stage import lock_run, refusals_exit, refuse, stage_parser
 from kvlingo.train import checkpoints as ckpt
 from kvlingo.train import distributed
 from kvlingo.train.closed_form import fit_closed_form
@@ -194,6 +194,10 @@ def main(argv=None) -> dict:
         checkpoint_every=positive("checkpoint-every", given(args.checkpoint_every, profile.checkpoint_every)),
         seed=args.seed, pair=pair_cfg,
     )
+    n_train = manifest.get("n_samples", {}).get("train.natural")
+    if isinstance(n_train, int) and cfg.batch > n_train:
+        refuse("train_translator", f"--batch {cfg.batch} is more than the {n_train} training conversations in "
+                                   f"{data_dir}: every one would repeat within each update; give --batch {n_train} or less")
     code_sha = resume.code_hash(SCRIPT)
     if args.code_salt:
         code_sha = sha256_json({"code": code_sha, "salt": args.code_salt})
@@ -215,6 +219,7 @@ def main(argv=None) -> dict:
 
     writable(paths.art, "--artifacts")  # before the models load, not after the fit
     lock_run(paths.res, "train")  # one training per run: checkpoints and translators are its alone
+    lock_run(paths.art, "train", root_flag="--artifacts")  # two --results roots still share one run's artifacts
     pair = load_pair(pair_cfg, tokenizer)
     models = {"source": pair.source, "target": pair.target}
     check_frozen(models)

@@ -205,3 +205,103 @@ def test_a_second_run_of_a_stage_on_the_same_run_is_refused_while_the_first_runs
         return "ran"
 
     assert stage() == "ran" and stage() == "ran"  # the killed holder's lock is gone, and each call frees its own
+
+
+def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finished, tmp_path, capsys):
+    """Each of these once ended in a traceback, after work, or not at all: a refresh setting deeper than the
+    target (refused before any weights load), every checkpoint damaged, a batch larger than the training
+    split, a second training writing the same run's artifacts from another --results, and a --cache other than
+    the one a finished report was made with (which the up-to-date check used to accept)."""
+    import subprocess
+    import sys
+
+    import kvlingo.run.models as models
+
+    root, train, run, pair = finished["root"], finished["train"], finished["run"], finished["pair"]
+    before = snapshot(root)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights were loaded before the refusal"))
+        for setting in ("layers:99", "layer:7"):
+            err = refused(benchmark.main, [*run, *pair, "--data", str(finished["data"]), "--refresh", setting], capsys)
+            assert "but the target has" in err or "but the target's layers are" in err
+            assert "give layers:K with K ≤" in err
+        err = refused(train_translator.main, [*train, "--run", "b", "--batch", "13"], capsys)
+        assert "--batch 13 is more than the 12 training conversations" in err
+
+    ckpts = root / "artifacts" / "r" / "checkpoints"
+    saved = {p: p.read_bytes() for p in ckpts.glob("ckpt_*.pt")}
+    assert saved
+    try:
+        for p, data in saved.items():
+            p.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+        err = refused(train_translator.main, [*train, "--resume"], capsys)
+        assert "no intact checkpoint" in err and "drop --resume" in err
+    finally:
+        for p, data in saved.items():
+            p.write_bytes(data)
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from kvlingo.run.stage import lock_run; "
+         f"lock_run({str(root / 'artifacts' / 'r')!r}, 'train', root_flag='--artifacts'); print('held', flush=True); "
+         "time.sleep(120)"], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        other_results = [a if a != str(root / "results") else str(tmp_path / "results") for a in train]
+        err = refused(train_translator.main, [*other_results, "--resume"], capsys)
+        assert f"another train is still running in {root / 'artifacts' / 'r'}" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert snapshot(root) == before
+
+    from kvlingo.core.cache import default_kind, set_default_kind
+    from kvlingo.run import resume
+
+    bench = [*run, *pair, "--data", str(finished["data"]), "--allow-cv"]
+    benchmark.main(bench)
+    report = json.loads((root / "results" / "r" / "benchmark.json").read_text())
+    assert report["env"]["cache"] == "preallocated"
+    capsys.readouterr()
+    try:
+        benchmark.main([*bench, "--cache", "dynamic"])  # other code on the handoff's path: measured again
+        assert "is up to date" not in capsys.readouterr().out
+        assert json.loads((root / "results" / "r" / "benchmark.json").read_text())["env"]["cache"] == "dynamic"
+        assert resume.identity({}, {}, {}, "c")["cache"] == "dynamic"
+    finally:
+        set_default_kind("preallocated")
+    assert default_kind() == "preallocated"
+
+
+def test_reports_and_ledgers_edited_out_of_shape_are_made_again_or_refused(tmp_path):
+    """Valid JSON of the wrong shape once raised AttributeError or KeyError: an up-to-date check now takes such a
+    report as unfinished (the stage makes it again), and a recipe ledger is refused with the entry named."""
+    from kvlingo.run.ledger import LEDGER_FORMAT, Ledger
+    from kvlingo.run.resume import ResumeRefused, finished
+
+    report = tmp_path / "benchmark.json"
+    good = {"resume_key": "k", "results": {"checks": {"passed": True}}}
+    for text, up_to_date in ((good, True), ([1, 2], False), ({"resume_key": "k"}, False),
+                             ({**good, "results": None}, False), ({**good, "results": {"checks": {"passed": False}}}, False),
+                             ({**good, "resume_key": "other"}, False)):
+        report.write_text(json.dumps(text))
+        assert (finished(report, "k") is not None) == up_to_date, text
+
+    ledger = tmp_path / "recipe-state.json"
+    for state, why in (([], "ledger format list"), ({"format": LEDGER_FORMAT, "config": {}, "cells": []}, "cells is not"),
+                       ({"format": LEDGER_FORMAT, "config": {}, "cells": {"train/a": {"status": "done"}}},
+                        "cells.train/a is not a ledger entry")):
+        ledger.write_text(json.dumps(state))
+        with pytest.raises(ResumeRefused, match=why):
+            Ledger(ledger, {}, resume=True)
+        assert json.loads(ledger.read_text()) == state  # refused before anything is written
+
+
+def test_a_source_that_is_a_folder_is_named_as_one(tmp_path):
+    from kvlingo.eval.tasks.data import read_source
+    from kvlingo.run.data import prepare
+    from kvlingo.run.profiles import get_profile
+
+    with pytest.raises(ValueError, match=f"--source {tmp_path} is a folder, not a JSONL file"):
+        read_source(tmp_path, "arc")
+    with pytest.raises(ValueError, match=f"source file {tmp_path} is a folder, not a file"):
+        prepare(None, get_profile("tiny"), source=tmp_path, out_root=tmp_path / "out")

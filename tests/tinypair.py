@@ -70,7 +70,7 @@ def load_tiny_pair(paths, dtype=torch.float32, direction: str = "l2s"):
 
 def write_prepared(folder: str | Path, tok, splits: dict[str, list[dict]], name: str = "test tokenizer") -> Path:
     """A complete prepared data folder, as paper_data.py writes it: the split files, then a manifest
-    holding their sha256 and the tokenizer's digest and chat template hash."""
+    holding their sha256, row counts, and the tokenizer's digest and chat template hash."""
     import json
 
     from kvlingo.io import atomic_write_json, sha256_file, sha256_json
@@ -84,7 +84,7 @@ def write_prepared(folder: str | Path, tok, splits: dict[str, list[dict]], name:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         files[path.name] = sha256_file(path)
     atomic_write_json(folder / "manifest.json", {
-        "stage": "prepare", "files": files,
+        "stage": "prepare", "files": files, "n_samples": {f"{split}.natural": len(rows) for split, rows in splits.items()},
         "inputs": {"tokenizer": {"name": name, "digest": tokenizer_digest(tok),
                                  "chat_template_sha256": sha256_json(tok.chat_template)}}})
     return folder

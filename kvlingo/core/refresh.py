@@ -99,6 +99,18 @@ class Refresh:
             raise RefreshError(f"layer:{l} but the target's layers are 0..{n_layers - 1}")
         return l
 
+    def check_layers(self, n_layers: int) -> None:
+        """Refuse (RefreshError, with the fix) a layers:K or layer:l setting a target of `n_layers` layers cannot
+        take, before any work: applying it would fail only on the first conversation."""
+        try:
+            if self.kind == "layers":
+                self.native_layers(n_layers)
+            elif self.kind == "layer":
+                self.layer_index(n_layers)
+        except RefreshError as err:
+            raise RefreshError(f"refresh {err}; give layers:K with K ≤ {n_layers} (or a percentage), or layer:l "
+                               f"with l < {n_layers}") from None
+
     def selected_count(self, n_tokens: int) -> int:
         return min(n_tokens, round(self.amount * n_tokens))
 

@@ -709,7 +709,8 @@ def prepare(
     if source is not None:
         path = Path(source)
         if not path.is_file():
-            raise ValueError(f"source file {path} not found; pass --source PATH to a Nemotron-format JSONL")
+            what = "is a folder, not a file" if path.is_dir() else "not found"
+            raise ValueError(f"source file {path} {what}; pass --source PATH to a Nemotron-format JSONL")
         src = {"kind": "local", "path": str(path), "sha256": sha256_file(path), "max_rows": max_rows}
         src_key = {k: v for k, v in src.items() if k != "path"}  # same bytes elsewhere: same data
     else:

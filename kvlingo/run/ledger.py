@@ -61,9 +61,17 @@ class Ledger:
                     old = read_json(self.path)
                 except DamagedFile as e:
                     raise ResumeRefused(f"{e.problem}: move it away and start a fresh recipe (drop --resume)") from None
-                if old.get("format") != LEDGER_FORMAT:
-                    raise ResumeRefused(f"{self.path} has ledger format {old.get('format')}, not {LEDGER_FORMAT}; "
+                if not isinstance(old, dict) or old.get("format") != LEDGER_FORMAT:
+                    found = old.get("format") if isinstance(old, dict) else type(old).__name__
+                    raise ResumeRefused(f"{self.path} has ledger format {found}, not {LEDGER_FORMAT}; "
                                         "start a fresh recipe (drop --resume) or use another --run")
+                cells = old.get("cells")
+                bad = ("cells" if not isinstance(cells, dict) else
+                       next((f"cells.{n}" for n, e in cells.items()
+                             if not isinstance(e, dict) or not {"key", "status"} <= set(e)), None))
+                if bad is not None:
+                    raise ResumeRefused(f"{self.path}: {bad} is not a ledger entry (edited by hand?); move the file "
+                                        "away and start a fresh recipe (drop --resume), or use another --run")
                 changed = diff(old.get("config"), config)
                 if changed:
                     raise ResumeRefused("refusing to resume: settings changed: " + "; ".join(changed)

@@ -416,5 +416,13 @@ def add_pair_args(parser, default_dtype: str = "bfloat16") -> None:
 
 
 def pair_config_from_args(args) -> tuple[PairConfig, Any]:
-    """`resolve_pair` of the --large/--small/--direction/--device/--dtype flags."""
-    return resolve_pair(args.large, args.small, args.direction, args.device, args.dtype)
+    """`resolve_pair` of the --large/--small/--direction/--device/--dtype flags; a stage's refresh settings
+    (--refresh, or the frontier's --settings) are checked against the target's depth here, before any work."""
+    from ..core.refresh import Refresh
+
+    cfg, tok = resolve_pair(args.large, args.small, args.direction, args.device, args.dtype)
+    settings = [getattr(args, "refresh", None), *(getattr(args, "settings", None) or [])]
+    for setting in settings:
+        if setting is not None:
+            Refresh.parse(str(setting)).check_layers(cfg.geometry["target_layers"])
+    return cfg, tok

@@ -274,6 +274,16 @@ class Cells:
         return [reports[c.name] for c in cells]
 
 
+def stage_flags(profile: str, pair, artifacts: str, results: str) -> dict[str, str]:
+    """The flags every cell's stage gets from the driver: its profile, pair, output roots and the KV cache kind
+    this process was given (--cache), so a cell runs what its driver was asked to."""
+    from ..core.cache import default_kind
+
+    return {"--profile": profile, "--large": pair.large, "--small": pair.small, "--direction": pair.direction,
+            "--device": pair.device, "--dtype": pair.dtype, "--cache": default_kind(), "--artifacts": artifacts,
+            "--results": results}
+
+
 def copy_file(src: str | Path, dst: str | Path) -> None:
     """Copy a file into place atomically (a temp file renamed over `dst`); nothing when `src` is absent."""
     src, dst = Path(src), Path(dst)

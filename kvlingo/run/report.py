@@ -69,6 +69,8 @@ def environment(device: str | None = None, dtype: str | None = None) -> dict[str
     import torch
     import transformers
 
+    from ..core.cache import default_kind
+
     env: dict[str, Any] = {
         **git_state(),
         "python": sys.version.split()[0],
@@ -79,6 +81,7 @@ def environment(device: str | None = None, dtype: str | None = None) -> dict[str
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "huge_pages": huge_pages(),
+        "cache": default_kind(),  # the KV cache kind its handoffs built (a stage's --cache)
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),  # data-parallel ranks (torchrun)
     }
     if device and device.startswith("cuda") and torch.cuda.is_available():

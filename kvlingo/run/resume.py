@@ -100,7 +100,11 @@ def code_hash(*scripts: str | os.PathLike) -> str:
 
 # --------------------------------------------------------------------------- identity and key
 def identity(settings: Any, inputs: dict[str, Any], pair: Any, code: str) -> dict[str, Any]:
-    return to_jsonable({"settings": settings, "inputs": inputs, "pair": pair, "code": code})
+    """What a stage's result depends on; the KV cache kind this process builds (a stage's --cache) among it,
+    since the two kinds run different code on the handoff's path."""
+    from ..core.cache import default_kind
+
+    return to_jsonable({"settings": settings, "cache": default_kind(), "inputs": inputs, "pair": pair, "code": code})
 
 
 def resume_key(ident: dict[str, Any]) -> str:
@@ -108,14 +112,18 @@ def resume_key(ident: dict[str, Any]) -> str:
 
 
 def finished(report_path: str | os.PathLike, key: str) -> dict[str, Any] | None:
-    """The report at `report_path` when it was made under resume key `key` (up to date), else None."""
+    """The report at `report_path` when it was made under resume key `key` and its checks passed (up to date),
+    else None: also for a report that does not parse or was edited out of shape (it is made again)."""
     from ..io import read_json
 
     try:
         old = read_json(report_path)
     except (OSError, ValueError):
         return None
-    return old if old.get("resume_key") == key else None
+    if not isinstance(old, dict) or old.get("resume_key") != key:
+        return None
+    checks = old.get("results", {}).get("checks") if isinstance(old.get("results"), dict) else None
+    return old if isinstance(checks, dict) and checks.get("passed") is True else None
 
 
 def _short(v: Any) -> str:

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..core.cache import CACHE_KINDS, set_default_kind
+from ..core.refresh import RefreshError
 from ..core.translator import TranslatorError
 from ..eval.itemrows import RowsError
 from ..eval.timing import CV_LIMIT
 from ..io import DamagedFile
+from ..train.checkpoints import CheckpointError
 from .argtypes import number, whole
 from .data import SplitIntegrityError
 from .models import PairError, add_pair_args
@@ -31,7 +33,7 @@ from .report import ReportError
 from .resume import ResumeRefused
 
 REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused, DamagedFile,
-            ReportError)
+            ReportError, RefreshError, CheckpointError)
 REFUSED_STATUS = 2
 
 

@@ -71,6 +71,8 @@ def read_source(path: str | os.PathLike, name: str) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"--source {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"--source {path} is a folder, not a JSONL file; name the {name} file itself")
     rows = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
