@@ -332,7 +332,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()
     profile = get_profile(args.profile)
-    pair, _ = pair_config_from_args(args)
+    pair, _ = pair_config_from_args(args, refresh=args.settings)
     settings = tuple(str(Refresh.parse(s)) for s in args.settings)
     tasks = generative_tasks("frontier", args)
     run = run_paths(args).run

@@ -305,3 +305,17 @@ def test_a_source_that_is_a_folder_is_named_as_one(tmp_path):
         read_source(tmp_path, "arc")
     with pytest.raises(ValueError, match=f"source file {tmp_path} is a folder, not a file"):
         prepare(None, get_profile("tiny"), source=tmp_path, out_root=tmp_path / "out")
+
+
+def test_task_data_is_not_prepared_into_a_folder_that_cannot_be_written(tmp_path, capsys):
+    """`--prepare` into a --data-root below a file once ended in NotADirectoryError from the atomic write."""
+    import task_eval
+
+    source = tmp_path / "arc.jsonl"
+    source.write_text("")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    err = refused(task_eval.main, ["--task", "arc", "--prepare", "--data-root", str(blocker), "--source", str(source)],
+                  capsys)
+    assert f"cannot write to {blocker / 'arc'}" in err and "give --data-root a folder you can write to" in err
+    assert blocker.read_text() == "x"

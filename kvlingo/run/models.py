@@ -19,7 +19,7 @@ import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -415,14 +415,14 @@ def add_pair_args(parser, default_dtype: str = "bfloat16") -> None:
     parser.add_argument("--dtype", default=default_dtype, help="model dtype: bfloat16 or float32")
 
 
-def pair_config_from_args(args) -> tuple[PairConfig, Any]:
-    """`resolve_pair` of the --large/--small/--direction/--device/--dtype flags; a stage's refresh settings
-    (--refresh, or the frontier's --settings) are checked against the target's depth here, before any work."""
+def pair_config_from_args(args, refresh: Sequence[Any] = ()) -> tuple[PairConfig, Any]:
+    """`resolve_pair` of the --large/--small/--direction/--device/--dtype flags. A stage's --refresh setting, and
+    any other `refresh` settings (the frontier's grid), are checked against the target's depth here, before
+    any work."""
     from ..core.refresh import Refresh
 
     cfg, tok = resolve_pair(args.large, args.small, args.direction, args.device, args.dtype)
-    settings = [getattr(args, "refresh", None), *(getattr(args, "settings", None) or [])]
-    for setting in settings:
+    for setting in (getattr(args, "refresh", None), *refresh):
         if setting is not None:
             Refresh.parse(str(setting)).check_layers(cfg.geometry["target_layers"])
     return cfg, tok

@@ -15,7 +15,7 @@ from ...core.translator import load_translator, read_manifest
 from ...io import sha256_file
 from ...run import resume
 from ...run.models import load_pair, pair_config_from_args
-from ...run.paths import TRANSLATORS, RunPaths
+from ...run.paths import TRANSLATORS, RunPaths, writable
 from ...run.argtypes import whole
 from ...run.stage import add_common_args, add_refresh_arg
 from ..itemrows import ItemRows
@@ -52,6 +52,7 @@ def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None
 
 def prepare_and_exit(data: HubData, args, stage: str) -> None:
     """`--prepare`: copy or fetch the data set into DATA_ROOT/<name>/, say so, and stop."""
+    writable(Path(args.data_root) / data.name, "--data-root")  # before the data is read or fetched
     try:
         manifest = prepare_data(data, args.data_root, args.source)
     except ValueError as e:
