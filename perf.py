@@ -10,8 +10,9 @@ cannot map the pair; --flops-only stops there (seconds, nothing built). Then, fo
 length and each mode (kvlingo/eval/timing.py: "shipped" = transformers' DynamicCache and sdpa
 attention, FP32 translation maths, eager; "optimised" = a preallocated cache the translation
 writes into, grouped-query attention without repeated K/V, the keys' norm and RoPE compiled into
-one kernel on a CPU (--fuse-keys on: on CUDA too), the maps in the run dtype and CUDA graphs on a
-GPU): re-prefill, the
+one kernel on a CPU (--fuse-keys on: on CUDA too), with head-wise maps the values left deferred on
+a CPU (only the keys translated, attention mapping the source's values per query row; --defer-values
+on: on CUDA too), the maps in the run dtype and CUDA graphs on a GPU): re-prefill, the
 handoff from an existing source cache (translate, build the cache, run a k-token new turn), the
 handoff with the source's prefill, and the target
 continuing its own cache (raw trials, median, CV); where the handoff's time goes; the physical
@@ -51,7 +52,7 @@ from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refuse
 from kvlingo.toy.random import random_pair, random_translator
 
 SCRIPT = Path(__file__).resolve()
-FUSE_KEYS = {"auto": None, "on": True, "off": False}  # --fuse-keys → translator.fast_precision's fuse_keys
+SWITCH = {"auto": None, "on": True, "off": False}  # --fuse-keys, --defer-values → None (the device's default) or a bool
 # On a CPU a noisy timing gets extra trials up to 30 of them or 20 s in all: the handoff's steps
 # (about a second at 4,096 tokens) get many, a 45-second re-prefill no more than --timing-repeats.
 CPU_MAX_REPEATS, CPU_MAX_SECONDS = 30, 20.0
@@ -75,6 +76,7 @@ class PerfConfig:
     paths: tuple[str, ...]  # timed paths
     cuda_graphs: bool  # optimised mode on CUDA replays each path as a CUDA graph
     fuse_keys: str  # optimised mode's compiled key finish: auto (on a CPU, not on CUDA), on or off
+    defer_values: str  # optimised mode leaves the values deferred (head-wise, no refresh): auto (on a CPU), on or off
     warmups: int  # untimed warm-ups per path
     repeats: int  # timed trials per path (at least)
     max_repeats: int  # a path whose CV exceeds the limit gets more trials, up to this many
@@ -140,6 +142,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fuse-keys", choices=("auto", "on", "off"), default="auto",
                    help="optimised mode: the translated keys' k_norm and RoPE as one compiled kernel (auto: on a CPU; "
                         "on CUDA only with 'on', the fast-fused precision, not yet timed on a GPU by this suite)")
+    p.add_argument("--defer-values", choices=("auto", "on", "off"), default="auto",
+                   help="optimised mode, head-wise maps without a refresh: translate the keys only and let attention "
+                        "map the source's values per query row (auto: on a CPU; on CUDA only with 'on', not yet "
+                        "timed on a GPU by this suite)")
     p.add_argument("--peak-tflops", type=number(above=0), default=None,
                    help="the device's dense matmul TFLOP/s in the run dtype for the physical limit (default: measured)")
     p.add_argument("--peak-gbps", type=number(above=0), default=None,
@@ -179,7 +185,7 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
             "Row sets: **shipped** = transformers' DynamicCache and sdpa attention as shipped, FP32 translation "
             "maths, eager; **optimised** = preallocated cache written by the translation, grouped-query attention "
             "without repeated K/V" + (", maps in the run dtype, CUDA graphs" if cfg.device == "cuda" else "")
-            + fused_note(points) + packed_note(points)
+            + fused_note(points) + packed_note(points) + deferred_note(points)
             + ".\n\n"
             + fmt_table(["context", "mode", "path", "median ms", "CV", "trials", "flag", "speedup vs re-prefill",
                          "95% interval"], rows)
@@ -232,6 +238,14 @@ def fused_note(points: list[dict]) -> str:
     return (f", the keys' norm and RoPE as one compiled kernel ({state['compiled_shapes']} shape(s)"
             + (f"; {state['skipped_chunks']} chunk(s) past the shape limit eager" if state["skipped_chunks"] else "")
             + ")")
+
+
+def deferred_note(points: list[dict]) -> str:
+    """Whether the optimised rows left the values deferred (kvlingo.core.preallocated), which the limit then counts."""
+    if not any(p["modes"].get("optimised", {}).get("deferred_values") for p in points):
+        return ""
+    return (", the values deferred (only the keys translated; attention maps the source's values per query row; "
+            "the physical limit and the memory column count this handoff's work)")
 
 
 def packed_note(points: list[dict]) -> str:
@@ -337,6 +351,7 @@ def main(argv=None) -> None:
         key_space=args.key_space, lengths=tuple(sorted(set(args.lengths))), new_turn_tokens=k,
         modes=tuple(m for m in timing.MODES if m in args.modes), paths=tuple(n for n in timing.PATHS if n in args.paths),
         cuda_graphs=device == "cuda" and not args.no_cuda_graphs, fuse_keys=args.fuse_keys,
+        defer_values=args.defer_values,
         warmups=args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups),
         repeats=repeats, max_repeats=max(repeats, args.max_repeats or (CPU_MAX_REPEATS if on_cpu else 100)),
         max_seconds=(args.max_seconds if args.max_seconds is not None else CPU_MAX_SECONDS if on_cpu else None) or None,
@@ -374,10 +389,14 @@ def main(argv=None) -> None:
     print(f"building random {source} → {target} pair ({args.direction}, {dtype}, {device})...", file=sys.stderr)
     pair = random_pair(args.arch or "qwen3", args.direction, device, resolve_dtype(dtype), names=(large, small))
     translator = random_translator(pair.source, pair.target, args.key_space, family=args.family)
+    try:  # --defer-values on with maps or a refresh that cannot: refused before anything is timed
+        timing.defer_values_here(translator, device, args.refresh, SWITCH[cfg.defer_values])
+    except ValueError as e:
+        refuse("perf", f"--defer-values on: {e}")
     points = [perf_at_length(pair.source, pair.target, translator, n, k, cfg.warmups, cfg.repeats, cfg.cv_limit,
                              modes=cfg.modes, max_repeats=cfg.max_repeats, cuda_graphs=cfg.cuda_graphs, peaks=peaks,
-                             names=cfg.paths, refresh=args.refresh, fuse_keys=FUSE_KEYS[cfg.fuse_keys],
-                             max_seconds=cfg.max_seconds)
+                             names=cfg.paths, refresh=args.refresh, fuse_keys=SWITCH[cfg.fuse_keys],
+                             defer_values=SWITCH[cfg.defer_values], max_seconds=cfg.max_seconds)
               for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)]
     # measured peaks never stay below a rate this run's own steps reached (given ones are kept as given)
     peaks = raise_to_reached(probe, reached(points), flops=not args.peak_tflops, memory=not args.peak_gbps)

@@ -13,6 +13,15 @@ one SDPA call then reads each KV head once, and every output row is the same sof
 the same keys as before. Without a mask (a prefill on `is_causal`, or one query) the call
 goes to transformers' own `sdpa` function, which uses SDPA's `enable_gqa` there already.
 
+On a cache whose context values are deferred (kvlingo.core.preallocated: the source's values
+plus a per-head affine map), `run_with_cache` passes the cache as the attention keyword
+`DEFERRED`, and the layer attends as softmax weights p over [context | own] keys, then
+
+    out = (p_context · V_source) W + (Σ p_context) b + p_own · V_own
+
+with the scores and softmax written out (FP32 softmax, as transformers' eager attention),
+the query rows in chunks of at most `SCORE_ELEMENTS` scores.
+
 The function is registered through transformers' `AttentionInterface` as `NAME`, with
 transformers' own sdpa mask builder under the same name; `using(model, NAME)` switches a
 model to it for one call and back. The switch sets the model config's attention
@@ -28,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 NAME = "kvlingo_gqa_sdpa"
+DEFERRED = "kvlingo_deferred"  # attention keyword: the cache whose layers hold deferred context values
+SCORE_ELEMENTS = 1 << 24  # deferred attention: scores held at once (64 MiB in FP32)
 
 
 def gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -37,6 +48,10 @@ def gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torc
     mask [B, 1, q, kv] or None → ([B, q, q_heads, d], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    cache = kwargs.pop(DEFERRED, None)
+    layer = cache.layers[module.layer_idx] if cache is not None else None
+    if layer is not None and layer.deferred is not None:
+        return deferred_attention(query, key, value, attention_mask, layer.deferred, scaling), None
     groups = getattr(module, "num_key_value_groups", 1)
     if attention_mask is None or groups == 1 or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 \
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
@@ -48,6 +63,53 @@ def gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torc
     mask = attention_mask[:, :, None].expand(mb, 1, groups, q, kv).reshape(mb, 1, groups * q, kv)
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.reshape(b, q_heads, q, -1).transpose(1, 2).contiguous(), None  # [B, q, q_heads, d]
+
+
+def deferred_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                       deferred, scaling: float | None = None) -> torch.Tensor:
+    """Attention of query [1, q_heads, q, d] over key [1, kv_heads, n + own, d], whose first n tokens'
+    values are `deferred` (values [1, kv_heads, n, d_in], weight [kv_heads, d_in, d_v], bias [kv_heads, d_v])
+    and the rest's are `value` [1, kv_heads, own, d_v]; mask [B, 1, q, n + own] (bool: attend, or additive)
+    or None (every query sees every key; a new turn of more than one token always has one).
+    Returns [1, q, q_heads, d_v]."""
+    if query.shape[0] != 1:
+        raise ValueError("deferred values are batch-one")
+    _, q_heads, q, d = query.shape
+    kv_heads, kv, n = key.shape[1], key.shape[2], deferred.tokens
+    groups = q_heads // kv_heads
+    if kv != n + value.shape[2]:
+        raise ValueError(f"{kv} keys but {n} deferred and {value.shape[2]} own values")
+    scale = d ** -0.5 if scaling is None else scaling
+    packed = query[0].reshape(kv_heads, groups, q, d)  # query head h = kv·groups + j
+    keys_t = key[0].transpose(1, 2)  # [kv_heads, d, kv]
+    src_values, own_values = deferred.values[0], value[0]
+    weight, bias = deferred.weight.float(), deferred.bias[:, None].float()  # [kv_heads, d_in, d_v], [kv_heads, 1, d_v]
+    out = query.new_empty(1, q, q_heads, own_values.shape[-1])
+    step = max(1, SCORE_ELEMENTS // (kv_heads * groups * kv))
+    for begin in range(0, q, step):  # query rows in chunks, so the scores stay bounded for a long new turn
+        rows = slice(begin, min(q, begin + step))
+        r = rows.stop - begin
+        scaled = packed[:, :, rows].reshape(kv_heads, groups * r, d) * scale  # the scale on the few query rows
+        scores = torch.bmm(scaled, keys_t).float()  # [kv_heads, groups·r, kv]
+        if mask is not None:
+            m = mask[0, 0, rows]  # [r, kv]
+            boolean = m.dtype == torch.bool
+            # a new turn sees the whole context: then only its own columns are masked (the rest is one pass less)
+            cols = slice(n, kv) if (m[:, :n].all() if boolean else not m[:, :n].any()) else slice(0, kv)
+            m = m[:, cols][None].expand(groups, r, -1).reshape(1, groups * r, -1)
+            if boolean:
+                scores[:, :, cols].masked_fill_(~m, float("-inf"))
+            else:
+                scores[:, :, cols].add_(m)
+        p = torch.softmax(scores, dim=-1)  # [kv_heads, groups·r, kv], FP32
+        own = p[:, :, n:]
+        context_weight = 1.0 - own.sum(-1, keepdim=True)  # Σ p over the context, from the few own columns
+        context = torch.bmm(p[:, :, :n].to(src_values.dtype), src_values).float()  # [kv_heads, groups·r, d_in]
+        mixed = torch.baddbmm(bias * context_weight, context, weight)
+        if kv > n:
+            mixed += torch.bmm(own.to(own_values.dtype), own_values).float()
+        out[0, rows] = mixed.view(kv_heads, groups, r, -1).permute(2, 0, 1, 3).reshape(r, q_heads, -1).to(out.dtype)
+    return out
 
 
 _registered = False

@@ -11,7 +11,9 @@ Two kinds of cache (`CACHE_KINDS`), both on transformers' public cache interface
   views of the filled part with grouped-query attention that never repeats K/V
   (kvlingo.core.attention); on a CPU a few rows' projections are split across threads, and
   a model given oneDNN-packed weights (`linear.pack`) runs every projection on them
-  (kvlingo.core.linear). Logits equal DynamicCache's to rounding.
+  (kvlingo.core.linear). Logits equal DynamicCache's to rounding. A translation may leave
+  the context's values deferred (the source's values plus the head-wise value maps, which
+  attention applies to a few query rows instead of every context token).
 - `dynamic`: transformers' DynamicCache and sdpa attention, as transformers ships them (each
   step concatenates the whole cache in every layer; attention under a mask repeats K/V for
   every query head).
@@ -89,6 +91,8 @@ def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: boo
             hooks.append(layer.self_attn.k_proj.register_forward_hook(lambda _m, _i, out: prenorm.append(out)))
     try:
         optimised = isinstance(cache, PreallocatedCache)
+        if optimised and cache.deferred:  # the context's values are the source's: the attention maps them
+            kwargs = {**kwargs, attention.DEFERRED: cache}
         with attention.using(model, attention.NAME if optimised else None), \
                 (linear.few_rows(model, input_ids.numel()) if optimised else nullcontext()):
             out = model(input_ids=input_ids, cache=cache, use_cache=True, **kwargs)

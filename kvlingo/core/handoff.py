@@ -4,7 +4,8 @@
                     translator needs them, and only the last position's logits)
     translate       capture → translator → target-layout (keys, values)
     translate_to_cache  capture → translator → the target's cache, ready for a new turn: on a
-                    preallocated cache the translator writes straight into it (no copy)
+                    preallocated cache the translator writes straight into it (no copy), or,
+                    with head-wise maps, writes the keys and leaves the values deferred
     continue_target the target runs new tokens on top of injected (keys, values) or a cache
     greedy_generate the target (or any model) decodes greedily on top of an injected cache
 
@@ -70,16 +71,30 @@ def refreshing(refresh) -> bool:
     return refresh is not None and refresh.kind != "none"
 
 
+def can_defer_values(translator, kind: str | None = None, refresh=None) -> bool:
+    """Whether a handoff with `translator` can leave the context's values deferred: a family with
+    per-head affine value maps (`Translator.value_maps`), a preallocated cache, and no refresh."""
+    return (kind or default_kind()) == "preallocated" and not refreshing(refresh) \
+        and translator.value_maps() is not None
+
+
 def translate_to_cache(source, target, translator, context_ids=None, cap: Capture | None = None, room: int = 0,
                        kind: str | None = None, out_dtype: torch.dtype | None = None, into=None,
-                       precision: str | None = None, refresh=None):
+                       precision: str | None = None, refresh=None, defer_values: bool = False):
     """The target's cache of a context translated from the source, with `room` free token slots after it.
 
     Preallocated (the default kind): the translator writes the context straight into the cache's
     buffers (`into`, an unfilled `cache.empty_cache` of enough capacity, or a fresh one), so no
     copy follows. Dynamic: `translate`, then a DynamicCache around its output, as shipped.
     Under a `refresh` (`translate`), the assembled (keys, values) are copied into a cache of `kind`.
+
+    `defer_values` (where `can_defer_values`): only the keys are translated; the cache keeps the
+    source's values and the value maps, which its attention applies to each query row's mix of
+    them (kvlingo.core.preallocated). The logits are the translated cache's to rounding.
     """
+    if defer_values and not can_defer_values(translator, kind, refresh):
+        raise ValueError(f"a {translator.family} translator cannot defer values here (it needs per-head affine "
+                         "value maps, a preallocated cache and no refresh); leave defer_values off")
     if cap is None:
         cap = capture_source(source, context_ids, [translator])
     out_dtype = out_dtype or next(target.parameters()).dtype
@@ -90,8 +105,12 @@ def translate_to_cache(source, target, translator, context_ids=None, cap: Captur
         return build_cache(target, *translator(cap, out_dtype, precision=precision), kind="dynamic")
     n = cap.n_tokens
     cache = into if into is not None else empty_cache(target, n, room, out_dtype, cap.values.device)
-    translator(cap, out_dtype, out=cache.context(n), precision=precision)
-    cache.set_length(n)
+    if defer_values:
+        translator(cap, out_dtype, out=(cache.context(n)[0], None), precision=precision)  # the keys only
+        cache.defer_values(cap.values, *translator.value_maps())
+    else:
+        translator(cap, out_dtype, out=cache.context(n), precision=precision)
+        cache.fill(n)
     return cache
 
 
@@ -108,15 +127,19 @@ def continue_target(target, kv, new_ids, kind: str | None = None, **kwargs):
 @torch.no_grad()
 def greedy_generate(model, new_ids: Sequence[int], kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                     max_new_tokens: int = 64, eos_ids: set[int] | None = None,
-                    kind: str | None = None) -> tuple[list[int], bool]:
-    """Greedy decoding of up to `max_new_tokens` after `new_ids`, on top of an optional injected cache.
+                    kind: str | None = None, cache=None) -> tuple[list[int], bool]:
+    """Greedy decoding of up to `max_new_tokens` after `new_ids`, on top of an optional injected cache
+    (kv = (keys, values)) or a ready `cache` (from `translate_to_cache`; it grows as it is used).
 
     Returns (generated ids without the stop token, hit_cap). `new_ids` must be non-empty:
     its last position yields the first generated token.
     """
     device = device_of(model)
     room = len(new_ids) + max_new_tokens
-    cache = build_cache(model, *kv, kind=kind, room=room) if kv is not None else None
+    if cache is not None and kv is not None:
+        raise ValueError("give kv or a ready cache, not both")
+    if kv is not None:
+        cache = build_cache(model, *kv, kind=kind, room=room)
     x = as_ids(new_ids, device)
     out_ids: list[int] = []
     eos_ids = eos_ids or set()

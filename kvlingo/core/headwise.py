@@ -47,6 +47,9 @@ class Headwise(Translator):
         g = self.geometry
         return 2.0 * 2 * g.target_layers * g.target_kv_heads * g.source_head_dim * g.target_head_dim
 
+    def value_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.weight[1].detach(), self.bias[1].detach()
+
     # ------------------------------------------------------------------ translation
     def _affine(self, which: int, x: torch.Tensor, layers: slice, out: torch.Tensor | None) -> torch.Tensor:
         """x [n, heads, tokens, d_in] → [n, heads, tokens, d_out], into `out` when given (x's dtype; contiguous

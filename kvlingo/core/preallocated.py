@@ -8,11 +8,28 @@ exactly the real tokens: no concatenation (DynamicCache copies the whole cache i
 layer at every step), no padded capacity under a mask (what StaticCache attends over).
 
 A translator writes a context straight in through `context(n)`, then `set_length(n)`.
+
+Deferred values (`defer_values`): with a per-head affine value map W, b (the head-wise
+family), a context's translated values never need to exist. Attention is linear in the
+values, so for any attention weights p over the context,
+
+    Σ_t p_t (v_t W + b) = (Σ_t p_t v_t) W + (Σ_t p_t) b
+
+and the target can attend over the source's own values and map each query row's result:
+a new turn's few rows instead of every context token. A layer then holds the context's
+keys (translated) and, for the context, the source's values and the maps; the values of
+tokens after it (the new turn, generation) are the target's own, kept from row 0 of the
+value buffer on. `attention.deferred_attention` reads both. Such a cache only works with
+that attention (`cache.run_with_cache` switches to it): `values` holds the target's own
+rows only, and transformers' attention refuses keys and values of different lengths.
+
 Capacity is a hint: a layer that would overflow moves to buffers twice as large (the first
 overflowing step pays one copy), so generation of unknown length stays correct.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -31,37 +48,52 @@ class PreallocatedLayer(CacheLayerMixin):
         self.value_buffer = value_buffer  # [1, kv_heads, capacity, head_dim]
         self.device = key_buffer.device
         self.is_initialized = True
+        self.deferred: Deferred | None = None  # the context's values as the source's plus the maps
         self.set_length(length)
+
+    @property
+    def offset(self) -> int:
+        """Tokens whose values are deferred: the value buffer's row 0 is token `offset`."""
+        return 0 if self.deferred is None else self.deferred.tokens
 
     @property
     def capacity(self) -> int:
         return self.key_buffer.shape[2]
 
     def set_length(self, n: int) -> None:
-        if not 0 <= n <= self.capacity:
-            raise ValueError(f"cache length {n} outside 0..{self.capacity}")
+        if not self.offset <= n <= self.capacity:
+            raise ValueError(f"cache length {n} outside {self.offset}..{self.capacity}"
+                             + (" (the first tokens' values are deferred)" if self.offset else ""))
         self.length = n
         self.keys = self.key_buffer[:, :, :n]  # what transformers and callers read: the filled part
-        self.values = self.value_buffer[:, :, :n]
+        self.values = self.value_buffer[:, :, :n - self.offset]
+
+    def defer(self, deferred: "Deferred | None") -> None:
+        """Hold the first `deferred.tokens` tokens' values as the source's plus the maps (None: no
+        deferral), and mark exactly those tokens filled."""
+        self.deferred = None
+        self.set_length(0)
+        self.deferred = deferred
+        self.set_length(self.offset)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # the buffers exist from construction
 
     def _grow(self, needed: int) -> None:
         size = max(needed, 2 * self.capacity)
-        for name in ("key_buffer", "value_buffer"):
+        for name, filled in (("key_buffer", self.length), ("value_buffer", self.length - self.offset)):
             old = getattr(self, name)
             new = old.new_empty((*old.shape[:2], size, old.shape[3]))
-            new[:, :, :self.length].copy_(old[:, :, :self.length])
+            new[:, :, :filled].copy_(old[:, :, :filled])
             setattr(self, name, new)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key/value states [1, kv_heads, new, head_dim] → views of the filled K/V including them."""
-        end = self.length + key_states.shape[-2]
+        end, offset = self.length + key_states.shape[-2], self.offset
         if end > self.capacity:
             self._grow(end)
         self.key_buffer[:, :, self.length:end].copy_(key_states)
-        self.value_buffer[:, :, self.length:end].copy_(value_states)
+        self.value_buffer[:, :, self.length - offset:end - offset].copy_(value_states)
         self.set_length(end)
         return self.keys, self.values
 
@@ -75,7 +107,7 @@ class PreallocatedLayer(CacheLayerMixin):
         return -1  # it grows when full, as a DynamicLayer does
 
     def reset(self) -> None:
-        self.set_length(0)
+        self.defer(None)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -87,6 +119,18 @@ class PreallocatedLayer(CacheLayerMixin):
 
     def offload(self):
         raise NotImplementedError("the preallocated cache stays on its device")
+
+
+@dataclass
+class Deferred:
+    """One layer's context values, deferred: the source's values and the affine map that translates them."""
+    values: torch.Tensor  # [1, kv_heads, tokens, d_in]: the source's
+    weight: torch.Tensor  # [kv_heads, d_in, d_out], FP32
+    bias: torch.Tensor  # [kv_heads, d_out], FP32
+
+    @property
+    def tokens(self) -> int:
+        return self.values.shape[2]
 
 
 class PreallocatedCache(Cache):
@@ -121,6 +165,31 @@ class PreallocatedCache(Cache):
         """Mark the first n tokens of every layer as filled (after writing them through `context`)."""
         for layer in self.layers:
             layer.set_length(n)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the context's values are deferred (see the module docstring)."""
+        return any(layer.deferred is not None for layer in self.layers)
+
+    def fill(self, n: int) -> None:
+        """Mark the first n tokens of every layer filled, with their values in the value buffer (no deferral)."""
+        for layer in self.layers:
+            layer.defer(None)
+            layer.set_length(n)
+
+    def defer_values(self, values: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        """The context's values as the source's `values` [layers, kv_heads, tokens, d_in] and the maps
+        `weight` [layers, kv_heads, d_in, d_out], `bias` [layers, kv_heads, d_out]; the context's keys
+        are written through `context(tokens)` first. Marks those tokens filled."""
+        L, H, d = len(self.layers), self.key_buffer.shape[1], self.key_buffer.shape[3]
+        if values.dim() != 4 or values.shape[:2] != (L, H) or weight.shape != (L, H, values.shape[3], d) \
+                or bias.shape != (L, H, d):
+            raise ValueError(f"deferred values {tuple(values.shape)}, maps {tuple(weight.shape)} / {tuple(bias.shape)} "
+                             f"must be [{L}, {H}, tokens, d_in], [{L}, {H}, d_in, {d}] / [{L}, {H}, {d}]")
+        if values.shape[2] > self.capacity:
+            raise ValueError(f"{values.shape[2]} deferred tokens exceed the capacity {self.capacity}")
+        for i, layer in enumerate(self.layers):
+            layer.defer(Deferred(values[i:i + 1], weight[i], bias[i]))
 
     def context(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable views of the first n token slots: (keys, values), each [layers, kv_heads, n, head_dim].

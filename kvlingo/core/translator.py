@@ -189,6 +189,12 @@ class Translator(nn.Module):
         """Multiply-adds × 2 per context token for keys and values together (norm and RoPE excluded)."""
         raise NotImplementedError
 
+    def value_maps(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(weight [layers, kv_heads, d_in, d_out], bias [layers, kv_heads, d_out]), FP32 and detached, when
+        every target value is one affine map of the same layer and KV head's source value; then a handoff
+        may leave the values deferred (kvlingo.core.preallocated). None for any other family."""
+        return None
+
     @classmethod
     def from_spec(cls, geometry: Geometry, key_space: str, settings: dict[str, Any]) -> "Translator":
         return cls(geometry, key_space, **settings)
@@ -298,7 +304,8 @@ class Translator(nn.Module):
 
         `target_layers`: only these target layers (a refresh computes the others natively).
         `out`: (keys, values) to write into instead of fresh tensors, e.g. a preallocated cache's
-        `context(tokens)` (their dtype is the output dtype; shaped for `target_layers`). `precision`:
+        `context(tokens)` (their dtype is the output dtype; shaped for `target_layers`); values None
+        translates the keys only (a handoff whose values stay deferred, `value_maps`). `precision`:
         `fp32` (None) or `fast` (see the module docstring). With gradients on, always FP32 maths.
         """
         if self.space is None:
@@ -306,15 +313,17 @@ class Translator(nn.Module):
         g, T, device = self.geometry, cap.n_tokens, cap.values.device
         first, stop, _ = target_layers.indices(g.target_layers)
         L, H, d = max(0, stop - first), g.target_kv_heads, g.target_head_dim
-        if out is not None and (out[0].shape != (L, H, T, d) or out[1].shape != (L, H, T, d)):
-            raise ValueError(f"out {tuple(out[0].shape)} / {tuple(out[1].shape)} must both be [{L}, {H}, {T}, {d}]")
+        if out is not None and (out[0].shape != (L, H, T, d) or (out[1] is not None and out[1].shape != (L, H, T, d))):
+            raise ValueError(f"out {tuple(out[0].shape)} / {None if out[1] is None else tuple(out[1].shape)} must "
+                             f"both be [{L}, {H}, {T}, {d}]")
         out_dtype = out[0].dtype if out is not None else (out_dtype or cap.keys.dtype)
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             keys, values = self.translate_layers(cap, target_layers)
             if out is None:
                 return keys.to(out_dtype), values.to(out_dtype)
             out[0].copy_(keys)
-            out[1].copy_(values)
+            if out[1] is not None:
+                out[1].copy_(values)
             return out
         precision = precision or "fp32"
         compute = self.compute_dtype(out_dtype, precision)
@@ -331,7 +340,7 @@ class Translator(nn.Module):
             for start in range(first, stop, step):
                 layers = slice(start, min(stop, start + step))
                 rows = slice(start - first, layers.stop - first)
-                self._translate_into(cap, layers, keys[rows], values[rows], scratch)
+                self._translate_into(cap, layers, keys[rows], None if values is None else values[rows], scratch)
         return keys, values
 
     @contextmanager
@@ -342,7 +351,7 @@ class Translator(nn.Module):
         finally:
             self._compute, self._fuse_keys = torch.float32, False
 
-    def _translate_into(self, cap: Capture, layers: slice, k_out: torch.Tensor, v_out: torch.Tensor,
+    def _translate_into(self, cap: Capture, layers: slice, k_out: torch.Tensor, v_out: torch.Tensor | None,
                         scratch: "Scratch") -> None:
         """The no-grad path of `translate_layers` for one chunk, written into the output.
 
@@ -366,6 +375,8 @@ class Translator(nn.Module):
                 end = min(T, begin + scratch.tile)
                 scratch.tokens = end - begin
                 self.space.finish_keys_into(yk[:, :, begin:end], layers, k_out[:, :, begin:end], scratch, start=begin)
+        if v_out is None:  # keys only: the values stay deferred
+            return
         if v_out.dtype == compute and (self.fast_paths or v_out.is_contiguous()):
             self.map_into(1, cap, layers, v_out)  # straight into the output (a cache's layout)
         else:

@@ -22,15 +22,18 @@ def random_ids(vocab: int, n: int, seed: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n), generator=g).to(device)  # [1, n]
 
 
-def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, precision: str = "fp32") -> dict:
+def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, precision: str = "fp32",
+                       defer_values: bool = False) -> dict:
     """Peak extra device memory of one translation, against one copy of the target cache.
 
     Measured with the CUDA allocator's peak counter; elsewhere the layer-chunked design's
     bound is reported instead (output + one chunk of temporaries), marked unmeasured.
+    `defer_values`: the keys only are translated (the cache holds the source's values).
     """
     g, T = translator.geometry, cap.n_tokens
     L, H, d_out = g.target_layers, g.target_kv_heads, g.target_head_dim
     cache_bytes = 2 * L * H * T * d_out * torch.empty(0, dtype=out_dtype).element_size()
+    output_bytes = cache_bytes // 2 if defer_values else cache_bytes
     device = cap.values.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -38,7 +41,11 @@ def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, prec
         torch.cuda.reset_peak_memory_stats(device)
         held = []  # the output is the cache being built: it stays alive until the peak is read
         with torch.inference_mode():
-            held.append(translator(cap, out_dtype, precision=precision))
+            if defer_values:
+                keys = torch.empty(L, H, T, d_out, dtype=out_dtype, device=device)
+                held.append(translator(cap, out_dtype, precision=precision, out=(keys, None)))
+            else:
+                held.append(translator(cap, out_dtype, precision=precision))
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - base
         held.clear()
@@ -48,9 +55,10 @@ def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, prec
     tile = translator.chunk_tokens(T, device, step)
     n_chunks = translator.scratch_chunks(out_dtype, precision, tile / T)  # scratch reused by every chunk
     temps = int(n_chunks * step * H * T * d_out * 4)
-    return {"measured": False, "bound_extra_bytes": cache_bytes + temps, "target_cache_bytes": cache_bytes,
-            "ratio_to_cache": (cache_bytes + temps) / cache_bytes,
-            "note": f"not measured off CUDA: output (one target cache) + {n_chunks:.3g} layer chunks of FP32 scratch"}
+    output = "the keys of one target cache" if defer_values else "one target cache"
+    return {"measured": False, "bound_extra_bytes": output_bytes + temps, "target_cache_bytes": cache_bytes,
+            "ratio_to_cache": (output_bytes + temps) / cache_bytes,
+            "note": f"not measured off CUDA: output ({output}) + {n_chunks:.3g} layer chunks of FP32 scratch"}
 
 
 def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: float,
@@ -120,11 +128,14 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, warmu
                    cv_limit: float = timing.CV_LIMIT, seed: int = 0, modes=timing.MODES,
                    max_repeats: int | None = None, cuda_graphs: bool | None = None,
                    peaks: Peaks | None = None, names=timing.PATHS, refresh=None, fuse_keys: bool | None = None,
-                   max_seconds: float | None = None) -> dict:
+                   max_seconds: float | None = None, defer_values: bool | None = None) -> dict:
     """Time the paths `names` (re-prefill and the existing-source handoff at least) in each mode for a
     random context of n tokens and a new turn of k tokens (the handoffs under `refresh`, when given;
     the physical limit stays that of pure translation). `fuse_keys`: the optimised mode's compiled key
-    finish on or off (None: the device's default; `translator.fast_precision`). `max_repeats` and
+    finish on or off (None: the device's default; `translator.fast_precision`). `defer_values`: the
+    optimised handoff leaves the context's values deferred or not (`timing.defer_values_here`;
+    None: where the translator can, on a CPU); the physical limit counts the work of the handoff
+    the optimised rows run. `max_repeats` and
     `max_seconds`: a noisy timing's extra trials stop at that many trials, or once they add up to
     that many seconds.
 
@@ -147,15 +158,17 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, warmu
         paths = timing.HandoffPaths(source, target, translator, context, new, need=tuple(names), mode=mode,
                                     cuda_graphs=cuda_graphs, source_capture=cap,
                                     target_kv=None if own is None else (own.keys, own.values), refresh=refresh,
-                                    fuse_keys=fuse_keys)
+                                    fuse_keys=fuse_keys, defer_values=defer_values)
         rows[mode] = time_mode(paths, warmups, repeats, cv_limit, max_repeats, names, max_seconds)
-        rows[mode]["translation_gflops_per_s"] = \
-            translator.flops_per_token() * n / rows[mode]["breakdown"]["translate"]["median_s"] / 1e9
+        rows[mode]["deferred_values"] = paths.defer_values
+        translated = translator.flops_per_token() * n / (2 if paths.defer_values else 1)  # keys only: half (head-wise)
+        rows[mode]["translation_gflops_per_s"] = translated / rows[mode]["breakdown"]["translate"]["median_s"] / 1e9
         del paths
+    deferred = any(row["deferred_values"] for row in rows.values())
     point = {"context_tokens": n, "new_turn_tokens": k, "modes": rows,
-             "memory": translation_memory(translator, cap, dtype, fast_precision(device, fuse_keys)),
+             "memory": translation_memory(translator, cap, dtype, fast_precision(device, fuse_keys), deferred),
              "noisy": [f"{mode}/{name}" for mode, row in rows.items() for name in row["noisy"]]}
     if peaks is not None:
-        set_limit(point, peaks, handoff_work(source, target, translator, n, k, dtype, cap.values.dtype))
+        set_limit(point, peaks, handoff_work(source, target, translator, n, k, dtype, cap.values.dtype, deferred))
     del cap, own
     return point

@@ -6,7 +6,7 @@ that run one after another add up. So, for a context of n tokens and a new turn 
     re-prefill   the target reads n + k tokens: every weight once, K/V written for n + k
                  tokens; dense FLOPs for n + k tokens, causal attention, one row of logits
     translation  the source's key features and values read, the maps read, the target's
-                 K/V written; `flops_per_token` · n
+                 K/V written; `flops_per_token` · n (values deferred: the keys' half of each)
     new turn     the target reads k tokens: every weight once, the n-token cache read, k
                  tokens' K/V written; dense FLOPs for k tokens, attention of k queries over
                  n + k keys, one row of logits
@@ -115,21 +115,34 @@ def step_floor(flops: float, nbytes: float, peaks: Peaks) -> dict:
 
 
 def handoff_work(source, target, translator, n: int, k: int, dtype: torch.dtype,
-                 feature_dtype: torch.dtype | None = None) -> dict[str, tuple[float, float]]:
+                 feature_dtype: torch.dtype | None = None, defer_values: bool = False) -> dict[str, tuple[float, float]]:
     """(FLOPs, bytes) of re-prefill, translation and the new turn for a context of n tokens and a new turn of k.
 
     `dtype`: the models' (and caches') dtype; `feature_dtype`: what the translation reads (the
-    capture's dtype; default `dtype`).
+    capture's dtype; default `dtype`). `defer_values` (head-wise maps, whose key and value maps
+    are the same size): the translation maps keys only, and the new turn reads the source's
+    values instead of translated ones, and maps each query row's mix of them (d_in × d_out per
+    query head and token).
     """
     g = translator.geometry
     feature_dtype = feature_dtype or dtype
-    source_features = 2 * g.source_layers * g.source_kv_heads * n * g.source_head_dim * _element_size(feature_dtype)
+    source_values = g.source_layers * g.source_kv_heads * n * g.source_head_dim * _element_size(feature_dtype)
     maps = sum(p.numel() * p.element_size() for p in translator.parameters())
+    translation_flops = translator.flops_per_token() * n
+    new_turn_flops = forward_flops(target, k, n)
+    new_turn_bytes = weight_bytes(target) + kv_bytes(target, n, dtype) + kv_bytes(target, k, dtype)
+    if not defer_values:
+        translation = (translation_flops, 2 * source_values + maps + kv_bytes(target, n, dtype))
+    else:
+        translation = (translation_flops / 2, source_values + maps / 2 + kv_bytes(target, n, dtype) / 2)
+        c = target.config
+        rows = c.num_hidden_layers * c.num_attention_heads * k  # query rows, every layer
+        new_turn_flops += 2.0 * rows * (n * (g.source_head_dim - g.target_head_dim) + g.source_head_dim * g.target_head_dim)
+        new_turn_bytes += source_values + maps / 2 - kv_bytes(target, n, dtype) / 2
     return {
         "reprefill": (forward_flops(target, n + k, 0), weight_bytes(target) + kv_bytes(target, n + k, dtype)),
-        "translation": (translator.flops_per_token() * n, source_features + maps + kv_bytes(target, n, dtype)),
-        "new_turn": (forward_flops(target, k, n),
-                     weight_bytes(target) + kv_bytes(target, n, dtype) + kv_bytes(target, k, dtype)),
+        "translation": translation,
+        "new_turn": (new_turn_flops, new_turn_bytes),
     }
 
 

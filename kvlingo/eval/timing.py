@@ -21,7 +21,9 @@ every optimisation the handoff gets:
                translation writes straight into; grouped-query attention without repeated K/V
                (kvlingo.core.attention); on a CPU, the target's projections on weights packed
                for oneDNN, a second copy held on the model (kvlingo.core.linear.pack),
-               and the translated keys' norm and RoPE as one compiled kernel (kvlingo.core.fused);
+               and the translated keys' norm and RoPE as one compiled kernel (kvlingo.core.fused),
+               and, with head-wise maps, the values left deferred (only the keys are translated;
+               attention maps the source's values per query row: kvlingo.core.preallocated);
                the maps' matmuls in the run dtype on CUDA (translator.fast_precision); on CUDA each path (and the translation and new turn apart)
                replayed as a CUDA graph (`cuda_graphs`, kvlingo.core.graphs)
 
@@ -41,7 +43,7 @@ import torch
 
 from ..core import graphs, linear
 from ..core.cache import Capture, build_cache, default_kind, empty_cache, run_with_cache
-from ..core.handoff import device_of, prefill, refreshing, translate, translate_to_cache
+from ..core.handoff import can_defer_values, device_of, prefill, refreshing, translate, translate_to_cache
 from ..core.translator import Translator, fast_precision
 from .stats import cv, median, ratio_of_medians_interval
 
@@ -163,14 +165,15 @@ class HandoffPaths:
     `graph_errors` says why. The optimised mode reserves only the caches that the paths in
     `need` write, and `path` refuses a path outside `need`. `fuse_keys` (optimised mode): the
     translated keys' finish as one compiled kernel or not (`translator.fast_precision`; None: the
-    device's default).
+    device's default). `defer_values` (optimised mode): the context's values left deferred or not
+    (`defer_values_here`; None: where the translator can, on a CPU).
     """
 
     def __init__(self, source, target, translator: Translator, context_ids: torch.Tensor, new_ids: torch.Tensor,
                  out_dtype: torch.dtype | None = None, need: tuple[str, ...] = PATHS, mode: str | None = None,
                  cuda_graphs: bool | None = None, source_capture: Capture | None = None,
                  target_kv: tuple[torch.Tensor, torch.Tensor] | None = None, refresh=None,
-                 fuse_keys: bool | None = None):
+                 fuse_keys: bool | None = None, defer_values: bool | None = None):
         mode = mode or ("optimised" if default_kind() == "preallocated" else "shipped")
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
@@ -192,6 +195,7 @@ class HandoffPaths:
             linear.pack(target)
         device = context_ids.device
         self.precision = fast_precision(device, fuse_keys) if self.optimised else "fp32"
+        self.defer_values = self.optimised and defer_values_here(translator, device, refresh, defer_values)
         # a refresh runs the target inside the translation and assembles a cache per call: not graphed
         self.graphs_on = self.optimised and device.type == "cuda" and cuda_graphs is not False and not refreshing(refresh)
         self.graph_errors: dict[str, str] = {}
@@ -231,7 +235,7 @@ class HandoffPaths:
                                       refresh=self.refresh)
         return translate_to_cache(self.source, self.target, self.translator, cap=cap,
                                   into=self._reserved("handoff_cache", "source_cache_handoff"),
-                                  out_dtype=self.out_dtype, precision=self.precision)
+                                  out_dtype=self.out_dtype, precision=self.precision, defer_values=self.defer_values)
 
     def _reserved(self, name: str, path: str):
         """The cache reserved at set-up for `path` (optimised mode), or a clear error when `need` left it out."""
@@ -322,6 +326,22 @@ class HandoffPaths:
         if name not in self.need:
             raise self._not_set_up(name)
         return getattr(self, name)
+
+
+def defer_values_here(translator: Translator, device, refresh=None, wanted: bool | None = None) -> bool:
+    """Whether an optimised handoff leaves the context's values deferred (`handoff.translate_to_cache`).
+
+    None: where the translator can (head-wise maps, no refresh) on a CPU, where it is measured to
+    help; not yet on other devices, where no run of this suite has timed it. True refuses
+    (ValueError) a translator or refresh that cannot; False never defers."""
+    if wanted is False:
+        return False
+    able = can_defer_values(translator, "preallocated", refresh)
+    if wanted and not able:
+        raise ValueError(f"values cannot be deferred with a {translator.family} translator"
+                         + (" under a refresh" if refreshing(refresh) else "")
+                         + ": only head-wise maps without a refresh can; turn deferred values off")
+    return able and (bool(wanted) or torch.device(device).type == "cpu")
 
 
 def time_paths(paths: HandoffPaths, names=PATHS, warmups: int | dict[str, int] = 5, repeats: int = 30,
