@@ -169,7 +169,7 @@ def plot(rows: list[dict], title: str) -> bytes:
     return figure_png(fig)
 
 
-@refusals_exit("ablate")
+@refusals_exit("ablate", resumable=True)
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()

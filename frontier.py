@@ -327,7 +327,7 @@ def plot(rows: list[dict], title: str, sweep: dict) -> bytes:
     return figure_png(fig)
 
 
-@refusals_exit("frontier")
+@refusals_exit("frontier", resumable=True)
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()

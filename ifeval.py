@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-@refusals_exit("ifeval")
+@refusals_exit("ifeval", resumable=True)
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 

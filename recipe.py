@@ -300,7 +300,7 @@ def plot_lr(path: Path, search: dict, title: str) -> None:
     atomic_write_bytes(path, figure_png(fig))
 
 
-@refusals_exit("recipe")
+@refusals_exit("recipe", resumable=True)
 def main(argv=None, runner=K.run_stage) -> dict:
     args = parse_args(argv)
     t0 = time.time()

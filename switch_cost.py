@@ -38,7 +38,7 @@ from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
+from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, refuse, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 PATHS = {"re_reading": "target_reprefill", "switching": "source_cache_handoff"}
@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     folder = paths.translator(args.translator)
     if not (folder / "manifest.json").is_file():
         other = "closed_form" if args.translator == "distilled" else "distilled"
-        raise SystemExit(f"switch_cost: no trained translator at {folder}: run `make train RUN={paths.run}` first "
-                         f"(or pass --translator {other})")
+        there = (paths.translator(other) / "manifest.json").is_file()  # suggested only when it exists
+        refuse("switch_cost", f"no trained translator at {folder}: run `make train RUN={paths.run}` first"
+                              + (f" (or pass --translator {other}, which this run has)" if there else ""))
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)
     convs = read_split(data_dir, "test", "natural")

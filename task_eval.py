@@ -99,7 +99,7 @@ def trace_summary(rows: list[dict]) -> dict:
             "mean_tokens": sum(len(r["trace_ids"]) for r in rows) / max(1, len(rows))}
 
 
-@refusals_exit("task_eval")
+@refusals_exit("task_eval", resumable=True)
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from kvlingo.run.argtypes import number
+from kvlingo.run.paths import writable
 from kvlingo.toy.deep import PACKAGED_DEEP, build_deep, export_deep, install_deep
 from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
 
@@ -68,6 +69,9 @@ def main() -> None:
     if os.environ.get("HF_HUB_OFFLINE") != "1":
         print("note: HF_HUB_OFFLINE is not set; the toy world never needs the Hub (set HF_HUB_OFFLINE=1)")
     try:
+        for folder, flag in ((args.out, "--out"), (args.export, "--export"), (args.export_deep, "--export-deep")):
+            if folder is not None:
+                writable(folder, flag)  # before any training: a folder that cannot be written is named now
         if training:
             manifest = build_toy_world(args.out, seed=args.seed, mini=args.mini,
                                        minutes_per_model=args.minutes_per_model, force=args.force,

@@ -103,7 +103,7 @@ def ridge_value(text):
     try:
         return positive("ridge", float(text), allow_zero=True)
     except ValueError:
-        raise SystemExit(f"--ridge {text} is invalid: a number ≥ 0, or auto") from None
+        refuse("train_translator", f"--ridge {text} is invalid: give a number ≥ 0, or auto")
 
 
 def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
@@ -113,12 +113,13 @@ def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
     try:
         return resolve_family(profile, direction, args.family, flags)
     except (TypeError, ValueError) as e:
-        raise SystemExit(f"--family {args.family or profile.family_for(direction)[0]}: {e}") from None
+        refuse("train_translator", f"--family {args.family or profile.family_for(direction)[0]}: {e}")
 
 
 def positive(name: str, value, allow_zero: bool = False):
     if value is None or (value < 0 if allow_zero else value <= 0) or (isinstance(value, float) and not math.isfinite(value)):
-        raise SystemExit(f"--{name} {value} is invalid: it must be {'≥ 0' if allow_zero else '> 0'}")
+        refuse("train_translator", f"--{name} {value} is invalid: it must be a finite number "
+                                   f"{'≥ 0' if allow_zero else '> 0'}")
     return value
 
 
@@ -164,7 +165,7 @@ def closed_form_start(init_from: str | None, init: dict | None, pair, cfg: Train
     return translator, stats, {"fit_key": fit_key, "fit": stats}
 
 
-@refusals_exit("train_translator")
+@refusals_exit("train_translator", resumable=True)
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()

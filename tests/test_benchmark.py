@@ -287,6 +287,23 @@ def test_failed_checks_exit_nonzero_after_writing(setup, capsys):
     assert help_exit.value.code == 0 and "examples" in capsys.readouterr().out
 
 
+def test_switch_cost_names_a_missing_translator_and_suggests_only_one_that_exists(setup, capsys):
+    import switch_cost
+
+    base = ["--data", str(setup["data"]), "--run", "t", "--results", str(setup["root"] / "results_missing"),
+            *pair_args(setup)]
+    distilled_only = setup["root"] / "distilled_only"
+    save_translator(distilled_only / "t" / "distilled", setup["cf"], {"direction": "l2s", "kind": "distilled"})
+    for artifacts, translator, suggestion in ((setup["cf_only"], "distilled", "--translator closed_form"),
+                                              (distilled_only, "closed_form", "--translator distilled"),
+                                              (setup["root"] / "nothing", "closed_form", None)):
+        with pytest.raises(SystemExit) as e:
+            switch_cost.main([*base, "--artifacts", str(artifacts), "--translator", translator])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("switch_cost: no trained translator"), err
+        assert (suggestion in err) if suggestion else ("--translator" not in err), err
+
+
 def test_switch_cost_script(setup, capsys):
     import switch_cost
 

@@ -319,3 +319,37 @@ def test_task_data_is_not_prepared_into_a_folder_that_cannot_be_written(tmp_path
                   capsys)
     assert f"cannot write to {blocker / 'arc'}" in err and "give --data-root a folder you can write to" in err
     assert blocker.read_text() == "x"
+
+
+def test_toy_world_names_an_out_folder_it_cannot_write_before_building_anything(tmp_path, monkeypatch):
+    import sys
+
+    import toy_world
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setattr(toy_world, "install_pair", lambda *a, **k: pytest.fail("installed into an unwritable folder"))
+    monkeypatch.setattr(sys, "argv", ["toy_world.py", "--out", str(blocker / "toy")])
+    with pytest.raises(SystemExit) as e:
+        toy_world.main()
+    message = str(e.value.code)
+    assert message.startswith(f"toy world failed: cannot write to {blocker / 'toy'}"), message
+    assert "give --out a folder you can write to" in message and blocker.read_text() == "x"
+
+
+def test_ctrl_c_ends_a_stage_in_one_line_and_frees_its_run_lock(tmp_path, capsys):
+    from kvlingo.run.stage import INTERRUPTED_STATUS, lock_run, refusals_exit
+
+    def stage(resumable: bool):
+        @refusals_exit("demo", resumable=resumable)
+        def main():
+            lock_run(tmp_path / "run", "demo")  # held, then freed by the decorator
+            raise KeyboardInterrupt
+        return main
+
+    for resumable in (True, False):
+        with pytest.raises(SystemExit) as e:
+            stage(resumable)()
+        err = capsys.readouterr().err
+        assert e.value.code == INTERRUPTED_STATUS and err.count("\n") == 1, err
+        assert err.startswith("demo: interrupted; every file it wrote is whole") and ("--resume" in err) == resumable

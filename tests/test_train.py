@@ -292,6 +292,25 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
     assert rep["results"]["resumed_from_update"] == 8 and dist.read_bytes() == old
 
 
+@pytest.mark.parametrize("flags, says", [
+    (("--lr", "nan"), "--lr nan is invalid: it must be a finite number > 0"),
+    (("--n-fit", "0"), "--n-fit 0 is invalid"),
+    (("--ridge", "-1"), "--ridge -1.0 is invalid: it must be a finite number ≥ 0"),
+    (("--ridge", "much"), "--ridge much is invalid: give a number ≥ 0, or auto"),
+    (("--weight-decay", "nan"), "--weight-decay nan is invalid: it must be a finite number ≥ 0"),
+])
+def test_settings_out_of_range_are_refused_in_one_line_before_any_weights_load(tiny_pair_paths, data, tmp_path, capsys,
+                                                                                monkeypatch, flags, says):
+    import train_translator
+
+    monkeypatch.setattr(train_translator, "load_pair", lambda *a, **k: pytest.fail("weights loaded"), raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(cli(tiny_pair_paths, data[0], tmp_path, "bad", *flags))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("train_translator: " + says), err
+    assert not (tmp_path / "artifacts" / "bad").exists()
+
+
 def test_split_files_are_checked_against_the_data_manifest(tiny_pair_paths, data, tmp_path, capsys):
     folder = write_split(tmp_path / "data", data[1], data[2])
     with (folder / "validation.natural.jsonl").open("a") as f:

@@ -35,6 +35,7 @@ from .resume import ResumeRefused
 REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused, DamagedFile,
             ReportError, RefreshError, CheckpointError)
 REFUSED_STATUS = 2
+INTERRUPTED_STATUS = 130  # the shell's status for a run ended by Ctrl-C (128 + SIGINT)
 
 
 def refuse(stage: str, message: str) -> None:
@@ -43,8 +44,9 @@ def refuse(stage: str, message: str) -> None:
     raise SystemExit(REFUSED_STATUS)
 
 
-def refusals_exit(stage: str) -> Callable:
-    """Decorator for a stage's main(): a refusal becomes one line and exit status 2, and the run locks the
+def refusals_exit(stage: str, resumable: bool = False) -> Callable:
+    """Decorator for a stage's main(): a refusal becomes one line and exit status 2, Ctrl-C one line
+    and status 130 (saying that --resume goes on, for a `resumable` stage), and the run locks the
     stage took (`lock_run`) are released when it returns or fails."""
 
     def wrap(fn: Callable) -> Callable:
@@ -55,6 +57,12 @@ def refusals_exit(stage: str) -> Callable:
                 return fn(*args, **kwargs)
             except REFUSALS as e:
                 refuse(stage, str(e))
+            except KeyboardInterrupt:
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"{stage}: interrupted; every file it wrote is whole (writes are atomic)"
+                          + ("; run the same command with --resume to go on from where it stopped" if resumable
+                             else ""), file=sys.stderr)
+                raise SystemExit(INTERRUPTED_STATUS) from None
             finally:
                 while len(_run_locks) > held:  # this call's own (a stage may run another in-process)
                     release = _run_locks.pop()
