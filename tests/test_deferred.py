@@ -61,7 +61,7 @@ def _attention_inputs(dtype, q: int, n: int = 11, d_in: int = 12, d_out: int = 1
     return query, key, values, own, Deferred(source_values, weight, bias)
 
 
-@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "context hidden"])
 def test_deferred_attention_equals_sdpa_over_the_translated_values(mask_kind, monkeypatch):
     from transformers.masking_utils import sdpa_mask
 
@@ -69,6 +69,9 @@ def test_deferred_attention_equals_sdpa_over_the_translated_values(mask_kind, mo
     mask = sdpa_mask(batch_size=1, q_length=5, kv_length=16, q_offset=11, allow_is_causal_skip=False)
     if mask_kind == "additive":
         mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    if mask_kind == "context hidden":  # some context tokens masked too: the whole row is masked, not only the turn's
+        mask = mask.clone()
+        mask[..., 2:5] = False
     repeat = lambda x: x.repeat_interleave(3, dim=1)  # noqa: E731: query head h reads KV head h // 3
     ref = F.scaled_dot_product_attention(query, repeat(key), repeat(values), attn_mask=mask, scale=0.3)
     got = attention.deferred_attention(query, key, own, mask, deferred, scaling=0.3)

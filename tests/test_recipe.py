@@ -171,8 +171,9 @@ def test_recipe_selects_on_validation_kl_and_aggregates_seeds(world):
 
 
 def test_resume_skips_finished_cells_and_continues_the_interrupted_one(world):
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as interrupted:  # Ctrl-C: one line and status 130 (stage.refusals_exit)
         recipe.main(world["argv"], runner=FakeStages(interrupt_at=5))  # killed inside train lr3.16e-04-s42
+    assert interrupted.value.code == 130
     before = ledger(world)["cells"]
     assert [n for n, c in before.items() if c["status"] == "done"] == [
         "benchmark/native", "ifeval/native", "train/closed", "train/lr1.00e-04-s42"]
@@ -221,6 +222,22 @@ def test_resume_refuses_changed_settings_and_inputs_naming_them(world, capsys):
     fake = FakeStages()  # a fresh recipe (no --resume) starts over
     recipe.main(world["argv"], runner=fake)
     assert names(fake.calls) == EXPECTED
+
+
+def test_ctrl_c_inside_an_in_process_cell_stops_the_driver_not_only_the_cell(tmp_path, capsys):
+    """ablate and frontier run their cells' stages in this process: a stage's Ctrl-C (status 130) comes back as an
+    interrupt, so the driver's level does not go on to its other cells; another failure is the cell's own."""
+    from kvlingo.run.launch import StageFailed
+
+    for name, body in (("stage_ctrl_c", "raise KeyboardInterrupt"), ("stage_fails", "raise SystemExit(1)")):
+        (tmp_path / f"{name}.py").write_text(
+            "from kvlingo.run.stage import refusals_exit\n\n\n"
+            f"@refusals_exit({name!r}, resumable=True)\ndef main(argv):\n    {body}\n")
+    with pytest.raises(KeyboardInterrupt):
+        K.run_in_process([str(tmp_path / "stage_ctrl_c.py")], tmp_path / "report.json")
+    assert capsys.readouterr().err.startswith("stage_ctrl_c: interrupted")
+    with pytest.raises(StageFailed, match="exited with 1"):
+        K.run_in_process([str(tmp_path / "stage_fails.py")], tmp_path / "report.json")
 
 
 def test_a_cell_computed_here_is_recorded_read_back_on_resume_and_refused_under_other_inputs(tmp_path):

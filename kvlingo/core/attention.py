@@ -94,8 +94,10 @@ def deferred_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         if mask is not None:
             m = mask[0, 0, rows]  # [r, kv]
             boolean = m.dtype == torch.bool
-            # a new turn sees the whole context: then only its own columns are masked (the rest is one pass less)
-            cols = slice(n, kv) if (m[:, :n].all() if boolean else not m[:, :n].any()) else slice(0, kv)
+            # a new turn sees the whole context: then only its own columns are masked (the rest is one pass less).
+            # Looked at on a CPU only: elsewhere reading the mask would wait for the device (and break a CUDA graph).
+            sees_context = m.device.type == "cpu" and bool(m[:, :n].all() if boolean else not m[:, :n].any())
+            cols = slice(n, kv) if sees_context else slice(0, kv)
             m = m[:, cols][None].expand(groups, r, -1).reshape(1, groups * r, -1)
             if boolean:
                 scores[:, :, cols].masked_fill_(~m, float("-inf"))

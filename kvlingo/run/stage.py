@@ -28,14 +28,13 @@ from .data import SplitIntegrityError
 from .models import PairError, add_pair_args
 from .paths import add_run_args
 from .profiles import PROFILES
-from .refusal import RunRefused
+from .refusal import INTERRUPTED_STATUS, RunRefused  # noqa: F401  (re-exported)
 from .report import ReportError
 from .resume import ResumeRefused
 
 REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused, DamagedFile,
             ReportError, RefreshError, CheckpointError)
 REFUSED_STATUS = 2
-INTERRUPTED_STATUS = 130  # the shell's status for a run ended by Ctrl-C (128 + SIGINT)
 
 
 def refuse(stage: str, message: str) -> None:
