@@ -39,7 +39,7 @@ from kvlingo.run.models import PairConfig, dtype_name, load_model, load_pair, pa
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_interval, fmt_pm, fmt_table, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
+from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, refuse, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 
@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     pair_cfg, tokenizer = pair_config_from_args(args)
     folders, missing = paths.translators(TRANSLATORS)
     if missing and not args.skip_missing:
-        raise SystemExit(f"benchmark: no trained translator at {', '.join(str(paths.translator(m)) for m in missing)} "
-                         f"(manifest.json missing): run `make train RUN={paths.run}` first "
-                         "(or pass --skip-missing to leave those rows out)")
+        refuse("benchmark", f"no trained translator at {', '.join(str(paths.translator(m)) for m in missing)} "
+                            f"(manifest.json missing): run `make train RUN={paths.run}` first "
+                            "(or pass --skip-missing to leave those rows out)")
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)
     convs = read_split(data_dir, "test", args.variant, limit=args.limit)

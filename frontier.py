@@ -41,7 +41,7 @@ from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
 from kvlingo.run.stage import (REFUSALS, add_task_data_args, generative_tasks, lock_run, refresh_setting,
-                               refusals_exit, stage_parser)
+                               refuse, refusals_exit, stage_parser)
 
 ROOT = Path(__file__).resolve().parent
 SETTINGS = ("none", "tail:10%", "tail:25%", "tail:50%", "layers:25%", "layers:50%", "layers:75%",
@@ -345,7 +345,7 @@ def main(argv=None) -> dict:
     for r in cfg.runs:
         folder = RunPaths(r, cfg.artifacts, cfg.results).translator("distilled")
         if not (folder / "manifest.json").is_file():
-            raise SystemExit(f"frontier: no trained translator at {folder}: train the run first (make train RUN={r})")
+            refuse("frontier", f"no trained translator at {folder}: train the run first (make train RUN={r})")
         m = read_json(folder / "manifest.json")
         specs[r] = {"family": m["family"], "key_space": m["key_space"], "settings": m["settings"]}
     toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]

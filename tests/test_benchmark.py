@@ -280,8 +280,12 @@ def test_failed_checks_exit_nonzero_after_writing(setup, capsys):
     assert "distilled" not in res["quality"]["arms"] and res["quality"]["control_translator"] == "closed_form"
     assert res["quality"]["skipped"] == ["distilled"]
     # a missing artifact without --skip-missing: a clear error before any model is loaded
-    with pytest.raises(SystemExit, match="make train"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as missing:
         benchmark.main(["--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["cf_only"]), *pair_args(setup)])
+    err = capsys.readouterr().err
+    assert missing.value.code == 2 and err.count("\n") == 1 and err.startswith("benchmark: no trained translator"), err
+    assert "make train" in err and "--skip-missing" in err
     with pytest.raises(SystemExit) as help_exit:
         benchmark.main(["--help"])
     assert help_exit.value.code == 0 and "examples" in capsys.readouterr().out

@@ -111,3 +111,17 @@ def test_frontier_rows_get_each_speedup_with_its_interval():
     lo, hi = none["speedup_interval"]
     assert 40.0 / 6.0 <= lo < none["speedup"] < hi <= 44.0 / 5.0  # inside the extreme trial ratios
     assert tail["speedup_interval"][0] < tail["speedup"] < tail["speedup_interval"][1]  # only re-prefill varies
+
+
+def test_frontier_refuses_a_run_without_a_trained_translator_in_one_line(tiny_pair_paths, tmp_path, capsys):
+    import frontier
+
+    data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
+    with pytest.raises(SystemExit) as e:
+        frontier.main(["--profile", "tiny", "--large", str(tiny_pair_paths[0]), "--small", str(tiny_pair_paths[1]),
+                       "--device", "cpu", "--dtype", "float32", "--artifacts", str(tmp_path / "artifacts"),
+                       "--results", str(tmp_path / "results"), "--data", str(data), "--data-root", str(eval_root),
+                       "--skip-tasks", "ifeval", "--no-timing"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("frontier: no trained translator at "), err
+    assert "make train RUN=" in err
