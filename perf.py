@@ -389,14 +389,14 @@ def main(argv=None) -> None:
     print(f"building random {source} → {target} pair ({args.direction}, {dtype}, {device})...", file=sys.stderr)
     pair = random_pair(args.arch or "qwen3", args.direction, device, resolve_dtype(dtype), names=(large, small))
     translator = random_translator(pair.source, pair.target, args.key_space, family=args.family)
-    try:  # --defer-values on with maps or a refresh that cannot: refused before anything is timed
-        timing.defer_values_here(translator, device, args.refresh, SWITCH[cfg.defer_values])
+    try:  # resolved once (--defer-values on with maps or a refresh that cannot: refused before anything is timed)
+        defer = timing.defer_values_here(translator, device, args.refresh, SWITCH[cfg.defer_values])
     except ValueError as e:
         refuse("perf", f"--defer-values on: {e}")
     points = [perf_at_length(pair.source, pair.target, translator, n, k, cfg.warmups, cfg.repeats, cfg.cv_limit,
                              modes=cfg.modes, max_repeats=cfg.max_repeats, cuda_graphs=cfg.cuda_graphs, peaks=peaks,
                              names=cfg.paths, refresh=args.refresh, fuse_keys=SWITCH[cfg.fuse_keys],
-                             defer_values=SWITCH[cfg.defer_values], max_seconds=cfg.max_seconds)
+                             defer_values=defer, max_seconds=cfg.max_seconds)
               for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)]
     # measured peaks never stay below a rate this run's own steps reached (given ones are kept as given)
     peaks = raise_to_reached(probe, reached(points), flops=not args.peak_tflops, memory=not args.peak_gbps)

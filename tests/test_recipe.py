@@ -225,19 +225,36 @@ def test_resume_refuses_changed_settings_and_inputs_naming_them(world, capsys):
 
 
 def test_ctrl_c_inside_an_in_process_cell_stops_the_driver_not_only_the_cell(tmp_path, capsys):
-    """ablate and frontier run their cells' stages in this process: a stage's Ctrl-C (status 130) comes back as an
-    interrupt, so the driver's level does not go on to its other cells; another failure is the cell's own."""
+    """ablate and frontier run their cells' stages in this process: a cell's Ctrl-C passes to the driver, which
+    ends in its own one line and status 130 (not a failed cell while the rest of its level runs on); another
+    failure of a cell stays that cell's."""
     from kvlingo.run.launch import StageFailed
+    from kvlingo.run.stage import INTERRUPTED_STATUS, refusals_exit
 
     for name, body in (("stage_ctrl_c", "raise KeyboardInterrupt"), ("stage_fails", "raise SystemExit(1)")):
         (tmp_path / f"{name}.py").write_text(
             "from kvlingo.run.stage import refusals_exit\n\n\n"
             f"@refusals_exit({name!r}, resumable=True)\ndef main(argv):\n    {body}\n")
-    with pytest.raises(KeyboardInterrupt):
-        K.run_in_process([str(tmp_path / "stage_ctrl_c.py")], tmp_path / "report.json")
-    assert capsys.readouterr().err.startswith("stage_ctrl_c: interrupted")
-    with pytest.raises(StageFailed, match="exited with 1"):
-        K.run_in_process([str(tmp_path / "stage_fails.py")], tmp_path / "report.json")
+    ran = []
+
+    @refusals_exit("driver", resumable=True)
+    def driver(cells):
+        for cell in cells:
+            try:
+                K.run_in_process([str(tmp_path / f"{cell}.py")], tmp_path / "report.json")
+            except StageFailed as e:
+                ran.append(f"failed: {e}")
+        ran.append("level done")
+
+    driver(["stage_fails"])  # a failing cell: recorded, and the level goes on
+    assert ran == ["failed: stage_fails.py exited with 1", "level done"]
+    ran.clear()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        driver(["stage_ctrl_c", "stage_fails"])
+    err = capsys.readouterr().err
+    assert e.value.code == INTERRUPTED_STATUS and ran == []  # stopped at the interrupt: no further cell ran
+    assert err.count("\n") == 1 and err.startswith("driver: interrupted; every file it wrote is whole"), err
 
 
 def test_a_cell_computed_here_is_recorded_read_back_on_resume_and_refused_under_other_inputs(tmp_path):

@@ -71,8 +71,6 @@ class PreallocatedLayer(CacheLayerMixin):
     def defer(self, deferred: "Deferred | None") -> None:
         """Hold the first `deferred.tokens` tokens' values as the source's plus the maps (None: no
         deferral), and mark exactly those tokens filled."""
-        self.deferred = None
-        self.set_length(0)
         self.deferred = deferred
         self.set_length(self.offset)
 

@@ -14,7 +14,7 @@ from ..core import fused, linear
 from ..core.handoff import prefill
 from ..core.translator import FUSED, Translator, fast_precision
 from . import timing
-from .roofline import Peaks, handoff_work, limits_at
+from .roofline import Peaks, handoff_work, limits_at, translation_flops
 
 
 def random_ids(vocab: int, n: int, seed: int, device) -> torch.Tensor:
@@ -161,8 +161,8 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, warmu
                                     fuse_keys=fuse_keys, defer_values=defer_values)
         rows[mode] = time_mode(paths, warmups, repeats, cv_limit, max_repeats, names, max_seconds)
         rows[mode]["deferred_values"] = paths.defer_values
-        translated = translator.flops_per_token() * n / (2 if paths.defer_values else 1)  # keys only: half (head-wise)
-        rows[mode]["translation_gflops_per_s"] = translated / rows[mode]["breakdown"]["translate"]["median_s"] / 1e9
+        rows[mode]["translation_gflops_per_s"] = (translation_flops(translator, n, paths.defer_values)
+                                                  / rows[mode]["breakdown"]["translate"]["median_s"] / 1e9)
         del paths
     deferred = any(row["deferred_values"] for row in rows.values())
     point = {"context_tokens": n, "new_turn_tokens": k, "modes": rows,

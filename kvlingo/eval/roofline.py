@@ -114,6 +114,12 @@ def step_floor(flops: float, nbytes: float, peaks: Peaks) -> dict:
             "bound": "compute" if compute >= memory else "memory"}
 
 
+def translation_flops(translator, n: int, defer_values: bool = False) -> float:
+    """FLOPs of translating n context tokens; with the values deferred, the keys' half (only head-wise
+    maps defer, and their key and value maps are the same size)."""
+    return translator.flops_per_token() * n / (2 if defer_values else 1)
+
+
 def handoff_work(source, target, translator, n: int, k: int, dtype: torch.dtype,
                  feature_dtype: torch.dtype | None = None, defer_values: bool = False) -> dict[str, tuple[float, float]]:
     """(FLOPs, bytes) of re-prefill, translation and the new turn for a context of n tokens and a new turn of k.
@@ -128,13 +134,13 @@ def handoff_work(source, target, translator, n: int, k: int, dtype: torch.dtype,
     feature_dtype = feature_dtype or dtype
     source_values = g.source_layers * g.source_kv_heads * n * g.source_head_dim * _element_size(feature_dtype)
     maps = sum(p.numel() * p.element_size() for p in translator.parameters())
-    translation_flops = translator.flops_per_token() * n
+    flops = translation_flops(translator, n, defer_values)
     new_turn_flops = forward_flops(target, k, n)
     new_turn_bytes = weight_bytes(target) + kv_bytes(target, n, dtype) + kv_bytes(target, k, dtype)
     if not defer_values:
-        translation = (translation_flops, 2 * source_values + maps + kv_bytes(target, n, dtype))
+        translation = (flops, 2 * source_values + maps + kv_bytes(target, n, dtype))
     else:
-        translation = (translation_flops / 2, source_values + maps / 2 + kv_bytes(target, n, dtype) / 2)
+        translation = (flops, source_values + maps / 2 + kv_bytes(target, n, dtype) / 2)
         c = target.config
         rows = c.num_hidden_layers * c.num_attention_heads * k  # query rows, every layer
         new_turn_flops += 2.0 * rows * (n * (g.source_head_dim - g.target_head_dim) + g.source_head_dim * g.target_head_dim)

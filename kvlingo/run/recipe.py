@@ -49,7 +49,6 @@ from ..eval.stats import mean_se
 from ..io import atomic_write_json, read_json, sha256_file, sha256_json
 from .launch import CellJob, LocalLauncher, StageFailed, run_stage
 from .ledger import LEDGER_FILE, Ledger, entry_of  # noqa: F401  (LEDGER_FILE: re-exported for the stages)
-from .refusal import INTERRUPTED_STATUS
 from .report import fmt_pm, fmt_table
 
 SELECTION_METRIC = "distilled_val_kl"  # train.json results key: final validation KL of the distilled maps
@@ -178,8 +177,6 @@ def run_in_process(argv: Sequence[str], report: str | Path) -> dict[str, Any]:
     try:
         module.main(list(argv[1:]))
     except SystemExit as e:
-        if e.code == INTERRUPTED_STATUS:  # Ctrl-C inside the stage: the driver stops too, not only this cell
-            raise KeyboardInterrupt from None
         if e.code not in (0, None):
             raise StageFailed(f"{script.name} exited with {e.code!r}") from None
     if not Path(report).is_file():

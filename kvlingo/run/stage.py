@@ -28,13 +28,14 @@ from .data import SplitIntegrityError
 from .models import PairError, add_pair_args
 from .paths import add_run_args
 from .profiles import PROFILES
-from .refusal import INTERRUPTED_STATUS, RunRefused  # noqa: F401  (re-exported)
+from .refusal import RunRefused
 from .report import ReportError
 from .resume import ResumeRefused
 
 REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused, DamagedFile,
             ReportError, RefreshError, CheckpointError)
 REFUSED_STATUS = 2
+INTERRUPTED_STATUS = 130  # a stage ended by Ctrl-C exits with the shell's status for it (128 + SIGINT)
 
 
 def refuse(stage: str, message: str) -> None:
@@ -46,23 +47,29 @@ def refuse(stage: str, message: str) -> None:
 def refusals_exit(stage: str, resumable: bool = False) -> Callable:
     """Decorator for a stage's main(): a refusal becomes one line and exit status 2, Ctrl-C one line
     and status 130 (saying that --resume goes on, for a `resumable` stage), and the run locks the
-    stage took (`lock_run`) are released when it returns or fails."""
+    stage took (`lock_run`) are released when it returns or fails. A stage run inside another
+    (ablate's and frontier's cells) passes Ctrl-C on to the outer one, which stops as a whole."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def main(*args, **kwargs):
+            global _depth
             held = len(_run_locks)
+            _depth += 1
             try:
                 return fn(*args, **kwargs)
             except REFUSALS as e:
                 refuse(stage, str(e))
             except KeyboardInterrupt:
+                if _depth > 1:  # an inner stage: the interrupt belongs to the stage that runs it
+                    raise
                 if os.environ.get("RANK", "0") == "0":
                     print(f"{stage}: interrupted; every file it wrote is whole (writes are atomic)"
                           + ("; run the same command with --resume to go on from where it stopped" if resumable
                              else ""), file=sys.stderr)
                 raise SystemExit(INTERRUPTED_STATUS) from None
             finally:
+                _depth -= 1
                 while len(_run_locks) > held:  # this call's own (a stage may run another in-process)
                     release = _run_locks.pop()
                     fcntl.flock(release, fcntl.LOCK_UN)
@@ -74,6 +81,7 @@ def refusals_exit(stage: str, resumable: bool = False) -> Callable:
 
 
 _run_locks: list = []  # open lock files of the stages running in this process, innermost last
+_depth = 0  # stages running in this process, one inside another (a driver's in-process cells)
 
 
 def lock_run(folder: str | Path, name: str, elsewhere: str = "--run", root_flag: str = "--results") -> None:
