@@ -28,7 +28,8 @@ from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
 from kvlingo.run.ledger import LEDGER_FILE
-from kvlingo.run.stage import REFUSALS, add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
+from kvlingo.errors import Failure, Refusal
+from kvlingo.run.stage import add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": "train_translator.py", "benchmark": "benchmark.py", "ifeval": "ifeval.py", "task": "task_eval.py"}
@@ -175,7 +176,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     profile = get_profile(args.profile)
     pair, _ = pair_config_from_args(args)
-    tasks = generative_tasks("ablate", args)
+    tasks = generative_tasks(args)
     cfg = AblationConfig(run=args.run or f"{default_run(profile.name, pair.direction)}-ablate",
                          profile=profile.name, data=str(args.data or default_data(profile.name)),
                          settings=tuple(args.settings), long_factor=args.long_factor, eval_root=args.data_root,
@@ -206,10 +207,10 @@ def main(argv=None) -> dict:
             by_name = {s.name: s for s in chosen}
             rows += [evaluate(by_name[r["setting"]], f"{r['setting']}-long", cfg.long_factor * profile.updates)
                      for r in best]
-    except REFUSALS:
+    except Refusal:
         raise
     except K.StageFailed as e:
-        raise SystemExit(f"ablate: {e}. The ledger marks that cell failed; fix the cause, then re-run with --resume")
+        raise Failure(f"{e}. The ledger marks that cell failed; fix the cause, then re-run with --resume") from None
 
     default = A.choose_default([r for r in rows if not r["long_budget"]])
     results = AblationResults(rows=rows, default=default, native=native)

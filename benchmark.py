@@ -31,6 +31,7 @@ from tqdm import tqdm
 from kvlingo.core.handoff import as_ids
 from kvlingo.core.translator import load_translator
 from kvlingo.eval import controls, quality, timing
+from kvlingo.errors import Refusal
 from kvlingo.io import sha256_file
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
@@ -39,7 +40,7 @@ from kvlingo.run.models import PairConfig, dtype_name, load_model, load_pair, pa
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_interval, fmt_pm, fmt_table, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, refuse, stage_parser
+from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 
@@ -161,14 +162,14 @@ def main(argv: list[str] | None = None) -> None:
     pair_cfg, tokenizer = pair_config_from_args(args)
     folders, missing = paths.translators(TRANSLATORS)
     if missing and not args.skip_missing:
-        refuse("benchmark", f"no trained translator at {', '.join(str(paths.translator(m)) for m in missing)} "
-                            f"(manifest.json missing): run `make train RUN={paths.run}` first "
-                            "(or pass --skip-missing to leave those rows out)")
+        raise Refusal(f"no trained translator at {', '.join(str(paths.translator(m)) for m in missing)} "
+                      f"(manifest.json missing): run `make train RUN={paths.run}` first "
+                      "(or pass --skip-missing to leave those rows out)")
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)
     convs = read_split(data_dir, "test", args.variant, limit=args.limit)
     if len(convs) < 2:
-        raise SystemExit(f"benchmark: the test split holds {len(convs)} usable conversation(s); the control arm needs 2")
+        raise Refusal(f"the test split holds {len(convs)} usable conversation(s); the control arm needs 2")
     cfg = BenchmarkConfig(
         profile=profile.name, run=paths.run, data=str(data_dir), variant=args.variant, limit=args.limit,
         skipped_translators=tuple(missing),
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     timed = sorted((c for c in convs if len(c["prefix_ids"]) > k), key=lambda c: (-len(c["prefix_ids"]), c["id"]))
     timed = timed[:cfg.timing_conversations]
     if cfg.timing_conversations and not timed:
-        raise SystemExit(f"benchmark: no test prefix is longer than --new-turn-tokens {k}; lower it")
+        raise Refusal(f"no test prefix is longer than --new-turn-tokens {k}; lower it")
     if timed and control_name is not None:
         contexts = []
         for conv in tqdm(timed, desc="timing", file=sys.stderr):

@@ -40,8 +40,9 @@ from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import (REFUSALS, add_task_data_args, generative_tasks, lock_run, refresh_setting,
-                               refuse, refusals_exit, stage_parser)
+from kvlingo.errors import Failure, Refusal
+from kvlingo.run.stage import (add_task_data_args, generative_tasks, lock_run, refresh_setting, refusals_exit,
+                               stage_parser)
 
 ROOT = Path(__file__).resolve().parent
 SETTINGS = ("none", "tail:10%", "tail:25%", "tail:50%", "layers:25%", "layers:50%", "layers:75%",
@@ -334,7 +335,7 @@ def main(argv=None) -> dict:
     profile = get_profile(args.profile)
     pair, _ = pair_config_from_args(args, refresh=args.settings)
     settings = tuple(str(Refresh.parse(s)) for s in args.settings)
-    tasks = generative_tasks("frontier", args)
+    tasks = generative_tasks(args)
     run = run_paths(args).run
     cfg = FrontierConfig(run=run, runs=(run, *args.runs), profile=profile.name,
                          data=str(args.data or default_data(profile.name)), settings=settings, eval_root=args.data_root,
@@ -345,7 +346,7 @@ def main(argv=None) -> dict:
     for r in cfg.runs:
         folder = RunPaths(r, cfg.artifacts, cfg.results).translator("distilled")
         if not (folder / "manifest.json").is_file():
-            refuse("frontier", f"no trained translator at {folder}: train the run first (make train RUN={r})")
+            raise Refusal(f"no trained translator at {folder}: train the run first (make train RUN={r})")
         m = read_json(folder / "manifest.json")
         specs[r] = {"family": m["family"], "key_space": m["key_space"], "settings": m["settings"]}
     toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
@@ -386,10 +387,10 @@ def main(argv=None) -> dict:
 
             t = cells.ensure_here(plan.timing(specs), timed)
             add_times(rows, t)
-    except REFUSALS:
+    except Refusal:
         raise
     except K.StageFailed as e:
-        raise SystemExit(f"frontier: {e}. Fix the cause, then re-run with --resume") from None
+        raise Failure(f"{e}. Fix the cause, then re-run with --resume") from None
 
     best = {}
     for r in cfg.runs:

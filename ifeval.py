@@ -32,6 +32,7 @@ from kvlingo.eval.tasks.data import IFEVAL, load_data
 from kvlingo.eval.tasks.generate import answer_text, control_partner, generate
 from kvlingo.eval.tasks.prompts import user_prompt_ids
 from kvlingo.eval.tasks.session import Session, add_eval_args, control_paths, prepare_and_exit
+from kvlingo.errors import Failure, Refusal
 from kvlingo.io import atomic_write_text, sha256_json
 from kvlingo.run import resume
 from kvlingo.run.models import PairConfig
@@ -123,15 +124,15 @@ def main(argv: list[str] | None = None) -> None:
         try:
             prov = grader.install_punkt(args.install_punkt or None)
         except (ValueError, PermissionError, grader.PunktMissing) as e:
-            raise SystemExit(f"ifeval: could not install punkt_tab: {e}") from None
+            raise Refusal(f"could not install punkt_tab: {e}") from None
         print(f"punkt_tab installed and verified at {prov['path']} (sha256 {prov['sha256']})")
         if args.install_punkt and Path(args.install_punkt).resolve() != grader.default_punkt_dir().resolve():
             print(f"other processes find it with NLTK_DATA={Path(args.install_punkt).resolve()}")
         return
     if args.prepare:
-        return prepare_and_exit(IFEVAL, args, "ifeval")
+        return prepare_and_exit(IFEVAL, args)
     if args.native and args.max_accuracy_loss is not None:
-        raise SystemExit("ifeval: --max-accuracy-loss gates a translated run against the native target; drop --native")
+        raise Refusal("--max-accuracy-loss gates a translated run against the native target; drop --native")
 
     # ---------------------------------------------------------------- inputs
     t_start = time.time()
@@ -140,13 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     limit = args.limit if args.limit is not None else profile.ifeval_prompts
     cap = args.max_new_tokens if args.max_new_tokens is not None else profile.max_new_tokens
     if limit < 1 or cap < 1:
-        raise SystemExit("ifeval: --limit and --max-new-tokens must be at least 1")
+        raise Refusal("--limit and --max-new-tokens must be at least 1")
     try:
         docs, data_info = load_data(IFEVAL, args.data_root, args.source)
         punkt = grader.ensure_punkt()  # before lm-eval is imported, which would try a download
         grader.check_docs(docs)
     except (ValueError, grader.PunktMissing) as e:
-        raise SystemExit(f"ifeval: {e}") from None
+        raise Refusal(str(e)) from None
     if limit > len(docs):
         print(f"note: --limit {limit} but the data holds {len(docs)} prompts; scoring all of them")
     docs = docs[:limit]
@@ -241,8 +242,8 @@ def main(argv: list[str] | None = None) -> None:
           f"reused from {sibling}.rows.jsonl; report {paths.report(name)}")
     print(f"punkt_tab: {punkt['path']} (sha256 {punkt['sha256'][:16]}…)")
     if gate and not gate["passed"]:
-        raise SystemExit(f"ifeval: gate failed: translated strict prompt accuracy is {gate['loss_points']:.1f} points "
-                         f"below the native target (allowed {args.max_accuracy_loss:g})")
+        raise Failure(f"gate failed: translated strict prompt accuracy is {gate['loss_points']:.1f} points "
+                      f"below the native target (allowed {args.max_accuracy_loss:g})")
 
 
 if __name__ == "__main__":

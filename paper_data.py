@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 
+from kvlingo.errors import Refusal
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import NEMOTRON, HubSource, load_tokenizer, prepare
 from kvlingo.run.profiles import PROFILES, get_profile
 from kvlingo.run.report import fmt_table
-from kvlingo.run.stage import lock_run, refusals_exit, refuse
+from kvlingo.run.stage import lock_run, refusals_exit
 
 EPILOG = """examples:
   # offline, from a local JSONL in Nemotron chat format
@@ -69,8 +70,10 @@ def main(argv: list[str] | None = None) -> None:
             tok, profile, source=args.source, out_root=args.out, seed=args.seed, tokenizer_name=args.tokenizer,
             force=args.force, hub=hub, max_rows=args.max_rows, progress=True,
         )
+    except Refusal:
+        raise
     except ValueError as e:  # a bad source or tokenizer: one line, exit status 2, nothing replaced
-        refuse("paper_data", str(e))
+        raise Refusal(str(e)) from None
 
     data_dir = f"{args.out}/{profile.name}"
     manifest = result.manifest

@@ -41,6 +41,7 @@ from kvlingo.core import linear
 from kvlingo.core.translator import FAMILIES, Geometry, TranslatorError
 from kvlingo.eval.roofline import Peaks, measure_peaks, raise_to_reached
 from kvlingo.eval.shapes import RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, translator_at
+from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
 from kvlingo.run.argtypes import number, whole
@@ -48,7 +49,7 @@ from kvlingo.run.models import DIRECTIONS, resolve_device, resolve_dtype
 from kvlingo.run.paths import RunPaths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, huge_pages, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refuse, refusals_exit, stage_parser
+from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 from kvlingo.toy.random import random_pair, random_translator
 
 SCRIPT = Path(__file__).resolve()
@@ -293,15 +294,15 @@ def flops_markdown(cfg: PerfConfig, geometry: Geometry, rows: list[dict], refuse
 def pair_names(args) -> tuple[str, str]:
     """(large, small) preset names from --large/--small or --arch; a refusal names what is missing."""
     if (args.large is None) != (args.small is None):
-        refuse("perf", "give both --large and --small (preset shapes), or neither")
+        raise Refusal("give both --large and --small (preset shapes), or neither")
     if args.large is not None:
         if args.arch is not None:
-            refuse("perf", f"--arch {args.arch} and --large/--small both name the pair; give one of them")
+            raise Refusal(f"--arch {args.arch} and --large/--small both name the pair; give one of them")
         for name in (args.large, args.small):
             try:
                 arch_config(name)
             except KeyError as e:
-                refuse("perf", f"{e.args[0]}; add its published config to kvlingo/eval/shapes.py")
+                raise Refusal(f"{e.args[0]}; add its published config to kvlingo/eval/shapes.py")
         return args.large, args.small
     return RANDOM_PAIRS[args.arch or "qwen3"]
 
@@ -344,7 +345,7 @@ def main(argv=None) -> None:
     source, target = (large, small) if args.direction == "l2s" else (small, large)
     repeats = args.timing_repeats if args.timing_repeats is not None else (3 if on_cpu else profile.timing_repeats)
     if not {"target_reprefill", "source_cache_handoff"} <= set(args.paths):
-        refuse("perf", "--paths must include target_reprefill and source_cache_handoff (the speedup's two ends)")
+        raise Refusal("--paths must include target_reprefill and source_cache_handoff (the speedup's two ends)")
     cfg = PerfConfig(
         arch=args.arch or ("preset" if args.large else "qwen3"), source=source, target=target, family=args.family,
         refresh=str(args.refresh), flops_only=args.flops_only, direction=args.direction, device=device, dtype=dtype,
@@ -363,7 +364,7 @@ def main(argv=None) -> None:
     geometry = Geometry.of(arch_config(source), arch_config(target))
     limit = arch_config(target).max_position_embeddings
     if max(cfg.lengths) + k > limit:
-        refuse("perf", f"--lengths up to {max(cfg.lengths)} + {k} exceed max_position_embeddings {limit}")
+        raise Refusal(f"--lengths up to {max(cfg.lengths)} + {k} exceed max_position_embeddings {limit}")
     lock_run(paths.res, "perf")  # before the FLOP table and the timings (two timing runs would time each other)
     ceilings, refused = family_ceilings(source, target, args.key_space, cfg.lengths, k)
     flops_md = flops_markdown(cfg, geometry, ceilings, refused)
@@ -377,7 +378,7 @@ def main(argv=None) -> None:
         return
     print(flops_md + "\n", flush=True)
     if args.family in refused:  # before the models are built
-        refuse("perf", refused[args.family])
+        raise Refusal(refused[args.family])
     if args.peak_tflops and args.peak_gbps:
         peaks = Peaks(args.peak_tflops * 1e12, args.peak_gbps * 1e9, "given (--peak-tflops, --peak-gbps)")
     else:
@@ -392,7 +393,7 @@ def main(argv=None) -> None:
     try:  # resolved once (--defer-values on with maps or a refresh that cannot: refused before anything is timed)
         defer = timing.defer_values_here(translator, device, args.refresh, SWITCH[cfg.defer_values])
     except ValueError as e:
-        refuse("perf", f"--defer-values on: {e}")
+        raise Refusal(f"--defer-values on: {e}")
     points = [perf_at_length(pair.source, pair.target, translator, n, k, cfg.warmups, cfg.repeats, cfg.cv_limit,
                              modes=cfg.modes, max_repeats=cfg.max_repeats, cuda_graphs=cfg.cuda_graphs, peaks=peaks,
                              names=cfg.paths, refresh=args.refresh, fuse_keys=SWITCH[cfg.fuse_keys],

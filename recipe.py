@@ -44,7 +44,8 @@ from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import REFUSALS, check_passthrough, lock_run, refusals_exit, stage_parser
+from kvlingo.errors import Failure, Refusal
+from kvlingo.run.stage import check_passthrough, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": ROOT / "train_translator.py", "benchmark": ROOT / "benchmark.py", "ifeval": ROOT / "ifeval.py"}
@@ -149,16 +150,16 @@ def passthrough(stage: str, text: str) -> tuple[str, ...]:
     try:
         tokens = tuple(shlex.split(text))
     except ValueError as err:
-        raise SystemExit(f"recipe: --{stage}-args {text!r} does not split into flags: {err}") from None
+        raise Refusal(f"--{stage}-args {text!r} does not split into flags: {err}") from None
     for t in tokens:
         if t.split("=")[0] in RESERVED[stage]:
-            raise SystemExit(f"recipe: --{stage}-args may not set {t.split('=')[0]}: the recipe sets it "
-                             "(use the recipe's own flag, e.g. --updates, --seeds, --lr-center, --data)")
+            raise Refusal(f"--{stage}-args may not set {t.split('=')[0]}: the recipe sets it "
+                          "(use the recipe's own flag, e.g. --updates, --seeds, --lr-center, --data)")
     try:
         parser, script = stage_parser_of(stage)
         check_passthrough(parser, tokens, script)
     except ValueError as err:
-        raise SystemExit(f"recipe: --{stage}-args: {err}") from None
+        raise Refusal(f"--{stage}-args: {err}") from None
     return tokens
 
 
@@ -173,10 +174,10 @@ def make_config(args, pair: PairConfig) -> RecipeConfig:
                                                                 profile.lr_for(pair.direction))
     updates = args.updates if args.updates is not None else (profile.recipe_updates or profile.updates)
     if grid < 1 or ext < 0 or not center > 0 or updates < 1:
-        raise SystemExit("recipe: --grid-size, --updates must be ≥ 1 (with no updates every rate gives the closed-form "
-                         "maps: nothing to choose), --max-extensions ≥ 0 and --lr-center > 0")
+        raise Refusal("--grid-size, --updates must be ≥ 1 (with no updates every rate gives the closed-form "
+                      "maps: nothing to choose), --max-extensions ≥ 0 and --lr-center > 0")
     if len(set(seeds)) != len(seeds):
-        raise SystemExit(f"recipe: --seeds {' '.join(map(str, seeds))} repeats a seed")
+        raise Refusal(f"--seeds {' '.join(map(str, seeds))} repeats a seed")
     return RecipeConfig(
         run=run_paths(args).run, profile=profile.name, data=str(args.data or default_data(profile.name)),
         lr_center=center, grid_size=grid, max_extensions=ext, seeds=seeds, updates=updates,
@@ -200,18 +201,18 @@ class Plan:
         try:
             self.common = {"data": K.data_hash(cfg.data), "models": p.identities()}
         except ValueError as e:
-            raise SystemExit(f"recipe: {e}") from e
+            raise Refusal(str(e)) from None
         self.ifeval_data = self._ifeval_data() if "ifeval" in cfg.evals else None
 
     def _ifeval_data(self) -> dict:
         if self.cfg.ifeval_source:
             if not Path(self.cfg.ifeval_source).is_file():
-                raise SystemExit(f"recipe: --ifeval-source {self.cfg.ifeval_source} not found")
+                raise Refusal(f"--ifeval-source {self.cfg.ifeval_source} not found")
             return {"source_sha256": sha256_file(self.cfg.ifeval_source)}
         manifest = Path(self.cfg.ifeval_data_root) / "ifeval" / "manifest.json"
         if not manifest.is_file():
-            raise SystemExit(f"recipe: no IFEval data at {manifest.parent}: run `python ifeval.py --prepare` "
-                             "(needs the Hub), pass --ifeval-source PATH, or --skip ifeval")
+            raise Refusal(f"no IFEval data at {manifest.parent}: run `python ifeval.py --prepare` "
+                          "(needs the Hub), pass --ifeval-source PATH, or --skip ifeval")
         return {"manifest_sha256": sha256_file(manifest)}
 
     def maps_sha(self, sub: str, kind: str) -> str:
@@ -341,13 +342,13 @@ def main(argv=None, runner=K.run_stage) -> dict:
                 per_seed[str(seed)]["ifeval"], item_level[str(seed)] = K.ifeval_metrics(report)
             else:
                 per_seed[str(seed)]["benchmark"] = K.benchmark_metrics(report)
-    except REFUSALS:
+    except Refusal:
         raise
     except K.StageFailed as e:
-        raise SystemExit(f"recipe: {e}. The ledger marks the failed cells; fix the cause, then re-run with "
-                         "--resume (finished cells are kept)") from e
-    except ValueError as e:
-        raise SystemExit(f"recipe: {e}") from e
+        raise Failure(f"{e}. The ledger marks the failed cells; fix the cause, then re-run with "
+                      "--resume (finished cells are kept)") from None
+    except ValueError as e:  # no rate of the grid to choose (every one diverged)
+        raise Failure(str(e)) from None
 
     # --------------------------------------------------------------------------- report
     actions = {}

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from kvlingo.core.handoff import as_ids
 from kvlingo.core.translator import load_translator
 from kvlingo.eval import timing
+from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
@@ -38,7 +39,7 @@ from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, refuse, stage_parser
+from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 PATHS = {"re_reading": "target_reprefill", "switching": "source_cache_handoff"}
@@ -128,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     if not (folder / "manifest.json").is_file():
         other = "closed_form" if args.translator == "distilled" else "distilled"
         there = (paths.translator(other) / "manifest.json").is_file()  # suggested only when it exists
-        refuse("switch_cost", f"no trained translator at {folder}: run `make train RUN={paths.run}` first"
-                              + (f" (or pass --translator {other}, which this run has)" if there else ""))
+        raise Refusal(f"no trained translator at {folder}: run `make train RUN={paths.run}` first"
+                      + (f" (or pass --translator {other}, which this run has)" if there else ""))
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)
     convs = read_split(data_dir, "test", "natural")
@@ -159,8 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     pair = load_pair(pair_cfg, tokenizer)
     limit = min(pair.source.config.max_position_embeddings, pair.target.config.max_position_embeddings)
     if max(cfg.lengths) + k > limit:
-        raise SystemExit(f"switch_cost: --lengths up to {max(cfg.lengths)} plus {k} new tokens exceed the models' "
-                         f"max_position_embeddings {limit}; use shorter lengths")
+        raise Refusal(f"--lengths up to {max(cfg.lengths)} plus {k} new tokens exceed the models' "
+                      f"max_position_embeddings {limit}; use shorter lengths")
     translator = load_translator(folder, pair)[0]
 
     points, noisy = [], []

@@ -36,6 +36,7 @@ from kvlingo.eval.tasks.generate import answer_text, control_partner, generate, 
 from kvlingo.eval.tasks.parsers import score
 from kvlingo.eval.tasks.prompts import ITEM_BUILDERS, user_prompt_ids
 from kvlingo.eval.tasks.session import Session, add_eval_args, control_paths, prepare_and_exit
+from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_text, sha256_json
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     data = DATASETS[args.task]
 
     if args.prepare:
-        return prepare_and_exit(data, args, "task_eval")
+        return prepare_and_exit(data, args)
 
     # ---------------------------------------------------------------- inputs
     t_start = time.time()
@@ -125,12 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     trace = args.handoff == "trace"
     trace_cap = (args.trace_tokens if args.trace_tokens is not None else profile.max_new_tokens) if trace else None
     if limit < 1 or cap < 1 or (trace and trace_cap < 1):
-        raise SystemExit("task_eval: --limit, --max-new-tokens and --trace-tokens must be at least 1")
+        raise Refusal("--limit, --max-new-tokens and --trace-tokens must be at least 1")
     thinking = True if trace else args.thinking
     try:
         rows, data_info = load_data(data, args.data_root, args.source)
     except ValueError as e:
-        raise SystemExit(f"task_eval: {e}") from None
+        raise Refusal(str(e)) from None
     if limit > len(rows):
         print(f"note: --limit {limit} but the data holds {len(rows)} items; scoring all of them")
     items = [ITEM_BUILDERS[args.task](r) for r in rows[:limit]]

@@ -22,13 +22,16 @@ import argparse
 import os
 from pathlib import Path
 
+from kvlingo.errors import Refusal
 from kvlingo.run.argtypes import number
 from kvlingo.run.paths import writable
+from kvlingo.run.stage import refusals_exit
 from kvlingo.toy.deep import PACKAGED_DEEP, build_deep, export_deep, install_deep
 from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
 
 
-def main() -> None:
+@refusals_exit("toy_world")
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -56,16 +59,16 @@ def main() -> None:
     parser.add_argument("--mini", action="store_true", help="tiny corpus and models for tests (seconds)")
     parser.add_argument("--force", action="store_true", help="with --train/--mini: retrain even if the manifest matches")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     training = args.train or args.mini
     if not training and (args.seed != 0 or args.minutes_per_model is not None or (args.force and not args.train_deep)):
-        raise SystemExit("--seed, --minutes-per-model and --force change a training run; add --train "
-                         "(the packaged pair is seed 0 with the default budgets)")
+        raise Refusal("--seed, --minutes-per-model and --force change a training run; add --train "
+                      "(the packaged pair is seed 0 with the default budgets)")
     if args.export is not None and (args.mini or not args.train):
-        raise SystemExit("--export needs a full --train build (not --mini)")
+        raise Refusal("--export needs a full --train build (not --mini)")
     if args.export_deep is not None and (args.mini or not args.train_deep):
-        raise SystemExit("--export-deep needs --train-deep on a full world (not --mini)")
+        raise Refusal("--export-deep needs --train-deep on a full world (not --mini)")
     if os.environ.get("HF_HUB_OFFLINE") != "1":
         print("note: HF_HUB_OFFLINE is not set; the toy world never needs the Hub (set HF_HUB_OFFLINE=1)")
     try:
@@ -87,8 +90,10 @@ def main() -> None:
                 export_deep(args.out, args.export_deep)
         elif not training:
             deep = install_deep(args.out)
-    except ValueError as err:
-        raise SystemExit(f"toy world failed: {err}") from err
+    except Refusal:
+        raise
+    except ValueError as err:  # a regenerated corpus or a build that does not match its recorded hashes
+        raise Refusal(f"toy world not built: {err}") from None
 
     # --- summary
     print()

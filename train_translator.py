@@ -25,6 +25,7 @@ from tqdm import tqdm
 from kvlingo.core.translator import (FAMILIES, MANIFEST_FILE, check_expected, load_state, read_manifest,
                                      save_translator, state_bytes)
 from kvlingo.core.translator import build as build_translator
+from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_bytes, sha256_file, sha256_json
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
@@ -33,7 +34,7 @@ from kvlingo.run.models import load_pair, pair_config_from_args
 from kvlingo.run.paths import default_data, run_paths, writable
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Report, figure_png, fmt_table
-from kvlingo.run.stage import lock_run, refusals_exit, refuse, stage_parser
+from kvlingo.run.stage import lock_run, refusals_exit, stage_parser
 from kvlingo.train import checkpoints as ckpt
 from kvlingo.train import distributed
 from kvlingo.train.closed_form import fit_closed_form
@@ -103,7 +104,7 @@ def ridge_value(text):
     try:
         return positive("ridge", float(text), allow_zero=True)
     except ValueError:
-        refuse("train_translator", f"--ridge {text} is invalid: give a number ≥ 0, or auto")
+        raise Refusal(f"--ridge {text} is invalid: give a number ≥ 0, or auto")
 
 
 def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
@@ -113,13 +114,12 @@ def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
     try:
         return resolve_family(profile, direction, args.family, flags)
     except (TypeError, ValueError) as e:
-        refuse("train_translator", f"--family {args.family or profile.family_for(direction)[0]}: {e}")
+        raise Refusal(f"--family {args.family or profile.family_for(direction)[0]}: {e}")
 
 
 def positive(name: str, value, allow_zero: bool = False):
     if value is None or (value < 0 if allow_zero else value <= 0) or (isinstance(value, float) and not math.isfinite(value)):
-        refuse("train_translator", f"--{name} {value} is invalid: it must be a finite number "
-                                   f"{'≥ 0' if allow_zero else '> 0'}")
+        raise Refusal(f"--{name} {value} is invalid: it must be a finite number {'≥ 0' if allow_zero else '> 0'}")
     return value
 
 
@@ -197,8 +197,8 @@ def main(argv=None) -> dict:
     )
     n_train = manifest.get("n_samples", {}).get("train.natural")
     if isinstance(n_train, int) and cfg.batch > n_train:
-        refuse("train_translator", f"--batch {cfg.batch} is more than the {n_train} training conversations in "
-                                   f"{data_dir}: every one would repeat within each update; give --batch {n_train} or less")
+        raise Refusal(f"--batch {cfg.batch} is more than the {n_train} training conversations in {data_dir}: "
+                      f"every one would repeat within each update; give --batch {n_train} or less")
     code_sha = resume.code_hash(SCRIPT)
     if args.code_salt:
         code_sha = sha256_json({"code": code_sha, "salt": args.code_salt})
@@ -316,8 +316,8 @@ def main(argv=None) -> dict:
     try:
         frozen = verify_frozen(models, weights_before)
     except FrozenWeightsChanged as e:
-        raise SystemExit(f"{e}; the distilled translator was not saved. Nothing may write to the models during "
-                         "training.") from e
+        raise FrozenWeightsChanged(f"{e}; the distilled translator was not saved. Nothing may write to the "
+                                   "models during training.") from None
     if not world.main:  # rank 0 writes the outputs
         distributed.close(world)
         return None

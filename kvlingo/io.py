@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from .errors import Refusal
+
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
 
 
@@ -76,7 +78,7 @@ def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> Path:
     return atomic_write_text(path, text)
 
 
-class DamagedFile(ValueError):
+class DamagedFile(Refusal, ValueError):
     """A JSON or JSONL file the suite should be able to read that does not parse (cut short, or edited by
     hand). `problem` names the file and where it breaks; the message adds the usual fix, which a caller
     that knows better can replace."""

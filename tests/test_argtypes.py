@@ -113,7 +113,7 @@ def test_resolve_device_refuses_a_device_it_does_not_know():
 
 def test_writable_and_lock_run_make_the_folder_and_refuse_one_they_cannot_write(tmp_path):
     from kvlingo.run.paths import writable
-    from kvlingo.run.refusal import RunRefused
+    from kvlingo.errors import RunRefused
     from kvlingo.run.stage import lock_run
 
     made = writable(tmp_path / "a" / "b", "--artifacts")
@@ -144,7 +144,7 @@ def test_perf_refuses_an_unwritable_results_folder_before_it_times_anything(tmp_
 def test_a_run_name_stays_inside_the_output_roots():
     """--run names a folder under --artifacts and --results; an absolute name or a '..' part would write elsewhere."""
     from kvlingo.run.paths import RunPaths
-    from kvlingo.run.refusal import RunRefused
+    from kvlingo.errors import RunRefused
 
     assert RunPaths("qwen/lr1e-3", "a", "r").res == Path("r/qwen/lr1e-3")
     for bad in ("/tmp/x", "../x", "a/../../b", "./a", " "):

@@ -321,7 +321,7 @@ def test_task_data_is_not_prepared_into_a_folder_that_cannot_be_written(tmp_path
     assert blocker.read_text() == "x"
 
 
-def test_toy_world_names_an_out_folder_it_cannot_write_before_building_anything(tmp_path, monkeypatch):
+def test_toy_world_names_an_out_folder_it_cannot_write_before_building_anything(tmp_path, monkeypatch, capsys):
     import sys
 
     import toy_world
@@ -332,8 +332,8 @@ def test_toy_world_names_an_out_folder_it_cannot_write_before_building_anything(
     monkeypatch.setattr(sys, "argv", ["toy_world.py", "--out", str(blocker / "toy")])
     with pytest.raises(SystemExit) as e:
         toy_world.main()
-    message = str(e.value.code)
-    assert message.startswith(f"toy world failed: cannot write to {blocker / 'toy'}"), message
+    message = capsys.readouterr().err
+    assert e.value.code == 2 and message.startswith(f"toy_world: cannot write to {blocker / 'toy'}"), message
     assert "give --out a folder you can write to" in message and blocker.read_text() == "x"
 
 

@@ -35,13 +35,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import Refusal
 from .arch import head_dim
 from .cache import Capture, build_cache, capture
 
 KINDS = ("none", "tail", "layers", "select", "layer")
 
 
-class RefreshError(ValueError):
+class RefreshError(Refusal, ValueError):
     """A refresh setting that cannot be parsed or applied."""
 
 

@@ -63,6 +63,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..errors import Refusal
 from ..io import DamagedFile, atomic_write_bytes, atomic_write_json, read_json, sha256_file
 from .arch import head_dim
 from .cache import Capture
@@ -124,7 +125,7 @@ def matmul_precision(device, precision: str):
         reduced.allow_fp16_reduced_precision_reduction = fp16_before
 
 
-class TranslatorError(ValueError):
+class TranslatorError(Refusal, ValueError):
     """A translator folder that is incomplete, damaged, or made for another pair, family or key space."""
 
 

@@ -30,13 +30,14 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..errors import Refusal
 from ..io import atomic_write_text, sha256_json, to_jsonable
 from ..run.resume import check as check_identity
 
 CHECKSUM = "_sha256"
 
 
-class RowsError(ValueError):
+class RowsError(Refusal, ValueError):
     """A rows file that cannot be trusted (damaged before its last line, or no header)."""
 
 

@@ -86,6 +86,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 from ..io import (DamagedFile, atomic_write_jsonl, not_ours, read_json, read_jsonl, remove_stale_temps, sha256_bytes,
                   sha256_file, sha256_json, sha256_tree, to_jsonable)
+from ..errors import Refusal
 from . import models
 from .models import tokenizer_digest
 from .profiles import Profile
@@ -174,7 +175,7 @@ class PrepareResults:
     METRICS = (Metric("examples.train.natural.kept", True, "training conversations written (natural variant)"),)
 
 
-class SplitIntegrityError(ValueError):
+class SplitIntegrityError(Refusal, ValueError):
     """A prepared file is missing or differs from the hash its manifest recorded."""
 
 

@@ -32,15 +32,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..errors import Failure, RunRefused
 from ..io import ROOT, read_json
 from .argtypes import number, whole
 from .ledger import Ledger
-from .refusal import RunRefused
 
 PREEMPT_SIGNAL = signal.SIGUSR2  # what submitit (and SLURM's --signal) send before a preemption or the time limit
 
 
-class StageFailed(RuntimeError):
+class StageFailed(Failure, RuntimeError):
     """A stage process that exited nonzero or wrote no report."""
 
 

@@ -25,6 +25,7 @@ import torch
 
 from ..core.arch import MODEL_TYPES
 from ..core.rope import schedule_refusal
+from ..errors import Refusal
 
 # Pinned Hub revisions (commit shas). Beyond the default pair, each is the snapshot folder
 # (models--ORG--NAME/snapshots/<sha>) that several independent public projects load the model from.
@@ -44,7 +45,7 @@ COMMIT = re.compile(r"[0-9a-f]{40}")
 DIRECTIONS = ("l2s", "s2l")  # l2s: large builds the cache, small continues
 
 
-class PairError(ValueError):
+class PairError(Refusal, ValueError):
     """A source/target pair (or an input) the adapter cannot serve."""
 
 

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .refusal import RunRefused
+from ..errors import RunRefused
 
 TRANSLATORS = ("closed_form", "distilled")  # the translator folders a training run writes
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import Failure, Refusal
 from ..io import (ROOT, DamagedFile, atomic_write_json, atomic_write_jsonl, atomic_write_text, read_json, sha256_file,
                   sha256_json, to_jsonable)
 
@@ -153,11 +154,11 @@ def publish(report: Report, path: str | os.PathLike, rows: list | None = None, m
     if echo:
         print(f"wrote {path}")
     if checks is not None and not checks["passed"]:
-        raise SystemExit(f"{report.stage} checks failed: " + "; ".join(checks["failed"]))
+        raise Failure("checks failed: " + "; ".join(checks["failed"]))
     return data
 
 
-class ReportError(ValueError):
+class ReportError(Refusal, ValueError):
     """A report that cannot be read, or is of another stage (one of the stages' refusals)."""
 
 

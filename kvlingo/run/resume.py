@@ -25,12 +25,13 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..errors import Refusal
 from ..io import ROOT, sha256_json, sha256_tree, to_jsonable
 
 PACKAGE = "kvlingo"
 
 
-class ResumeRefused(ValueError):
+class ResumeRefused(Refusal, ValueError):
     """A resume (or an up-to-date check) against outputs made from other settings, inputs, models or code."""
 
 

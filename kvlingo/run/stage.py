@@ -1,9 +1,10 @@
 """What the stage scripts share: the common flags, and refusals that end a run with one clear line.
 
-A refusal is an input the stage will not work on: a pair no translator can join, a resume
-against other settings, a translator or data folder made for something else. It is raised as
-one of `REFUSALS` before anything on disk is touched, and `refusals_exit` turns it into one
-line on stderr ("stage: why, and the fix") and exit status 2, never a traceback.
+A refusal (`kvlingo.errors.Refusal`) is an input the stage will not work on: a pair no translator
+can join, a resume against other settings, a translator or data folder made for something else.
+It is raised before anything on disk is touched; `refusals_exit` turns it, and a `Failure` after
+the work (checks or a gate that did not pass), into one line on stderr ("stage: why, and the fix")
+and the exit status the error carries (2 and 1), never a traceback.
 """
 
 from __future__ import annotations
@@ -17,36 +18,25 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..core.cache import CACHE_KINDS, set_default_kind
-from ..core.refresh import RefreshError
-from ..core.translator import TranslatorError
-from ..eval.itemrows import RowsError
+from ..errors import Failure, Refusal, RunRefused
 from ..eval.timing import CV_LIMIT
-from ..io import DamagedFile
-from ..train.checkpoints import CheckpointError
 from .argtypes import number, whole
-from .data import SplitIntegrityError
-from .models import PairError, add_pair_args
+from .models import add_pair_args
 from .paths import add_run_args
 from .profiles import PROFILES
-from .refusal import RunRefused
-from .report import ReportError
-from .resume import ResumeRefused
 
-REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused, DamagedFile,
-            ReportError, RefreshError, CheckpointError)
-REFUSED_STATUS = 2
 INTERRUPTED_STATUS = 130  # a stage ended by Ctrl-C exits with the shell's status for it (128 + SIGINT)
 
 
-def refuse(stage: str, message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank refuses alike; one line is enough
+def say(stage: str, message: str) -> None:
+    """One line on stderr, from one process: under torchrun every rank ends alike."""
+    if os.environ.get("RANK", "0") == "0":
         print(f"{stage}: {message}", file=sys.stderr)
-    raise SystemExit(REFUSED_STATUS)
 
 
 def refusals_exit(stage: str, resumable: bool = False) -> Callable:
-    """Decorator for a stage's main(): a refusal becomes one line and exit status 2, Ctrl-C one line
-    and status 130 (saying that --resume goes on, for a `resumable` stage), and the run locks the
+    """Decorator for a stage's main(): a `Refusal` (exit 2) or a `Failure` (exit 1) becomes one line, Ctrl-C one
+    line and status 130 (saying that --resume goes on, for a `resumable` stage), and the run locks the
     stage took (`lock_run`) are released when it returns or fails. A stage run inside another
     (ablate's and frontier's cells) passes Ctrl-C on to the outer one, which stops as a whole."""
 
@@ -58,15 +48,14 @@ def refusals_exit(stage: str, resumable: bool = False) -> Callable:
             _depth += 1
             try:
                 return fn(*args, **kwargs)
-            except REFUSALS as e:
-                refuse(stage, str(e))
+            except (Refusal, Failure) as e:
+                say(stage, str(e))
+                raise SystemExit(e.status) from None
             except KeyboardInterrupt:
                 if _depth > 1:  # an inner stage: the interrupt belongs to the stage that runs it
                     raise
-                if os.environ.get("RANK", "0") == "0":
-                    print(f"{stage}: interrupted; every file it wrote is whole (writes are atomic)"
-                          + ("; run the same command with --resume to go on from where it stopped" if resumable
-                             else ""), file=sys.stderr)
+                say(stage, "interrupted; every file it wrote is whole (writes are atomic)"
+                    + ("; run the same command with --resume to go on from where it stopped" if resumable else ""))
                 raise SystemExit(INTERRUPTED_STATUS) from None
             finally:
                 _depth -= 1
@@ -178,14 +167,14 @@ def add_task_data_args(parser) -> None:
     parser.add_argument("--resume", action="store_true", help="keep finished cells whose key matches; refuse changed ones")
 
 
-def generative_tasks(stage: str, args) -> tuple[str, ...]:
+def generative_tasks(args) -> tuple[str, ...]:
     """The tasks not skipped, each refused unless its prepared data exists (the message names how to prepare it)."""
     tasks = tuple(t for t in GENERATIVE_TASKS if t not in args.skip_tasks)
     for t in tasks:
         if not (Path(args.data_root) / t / "manifest.json").is_file():
             how = "ifeval.py --prepare" if t == "ifeval" else "task_eval.py --task gsm8k --prepare"
-            raise SystemExit(f"{stage}: no prepared {t} data under {args.data_root}/{t}: prepare it ({how}) "
-                             f"or pass --skip-tasks {t}")
+            raise Refusal(f"no prepared {t} data under {args.data_root}/{t}: prepare it ({how}) "
+                          f"or pass --skip-tasks {t}")
     return tasks
 
 

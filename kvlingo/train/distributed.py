@@ -25,7 +25,7 @@ from typing import Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..run.refusal import RunRefused
+from ..errors import RunRefused
 
 T = TypeVar("T")
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..run.argtypes import number, whole
-from ..run.refusal import RunRefused
+from ..errors import RunRefused
 
 GIB = 1024 ** 3
 RESERVE = {"cuda": 1.0 * GIB, "mps": 1.0 * GIB, "cpu": 1.0 * GIB}  # runtime outside the tensors, per process

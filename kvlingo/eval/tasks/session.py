@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from ...core.handoff import stop_ids
 from ...core.translator import load_translator, read_manifest
+from ...errors import Refusal
 from ...io import sha256_file
 from ...run import resume
 from ...run.models import load_pair, pair_config_from_args
@@ -50,13 +51,13 @@ def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None
                     "(target from the last prompt token alone) paths, which double the generation work")
 
 
-def prepare_and_exit(data: HubData, args, stage: str) -> None:
+def prepare_and_exit(data: HubData, args) -> None:
     """`--prepare`: copy or fetch the data set into DATA_ROOT/<name>/, say so, and stop."""
     writable(Path(args.data_root) / data.name, "--data-root")  # before the data is read or fetched
     try:
         manifest = prepare_data(data, args.data_root, args.source)
     except ValueError as e:
-        raise SystemExit(f"{stage}: {e}") from None
+        raise Refusal(str(e)) from None
     print(f"wrote {manifest['rows']} {data.name} rows to {Path(args.data_root) / data.name} ({manifest['origin']})")
 
 
