@@ -38,7 +38,8 @@ from tqdm import tqdm
 from kvlingo.eval import stats, timing
 from kvlingo.eval.perf import perf_at_length, reached, set_limit
 from kvlingo.core import linear
-from kvlingo.core.translator import FAMILIES, Geometry, TranslatorError
+from kvlingo.core.families import FAMILIES
+from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.eval.roofline import Peaks, measure_peaks, raise_to_reached
 from kvlingo.eval.shapes import RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, translator_at
 from kvlingo.errors import Refusal

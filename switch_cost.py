@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvlingo.core.handoff import as_ids
-from kvlingo.core.translator import load_translator
+from kvlingo.core.folder import load_translator
 from kvlingo.eval import timing
 from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_bytes, sha256_file

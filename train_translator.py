@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvlingo.core.translator import (FAMILIES, MANIFEST_FILE, check_expected, load_state, read_manifest,
-                                     save_translator, state_bytes)
-from kvlingo.core.translator import build as build_translator
+from kvlingo.core.families import FAMILIES
+from kvlingo.core.folder import MANIFEST_FILE, check_expected, load_state, read_manifest, save_translator, state_bytes
+from kvlingo.core.folder import build as build_translator
 from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_bytes, sha256_file, sha256_json
 from kvlingo.run import resume

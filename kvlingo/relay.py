@@ -35,7 +35,8 @@ import torch
 from .core.cache import Capture, build_cache
 from .core.handoff import capture_source, greedy_generate, stop_ids, translate
 from .core.refresh import Refresh
-from .core.translator import Geometry, Translator, TranslatorError, check_expected, load_translator, read_manifest
+from .core.folder import check_expected, load_translator, read_manifest
+from .core.translator import Geometry, Translator, TranslatorError
 from .run.evidence import Gate, Verdict, judge
 from .run.export import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_name, read_export
 from .run.models import Pair, load_pair, render_ids, resolve_pair

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvlingo.core.headwise import Headwise
+from kvlingo.core.families.headwise import Headwise
 from kvlingo.core.translator import Geometry
 from kvlingo.eval.shapes import QWEN3_ARCH, arch_config, flop_ceiling, meta_model, prefill_flops, qwen3_config
 

@@ -20,8 +20,9 @@ from kvlingo.eval import quality, timing
 from kvlingo.eval.controls import native_controls, tolerances_for
 from kvlingo.core.fit import NormalEquations
 from kvlingo.core.handoff import as_ids, prefill
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import Geometry, save_translator
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.folder import save_translator
+from kvlingo.core.translator import Geometry
 from kvlingo.run.models import ModelSpec, load_model, load_tokenizer, render_ids
 from kvlingo.io import read_json, read_jsonl, sha256_file
 from kvlingo.core.cache import capture

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kvlingo.core import attention
 from kvlingo.core.cache import capture, continue_from, run_with_cache
-from kvlingo.core.crosslayer import CrossHead
+from kvlingo.core.families.crosslayer import CrossHead
 from kvlingo.core.handoff import can_defer_values, greedy_generate, translate_to_cache
 from kvlingo.core.preallocated import Deferred
 from kvlingo.core.refresh import Refresh

@@ -17,8 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import Geometry, load_state
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.folder import load_state
+from kvlingo.core.translator import Geometry
 from kvlingo.io import read_json
 from kvlingo.run.data import read_split
 from kvlingo.run.profiles import get_profile

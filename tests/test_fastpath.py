@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlingo.core import attention, fused, graphs, linear
+from kvlingo.core import attention, engine, fused, graphs, linear
 from kvlingo.core.cache import build_cache, capture, continue_from, empty_cache, run_with_cache
 from kvlingo.core.handoff import greedy_generate, translate, translate_to_cache
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import FAST_BF16_TOLERANCE, Geometry
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.engine import FAST_BF16_TOLERANCE
+from kvlingo.core.translator import Geometry
 from kvlingo.eval import timing
 from kvlingo.run.models import ModelSpec, load_model
 
@@ -349,7 +350,7 @@ def test_translation_straight_into_cache_equals_translate_then_build(models):
 
 @pytest.mark.parametrize("key_space", ["prenorm", "cache"])
 def test_token_tiles_of_norm_and_rope_give_the_same_bits(models, monkeypatch, key_space):
-    from kvlingo.core import translator as tr
+    from kvlingo.core import engine
 
     source, target = models["large", torch.float32], models["small", torch.float32]
     maps = Headwise(Geometry.of(source, target), key_space).bind(source, target)
@@ -358,8 +359,8 @@ def test_token_tiles_of_norm_and_rope_give_the_same_bits(models, monkeypatch, ke
         cap = capture(source, _ids(23, target.config.vocab_size, 11))
         whole = [maps(cap, dtype, chunk_elements=1) for dtype in (torch.float32, torch.bfloat16)]
         per_token = target.config.num_key_value_heads * target.config.head_dim
-        monkeypatch.setitem(tr.TILE_ELEMENTS, "cpu", 5 * per_token)  # 5-token tiles, the last one of 3
-        assert maps.chunk_tokens(23, "cpu") == 5
+        monkeypatch.setitem(engine.TILE_ELEMENTS, "cpu", 5 * per_token)  # 5-token tiles, the last one of 3
+        assert engine.chunk_tokens(maps, 23, "cpu") == 5
         tiled = [maps(cap, dtype, chunk_elements=1) for dtype in (torch.float32, torch.bfloat16)]
     for a, b in zip(whole, tiled):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -383,13 +384,13 @@ def test_bf16_fast_translation_within_tolerance_of_fp32_maths(models):
             for layer in range(ref.shape[0]):
                 bound = FAST_BF16_TOLERANCE * ref[layer].float().abs().max().item()
                 assert (got[layer].float() - ref[layer].float()).abs().max().item() <= bound
-    assert maps.compute_dtype(torch.float32, "fast") == torch.float32  # FP32 runs keep FP32 inputs (TF32 on CUDA)
+    assert engine.compute_dtype(maps, torch.float32, "fast") == torch.float32  # FP32 runs keep FP32 inputs (TF32 on CUDA)
 
 
 @pytest.mark.parametrize("settings", [{"k": 1, "pairing": "proportional"}, {"k": 2, "rank": 8}])
 def test_bf16_fast_crosslayer_within_tolerance_of_fp32_maths(models, settings):
     """The default families (cross-head, cross-layer at a rank) take the fast path too: within the same bound."""
-    from kvlingo.core.crosslayer import CrossLayer
+    from kvlingo.core.families.crosslayer import CrossLayer
 
     source, target = models["large", torch.bfloat16], models["small", torch.bfloat16]
     ids = _ids(40, target.config.vocab_size, 5)
@@ -402,7 +403,7 @@ def test_bf16_fast_crosslayer_within_tolerance_of_fp32_maths(models, settings):
         exact = maps(cap, torch.bfloat16, precision="fp32")
         cache = empty_cache(target, ids.shape[1], 3, torch.bfloat16)
         fast = maps(cap, precision="fast", out=cache.context(ids.shape[1]))
-    assert maps.compute_dtype(torch.bfloat16, "fast") == torch.bfloat16
+    assert engine.compute_dtype(maps, torch.bfloat16, "fast") == torch.bfloat16
     for ref, got in zip(exact, fast):
         assert got.dtype == torch.bfloat16 and not torch.equal(ref, got)  # the BF16 matmuls really ran
         for layer in range(ref.shape[0]):
@@ -481,7 +482,7 @@ def test_fast_fused_finish_reads_the_narrow_map_output_and_matches_fast(models, 
     """`fast-fused` (BF16 maps, compiled finish): the kernel reads the BF16 key map itself, so no FP32 staging
     chunk is taken; keys within fused.TOLERANCE plus one BF16 rounding of `fast` and within FAST_BF16_TOLERANCE of
     `fp32`; values the same bits as `fast`'s."""
-    from kvlingo.core import translator as T
+    from kvlingo.core import engine as T
 
     source, target = models["large", torch.float32], models["small", torch.float32]
     ids = _ids(40, target.config.vocab_size, 21)
@@ -502,7 +503,7 @@ def test_fast_fused_finish_reads_the_narrow_map_output_and_matches_fast(models, 
         pytest.skip(f"torch.compile cannot build the fused kernel here: {state['failure']}")
     assert state["compiled_shapes"] == 1 and state["skipped_chunks"] == 0  # the compiled kernel ran
     assert "low" in taken and "yk" not in taken  # BF16 map output only: no FP32 staging of the keys
-    assert maps.compute_dtype(torch.bfloat16, "fast-fused") == torch.bfloat16
+    assert engine.compute_dtype(maps, torch.bfloat16, "fast-fused") == torch.bfloat16
     assert torch.equal(got[1], fast[1])
     for layer in range(exact[0].shape[0]):
         ref, eager = exact[0][layer].float(), fast[0][layer].float()
@@ -513,7 +514,7 @@ def test_fast_fused_finish_reads_the_narrow_map_output_and_matches_fast(models, 
 
 
 def test_fast_precision_follows_the_device_and_the_fuse_keys_switch():
-    from kvlingo.core.translator import fast_precision
+    from kvlingo.eval.timing import fast_precision
 
     assert [fast_precision("cuda", f) for f in (None, True, False)] == ["fast", "fast-fused", "fast"]
     assert [fast_precision("cpu", f) for f in (None, True, False)] == ["fused", "fused", "fp32"]
@@ -536,7 +537,7 @@ def test_family_without_fast_paths_keeps_fp32_maths_and_contiguous_scratch(model
         cap = capture(source, _ids(20, target.config.vocab_size, 8))
         cache = empty_cache(target, 20, 4)
         maps(cap, precision="fast", out=cache.context(20))
-        assert maps.compute_dtype(torch.bfloat16, "fast") == torch.float32
+        assert engine.compute_dtype(maps, torch.bfloat16, "fast") == torch.float32
         assert torch.equal(cache.context(20)[1], Headwise.map(maps, 1, cap, slice(None)))
 
 

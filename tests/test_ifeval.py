@@ -12,8 +12,9 @@ import torch
 import ifeval
 from kvlingo.eval.tasks import grader
 from kvlingo.eval.itemrows import read_rows
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import Geometry, save_translator
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.folder import save_translator
+from kvlingo.core.translator import Geometry
 from kvlingo.run.models import ModelSpec, load_model
 from kvlingo.io import read_json
 

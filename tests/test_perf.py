@@ -75,7 +75,7 @@ def test_flop_ceilings_of_every_family_for_a_preset_pair(tmp_path, capsys):
     """--large/--small name preset shapes; families that cannot map the geometry say why, the others get a row
     per length whose ceiling is re-prefill ÷ translation FLOPs (the same numbers perf's timing rows use)."""
     import perf
-    from kvlingo.core.translator import FAMILIES
+    from kvlingo.core.families import FAMILIES
 
     perf.main(["--large", "Qwen/Qwen3-4B", "--small", "Qwen/Qwen3-0.6B", "--flops-only", "--lengths", "1024", "4096",
                "--results", str(tmp_path)])

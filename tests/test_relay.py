@@ -26,7 +26,8 @@ import ifeval
 from kvlingo import Relay
 from kvlingo.core.handoff import stop_ids
 from kvlingo.core.refresh import Refresh
-from kvlingo.core.translator import Geometry, TranslatorError, build, load_state, load_translator, save_translator
+from kvlingo.core.folder import build, load_state, load_translator, save_translator
+from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.eval.itemrows import read_rows
 from kvlingo.eval.tasks import grader
 from kvlingo.eval.tasks.generate import generate

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import task_eval
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import Geometry, TranslatorError, load_translator, save_translator
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.folder import load_translator, save_translator
+from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.eval.itemrows import ItemRows, RowsError, read_rows
 from kvlingo.eval.tasks.parsers import parse_choice, parse_gold_number, parse_number, score
 from kvlingo.eval.tasks.prompts import arc_item, gsm8k_item, plain_ids, user_prompt_ids

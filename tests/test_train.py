@@ -23,8 +23,9 @@ import torch
 
 from kvlingo.core.cache import capture
 from kvlingo.core.handoff import as_ids
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import Geometry, load_state, load_translator, read_manifest
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.folder import load_state, load_translator, read_manifest
+from kvlingo.core.translator import Geometry
 from kvlingo.core.rope import RopeCache
 from kvlingo.run.models import ModelSpec, load_model
 from kvlingo.train import checkpoints as C

@@ -16,7 +16,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
-from kvlingo.core.headwise import Headwise  # noqa: E402
+from kvlingo.core.families.headwise import Headwise  # noqa: E402
 from kvlingo.core.translator import Geometry  # noqa: E402
 from kvlingo.run.data import read_split  # noqa: E402
 from kvlingo.train import distributed  # noqa: E402

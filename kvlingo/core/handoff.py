@@ -54,7 +54,7 @@ def translate(source, translator, context_ids=None, out_dtype: torch.dtype | Non
 
     `refresh` (kvlingo.core.refresh.Refresh) has the `target` recompute part of the context
     natively on top of the translated rest; it needs the context's token ids.
-    `precision`: the translation's (`translator.PRECISIONS`; None: the device's default).
+    `precision`: the translation's (`engine.PRECISIONS`; None: fp32).
     """
     if cap is None:
         cap = capture_source(source, context_ids, [translator])

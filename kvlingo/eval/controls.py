@@ -23,7 +23,7 @@ import torch
 
 from ..core.cache import handoff_split
 from ..core.handoff import as_ids, capture_source, continue_target, device_of, translate
-from ..core.headwise import Headwise
+from ..core.families.headwise import Headwise
 from ..core.kl import token_kl, top1_agreement
 from ..core.translator import Geometry
 from ..run.models import dtype_name

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from ..core import fused, linear
+from ..core import engine, fused, linear
+from ..core.engine import FUSED
 from ..core.handoff import prefill
-from ..core.translator import FUSED, Translator, fast_precision
+from ..core.translator import Translator
 from . import timing
 from .roofline import Peaks, handoff_work, limits_at, translation_flops
+from .timing import fast_precision
 
 
 def random_ids(vocab: int, n: int, seed: int, device) -> torch.Tensor:
@@ -51,9 +53,9 @@ def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, prec
         held.clear()
         return {"measured": True, "peak_extra_bytes": peak, "target_cache_bytes": cache_bytes,
                 "ratio_to_cache": peak / cache_bytes}
-    step = translator.chunk_layers(T, device)
-    tile = translator.chunk_tokens(T, device, step)
-    n_chunks = translator.scratch_chunks(out_dtype, precision, tile / T)  # scratch reused by every chunk
+    step = engine.chunk_layers(translator, T, device)
+    tile = engine.chunk_tokens(translator, T, device, step)
+    n_chunks = engine.scratch_chunks(translator, out_dtype, precision, tile / T)  # scratch reused by every chunk
     temps = int(n_chunks * step * H * T * d_out * 4)
     output = "the keys of one target cache" if defer_values else "one target cache"
     return {"measured": False, "bound_extra_bytes": output_bytes + temps, "target_cache_bytes": cache_bytes,

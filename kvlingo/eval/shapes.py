@@ -114,7 +114,8 @@ def translator_at(family: str, settings: dict, source_cfg, target_cfg, key_space
     carried over from a target of width `from_width` (kv_heads · head_dim) when given."""
     from dataclasses import asdict
 
-    from ..core.translator import Geometry, build
+    from ..core.folder import build
+    from ..core.translator import Geometry
 
     geometry = Geometry.of(source_cfg, target_cfg)
     width = geometry.target_kv_heads * geometry.target_head_dim

@@ -44,13 +44,26 @@ import torch
 from ..core import graphs, linear
 from ..core.cache import Capture, build_cache, default_kind, empty_cache, run_with_cache
 from ..core.handoff import can_defer_values, device_of, prefill, refreshing, translate, translate_to_cache
-from ..core.translator import Translator, fast_precision
+from ..core.translator import Translator
 from .stats import cv, median, ratio_of_medians_interval
 
 PATHS = ("target_reprefill", "source_cache_handoff", "source_prefill_handoff", "target_cache_continue")
 STAGES = ("translate", "build_cache", "new_turn")  # the pieces of source_cache_handoff, timed apart
 MODES = ("shipped", "optimised")
 CV_LIMIT = 0.10  # a timing whose trials vary more than this (SD / mean) is flagged as noisy
+
+
+def fast_precision(device, fuse_keys: bool | None = None) -> str:
+    """The precision an optimised handoff translates in (kvlingo.core.engine): `fast` on CUDA (tensor cores),
+    `fused` on a CPU (FP32 maths, the keys' finish compiled: a CPU run's re-prefill baseline is FP32 too),
+    `fp32` elsewhere. `fuse_keys` True or False asks for the compiled finish or not (CUDA: `fast-fused` or
+    `fast`; CPU: `fused` or `fp32`); None takes the default."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "fast-fused" if fuse_keys else "fast"
+    if kind == "cpu":
+        return "fp32" if fuse_keys is False else "fused"
+    return "fp32"
 
 
 # --------------------------------------------------------------------------- primitives

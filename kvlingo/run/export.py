@@ -8,7 +8,7 @@
                       revisions or local weights digests, tokenizer digest, the dtype it was measured
                       in), its training provenance, and the sha256 of maps.safetensors and evidence.json
 
-config.json carries every field the one loader (`core.translator.load_translator`) reads from a
+config.json carries every field the one loader (`core.folder.load_translator`) reads from a
 manifest, so an exported folder loads through it unchanged. A re-export first removes config.json:
 a folder caught half-written is never taken for a complete one.
 """
@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..core.translator import MANIFEST_FILE, MAPS_FILE, TranslatorError, read_manifest, same_model
+from ..core.folder import MANIFEST_FILE, MAPS_FILE, read_manifest, same_model
+from ..core.translator import TranslatorError
 from ..io import (DamagedFile, atomic_write_bytes, atomic_write_json, atomic_write_text, not_ours, read_json,
                   sha256_bytes, sha256_file)
 from .evidence import EvidenceError, Verdict, collect, judge

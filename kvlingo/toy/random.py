@@ -11,8 +11,9 @@ from dataclasses import asdict
 
 import torch
 
-from ..core.headwise import Headwise
-from ..core.translator import Geometry, build
+from ..core.families.headwise import Headwise
+from ..core.folder import build
+from ..core.translator import Geometry
 from ..eval.shapes import RANDOM_PAIRS, arch_config, meta_model
 
 

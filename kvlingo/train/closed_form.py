@@ -33,13 +33,13 @@ import torch
 from ..core.cache import capture
 from ..core.fit import NormalEquations
 from ..core.handoff import as_ids
-from ..core.translator import Translator
+from ..core.translator import LinearFamily
 from .distributed import SINGLE, World
 from .ranking import rank_layers
 from .weighting import FIT_WEIGHTINGS, attention_fit_weights, capture_with_queries, scored_attention
 
 
-def normal_equations(source, target, translator: Translator, rows: list[dict], weighting: str = "uniform",
+def normal_equations(source, target, translator: LinearFamily, rows: list[dict], weighting: str = "uniform",
                      progress: Callable | None = None) -> NormalEquations:
     """The FP64 normal equations of `translator`'s least-squares blocks over all of `rows` (not yet solved).
 
@@ -54,7 +54,7 @@ def normal_equations(source, target, translator: Translator, rows: list[dict], w
     return ne
 
 
-def fit_closed_form(source, target, translator: Translator, rows: list[dict], weighting: str = "uniform",
+def fit_closed_form(source, target, translator: LinearFamily, rows: list[dict], weighting: str = "uniform",
                     ridge: float | str = 0.0, progress: Callable | None = None, held_out_every: int = 5,
                     world: World = SINGLE) -> dict[str, Any]:
     """FP64 least squares of `translator` (bound to source/target) over `rows`, solved into its parameters.
@@ -65,7 +65,7 @@ def fit_closed_form(source, target, translator: Translator, rows: list[dict], we
     """
     if weighting not in FIT_WEIGHTINGS:
         raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
-    if not translator.linear:
+    if not isinstance(translator, LinearFamily):
         raise ValueError(f"the {translator.family} family has no closed form")
     stats: dict[str, Any] = {"n_conversations": len(rows), "family": translator.family,
                              "key_space": translator.key_space, "weighting": weighting, "ridge": ridge}
@@ -95,13 +95,13 @@ def fit_closed_form(source, target, translator: Translator, rows: list[dict], we
     return stats
 
 
-def _equations(translator: Translator, source) -> NormalEquations:
+def _equations(translator: LinearFamily, source) -> NormalEquations:
     L, B, d_in, d_out = translator.fit_blocks()
     device = next(source.parameters()).device
     return NormalEquations(L, B, d_in, d_out, device="cuda" if device.type == "cuda" else "cpu")
 
 
-def _accumulate(ne: NormalEquations, source, target, translator: Translator, row: dict, weighting: str) -> None:
+def _accumulate(ne: NormalEquations, source, target, translator: LinearFamily, row: dict, weighting: str) -> None:
     """Add one conversation's tokens (source design, target features, weights) to `ne`."""
     device = next(source.parameters()).device
     space, prenorm = translator.space, translator.needs_prenorm

@@ -39,7 +39,7 @@ RESUME_SAFE = ("settings.val_every", "settings.checkpoint_every")
 @dataclass(frozen=True)
 class TrainConfig:
     profile: str  # run profile name (data budget, updates, batch)
-    family: str  # translator family (kvlingo.core.translator.FAMILIES)
+    family: str  # translator family (kvlingo.core.families)
     family_settings: dict = field(default_factory=dict)  # the family's own settings (k, rank, base family ...)
     key_space: str = "prenorm"  # prenorm or cache: what the key maps read and write (kvlingo.core.keyspace)
     fit_weighting: str = "uniform"  # uniform, or attention: context positions weighted by the target's reply-time attention

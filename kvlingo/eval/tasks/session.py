@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...core.handoff import stop_ids
-from ...core.translator import load_translator, read_manifest
+from ...core.folder import load_translator, read_manifest
 from ...errors import Refusal
 from ...io import sha256_file
 from ...run import resume
