@@ -197,7 +197,7 @@ task: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff
 task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the native source and target
 	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(TASK_ARGS)
 
-# LARGE/SMALL given on the command line name preset shapes (kvlingo/eval/shapes.py), e.g. Qwen/Qwen3-4B.
+# LARGE/SMALL given on the command line name preset shapes (kvlingo/bench/shapes.py), e.g. Qwen/Qwen3-4B.
 perf: $(VENV)/.synced ## speed at real shapes (LARGE=Qwen/Qwen3-4B SMALL=Qwen/Qwen3-0.6B ...), random weights: FLOP ceilings of every family, then 4 paths as shipped and optimised, the physical limit, 1k/2k/4k (DIRECTION=s2l too) → results/perf/perf.json
 	$(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) \
 	  --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)

@@ -9,7 +9,7 @@ Quality arms (kvlingo/eval/quality.py): native source, native target (the refere
 closed-form, distilled, control (the translator on another conversation's cache of the same
 length) and no-context (the target reads only the last prefix token and the reply; the floor).
 Native controls (kvlingo/eval/controls.py): reconstruction and identity round trip, per test
-conversation, in every dtype of --control-dtypes. Timing (kvlingo/eval/timing.py): four paths
+conversation, in every dtype of --control-dtypes. Timing (kvlingo/bench/timing.py): four paths
 to the first-token logits of a new turn (context = prefix[:-k], new turn = the last k prefix
 tokens) on the --timing-conversations longest test prefixes.
 
@@ -30,7 +30,10 @@ from tqdm import tqdm
 
 from kvlingo.core.handoff import as_ids
 from kvlingo.core.folder import load_translator
-from kvlingo.eval import controls, quality, timing
+from kvlingo.bench import timing
+from kvlingo.bench.packing import packed
+from kvlingo.core.cache import default_kind
+from kvlingo.eval import controls, quality
 from kvlingo.errors import Refusal
 from kvlingo.io import sha256_file
 from kvlingo.run import resume
@@ -232,12 +235,15 @@ def main(argv: list[str] | None = None) -> None:
         raise Refusal(f"no test prefix is longer than --new-turn-tokens {k}; lower it")
     if timed and control_name is not None:
         contexts = []
+        trials = timing.Trials(cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
+        options = timing.PathOptions(timing.mode_for(default_kind()), refresh=args.refresh)
         for conv in tqdm(timed, desc="timing", file=sys.stderr):
             ids = as_ids(conv["prefix_ids"], pair.device)  # [1, prefix]; tokenisation stays out of the clock
-            paths_ = timing.HandoffPaths(pair.source, pair.target, translators[control_name], ids[:, :-k], ids[:, -k:],
-                                         refresh=args.refresh)
-            summaries = timing.time_paths(paths_, timing.PATHS, cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
-            breakdown = timing.time_breakdown(paths_, cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
+            with packed(pair.target, on=options.mode == "optimised"):
+                paths_ = timing.HandoffPaths(pair.source, pair.target, translators[control_name], ids[:, :-k],
+                                             ids[:, -k:], options)
+                summaries = timing.time_paths(paths_, timing.PATHS, trials)
+                breakdown = timing.time_breakdown(paths_, trials)
             contexts.append({"id": conv["id"], "context_tokens": ids.shape[1] - k, "new_turn_tokens": k,
                              "paths": summaries, "speedup": timing.speedups(summaries),
                              "speedup_interval": timing.speedup_intervals(summaries),

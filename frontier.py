@@ -28,9 +28,12 @@ from pathlib import Path
 
 import torch
 
+from kvlingo.bench import timing
+from kvlingo.bench.packing import packed
+from kvlingo.bench.shapes import real_pair_configs, translator_at
+from kvlingo.core.cache import default_kind
 from kvlingo.core.refresh import Refresh, refresh_flops
-from kvlingo.eval import timing
-from kvlingo.eval.shapes import real_pair_configs, translator_at
+from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.stats import ratio_of_medians_interval
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
 from kvlingo.run import recipe as K
@@ -40,7 +43,6 @@ from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.errors import Failure, Refusal
 from kvlingo.run.stage import (add_task_data_args, generative_tasks, lock_run, refresh_setting, refusals_exit,
                                stage_parser)
 
@@ -183,9 +185,9 @@ class Plan:
 def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: int) -> dict:
     """Re-prefill and each (run, setting)'s handoff at the real shapes with random weights (seconds), every
     trial interleaved round by round with the others (timing.time_handoffs)."""
-    from kvlingo.eval.perf import random_ids
-    from kvlingo.eval.shapes import real_settings
-    from kvlingo.toy.random import random_pair, random_translator
+    from kvlingo.bench.random_pair import random_pair, random_translator
+    from kvlingo.bench.shapes import real_settings
+    from kvlingo.bench.speed import random_ids
 
     device = cfg.pair.device
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -198,8 +200,10 @@ def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: 
         tr = random_translator(pair.source, pair.target, spec["key_space"], family=spec["family"],
                                settings=real_settings(spec["settings"], width / toy_width))
         handoffs.update({f"{run}|{setting}": (tr, Refresh.parse(setting)) for setting in cfg.settings})
-    timed = timing.time_handoffs(pair.source, pair.target, handoffs, ids[:, :T], ids[:, T:], cfg.timing_warmups,
-                                 cfg.timing_repeats)
+    mode = timing.mode_for(default_kind())
+    with packed(pair.target, on=mode == "optimised"):
+        timed = timing.time_handoffs(pair.source, pair.target, handoffs, ids[:, :T], ids[:, T:],
+                                     timing.Trials(cfg.timing_warmups, cfg.timing_repeats), mode)
     return {"tokens": T, "new_turn_tokens": k, "threads": timing.threads(), "dtype": str(dtype).removeprefix("torch."),
             "interleaved": True, **timed}
 

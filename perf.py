@@ -1,13 +1,13 @@
 """Handoff speed at real model shapes with random weights, as transformers ships and optimised, against the physical limit.
 
 Timing does not depend on weight values, so architecture-exact random Qwen3-1.7B / 0.6B
-(kvlingo/eval/shapes.py; --large/--small pick other preset shapes: Qwen3-4B/8B, Llama-3.2-1B/3B)
+(kvlingo/bench/shapes.py; --large/--small pick other preset shapes: Qwen3-4B/8B, Llama-3.2-1B/3B)
 and random maps of a translator family (--family, built through the family registry; --refresh
 for a handoff that recomputes part of the context natively) measure the real shapes without any
 download. First, from parameter counts alone, the FLOP ceilings (re-prefill FLOPs ÷ translation
 FLOPs) of every registered family at its default settings, with the reason of each family that
 cannot map the pair; --flops-only stops there (seconds, nothing built). Then, for each context
-length and each mode (kvlingo/eval/timing.py: "shipped" = transformers' DynamicCache and sdpa
+length and each mode (kvlingo/bench/timing.py: "shipped" = transformers' DynamicCache and sdpa
 attention, FP32 translation maths, eager; "optimised" = a preallocated cache the translation
 writes into, grouped-query attention without repeated K/V, the keys' norm and RoPE compiled into
 one kernel on a CPU (--fuse-keys on: on CUDA too), with head-wise maps the values left deferred on
@@ -16,7 +16,7 @@ on: on CUDA too), the maps in the run dtype and CUDA graphs on a GPU): re-prefil
 handoff from an existing source cache (translate, build the cache, run a k-token new turn), the
 handoff with the source's prefill, and the target
 continuing its own cache (raw trials, median, CV); where the handoff's time goes; the physical
-limit of the speedup from FLOPs and bytes at the device's peaks (kvlingo/eval/roofline.py:
+limit of the speedup from FLOPs and bytes at the device's peaks (kvlingo/bench/roofline.py:
 given with --peak-tflops/--peak-gbps, or measured here by a probe and then raised to the best
 rate any timed step reached, so that every floor is a lower bound on what this run timed).
 
@@ -35,14 +35,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlingo.eval import stats, timing
-from kvlingo.eval.perf import perf_at_length, reached, set_limit
+from kvlingo.bench import timing
+from kvlingo.bench.random_pair import random_pair, random_translator
+from kvlingo.bench.roofline import Peaks, measure_peaks, raise_to_reached
+from kvlingo.bench.shapes import RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, translator_at
+from kvlingo.bench.speed import perf_at_length, reached, set_limit
 from kvlingo.core import linear
 from kvlingo.core.families import FAMILIES
 from kvlingo.core.translator import Geometry, TranslatorError
-from kvlingo.eval.roofline import Peaks, measure_peaks, raise_to_reached
-from kvlingo.eval.shapes import RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, translator_at
 from kvlingo.errors import Refusal
+from kvlingo.eval import stats
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
 from kvlingo.run.argtypes import number, whole
@@ -51,7 +53,6 @@ from kvlingo.run.paths import RunPaths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, huge_pages, publish
 from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
-from kvlingo.toy.random import random_pair, random_translator
 
 SCRIPT = Path(__file__).resolve()
 SWITCH = {"auto": None, "on": True, "off": False}  # --fuse-keys, --defer-values → None (the device's default) or a bool
@@ -251,7 +252,7 @@ def deferred_note(points: list[dict]) -> str:
 
 
 def packed_note(points: list[dict]) -> str:
-    """What the optimised rows did with the target's projections on a CPU (kvlingo.core.linear.pack)."""
+    """What the optimised rows did with the target's projections on a CPU (kvlingo.bench.packing)."""
     state = points[-1]["modes"].get("optimised", {}).get("packed_linear") if points else None
     if not state:
         return ""
@@ -303,7 +304,7 @@ def pair_names(args) -> tuple[str, str]:
             try:
                 arch_config(name)
             except KeyError as e:
-                raise Refusal(f"{e.args[0]}; add its published config to kvlingo/eval/shapes.py")
+                raise Refusal(f"{e.args[0]}; add its published config to kvlingo/bench/shapes.py")
         return args.large, args.small
     return RANDOM_PAIRS[args.arch or "qwen3"]
 
@@ -395,10 +396,10 @@ def main(argv=None) -> None:
         defer = timing.defer_values_here(translator, device, args.refresh, SWITCH[cfg.defer_values])
     except ValueError as e:
         raise Refusal(f"--defer-values on: {e}")
-    points = [perf_at_length(pair.source, pair.target, translator, n, k, cfg.warmups, cfg.repeats, cfg.cv_limit,
-                             modes=cfg.modes, max_repeats=cfg.max_repeats, cuda_graphs=cfg.cuda_graphs, peaks=peaks,
-                             names=cfg.paths, refresh=args.refresh, fuse_keys=SWITCH[cfg.fuse_keys],
-                             defer_values=defer, max_seconds=cfg.max_seconds)
+    trials = timing.Trials(cfg.warmups, cfg.repeats, cfg.cv_limit, cfg.max_repeats, cfg.max_seconds)
+    options = timing.PathOptions(cuda_graphs=cfg.cuda_graphs, fuse_keys=SWITCH[cfg.fuse_keys], defer_values=defer,
+                                 refresh=args.refresh)
+    points = [perf_at_length(pair.source, pair.target, translator, n, k, trials, options, cfg.modes, cfg.paths, peaks)
               for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)]
     # measured peaks never stay below a rate this run's own steps reached (given ones are kept as given)
     peaks = raise_to_reached(probe, reached(points), flops=not args.peak_tflops, memory=not args.peak_gbps)

@@ -29,7 +29,9 @@ from tqdm import tqdm
 
 from kvlingo.core.handoff import as_ids
 from kvlingo.core.folder import load_translator
-from kvlingo.eval import timing
+from kvlingo.bench import timing
+from kvlingo.bench.packing import packed
+from kvlingo.core.cache import default_kind
 from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
@@ -165,11 +167,14 @@ def main(argv: list[str] | None = None) -> None:
     translator = load_translator(folder, pair)[0]
 
     points, noisy = [], []
+    trials = timing.Trials(cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
+    options = timing.PathOptions(timing.mode_for(default_kind()), refresh=args.refresh)
     for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr):
         ids = as_ids(stream[:n + k], pair.device)  # [1, n + k]
-        handoff = timing.HandoffPaths(pair.source, pair.target, translator, ids[:, :n], ids[:, n:],
-                                      need=tuple(PATHS.values()), refresh=args.refresh)
-        timed = timing.time_paths(handoff, list(PATHS.values()), cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
+        with packed(pair.target, on=options.mode == "optimised"):
+            handoff = timing.HandoffPaths(pair.source, pair.target, translator, ids[:, :n], ids[:, n:], options,
+                                          need=tuple(PATHS.values()))
+            timed = timing.time_paths(handoff, list(PATHS.values()), trials)
         summaries = {label: timed[name] for label, name in PATHS.items()}  # trials interleaved round by round
         points.append({"context_tokens": n, "new_turn_tokens": k, "paths": summaries,
                        "speedup": timing.speedups(summaries, "re_reading")["switching"],

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlingo.eval import quality, timing
+from kvlingo.bench import timing
+from kvlingo.eval import quality
 from kvlingo.eval.controls import native_controls, tolerances_for
 from kvlingo.core.fit import NormalEquations
 from kvlingo.core.handoff import as_ids, prefill
@@ -187,7 +188,7 @@ def test_timing_paths_agree_and_keep_raw_trials(setup):
     for name in ("keys", "values", "prenorm"):
         assert torch.equal(getattr(ref, name), getattr(lean, name))
     assert torch.allclose(ref.logits[-1:], lean.logits, atol=1e-5)  # one-row vs many-row GEMM rounding
-    summaries = timing.time_paths(paths, timing.PATHS, warmups=1, repeats=4)
+    summaries = timing.time_paths(paths, timing.PATHS, timing.Trials(warmups=1, repeats=4))
     for s in summaries.values():
         assert len(s["trials_s"]) == 4 and all(t > 0 for t in s["trials_s"])
         assert s["median_s"] == statistics.median(s["trials_s"])
@@ -196,7 +197,7 @@ def test_timing_paths_agree_and_keep_raw_trials(setup):
     assert sp["source_cache_handoff"] == summaries["target_reprefill"]["median_s"] / summaries["source_cache_handoff"]["median_s"]
     intervals = timing.speedup_intervals(summaries)
     assert set(intervals) == set(sp) and all(lo <= sp[name] <= hi for name, (lo, hi) in intervals.items())
-    br = timing.time_breakdown(paths, warmups=0, repeats=3)
+    br = timing.time_breakdown(paths, timing.Trials(warmups=0, repeats=3))
     assert list(br) == list(timing.STAGES) and all(len(s["trials_s"]) == 3 for s in br.values())
     assert timing.summarize([1.0, 1.0, 1.3], cv_limit=0.1)["noisy"] and not timing.summarize([1.0, 1.01], 0.1)["noisy"]
 

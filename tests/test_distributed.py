@@ -152,7 +152,7 @@ def test_more_ranks_than_conversations_is_refused(tiny_pair_paths):
 
 
 def test_paper_budget_estimate_on_h100():
-    """The planned figures the README quotes: real Qwen3 shapes (kvlingo.eval.shapes), no download."""
+    """The planned figures the README quotes: real Qwen3 shapes (kvlingo.bench.shapes), no download."""
     one = E.main(["--profile", "paper-budget", "--gpu", "H100", "--nproc", "1"])
     eight = E.main(["--profile", "paper-budget", "--gpu", "H100", "--nproc", "8"])
     assert one.fits and one.peak_bytes == eight.peak_bytes  # memory per rank does not depend on N

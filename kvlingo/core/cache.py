@@ -9,8 +9,7 @@ Two kinds of cache (`CACHE_KINDS`), both on transformers' public cache interface
   capacity, head_dim] hold the context and leave room for what follows. A translator writes
   the context straight into them, a new turn's K/V go in place after it, and attention reads
   views of the filled part with grouped-query attention that never repeats K/V
-  (kvlingo.core.attention); on a CPU a few rows' projections are split across threads, and
-  a model given oneDNN-packed weights (`linear.pack`) runs every projection on them
+  (kvlingo.core.attention); on a CPU a few rows' projections are split across threads
   (kvlingo.core.linear). Logits equal DynamicCache's to rounding. A translation may leave
   the context's values deferred (the source's values plus the head-wise value maps, which
   attention applies to a few query rows instead of every context token).

@@ -24,7 +24,7 @@ in position order, so everything after a handoff is unchanged.
 
 Costs (`refresh_flops`): dense FLOPs (2 × parameters touched per token) plus attention
 (4 × query heads × head_dim per query-key pair) of what the target recomputes, and the
-translator's FLOPs for what it translates; `kvlingo.eval.shapes` prices them at the real shapes.
+translator's FLOPs for what it translates; `kvlingo.bench.shapes` prices them at the real shapes.
 """
 
 from __future__ import annotations

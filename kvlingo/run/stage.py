@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from ..core.cache import CACHE_KINDS, set_default_kind
 from ..errors import Failure, Refusal, RunRefused
-from ..eval.timing import CV_LIMIT
+from ..bench.timing import CV_LIMIT
 from .argtypes import number, whole
 from .models import add_pair_args
 from .paths import add_run_args

@@ -336,7 +336,7 @@ def main(argv=None) -> Estimate:
     from ..core.families import FAMILIES
     from ..core.folder import build
     from ..core.translator import Geometry
-    from ..eval.shapes import QWEN3_ARCH
+    from ..bench.shapes import QWEN3_ARCH
     from ..run.models import LARGE_ID, SMALL_ID, ModelSpec, pair_specs, resolve_device, resolve_dtype
     from ..run.profiles import PROFILES, get_profile
     from .config import resolve_family

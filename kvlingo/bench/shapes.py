@@ -1,7 +1,7 @@
 """Real model shapes (architecture-exact configs) and FLOP counts at those shapes.
 
 Timing does not depend on weight values, so `make perf` measures speed at the real models'
-shapes with random weights (kvlingo.toy.random) without downloading anything. The values
+shapes with random weights (kvlingo.bench.random_pair) without downloading anything. The values
 below are the published config.json files of the pinned checkpoints
 (kvlingo.run.models.PINNED_REVISIONS); tests/test_arch.py checks each against its model
 card's parameter count. Llama 3.2 uses the llama3 RoPE schedule (factor 32 over 8,192
