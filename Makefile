@@ -169,7 +169,7 @@ train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, r
 	$(TRAIN_PY) train_translator.py $(PAIR_FLAGS) $(TRAIN_ARGS)
 
 estimate: $(VENV)/.synced ## peak memory per rank and time per update of PROFILE's distillation (NPROC=8 GPU=H100)
-	$(PY) -m kvlingo.train.estimate --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) \
+	$(PY) estimate.py --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) \
 	  --dtype $(DTYPE) --nproc $(NPROC) --device $(DEVICE) $(if $(GPU),--gpu $(GPU))
 
 benchmark: $(VENV)/.synced ## KL/perplexity rows, native controls, four timing paths → results/RUN/benchmark.json
@@ -210,7 +210,7 @@ export: $(VENV)/.synced ## the run's translator, its evidence and a model card �
 	$(PY) export.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN)) $(EXPORT_ARGS)
 
 summary: $(VENV)/.synced ## one table of the run's reports → results/RUN/summary.md
-	$(PY) -m kvlingo.eval.summary --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))
+	$(PY) summary.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))
 
 ablate: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## every translator family on the same budget, default chosen on validation KL → results/PROFILE-DIRECTION-ablate/ablation.{json,md,png} (both directions)
 	$(MAKE) prepare

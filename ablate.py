@@ -1,6 +1,6 @@
 """Ablate the translator: every family and setting on the same splits and budget, and the default chosen on validation.
 
-For each setting in kvlingo/run/ablation.py: train (closed form, then distillation at the
+For each setting in kvlingo/drive/ablation.py: train (closed form, then distillation at the
 profile's budget), benchmark the test split, IFEval and GSM8K after a prompt handoff (with the
 native rows scored once and shared). The two settings with the lowest validation KL are
 trained again with a longer budget. Every step is a resumable cell (the recipe's ledger): a
@@ -18,18 +18,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvlingo.drive import ablation as A
+from kvlingo.drive import cells as K
+from kvlingo.drive.ledger import LEDGER_FILE
+from kvlingo.drive.stage import add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
+from kvlingo.errors import Failure, Refusal
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
-from kvlingo.run import ablation as A
-from kvlingo.run import recipe as K
 from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig, pair_config_from_args
 from kvlingo.run.paths import RunPaths, default_data, default_run
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.ledger import LEDGER_FILE
-from kvlingo.errors import Failure, Refusal
-from kvlingo.run.stage import add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": "train_translator.py", "benchmark": "benchmark.py", "ifeval": "ifeval.py", "task": "task_eval.py"}
@@ -40,7 +40,7 @@ class AblationConfig:
     run: str  # cells live under ARTIFACTS/RUN/<setting> and RESULTS/RUN/<setting>
     profile: str  # profile passed to every stage (budget, splits, evaluation sizes)
     data: str  # prepared chat data
-    settings: tuple[str, ...]  # the settings run (kvlingo/run/ablation.py SETTINGS)
+    settings: tuple[str, ...]  # the settings run (kvlingo/drive/ablation.py SETTINGS)
     long_factor: int  # the best two settings are trained again for this many × the profile's updates
     eval_root: str  # prepared IFEval and GSM8K data root
     tasks: tuple[str, ...]  # generative evaluations run per setting (ifeval, gsm8k)

@@ -28,13 +28,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlingo.core.handoff import as_ids
-from kvlingo.core.folder import load_translator
 from kvlingo.bench import timing
 from kvlingo.bench.packing import packed
 from kvlingo.core.cache import default_kind
-from kvlingo.eval import controls, quality
+from kvlingo.core.folder import load_translator
+from kvlingo.core.handoff import as_ids
+from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Refusal
+from kvlingo.eval import controls, quality
 from kvlingo.io import sha256_file
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
@@ -43,7 +44,6 @@ from kvlingo.run.models import PairConfig, dtype_name, load_model, load_pair, pa
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_interval, fmt_pm, fmt_table, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 

@@ -12,18 +12,18 @@ RESULTS/RUN/ifeval.json; writes to --out (default ARTIFACTS/RUN/export/):
 
 Reports that scored other maps or another pair are refused before anything is written (exit 2).
 A translator that fails the gate is still exported, and its card says so; `Relay.load` refuses
-it unless told `allow_unproven=True`. The layout and the gate: kvlingo/run/export.py, evidence.py.
+it unless told `allow_unproven=True`. The layout and the gate: kvlingo/run/exported.py, evidence.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvlingo.run.export import CONFIG_FILE, gather, write_export
+from kvlingo.drive.stage import refusals_exit, stage_parser
+from kvlingo.run.exported import CONFIG_FILE, gather, write_export
 from kvlingo.run.models import DIRECTIONS
 from kvlingo.run.paths import TRANSLATORS, add_run_args, run_paths, writable
 from kvlingo.run.profiles import PROFILES
-from kvlingo.run.stage import refusals_exit, stage_parser
 
 
 def parse_args(argv=None):

@@ -33,18 +33,18 @@ from kvlingo.bench.packing import packed
 from kvlingo.bench.shapes import real_pair_configs, translator_at
 from kvlingo.core.cache import default_kind
 from kvlingo.core.refresh import Refresh, refresh_flops
+from kvlingo.drive import cells as K
+from kvlingo.drive.stage import (add_task_data_args, generative_tasks, lock_run, refresh_setting, refusals_exit,
+                               stage_parser)
 from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.stats import ratio_of_medians_interval
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
-from kvlingo.run import recipe as K
 from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig, pair_config_from_args
 from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import (add_task_data_args, generative_tasks, lock_run, refresh_setting, refusals_exit,
-                               stage_parser)
 
 ROOT = Path(__file__).resolve().parent
 SETTINGS = ("none", "tail:10%", "tail:25%", "tail:50%", "layers:25%", "layers:50%", "layers:75%",

@@ -25,21 +25,21 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from kvlingo.drive.session import Session, add_eval_args, control_paths, prepare_and_exit
+from kvlingo.drive.stage import lock_run, refusals_exit
+from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import paired_accuracy
 from kvlingo.eval.tasks import grader
 from kvlingo.eval.tasks.data import IFEVAL, load_data
 from kvlingo.eval.tasks.generate import answer_text, control_partner, generate
 from kvlingo.eval.tasks.prompts import user_prompt_ids
-from kvlingo.eval.tasks.session import Session, add_eval_args, control_paths, prepare_and_exit
-from kvlingo.errors import Failure, Refusal
 from kvlingo.io import atomic_write_text, sha256_json
 from kvlingo.run import resume
 from kvlingo.run.models import PairConfig
 from kvlingo.run.paths import run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table
-from kvlingo.run.stage import lock_run, refusals_exit
 
 SCRIPT = Path(__file__).resolve()
 EPILOG = """examples:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 
+from kvlingo.drive.stage import lock_run, refusals_exit
 from kvlingo.errors import Refusal
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import NEMOTRON, HubSource, load_tokenizer, prepare
 from kvlingo.run.profiles import PROFILES, get_profile
 from kvlingo.run.report import fmt_table
-from kvlingo.run.stage import lock_run, refusals_exit
 
 EPILOG = """examples:
   # offline, from a local JSONL in Nemotron chat format

@@ -43,6 +43,7 @@ from kvlingo.bench.speed import perf_at_length, reached, set_limit
 from kvlingo.core import linear
 from kvlingo.core.families import FAMILIES
 from kvlingo.core.translator import Geometry, TranslatorError
+from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Refusal
 from kvlingo.eval import stats
 from kvlingo.io import atomic_write_bytes, sha256_file
@@ -52,7 +53,6 @@ from kvlingo.run.models import DIRECTIONS, resolve_device, resolve_dtype
 from kvlingo.run.paths import RunPaths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, huge_pages, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 SWITCH = {"auto": None, "on": True, "off": False}  # --fuse-keys, --defer-values → None (the device's default) or a bool

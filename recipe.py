@@ -1,6 +1,6 @@
 """The recipe: native rows, one closed-form fit, a learning-rate search on validation KL, then seeds.
 
-Steps, each one or more resumable cells (see kvlingo/run/recipe.py); every cell is a subprocess
+Steps, each one or more resumable cells (see kvlingo/drive/cells.py); every cell is a subprocess
 of its stage script with the pair flags, --profile, --data and the run folders passed through,
 and its own run name RUN/<cell>:
   1. native rows: benchmark.py on no maps (native source, native target, no-context arms) and
@@ -17,7 +17,7 @@ and its own run name RUN/<cell>:
 
 Cells that do not depend on each other run together through a launcher (--launcher local: up to
 --max-parallel processes on this machine, one GPU group each; --launcher slurm: one SLURM job
-array per level, through submitit); see kvlingo/run/launch.py. The summary is written once
+array per level, through submitit); see kvlingo/drive/launch.py. The summary is written once
 every cell has finished; a level with failed cells stops the recipe, naming them and their logs.
 
 Outputs under RESULTS/RUN/: recipe.json (the report, written last), recipe.md (summary),
@@ -36,16 +36,17 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from kvlingo.drive import cells as K
+from kvlingo.drive import lrsearch
+from kvlingo.drive.launch import add_launch_args, launcher_from_args
+from kvlingo.drive.stage import check_passthrough, lock_run, refusals_exit, stage_parser
+from kvlingo.errors import Failure, Refusal
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_file
-from kvlingo.run import recipe as K
-from kvlingo.run.launch import add_launch_args, launcher_from_args
 from kvlingo.run.models import PairConfig, PairError, pair_config_from_args, resolve_pair
 from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.errors import Failure, Refusal
-from kvlingo.run.stage import check_passthrough, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": ROOT / "train_translator.py", "benchmark": ROOT / "benchmark.py", "ifeval": ROOT / "ifeval.py"}
@@ -322,26 +323,26 @@ def main(argv=None, runner=K.run_stage) -> dict:
         train_reports: dict[int, dict] = {}
 
         def evaluate(steps: list[int]) -> list:
-            lrs = [K.lr_for_step(cfg.lr_center, k) for k in steps]
+            lrs = [lrsearch.lr_for_step(cfg.lr_center, k) for k in steps]
             reports = cells.ensure_all([plan.train(cell_sub(lr, seed0), seed0, lr) for lr in lrs])
             train_reports.update(zip(steps, reports))
-            return [r["results"][K.SELECTION_METRIC] for r in reports]
+            return [r["results"][lrsearch.SELECTION_METRIC] for r in reports]
 
-        search = K.search_lr(evaluate, cfg.grid_size, cfg.max_extensions)
-        chosen = K.lr_for_step(cfg.lr_center, search["winner"])
+        search = lrsearch.search_lr(evaluate, cfg.grid_size, cfg.max_extensions)
+        chosen = lrsearch.lr_for_step(cfg.lr_center, search["winner"])
         print(f"[recipe] chosen learning rate {chosen:g} (validation KL {search['val_kl'][search['winner']]:.5g})"
               + ("; WARNING: still at an edge of the grid, the extension cap was hit" if search["cap_hit"] else ""))
         # ----------------------------------------------------------------------- 4. seeds at the chosen rate
         trained = cells.ensure_all([plan.train(cell_sub(chosen, seed), seed, chosen) for seed in cfg.seeds])
-        per_seed = {str(seed): {"train": K.train_metrics(r)} for seed, r in zip(cfg.seeds, trained)}
+        per_seed = {str(seed): {"train": lrsearch.train_metrics(r)} for seed, r in zip(cfg.seeds, trained)}
         item_level = {}
         evals = [(seed, stage) for seed in cfg.seeds for stage in cfg.evals]
         reports = cells.ensure_all([plan.evaluation(stage, cell_sub(chosen, seed), trained=True) for seed, stage in evals])
         for (seed, stage), report in zip(evals, reports):
             if stage == "ifeval":
-                per_seed[str(seed)]["ifeval"], item_level[str(seed)] = K.ifeval_metrics(report)
+                per_seed[str(seed)]["ifeval"], item_level[str(seed)] = lrsearch.ifeval_metrics(report)
             else:
-                per_seed[str(seed)]["benchmark"] = K.benchmark_metrics(report)
+                per_seed[str(seed)]["benchmark"] = lrsearch.benchmark_metrics(report)
     except Refusal:
         raise
     except K.StageFailed as e:
@@ -357,14 +358,14 @@ def main(argv=None, runner=K.run_stage) -> dict:
     cell_rows = [{"cell": name, "stage": e["stage"], "action": actions.get(name, "not needed"), "key": e["key"],
                   "runs": e.get("runs"), "wall_time_s": e.get("wall_time_s"), "report": e["report"],
                   "report_sha256": e.get("report_sha256")} for name, e in ledger.cells.items()]
-    search_cells = [{"step": k, "lr": K.lr_for_step(cfg.lr_center, k), "val_kl": search["val_kl"][k],
+    search_cells = [{"step": k, "lr": lrsearch.lr_for_step(cfg.lr_center, k), "val_kl": search["val_kl"][k],
                      "closed_form_val_kl": train_reports[k]["results"].get("closed_form_val_kl"),
-                     "cell": f"train/{cell_sub(K.lr_for_step(cfg.lr_center, k), seed0)}"} for k in search["order"]]
+                     "cell": f"train/{cell_sub(lrsearch.lr_for_step(cfg.lr_center, k), seed0)}"} for k in search["order"]]
     results = RecipeResults(
         pair=f"large {cfg.pair.large}, small {cfg.pair.small}", direction=cfg.pair.direction, profile=cfg.profile,
         seeds=list(cfg.seeds),
         lr_search={"center": cfg.lr_center, "grid_size": cfg.grid_size, "search_seed": seed0,
-                      "metric": f"train.json results.{K.SELECTION_METRIC}: final validation-split KL; "
+                      "metric": f"train.json results.{lrsearch.SELECTION_METRIC}: final validation-split KL; "
                                 "the test split takes no part in the choice",
                       "cells": search_cells, "order": search["order"], "chosen_step": search["winner"],
                       "chosen_lr": chosen, "extensions": search["extensions"], "max_extensions": cfg.max_extensions,
@@ -373,11 +374,11 @@ def main(argv=None, runner=K.run_stage) -> dict:
                      "maps_sha256": plan.maps_sha("closed", "closed_form")},
         native={**({"benchmark": native["benchmark"]["results"]["quality"]["arms"]} if "benchmark" in native else {}),
                 **({"ifeval": native["ifeval"]["results"]["paths"]} if "ifeval" in native else {})},
-        per_seed=per_seed, ifeval_item_level=item_level, across_seeds=K.across_seeds(per_seed), cells=cell_rows,
+        per_seed=per_seed, ifeval_item_level=item_level, across_seeds=lrsearch.across_seeds(per_seed), cells=cell_rows,
     )
     plot = plan.paths.beside("recipe", ".png")
     plot_lr(plot, results.lr_search, f"{cfg.run}: {cfg.pair.direction}, {cfg.profile}")
-    atomic_write_text(plan.paths.beside("recipe", ".md"), K.summary_markdown(cfg.run, asdict(results), cell_rows,
+    atomic_write_text(plan.paths.beside("recipe", ".md"), lrsearch.summary_markdown(cfg.run, asdict(results), cell_rows,
                                                                             "recipe.png"))
     report = Report(
         "recipe", config=cfg, metrics=RecipeResults.METRICS,

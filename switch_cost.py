@@ -27,11 +27,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlingo.core.handoff import as_ids
-from kvlingo.core.folder import load_translator
 from kvlingo.bench import timing
 from kvlingo.bench.packing import packed
 from kvlingo.core.cache import default_kind
+from kvlingo.core.folder import load_translator
+from kvlingo.core.handoff import as_ids
+from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
@@ -41,7 +42,6 @@ from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 PATHS = {"re_reading": "target_reprefill", "switching": "source_cache_handoff"}

@@ -29,14 +29,15 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from kvlingo.drive.session import Session, add_eval_args, control_paths, prepare_and_exit
+from kvlingo.drive.stage import lock_run, refusals_exit
+from kvlingo.errors import Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import mean_se, paired_accuracy
 from kvlingo.eval.tasks.data import DATASETS, load_data
 from kvlingo.eval.tasks.generate import answer_text, control_partner, generate, reasoning_trace, trace_prefix
 from kvlingo.eval.tasks.parsers import score
 from kvlingo.eval.tasks.prompts import ITEM_BUILDERS, user_prompt_ids
-from kvlingo.eval.tasks.session import Session, add_eval_args, control_paths, prepare_and_exit
-from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_text, sha256_json
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
@@ -44,7 +45,6 @@ from kvlingo.run.models import PairConfig
 from kvlingo.run.paths import run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table
-from kvlingo.run.stage import lock_run, refusals_exit
 
 SCRIPT = Path(__file__).resolve()
 EPILOG = """examples:

@@ -22,10 +22,10 @@ import argparse
 import os
 from pathlib import Path
 
+from kvlingo.drive.stage import refusals_exit
 from kvlingo.errors import Refusal
 from kvlingo.run.argtypes import number
 from kvlingo.run.paths import writable
-from kvlingo.run.stage import refusals_exit
 from kvlingo.toy.deep import PACKAGED_DEEP, build_deep, export_deep, install_deep
 from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
 

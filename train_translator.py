@@ -25,6 +25,7 @@ from tqdm import tqdm
 from kvlingo.core.families import FAMILIES
 from kvlingo.core.folder import MANIFEST_FILE, check_expected, load_state, read_manifest, save_translator, state_bytes
 from kvlingo.core.folder import build as build_translator
+from kvlingo.drive.stage import lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_bytes, sha256_file, sha256_json
 from kvlingo.run import resume
@@ -34,13 +35,12 @@ from kvlingo.run.models import load_pair, pair_config_from_args
 from kvlingo.run.paths import default_data, run_paths, writable
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Report, figure_png, fmt_table
-from kvlingo.run.stage import lock_run, refusals_exit, stage_parser
 from kvlingo.train import checkpoints as ckpt
 from kvlingo.train import distributed
 from kvlingo.train.closed_form import fit_closed_form
 from kvlingo.train.config import RESUME_SAFE, TrainConfig, TrainResults, resolve_family
 from kvlingo.train.distill import distill_step, make_optimizer, validation_kl
-from kvlingo.train.estimate import add_estimate_args, before_training
+from kvlingo.train.footprint import add_estimate_args, before_training
 from kvlingo.train.frozen import FrozenWeightsChanged, check_frozen, fingerprints, verify_frozen
 from kvlingo.train.rng import rng_state, seed_everything, set_rng_state
 from kvlingo.train.rows import data_order, fit_selection

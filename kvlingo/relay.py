@@ -3,7 +3,7 @@
     relay = Relay.load("artifacts/pilot-l2s/export")   # an exported folder, or a Hub repo id with revision=
     print(relay.chat(messages, max_new_tokens=64))      # the source reads the chat, the target answers
 
-A relay is an exported translator folder (`kvlingo.run.export`) bound to its pair. `load` checks,
+A relay is an exported translator folder (`kvlingo.run.exported`) bound to its pair. `load` checks,
 in this order and before any weights load:
 
 1. the maps file against its recorded sha256 (never waived);
@@ -38,7 +38,7 @@ from .core.refresh import Refresh
 from .core.folder import check_expected, load_translator, read_manifest
 from .core.translator import Geometry, Translator, TranslatorError
 from .run.evidence import Gate, Verdict, judge
-from .run.export import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_name, read_export
+from .run.exported import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_name, read_export
 from .run.models import Pair, load_pair, render_ids, resolve_pair
 
 if TYPE_CHECKING:

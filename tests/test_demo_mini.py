@@ -8,7 +8,7 @@ import pytest
 from kvlingo.eval.tasks import grader as ifeval_grader
 from kvlingo.toy import train as toytrain
 from kvlingo.io import read_json
-from kvlingo.eval.summary import ARMS, summary_rows
+from summary import ARMS, summary_rows
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from kvlingo.core.translator import Geometry
 from kvlingo.io import read_json
 from kvlingo.run.data import read_split
 from kvlingo.run.profiles import get_profile
-from kvlingo.train import estimate as E
+from kvlingo.train import footprint as E
 from kvlingo.train.closed_form import normal_equations
 from kvlingo.train.distributed import SINGLE, World, WorldRefused
 from kvlingo.train.rows import fit_selection
@@ -151,15 +151,21 @@ def test_more_ranks_than_conversations_is_refused(tiny_pair_paths):
     assert one.conversations_per_rank == 2 and est.seconds_per_update < one.seconds_per_update
 
 
-def test_paper_budget_estimate_on_h100():
-    """The planned figures the README quotes: real Qwen3 shapes (kvlingo.bench.shapes), no download."""
-    one = E.main(["--profile", "paper-budget", "--gpu", "H100", "--nproc", "1"])
-    eight = E.main(["--profile", "paper-budget", "--gpu", "H100", "--nproc", "8"])
+def test_paper_budget_estimate_on_h100(capsys):
+    """The planned figures the README quotes (estimate.py): real Qwen3 shapes (kvlingo.bench.shapes), no download."""
+    import estimate
+
+    one = estimate.main(["--profile", "paper-budget", "--gpu", "H100", "--nproc", "1"])
+    eight = estimate.main(["--profile", "paper-budget", "--gpu", "H100", "--nproc", "8"])
     assert one.fits and one.peak_bytes == eight.peak_bytes  # memory per rank does not depend on N
     assert one.conversations_per_rank == 8 and eight.conversations_per_rank == 1
     assert 7.5 < one.seconds_per_update / eight.seconds_per_update < 8.0  # 8× fewer conversations, plus the all-reduce
-    with pytest.raises(E.DoesNotFit, match="a profile with shorter caps that fits: pilot"):
-        E.main(["--profile", "paper-budget", "--gpu", "A10", "--nproc", "1"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        estimate.main(["--profile", "paper-budget", "--gpu", "A10", "--nproc", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("estimate: estimated peak") and err.count("\n") == 1, err
+    assert "a profile with shorter caps that fits: pilot" in err
 
 
 def test_graph_memory_matches_what_autograd_saves(tiny_pair_paths, data):

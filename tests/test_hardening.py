@@ -130,7 +130,7 @@ def test_a_damaged_json_file_is_refused_by_name(finished, tmp_path, capsys):
     """A manifest or report cut short (a bad copy, a hand edit) ends the stage with one line that names the
     file, where it breaks and the fix, never a JSONDecodeError traceback; the damaged file is left as it is."""
     import export
-    from kvlingo.eval import summary
+    import summary
     from kvlingo.io import DamagedFile, read_jsonl
 
     root = tmp_path / "copy"
@@ -177,11 +177,11 @@ def test_a_second_run_of_a_stage_on_the_same_run_is_refused_while_the_first_runs
     import subprocess
     import sys
 
-    from kvlingo.run.stage import lock_run, refusals_exit
+    from kvlingo.drive.stage import lock_run, refusals_exit
 
     res = finished["root"] / "results" / "r"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from kvlingo.run.stage import lock_run; "
+        [sys.executable, "-c", "import sys, time; from kvlingo.drive.stage import lock_run; "
          f"lock_run({str(res)!r}, 'train'); lock_run({str(finished['root'] / 'data')!r}, 'prepare-tiny'); "
          "print('held', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
@@ -241,7 +241,7 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
             p.write_bytes(data)
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from kvlingo.run.stage import lock_run; "
+        [sys.executable, "-c", "import sys, time; from kvlingo.drive.stage import lock_run; "
          f"lock_run({str(root / 'artifacts' / 'r')!r}, 'train', root_flag='--artifacts'); print('held', flush=True); "
          "time.sleep(120)"], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     try:
@@ -275,7 +275,7 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
 def test_reports_and_ledgers_edited_out_of_shape_are_made_again_or_refused(tmp_path):
     """Valid JSON of the wrong shape once raised AttributeError or KeyError: an up-to-date check now takes such a
     report as unfinished (the stage makes it again), and a recipe ledger is refused with the entry named."""
-    from kvlingo.run.ledger import LEDGER_FORMAT, Ledger
+    from kvlingo.drive.ledger import LEDGER_FORMAT, Ledger
     from kvlingo.run.resume import ResumeRefused, finished
 
     report = tmp_path / "benchmark.json"
@@ -338,7 +338,7 @@ def test_toy_world_names_an_out_folder_it_cannot_write_before_building_anything(
 
 
 def test_ctrl_c_ends_a_stage_in_one_line_and_frees_its_run_lock(tmp_path, capsys):
-    from kvlingo.run.stage import INTERRUPTED_STATUS, lock_run, refusals_exit
+    from kvlingo.drive.stage import INTERRUPTED_STATUS, lock_run, refusals_exit
 
     def stage(resumable: bool):
         @refusals_exit("demo", resumable=resumable)

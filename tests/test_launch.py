@@ -22,9 +22,9 @@ import pytest
 
 import recipe
 from kvlingo.io import atomic_write_json, read_json
-from kvlingo.run import recipe as K
-from kvlingo.run.launch import CellJob, SlurmLauncher, SlurmSettings
-from kvlingo.run.ledger import Ledger
+from kvlingo.drive import cells as K
+from kvlingo.drive.launch import CellJob, SlurmLauncher, SlurmSettings
+from kvlingo.drive.ledger import Ledger
 
 TESTS = Path(__file__).resolve().parent
 STEP_S = 0.25  # seconds per counted update of a fake training cell (tiny profile: 4 updates per cell)
@@ -219,7 +219,7 @@ def test_slurm_needs_the_cells_device_named(world, capsys):
 
 
 def test_local_launcher_refuses_a_gpu_named_twice():
-    from kvlingo.run.launch import LocalLauncher
+    from kvlingo.drive.launch import LocalLauncher
     from kvlingo.errors import RunRefused
 
     assert [g for group in LocalLauncher(2, ["0", "1", "2", "3"], 2).groups for g in group] == ["0", "1", "2", "3"]

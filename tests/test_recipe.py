@@ -25,7 +25,8 @@ import pytest
 import recipe
 from fakestage import fake_stage, flags_of, val_kl_of
 from kvlingo.errors import Refusal
-from kvlingo.run import recipe as K
+from kvlingo.drive import cells as K
+from kvlingo.drive import lrsearch
 from kvlingo.io import atomic_write_json, atomic_write_text, read_json, sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,11 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # --------------------------------------------------------------------------- the grid
 def test_grid_is_half_decades_around_the_centre():
-    assert [K.lr_for_step(1e-4, k) for k in K.initial_steps(5)] == [1e-5, 3.16e-5, 1e-4, 3.16e-4, 1e-3]
-    assert [K.lr_for_step(1e-3, k) for k in K.initial_steps(3)] == [3.16e-4, 1e-3, 3.16e-3]
-    assert K.initial_steps(2) == [0, 1] and K.initial_steps(1) == [0]
+    assert [lrsearch.lr_for_step(1e-4, k) for k in lrsearch.initial_steps(5)] == [1e-5, 3.16e-5, 1e-4, 3.16e-4, 1e-3]
+    assert [lrsearch.lr_for_step(1e-3, k) for k in lrsearch.initial_steps(3)] == [3.16e-4, 1e-3, 3.16e-3]
+    assert lrsearch.initial_steps(2) == [0, 1] and lrsearch.initial_steps(1) == [0]
     with pytest.raises(ValueError):
-        K.initial_steps(0)
+        lrsearch.initial_steps(0)
 
 
 def brute_force(f, steps):
@@ -61,7 +62,7 @@ def test_search_extends_past_an_edge_winner_until_interior(f, size, cap, order, 
         calls.extend(ks)
         return [f(k) for k in ks]
 
-    out = K.search_lr(evaluate, size, cap)
+    out = lrsearch.search_lr(evaluate, size, cap)
     assert calls == order and out["order"] == order  # each rate trained once, in this order
     assert out["winner"] == brute_force(f, order)
     assert out["extensions"] == extensions and out["cap_hit"] is cap_hit
@@ -71,10 +72,10 @@ def test_search_extends_past_an_edge_winner_until_interior(f, size, cap, order, 
 
 def test_diverged_rates_lose_and_all_diverged_is_an_error():
     kls = {-2: 3.0, -1: 2.0, 0: 1.0, 1: float("nan"), 2: None}
-    assert K.select_step(kls) == 0 and K.extension_steps(kls, 0) == []
-    assert K.select_step({0: 1.0, 1: 1.0, -1: 1.0}) == 0  # ties go to the centre
+    assert lrsearch.select_step(kls) == 0 and lrsearch.extension_steps(kls, 0) == []
+    assert lrsearch.select_step({0: 1.0, 1: 1.0, -1: 1.0}) == 0  # ties go to the centre
     with pytest.raises(ValueError, match="diverged"):
-        K.select_step({0: float("inf"), 1: float("nan")})
+        lrsearch.select_step({0: float("inf"), 1: float("nan")})
 
 
 # --------------------------------------------------------------------------- fake stages
@@ -229,12 +230,12 @@ def test_ctrl_c_inside_an_in_process_cell_stops_the_driver_not_only_the_cell(tmp
     """ablate and frontier run their cells' stages in this process: a cell's Ctrl-C passes to the driver, which
     ends in its own one line and status 130 (not a failed cell while the rest of its level runs on); another
     failure of a cell stays that cell's."""
-    from kvlingo.run.launch import StageFailed
-    from kvlingo.run.stage import INTERRUPTED_STATUS, refusals_exit
+    from kvlingo.drive.launch import StageFailed
+    from kvlingo.drive.stage import INTERRUPTED_STATUS, refusals_exit
 
     for name, body in (("stage_ctrl_c", "raise KeyboardInterrupt"), ("stage_fails", "raise SystemExit(1)")):
         (tmp_path / f"{name}.py").write_text(
-            "from kvlingo.run.stage import refusals_exit\n\n\n"
+            "from kvlingo.drive.stage import refusals_exit\n\n\n"
             f"@refusals_exit({name!r}, resumable=True)\ndef main(argv):\n    {body}\n")
     ran = []
 

@@ -35,7 +35,7 @@ from kvlingo.io import read_json, read_jsonl, sha256_file
 from kvlingo.relay import UnprovenTranslator
 from kvlingo.run.data import prepare, read_split
 from kvlingo.run.evidence import Gate, judge
-from kvlingo.run.export import CONFIG_FILE, EVIDENCE_FILE
+from kvlingo.run.exported import CONFIG_FILE, EVIDENCE_FILE
 from kvlingo.run.models import load_pair, render_ids, resolve_pair
 from kvlingo.run.profiles import get_profile
 from kvlingo.train.closed_form import fit_closed_form
@@ -349,7 +349,7 @@ def test_bad_prompt_ids_are_refused_before_any_model_runs(proven, monkeypatch):
 def test_an_export_never_writes_into_a_folder_of_other_files(tmp_path):
     """`--out` naming a model folder would have replaced its config.json: a folder holding anything but an
     export's files (or a config.json of another format) is refused before a byte is written."""
-    from kvlingo.run.export import FORMAT, check_export_folder
+    from kvlingo.run.exported import FORMAT, check_export_folder
 
     model = tmp_path / "model"
     model.mkdir()

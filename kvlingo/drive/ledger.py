@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..io import DamagedFile, atomic_write_json, read_json, sha256_file, to_jsonable
-from .resume import ResumeRefused, diff
+from ..run.resume import ResumeRefused, diff
 
 LEDGER_FILE = "recipe-state.json"
 LEDGER_FORMAT = 1
@@ -43,7 +43,7 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
 
 
 def entry_of(cell) -> dict[str, Any]:
-    """The ledger fields a cell (kvlingo.run.recipe.Cell) is recorded with when it starts."""
+    """The ledger fields a cell (kvlingo.drive.cells.Cell) is recorded with when it starts."""
     return {"stage": cell.stage, "key": cell.key, "flags": cell.flags, "extra": list(cell.extra),
             "inputs": cell.inputs, "report": str(cell.report), "outputs": list(cell.outputs)}
 

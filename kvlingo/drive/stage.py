@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ..bench.timing import CV_LIMIT
 from ..core.cache import CACHE_KINDS, set_default_kind
 from ..errors import Failure, Refusal, RunRefused
-from ..bench.timing import CV_LIMIT
-from .argtypes import number, whole
-from .models import add_pair_args
-from .paths import add_run_args
-from .profiles import PROFILES
+from ..run.argtypes import number, whole
+from ..run.models import add_pair_args
+from ..run.paths import add_run_args
+from ..run.profiles import PROFILES
 
 INTERRUPTED_STATUS = 130  # a stage ended by Ctrl-C exits with the shell's status for it (128 + SIGINT)
 

@@ -10,18 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from ...core.handoff import stop_ids
-from ...core.folder import load_translator, read_manifest
-from ...errors import Refusal
-from ...io import sha256_file
-from ...run import resume
-from ...run.models import load_pair, pair_config_from_args
-from ...run.paths import TRANSLATORS, RunPaths, writable
-from ...run.argtypes import whole
-from ...run.stage import add_common_args, add_refresh_arg
-from ..itemrows import ItemRows
-from .data import HubData, prepare_data
-from .generate import CONTROL_PATHS
+from ..core.folder import load_translator, read_manifest
+from ..core.handoff import stop_ids
+from ..errors import Refusal
+from ..eval.itemrows import ItemRows
+from ..eval.tasks.data import HubData, prepare_data
+from ..eval.tasks.generate import CONTROL_PATHS
+from ..io import sha256_file
+from ..run import resume
+from ..run.argtypes import whole
+from ..run.models import load_pair, pair_config_from_args
+from ..run.paths import TRANSLATORS, RunPaths, writable
+from .stage import add_common_args, add_refresh_arg
 
 # Stage settings a resume may change: they pick which rows are reported, never what a row holds.
 ROW_SAFE = ("settings.limit", "settings.controls", "settings.max_accuracy_loss")

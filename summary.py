@@ -1,7 +1,7 @@
 """One table for a run: every arm's KL and perplexity (benchmark), IFEval strict accuracy,
 ARC and GSM8K accuracy (prompt handoff), and the handoff's speedup over re-prefill.
 
-    python -m kvlingo.eval.summary --profile demo --direction l2s   # prints it and writes results/demo-l2s/summary.md
+Reads the run's reports under RESULTS/RUN/, prints the table and writes RESULTS/RUN/summary.md.
 
 A cell is "—" where that stage did not score that arm (IFEval and the tasks score the native
 paths, the distilled translator and, unless run with --no-controls, the control and no-context
@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..io import atomic_write_text, read_json
-from ..run.models import DIRECTIONS
-from ..run.paths import add_run_args, run_paths
-from ..run.report import fmt_pm, fmt_table
-from ..run.stage import refusals_exit
+from kvlingo.drive.stage import refusals_exit
+from kvlingo.io import atomic_write_text, read_json
+from kvlingo.run.models import DIRECTIONS
+from kvlingo.run.paths import add_run_args, run_paths
+from kvlingo.run.report import fmt_pm, fmt_table
 
 ARMS = ("native_source", "native_target", "closed_form", "distilled", "control", "no_context")
 # Which path of an IFEval/task report stands for an arm (the translated path uses the distilled maps).
@@ -80,7 +80,9 @@ def write_summary(folder: str | Path) -> str:
 
 @refusals_exit("summary")
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="One summary table of a run's reports (results/RUN/summary.md).")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="examples:\n  python summary.py --profile demo --direction l2s\n"
+                                        "  python summary.py --run demo-l2s-recipe/lr1.00e-03-s42")
     ap.add_argument("--profile", default="pilot", help="profile (for the default run name)")
     ap.add_argument("--direction", choices=DIRECTIONS, default="l2s", help="direction (for the default run name)")
     add_run_args(ap)
