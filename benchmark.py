@@ -30,7 +30,6 @@ from tqdm import tqdm
 
 from kvlingo.bench import timing
 from kvlingo.bench.packing import packed
-from kvlingo.core.cache import default_kind
 from kvlingo.core.folder import load_translator
 from kvlingo.core.handoff import as_ids
 from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
@@ -206,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for conv, ctl in zip(tqdm(convs, desc="quality", file=sys.stderr), pairing):
         arms = quality.score_conversation(pair.source, pair.target, translators, control_name, conv,
-                                          ctl["context_ids"], pair.dtype, args.refresh)
+                                          ctl["context_ids"], pair.dtype, args.refresh, pair.cache)
         rows.append({"id": conv["id"], "context_tokens": len(conv["prefix_ids"]) - 1,
                      "reply_tokens": len(conv["reply_ids"]),
                      "control_pairing": {"ids": ctl["ids"], "kind": ctl["kind"], "translator": control_name},
@@ -221,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         model = pair.target if dtype == pair.dtype else load_model(pair.target_spec, pair.device, dtype)
         tol = controls.tolerances_for(dtype).scaled(cfg.tolerance_scale)
         for conv, row in zip(tqdm(convs, desc=f"controls {dname}", file=sys.stderr), rows):
-            row["controls"][dname] = controls.native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol)
+            row["controls"][dname] = controls.native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol,
+                                                               pair.cache)
         control_results[dname] = {"tolerances": asdict(tol),
                                   **controls.summarize_controls([r["controls"][dname] for r in rows])}
         del model
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     if timed and control_name is not None:
         contexts = []
         trials = timing.Trials(cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
-        options = timing.PathOptions(timing.mode_for(default_kind()), refresh=args.refresh)
+        options = timing.PathOptions(timing.mode_for(pair.cache), refresh=args.refresh)
         for conv in tqdm(timed, desc="timing", file=sys.stderr):
             ids = as_ids(conv["prefix_ids"], pair.device)  # [1, prefix]; tokenisation stays out of the clock
             with packed(pair.target, on=options.mode == "optimised"):

@@ -31,7 +31,6 @@ import torch
 from kvlingo.bench import timing
 from kvlingo.bench.packing import packed
 from kvlingo.bench.shapes import real_pair_configs, translator_at
-from kvlingo.core.cache import default_kind
 from kvlingo.core.refresh import Refresh, refresh_flops
 from kvlingo.drive import cells as K
 from kvlingo.drive.stage import (add_task_data_args, generative_tasks, lock_run, refresh_setting, refusals_exit,
@@ -200,7 +199,7 @@ def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: 
         tr = random_translator(pair.source, pair.target, spec["key_space"], family=spec["family"],
                                settings=real_settings(spec["settings"], width / toy_width))
         handoffs.update({f"{run}|{setting}": (tr, Refresh.parse(setting)) for setting in cfg.settings})
-    mode = timing.mode_for(default_kind())
+    mode = timing.mode_for(cfg.pair.cache)
     with packed(pair.target, on=mode == "optimised"):
         timed = timing.time_handoffs(pair.source, pair.target, handoffs, ids[:, :T], ids[:, T:],
                                      timing.Trials(cfg.timing_warmups, cfg.timing_repeats), mode)

@@ -275,7 +275,7 @@ def cells_pair(args) -> PairConfig:
     if args.device in (None, "", "auto"):
         raise PairError("--launcher slurm needs an explicit --device (cuda): the cells run on the cluster's nodes, "
                         "whose devices this machine cannot see")
-    pair = resolve_pair(args.large, args.small, args.direction, "cpu", args.dtype)[0]
+    pair = resolve_pair(args.large, args.small, args.direction, "cpu", args.dtype, args.cache)[0]
     return replace(pair, device=args.device)
 
 

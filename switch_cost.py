@@ -29,7 +29,6 @@ from tqdm import tqdm
 
 from kvlingo.bench import timing
 from kvlingo.bench.packing import packed
-from kvlingo.core.cache import default_kind
 from kvlingo.core.folder import load_translator
 from kvlingo.core.handoff import as_ids
 from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
 
     points, noisy = [], []
     trials = timing.Trials(cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
-    options = timing.PathOptions(timing.mode_for(default_kind()), refresh=args.refresh)
+    options = timing.PathOptions(timing.mode_for(pair.cache), refresh=args.refresh)
     for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr):
         ids = as_ids(stream[:n + k], pair.device)  # [1, n + k]
         with packed(pair.target, on=options.mode == "optimised"):

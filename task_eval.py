@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                 "hit_cap": gen.hit_cap, "seconds": gen.seconds, **(extra or {})}
 
     def own_trace(model, path: str, prompt_ids: list[int]) -> dict:
-        tr = reasoning_trace(model, tok, prompt_ids, trace_cap, eos)
+        tr = reasoning_trace(model, tok, prompt_ids, trace_cap, eos, pair.cache)
         return {"path": path, "trace_ids": tr.trace_ids, "trace_hit_cap": tr.hit_cap, "trace_seconds": tr.seconds,
                 "trace_text": tok.decode(tr.trace_ids, skip_special_tokens=False)}
 

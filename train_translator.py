@@ -161,7 +161,7 @@ def closed_form_start(init_from: str | None, init: dict | None, pair, cfg: Train
     translator = empty.to(pair.device).bind(pair.source, pair.target)
     bar = lambda rows: tqdm(rows, desc="closed-form fit", unit="conv", disable=not world.main)  # noqa: E731
     stats = fit_closed_form(pair.source, pair.target, translator, fit_rows, cfg.fit_weighting, cfg.ridge, progress=bar,
-                            world=world)
+                            world=world, kind=pair.cache)
     return translator, stats, {"fit_key": fit_key, "fit": stats}
 
 
@@ -268,7 +268,7 @@ def main(argv=None) -> dict:
 
     def validate() -> float:
         bar = lambda rows: tqdm(rows, desc="validation", unit="conv", leave=False, disable=not world.main)  # noqa: E731
-        return validation_kl(pair.source, pair.target, translator, val_rows, pair.dtype, bar, world)
+        return validation_kl(pair.source, pair.target, translator, val_rows, pair.dtype, bar, world, pair.cache)
 
     if state is None:
         history = {"loss": [], "val": [[0, validate()]], "wall_time_s": 0.0}
@@ -302,7 +302,7 @@ def main(argv=None) -> dict:
         for u in bar:
             rows = [train_rows[i] for i in order[u * cfg.batch:(u + 1) * cfg.batch]]
             loss = distill_step(pair.source, pair.target, translator, rows, optimizer, pair.dtype, cfg.max_grad_norm,
-                                world=world, aux_weight=cfg.aux_attn_weight)
+                                world=world, aux_weight=cfg.aux_attn_weight, kind=pair.cache)
             done = u + 1
             history["loss"].append([done, loss])
             if done % cfg.val_every == 0 or done == cfg.updates:

@@ -141,7 +141,7 @@ class Relay:
         ids = self._ids(ids)
         if not ids:
             raise ValueError("a capture needs at least one token id (got none)")
-        return capture_source(self.source, ids, [self.translator])
+        return capture_source(self.source, ids, [self.translator], self.pair.cache)
 
     # ------------------------------------------------------------------ the handoff
     @_serialised
@@ -152,19 +152,21 @@ class Relay:
             if self.refresh.kind != "none":
                 raise ValueError(f"these maps hand over with refresh {self.refresh}, which needs the context's token "
                                  "ids: pass the messages or ids instead of a cache")
-            return translate(self.source, self.translator, out_dtype=self.pair.dtype, cap=self._as_capture(source))
+            return translate(self.source, self.translator, out_dtype=self.pair.dtype, cap=self._as_capture(source),
+                             kind=self.pair.cache)
         ids = self._ids(source)
         if len(ids) < 2:
             raise ValueError(f"a handoff needs a prompt of at least 2 tokens (got {len(ids)})")
         return translate(self.source, self.translator, ids[:-1], self.pair.dtype, refresh=self.refresh,
-                         target=self.target)
+                         target=self.target, kind=self.pair.cache)
 
     @_serialised
     def handoff(self, source: Source) -> "Cache":
         """A fresh target cache of `source` (see `translate`), ready for `target.generate(ids, cache=...)` with the
         whole prompt `ids`: the target then reads only the uncached last token. It is a transformers `Cache`
-        (the suite's `PreallocatedCache` unless `core.cache.set_default_kind` says otherwise), used as a DynamicCache is."""
-        return build_cache(self.target, *self.translate(source))
+        (the suite's `PreallocatedCache`, or a DynamicCache for a pair config whose cache is "dynamic"), used as a
+        DynamicCache is."""
+        return build_cache(self.target, *self.translate(source), kind=self.pair.cache)
 
     @_serialised
     def reply_ids(self, messages: Messages, max_new_tokens: int = 256,
@@ -174,7 +176,7 @@ class Relay:
             raise ValueError(f"max_new_tokens is {max_new_tokens!r}; give a whole number, 0 or more")
         ids = self.prompt_ids(messages, enable_thinking)  # translate(ids) checks them
         return greedy_generate(self.target, ids[-1:], self.translate(ids), max_new_tokens=max_new_tokens,
-                               eos_ids=stop_ids(self.tokenizer))
+                               eos_ids=stop_ids(self.tokenizer), kind=self.pair.cache)
 
     def chat(self, messages: Messages, max_new_tokens: int = 256, enable_thinking: bool = False) -> str:
         """The source reads `messages`, the target answers (greedy); returns the reply's text."""

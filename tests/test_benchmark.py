@@ -156,17 +156,14 @@ def test_planted_perfect_translator_scores_zero_and_control_does_not(setup):
 
 # --------------------------------------------------------------------------- native controls
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_controls_pass_and_can_fail(setup, dtype, monkeypatch):
-    from kvlingo.core import cache
-
+def test_native_controls_pass_and_can_fail(setup, dtype):
     model = load_model(ModelSpec.parse(str(setup["small_p"])), "cpu", dtype)
     tol = tolerances_for(dtype)
     for conv in setup["test"][:3]:
         r = native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol)
         assert r["reconstruction"]["passed"] and r["identity"]["passed"], r
-        with monkeypatch.context() as m:  # transformers' own cache and attention: same tensors, same kernels
-            m.setattr(cache, "_default_kind", "dynamic")
-            shipped = native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol)
+        # transformers' own cache and attention: same tensors, same kernels
+        shipped = native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol, kind="dynamic")
         assert shipped["reconstruction"]["max_abs_dlogit"] == 0.0
         bad = native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol.scaled(-1.0))
         assert not bad["reconstruction"]["passed"] and not bad["identity"]["passed"]

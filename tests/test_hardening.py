@@ -254,22 +254,19 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
         holder.wait()
     assert snapshot(root) == before
 
-    from kvlingo.core.cache import default_kind, set_default_kind
-    from kvlingo.run import resume
-
     bench = [*run, *pair, "--data", str(finished["data"]), "--allow-cv"]
     benchmark.main(bench)
     report = json.loads((root / "results" / "r" / "benchmark.json").read_text())
-    assert report["env"]["cache"] == "preallocated"
+    assert report["env"]["cache"] == report["config"]["pair"]["cache"] == "preallocated"
     capsys.readouterr()
-    try:
-        benchmark.main([*bench, "--cache", "dynamic"])  # other code on the handoff's path: measured again
-        assert "is up to date" not in capsys.readouterr().out
-        assert json.loads((root / "results" / "r" / "benchmark.json").read_text())["env"]["cache"] == "dynamic"
-        assert resume.identity({}, {}, {}, "c")["cache"] == "dynamic"
-    finally:
-        set_default_kind("preallocated")
-    assert default_kind() == "preallocated"
+    benchmark.main([*bench, "--cache", "dynamic"])  # other code on the handoff's path: measured again
+    assert "is up to date" not in capsys.readouterr().out
+    report = json.loads((root / "results" / "r" / "benchmark.json").read_text())
+    assert report["env"]["cache"] == report["config"]["pair"]["cache"] == "dynamic"
+    assert report["results"]["timing"]["contexts"][0]["paths"]["target_reprefill"]["n"] > 0
+    benchmark.main(bench)  # the flag is this run's setting, not the process's: preallocated again, measured again
+    assert "is up to date" not in capsys.readouterr().out
+    assert json.loads((root / "results" / "r" / "benchmark.json").read_text())["env"]["cache"] == "preallocated"
 
 
 def test_reports_and_ledgers_edited_out_of_shape_are_made_again_or_refused(tmp_path):

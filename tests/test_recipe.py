@@ -307,6 +307,16 @@ def test_cell_key_covers_flags_and_inputs_but_not_the_hook():
     assert K.Cell(**{**base.__dict__, "before": lambda: None}).key == base.key
 
 
+def test_cells_run_on_the_cache_kind_their_driver_was_given():
+    """--cache is a field of the pair config, not a process setting: every cell's stage gets the driver's."""
+    from kvlingo.run.models import PairConfig
+
+    pair = PairConfig("L", "S", "l2s", "cpu", "float32", {}, {}, "t", "c", {}, cache="dynamic")
+    flags = K.stage_flags("tiny", pair, "art", "res")
+    assert flags["--cache"] == "dynamic" and flags["--large"] == "L" and flags["--results"] == "res"
+    assert recipe.parse_args(["--cache", "dynamic"]).cache == "dynamic" and recipe.parse_args([]).cache == "preallocated"
+
+
 def test_passthrough_may_not_override_what_the_recipe_sets(world, capsys):
     for flag, what in (("--train-args=--lr 1e-3", "--lr"), ("--benchmark-args=--force", "--force")):
         with pytest.raises(SystemExit) as e:

@@ -179,12 +179,10 @@ class Cells:
 
 
 def stage_flags(profile: str, pair, artifacts: str, results: str) -> dict[str, str]:
-    """The flags every cell's stage gets from the driver: its profile, pair, output roots and the KV cache kind
-    this process was given (--cache), so a cell runs what its driver was asked to."""
-    from ..core.cache import default_kind
-
+    """The flags every cell's stage gets from the driver: its profile, its pair (a PairConfig, with the KV cache
+    kind the driver was given) and output roots, so a cell runs what its driver was asked to."""
     return {"--profile": profile, "--large": pair.large, "--small": pair.small, "--direction": pair.direction,
-            "--device": pair.device, "--dtype": pair.dtype, "--cache": default_kind(), "--artifacts": artifacts,
+            "--device": pair.device, "--dtype": pair.dtype, "--cache": pair.cache, "--artifacts": artifacts,
             "--results": results}
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..bench.timing import CV_LIMIT
-from ..core.cache import CACHE_KINDS, set_default_kind
+from ..core.cache import CACHE_KINDS
 from ..errors import Failure, Refusal, RunRefused
 from ..run.argtypes import number, whole
 from ..run.models import add_pair_args
@@ -178,19 +178,11 @@ def generative_tasks(args) -> tuple[str, ...]:
     return tasks
 
 
-class _CacheKind(argparse.Action):
-    """--cache: the KV cache every handoff in this process builds (kvlingo.core.cache.CACHE_KINDS)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        set_default_kind(values)
-        setattr(namespace, self.dest, values)
-
-
 def add_common_args(parser, data: bool = False, default_profile: str = "pilot") -> None:
     """--profile, the pair flags, the run-folder flags and --cache (and --data for stages that read prepared chats)."""
     parser.add_argument("--profile", default=default_profile, choices=sorted(PROFILES),
                         help=f"run profile: budgets and settings (default {default_profile})")
-    parser.add_argument("--cache", choices=CACHE_KINDS, default=CACHE_KINDS[0], action=_CacheKind,
+    parser.add_argument("--cache", choices=CACHE_KINDS, default=CACHE_KINDS[0],
                         help="preallocated: the translation writes the target's cache, no copies, attention without "
                              "repeated K/V; dynamic: transformers' DynamicCache and sdpa as shipped (default preallocated)")
     add_pair_args(parser)

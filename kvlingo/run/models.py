@@ -320,6 +320,7 @@ class PairConfig:
     tokenizer_sha256: str  # tokenizer_digest of the shared tokenizer (vocab, merges, special ids)
     chat_template_sha256: str  # sha256 of the target tokenizer's chat template text
     geometry: dict  # cache shapes on both sides (kvlingo.core.translator.Geometry as a dict)
+    cache: str = "preallocated"  # the KV cache every handoff builds: preallocated or dynamic (core.cache.CACHE_KINDS)
 
     def specs(self) -> tuple[ModelSpec, ModelSpec]:
         """(source, target) specs at the commits this pair resolved to (for Hub ids given without one)."""
@@ -341,7 +342,7 @@ def load_config(spec: ModelSpec):
 
 
 def resolve_pair(large: str, small: str, direction: str = "l2s", device: str = "auto",
-                 dtype: str = "bfloat16") -> tuple[PairConfig, Any]:
+                 dtype: str = "bfloat16", cache: str = "preallocated") -> tuple[PairConfig, Any]:
     """Check a pair from its configs and tokenizers alone (no weights), and resolve it.
 
     Returns (PairConfig, the target's tokenizer). Raises PairError before any weights load.
@@ -361,7 +362,7 @@ def resolve_pair(large: str, small: str, direction: str = "l2s", device: str = "
                      source=src_spec.identity(), target=tgt_spec.identity(),
                      tokenizer_sha256=tokenizer_digest(tgt_tok),
                      chat_template_sha256=sha256_json(getattr(tgt_tok, "chat_template", None)),
-                     geometry=asdict(Geometry.of(src_cfg, tgt_cfg)))
+                     geometry=asdict(Geometry.of(src_cfg, tgt_cfg)), cache=cache)
     return cfg, tgt_tok
 
 
@@ -385,6 +386,11 @@ class Pair:
     @property
     def dtype(self) -> torch.dtype:
         return resolve_dtype(self.config.dtype)
+
+    @property
+    def cache(self) -> str:
+        """The KV cache kind every handoff of this pair builds."""
+        return self.config.cache
 
     @property
     def source_spec(self) -> ModelSpec:
@@ -417,12 +423,13 @@ def add_pair_args(parser, default_dtype: str = "bfloat16") -> None:
 
 
 def pair_config_from_args(args, refresh: Sequence[Any] = ()) -> tuple[PairConfig, Any]:
-    """`resolve_pair` of the --large/--small/--direction/--device/--dtype flags. A stage's --refresh setting, and
+    """`resolve_pair` of the --large/--small/--direction/--device/--dtype (and --cache) flags. A stage's --refresh setting, and
     any other `refresh` settings (the frontier's grid), are checked against the target's depth here, before
     any work."""
     from ..core.refresh import Refresh
 
-    cfg, tok = resolve_pair(args.large, args.small, args.direction, args.device, args.dtype)
+    cfg, tok = resolve_pair(args.large, args.small, args.direction, args.device, args.dtype,
+                            getattr(args, "cache", "preallocated"))
     for setting in (getattr(args, "refresh", None), *refresh):
         if setting is not None:
             Refresh.parse(str(setting)).check_layers(cfg.geometry["target_layers"])

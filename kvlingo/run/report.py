@@ -66,11 +66,9 @@ def huge_pages(setting: str | os.PathLike = THP_SETTING) -> dict[str, Any]:
     return {"torch_allocator": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1", "kernel": kernel}
 
 
-def environment(device: str | None = None, dtype: str | None = None) -> dict[str, Any]:
+def environment(device: str | None = None, dtype: str | None = None, cache: str | None = None) -> dict[str, Any]:
     import torch
     import transformers
-
-    from ..core.cache import default_kind
 
     env: dict[str, Any] = {
         **git_state(),
@@ -82,7 +80,7 @@ def environment(device: str | None = None, dtype: str | None = None) -> dict[str
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "huge_pages": huge_pages(),
-        "cache": default_kind(),  # the KV cache kind its handoffs built (a stage's --cache)
+        "cache": cache,  # the KV cache kind its handoffs built (its pair config's, --cache; None without a pair)
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),  # data-parallel ranks (torchrun)
     }
     if device and device.startswith("cuda") and torch.cuda.is_available():
@@ -114,7 +112,7 @@ class Report:
             "config": to_jsonable(self.config),
             "config_sha256": sha256_json(self.config),
             "inputs": to_jsonable(self.inputs),
-            "env": environment(self.device, self.dtype),
+            "env": environment(self.device, self.dtype, getattr(getattr(self.config, "pair", None), "cache", None)),
             "seeds": to_jsonable(self.seeds),
             "n_samples": to_jsonable(self.n_samples),
             "wall_time_s": self.wall_time_s,

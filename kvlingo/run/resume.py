@@ -2,7 +2,8 @@
 
 A stage's identity is everything its outputs depend on:
 
-    {"settings": the stage's config (the pair config nested in it),
+    {"settings": the stage's config (the pair config nested in it, with the KV cache kind its
+                 handoffs build: the two kinds run different code on the handoff's path),
      "inputs":   {name: sha256 or {path, sha256, ...}} of every file it reads,
      "pair":     the source and target identities (Hub id + revision, or a weights digest),
      "code":     `code_hash` of the stage script and the kvlingo modules it imports}
@@ -101,11 +102,8 @@ def code_hash(*scripts: str | os.PathLike) -> str:
 
 # --------------------------------------------------------------------------- identity and key
 def identity(settings: Any, inputs: dict[str, Any], pair: Any, code: str) -> dict[str, Any]:
-    """What a stage's result depends on; the KV cache kind this process builds (a stage's --cache) among it,
-    since the two kinds run different code on the handoff's path."""
-    from ..core.cache import default_kind
-
-    return to_jsonable({"settings": settings, "cache": default_kind(), "inputs": inputs, "pair": pair, "code": code})
+    """What a stage's result depends on."""
+    return to_jsonable({"settings": settings, "inputs": inputs, "pair": pair, "code": code})
 
 
 def resume_key(ident: dict[str, Any]) -> str:
