@@ -72,8 +72,8 @@ DEMO_FAMILY_deep := crosslayer
 # cache every process recompiles torch and transformers (seconds per stage, minutes per test run).
 export PYTHONDONTWRITEBYTECODE =
 # torch's CPU allocator asks Linux for transparent huge pages for tensors of 2 MiB or more (read once,
-# at torch's first allocation; nothing elsewhere). A 4,096-token Qwen3-0.6B prefill otherwise takes
-# about 3.7 million page faults. Every process of a run gets the same setting, so a timing's paths do;
+# at torch's first allocation; nothing elsewhere); a long prefill otherwise takes millions of page
+# faults. Every process of a run gets the same setting, so a timing's paths do;
 # reports record it (env.huge_pages). THP_MEM_ALLOC_ENABLE=0 on the command line turns it off.
 export THP_MEM_ALLOC_ENABLE ?= 1
 

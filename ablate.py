@@ -28,7 +28,7 @@ from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig, pair_config_from_args
 from kvlingo.run.paths import RunPaths, default_data, default_run
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_pm, fmt_table
+from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
 
 ROOT = Path(__file__).resolve().parent
@@ -151,12 +151,7 @@ def markdown(cfg: AblationConfig, rows: list[dict], default: dict, native: dict)
 
 
 def plot(rows: list[dict], title: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = figure((7, 4.5))
     for r in rows:
         x, y = 100 * r["real"]["fraction_of_reprefill"], r["test_kl_token"]
         ax.plot([x], [y], "o", color="C1" if r["long_budget"] else "C0")

@@ -42,7 +42,7 @@ from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig, pair_config_from_args
 from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_pm, fmt_table
+from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
 
 ROOT = Path(__file__).resolve().parent
@@ -291,12 +291,7 @@ def _frac(x):
 
 
 def plot(rows: list[dict], title: str, sweep: dict) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4.2))
+    fig, axes = figure((16 if sweep else 11, 4.2), 3 if sweep else 2)
     for run in dict.fromkeys(r["run"] for r in rows):
         rs = sorted((r for r in rows if r["run"] == run), key=lambda r: r["fraction_of_reprefill"])
         xs = [100 * r["fraction_of_reprefill"] for r in rs]

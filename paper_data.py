@@ -7,7 +7,7 @@ Usage:
 Writes <out>/<profile>/{train,validation,test}.{natural,packed}.jsonl and, last, manifest.json
 (counts, token-length statistics, input hashes and the sha256 of every file). Re-running with
 the same source, tokenizer, profile, seed and code does nothing. The rules (split assignment,
-cropping, tokenization) are documented in kvlingo/data.py.
+cropping, tokenization) are documented in kvlingo/run/data.py.
 """
 
 from __future__ import annotations

@@ -52,12 +52,12 @@ from kvlingo.run.argtypes import number, whole
 from kvlingo.run.models import DIRECTIONS, resolve_device, resolve_dtype
 from kvlingo.run.paths import RunPaths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, huge_pages, publish
+from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_table, huge_pages, publish
 
 SCRIPT = Path(__file__).resolve()
 SWITCH = {"auto": None, "on": True, "off": False}  # --fuse-keys, --defer-values → None (the device's default) or a bool
 # On a CPU a noisy timing gets extra trials up to 30 of them or 20 s in all: the handoff's steps
-# (about a second at 4,096 tokens) get many, a 45-second re-prefill no more than --timing-repeats.
+# get many, a long re-prefill no more than --timing-repeats.
 CPU_MAX_REPEATS, CPU_MAX_SECONDS = 30, 20.0
 
 
@@ -310,11 +310,7 @@ def pair_names(args) -> tuple[str, str]:
 
 
 def perf_plot(points: list[dict], modes: tuple[str, ...], title: str) -> bytes:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = figure((6.4, 4.2))
     xs = [p["context_tokens"] for p in points]
     for mode, style in zip(timing.MODES, ("--", "-")):
         if mode not in modes:

@@ -45,7 +45,7 @@ from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_file
 from kvlingo.run.models import PairConfig, PairError, pair_config_from_args, resolve_pair
 from kvlingo.run.paths import RunPaths, default_data, run_paths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_table
+from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_table
 from kvlingo.run.resume import code_hash
 
 ROOT = Path(__file__).resolve().parent
@@ -281,14 +281,9 @@ def cells_pair(args) -> PairConfig:
 
 # --------------------------------------------------------------------------- outputs
 def plot_lr(path: Path, search: dict, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cells = sorted(search["cells"], key=lambda c: c["lr"])
     ok = [c for c in cells if isinstance(c["val_kl"], (int, float)) and math.isfinite(c["val_kl"])]  # diverged: left out
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = figure((6.5, 4))
     ax.plot([c["lr"] for c in ok], [c["val_kl"] for c in ok], "o-", label="distilled (final validation KL)")
     best = next(c for c in cells if c["lr"] == search["chosen_lr"])
     ax.plot([best["lr"]], [best["val_kl"]], "o", ms=12, mfc="none", mec="red", label=f"chosen lr {best['lr']:g}")

@@ -40,7 +40,7 @@ from kvlingo.run.data import open_prepared, read_split
 from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
 from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, publish
+from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_table, publish
 
 SCRIPT = Path(__file__).resolve()
 PATHS = {"re_reading": "target_reprefill", "switching": "source_cache_handoff"}
@@ -90,12 +90,7 @@ def join_chat(convs: list[dict], n_tokens: int) -> tuple[list[int], dict]:
 
 def plot(points: list[dict], title: str) -> bytes:
     """PNG of median time against history length for both paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = figure((6, 4))
     xs = [p["context_tokens"] for p in points]
     for label in PATHS:
         med = [p["paths"][label]["median_s"] for p in points]

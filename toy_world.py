@@ -58,7 +58,6 @@ def main(argv=None) -> None:
                         help="after --train-deep on a full world, copy the deep model into DIR (e.g. kvlingo/toy/deep)")
     parser.add_argument("--mini", action="store_true", help="tiny corpus and models for tests (seconds)")
     parser.add_argument("--force", action="store_true", help="with --train/--mini: retrain even if the manifest matches")
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     args = parser.parse_args(argv)
 
     training = args.train or args.mini
@@ -77,15 +76,14 @@ def main(argv=None) -> None:
                 writable(folder, flag)  # before any training: a folder that cannot be written is named now
         if training:
             manifest = build_toy_world(args.out, seed=args.seed, mini=args.mini,
-                                       minutes_per_model=args.minutes_per_model, force=args.force,
-                                       progress=not args.no_progress)
+                                       minutes_per_model=args.minutes_per_model, force=args.force)
             if args.export is not None:
                 export_pair(args.out, args.export)
         else:
             manifest = install_pair(args.out)
         deep = None
         if args.train_deep:
-            deep = build_deep(args.out, force=args.force, progress=not args.no_progress)
+            deep = build_deep(args.out, force=args.force)
             if args.export_deep is not None:
                 export_deep(args.out, args.export_deep)
         elif not training:

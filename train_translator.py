@@ -34,7 +34,7 @@ from kvlingo.run.data import open_prepared, read_split, split_path
 from kvlingo.run.models import load_pair, pair_config_from_args
 from kvlingo.run.paths import default_data, run_paths, writable
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Report, figure_png, fmt_table
+from kvlingo.run.report import Report, figure, figure_png, fmt_table
 from kvlingo.train import checkpoints as ckpt
 from kvlingo.train import distributed
 from kvlingo.train.closed_form import fit_closed_form
@@ -85,7 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint of --run")
     p.add_argument("--init-from", default=None, help="start from an existing closed-form translator folder instead of fitting")
     p.add_argument("--closed-form-only", action="store_true", help="stop after the closed-form fit and its validation")
-    p.add_argument("--code-salt", default="", help=argparse.SUPPRESS)  # tests: stands in for a code edit
     add_estimate_args(p)
     return p
 
@@ -124,12 +123,7 @@ def positive(name: str, value, allow_zero: bool = False):
 
 
 def plot_curves(path: Path, loss: list, val: list, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = figure((7, 4))
     if loss:
         ax.plot([u for u, _ in loss], [x for _, x in loss], label="train loss (batch KL)", lw=1)
     ax.plot([u for u, _ in val], [x for _, x in val], "o-", label="validation KL")
@@ -200,8 +194,6 @@ def main(argv=None) -> dict:
         raise Refusal(f"--batch {cfg.batch} is more than the {n_train} training conversations in {data_dir}: "
                       f"every one would repeat within each update; give --batch {n_train} or less")
     code_sha = resume.code_hash(SCRIPT)
-    if args.code_salt:
-        code_sha = sha256_json({"code": code_sha, "salt": args.code_salt})
     identity = resume.identity(cfg, {"data": data_hashes}, pair_cfg.identities(), code_sha)
     state = None
     if args.resume:

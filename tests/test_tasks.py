@@ -217,6 +217,20 @@ def test_resume_after_kill_regenerates_nothing_finished(world, tmp_path):
     assert e.value.code == 2
 
 
+def test_thinking_renders_the_prompt_with_its_think_block(world, tmp_path):
+    """--thinking renders each prompt with enable_thinking=True (no empty think block), and says so in the config."""
+    from transformers import AutoTokenizer
+
+    task_eval.main(_args(world, tmp_path, "--limit", "1", "--native", "--thinking", "--max-new-tokens", "2"))
+    report = read_json(tmp_path / "t" / "task-gsm8k-native.json")
+    rows = read_rows(tmp_path / "t" / "task-gsm8k-native.rows.jsonl")[1]
+    tok = AutoTokenizer.from_pretrained(world["small"])
+    item = gsm8k_item(json.loads(Path(world["gsm8k"]).read_text().splitlines()[0]))
+    thinking, plain = user_prompt_ids(tok, item.prompt, True), user_prompt_ids(tok, item.prompt, False)
+    assert thinking != plain and report["config"]["enable_thinking"] is True
+    assert {r["prompt_tokens"] for r in rows} == {len(thinking)}
+
+
 def test_trace_handoff_against_transformers_generate(world, tmp_path):
     task_eval.main(_args(world, tmp_path, "--limit", "2", "--handoff", "trace", "--trace-tokens", "5"))
     report = read_json(tmp_path / "t" / "task-gsm8k-trace.json")

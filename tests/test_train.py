@@ -27,6 +27,7 @@ from kvlingo.core.families.headwise import Headwise
 from kvlingo.core.folder import load_state, load_translator, read_manifest
 from kvlingo.core.translator import Geometry
 from kvlingo.core.rope import RopeCache
+from kvlingo.run import resume
 from kvlingo.run.models import ModelSpec, load_model
 from kvlingo.train import checkpoints as C
 from kvlingo.train import distill as D
@@ -254,7 +255,7 @@ def test_init_from_reuses_the_closed_form(tiny_pair_paths, data, trained, tmp_pa
 
 
 # --------------------------------------------------------------------------- resume guards and checkpoints
-def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trained, tmp_path, capsys):
+def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trained, tmp_path, capsys, monkeypatch):
     root, args, _ = trained
     ckpts = root / "artifacts" / "base" / "checkpoints"
     before = {p.name: p.read_bytes() for p in ckpts.iterdir()}
@@ -268,7 +269,9 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
         assert re.search(pattern, err), err
 
     refused([*args, "--resume", "--lr", "1e-3"], r"refusing to resume base.*settings changed: settings\.lr: 0\.003 → 0\.001;.*drop --resume")
-    refused([*args, "--resume", "--code-salt", "an edit"], r"refusing to resume.*code changed: code: \w+… → \w+…")
+    with monkeypatch.context() as m:  # an edit of the code the stage imports
+        m.setattr(resume, "code_hash", lambda *scripts: "e" * 64)
+        refused([*args, "--resume"], r"refusing to resume.*code changed: code: \w+… → eeeeeeeeeeee…")
     # data: same folder layout elsewhere, one reply token changed
     rows = [json.loads(line) for line in (data[0] / "train.natural.jsonl").read_text().splitlines()]
     rows[3]["reply_ids"][0] = (rows[3]["reply_ids"][0] + 1) % 300

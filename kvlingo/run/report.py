@@ -10,7 +10,6 @@ finished stage.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import subprocess
@@ -174,16 +173,17 @@ def read_report(path: str | os.PathLike, stage: str | None = None) -> dict[str, 
     return data
 
 
-def results_of(cls, data: dict[str, Any]):
-    """A stage's results dataclass rebuilt from a report's `results` (unknown keys are refused)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    extra = set(data) - names
-    if extra:
-        raise ValueError(f"{cls.__name__} has no fields {sorted(extra)}; the report was written by other code")
-    return cls(**data)
-
-
 # --------------------------------------------------------------------------- formatting
+def figure(figsize: tuple[float, float] = (6.5, 4.2), ncols: int = 1):
+    """(fig, axes) of a new matplotlib figure drawn off-screen (the Agg backend); `figure_png` writes and closes it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=figsize)
+
+
 def figure_png(fig) -> bytes:
     """A matplotlib figure as PNG bytes (then closed), ready for `atomic_write_bytes`."""
     import io
@@ -228,27 +228,3 @@ def fmt_pm(stat: Any, scale: float = 1.0, fmt: str = ".4g", se_fmt: str | None =
     if not isinstance(se, (int, float)) or se != se:
         return f"{mean:{fmt}}"
     return f"{mean:{fmt}} ± {scale * se:{se_fmt or fmt}}"
-
-
-def fmt_line_plot(series: dict[str, tuple[list[float], list[float]]], *, xlabel: str, ylabel: str, title: str,
-                  logx: bool = False, logy: bool = False, marker: str = "o") -> bytes:
-    """PNG of named (x, y) series on one axis: the suite's curves (KL against updates, time against length)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for label, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker=marker, label=label, lw=1)
-    if logx:
-        ax.set_xscale("log", base=2 if all(float(x).is_integer() for s in series.values() for x in s[0]) else 10)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    return figure_png(fig)
-
