@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvlingo.core.folder import MAPS_FILE
 from kvlingo.drive import ablation as A
 from kvlingo.drive import cells as K
 from kvlingo.drive.ledger import LEDGER_FILE
@@ -90,7 +91,7 @@ class Plan:
     def train(self, setting: A.Setting, sub: str, updates: int | None = None) -> K.Cell:
         flags = {"--data": self.cfg.data, "--family": setting.family, "--updates": updates}
         return self.cell("train", sub, flags, "train", extra=setting.flags, resume_flag="--resume",
-                         outputs=(str(self.paths.nested(sub).translator("distilled") / "maps.safetensors"),))
+                         outputs=(str(self.paths.nested(sub).translator("distilled") / MAPS_FILE),))
 
     def benchmark(self, sub: str) -> K.Cell:
         return self.cell("benchmark", sub, {"--data": self.cfg.data, "--timing-conversations": 0,

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from kvlingo.bench import timing
 from kvlingo.bench.packing import packed
-from kvlingo.core.folder import load_translator
+from kvlingo.core.folder import MANIFEST_FILE, load_translator
 from kvlingo.core.handoff import as_ids
 from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Refusal
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     test_file = f"test.{args.variant}.jsonl"
     inputs = {"test_split": {"path": str(data_dir / test_file), "sha256": manifest["files"][test_file]},
-              **{name: {"path": str(f), "manifest_sha256": sha256_file(f / "manifest.json")}
+              **{name: {"path": str(f), "manifest_sha256": sha256_file(f / MANIFEST_FILE)}
                  for name, f in folders.items()}}
     identity = resume.identity(cfg, inputs, pair_cfg.identities(), resume.code_hash(SCRIPT))
     key = resume.resume_key(identity)

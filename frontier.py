@@ -31,6 +31,7 @@ import torch
 from kvlingo.bench import timing
 from kvlingo.bench.packing import packed
 from kvlingo.bench.shapes import real_pair_configs, translator_at
+from kvlingo.core.folder import MANIFEST_FILE, MAPS_FILE
 from kvlingo.core.refresh import Refresh, refresh_flops
 from kvlingo.drive import cells as K
 from kvlingo.drive.stage import (add_task_data_args, generative_tasks, lock_run, refresh_setting, refusals_exit,
@@ -123,8 +124,7 @@ class Plan:
         """The run's distilled translator, copied under the setting's own run folder (each cell is the real stage)."""
         src = RunPaths(run, self.cfg.artifacts, self.cfg.results).translator("distilled")
         dst = self.sub(run, setting).translator("distilled")
-        if not (dst / "manifest.json").is_file() or sha256_file(dst / "maps.safetensors") != \
-                sha256_file(src / "maps.safetensors"):
+        if not (dst / MANIFEST_FILE).is_file() or sha256_file(dst / MAPS_FILE) != sha256_file(src / MAPS_FILE):
             tmp = dst.with_name(".distilled.copy")
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(src, tmp)
@@ -135,7 +135,7 @@ class Plan:
         script = str(ROOT / SCRIPTS[stage])
         sub = self.sub(run, setting)
         src = RunPaths(run, self.cfg.artifacts, self.cfg.results).translator("distilled")
-        inputs = {**self.inputs, "code_sha256": code_hash(script), "translator": sha256_file(src / "maps.safetensors")}
+        inputs = {**self.inputs, "code_sha256": code_hash(script), "translator": sha256_file(src / MAPS_FILE)}
         return K.Cell(f"{stage}/{run}/{slug(setting)}", stage, script,
                       {**self.flags, "--run": sub.run, "--refresh": setting, **flags}, str(sub.report(report)),
                       inputs, **kw)
@@ -343,9 +343,9 @@ def main(argv=None) -> dict:
     specs = {}
     for r in cfg.runs:
         folder = RunPaths(r, cfg.artifacts, cfg.results).translator("distilled")
-        if not (folder / "manifest.json").is_file():
+        if not (folder / MANIFEST_FILE).is_file():
             raise Refusal(f"no trained translator at {folder}: train the run first (make train RUN={r})")
-        m = read_json(folder / "manifest.json")
+        m = read_json(folder / MANIFEST_FILE)
         specs[r] = {"family": m["family"], "key_space": m["key_space"], "settings": m["settings"]}
     toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
     n_layers = pair.geometry["target_layers"]

@@ -36,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from kvlingo.core.folder import MAPS_FILE
 from kvlingo.drive import cells as K
 from kvlingo.drive import lrsearch
 from kvlingo.drive.launch import add_launch_args, launcher_from_args
@@ -217,7 +218,7 @@ class Plan:
         return {"manifest_sha256": sha256_file(manifest)}
 
     def maps_sha(self, sub: str, kind: str) -> str:
-        return sha256_file(self.paths.nested(sub).translator(kind) / "maps.safetensors")
+        return sha256_file(self.paths.nested(sub).translator(kind) / MAPS_FILE)
 
     def cell(self, stage: str, sub: str, flags: dict, inputs: dict, report: str, **kw) -> K.Cell:
         script = SCRIPTS[stage]
@@ -237,7 +238,7 @@ class Plan:
             inputs["closed_form_sha256"] = self.maps_sha("closed", "closed_form")
         kind = "closed_form" if closed else "distilled"
         return self.cell("train", sub, flags, inputs, "train",
-                         outputs=(str(self.paths.nested(sub).translator(kind) / "maps.safetensors"),),
+                         outputs=(str(self.paths.nested(sub).translator(kind) / MAPS_FILE),),
                          extra=self.cfg.train_args, resume_flag="--resume")
 
     def benchmark(self, sub: str, trained: bool) -> K.Cell:

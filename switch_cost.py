@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from kvlingo.bench import timing
 from kvlingo.bench.packing import packed
-from kvlingo.core.folder import load_translator
+from kvlingo.core.folder import MANIFEST_FILE, load_translator
 from kvlingo.core.handoff import as_ids
 from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Refusal
@@ -122,9 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     paths = run_paths(args)
     pair_cfg, tokenizer = pair_config_from_args(args)
     folder = paths.translator(args.translator)
-    if not (folder / "manifest.json").is_file():
+    if not (folder / MANIFEST_FILE).is_file():
         other = "closed_form" if args.translator == "distilled" else "distilled"
-        there = (paths.translator(other) / "manifest.json").is_file()  # suggested only when it exists
+        there = (paths.translator(other) / MANIFEST_FILE).is_file()  # suggested only when it exists
         raise Refusal(f"no trained translator at {folder}: run `make train RUN={paths.run}` first"
                       + (f" (or pass --translator {other}, which this run has)" if there else ""))
     data_dir = Path(args.data) if args.data else default_data(profile.name)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         pair=pair_cfg,
     )
     inputs = {"test_split": {"path": str(data_dir / "test.natural.jsonl"), "sha256": manifest["files"]["test.natural.jsonl"]},
-              args.translator: {"path": str(folder), "manifest_sha256": sha256_file(folder / "manifest.json")}}
+              args.translator: {"path": str(folder), "manifest_sha256": sha256_file(folder / MANIFEST_FILE)}}
     identity = resume.identity(cfg, inputs, pair_cfg.identities(), resume.code_hash(SCRIPT))
     key = resume.resume_key(identity)
     old = None if args.force else resume.finished(paths.report("switch"), key)

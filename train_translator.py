@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from kvlingo.core.families import FAMILIES
-from kvlingo.core.folder import MANIFEST_FILE, check_expected, load_state, read_manifest, save_translator, state_bytes
+from kvlingo.core.folder import MANIFEST_FILE, MAPS_FILE, check_expected, load_state, read_manifest, save_translator, state_bytes
 from kvlingo.core.folder import build as build_translator
 from kvlingo.drive.stage import lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Refusal
@@ -227,7 +227,7 @@ def main(argv=None) -> dict:
                            "code": code_sha})
     translator, fit_stats, to_save = closed_form_start(args.init_from, init, pair, cfg, fit_rows, cf_dir, fit_key, empty,
                                                        world)
-    cf_sha = sha256_bytes(state_bytes(translator)) if to_save is not None else sha256_file(cf_dir / "maps.safetensors")
+    cf_sha = sha256_bytes(state_bytes(translator)) if to_save is not None else sha256_file(cf_dir / MAPS_FILE)
     if state is not None and state["closed_form_sha256"] != cf_sha:
         raise resume.ResumeRefused(
             f"refusing to resume {paths.run}: closed-form start changed: maps sha256 "
@@ -318,7 +318,7 @@ def main(argv=None) -> dict:
         dist_kl = history["val"][-1][1]
         save_translator(dist_dir, translator, {**provenance, "stage": "distilled", "closed_form_sha256": cf_sha,
                                                "updates": cfg.updates, "val_kl": dist_kl})
-        dist_sha = sha256_file(dist_dir / "maps.safetensors")
+        dist_sha = sha256_file(dist_dir / MAPS_FILE)
     wall = time.time() - t0
     plot = paths.beside("train", ".png")
     plot_curves(plot, history["loss"], history["val"],

@@ -35,7 +35,7 @@ import torch
 from .core.cache import Capture, build_cache
 from .core.handoff import capture_source, greedy_generate, stop_ids, translate
 from .core.refresh import Refresh
-from .core.folder import check_expected, load_translator, read_manifest
+from .core.folder import MAPS_FILE, check_expected, load_translator, read_manifest
 from .core.translator import Geometry, Translator, TranslatorError
 from .run.evidence import Gate, Verdict, judge
 from .run.exported import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_name, read_export
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 Messages = Sequence[dict[str, Any]]  # chat messages: {"role": ..., "content": ...}
 Source = Union[Messages, Sequence[int], torch.Tensor, Capture, "DynamicCache"]  # what a handoff starts from
-HUB_FILES = [CONFIG_FILE, EVIDENCE_FILE, CARD_FILE, "maps.safetensors"]
+HUB_FILES = [CONFIG_FILE, EVIDENCE_FILE, CARD_FILE, MAPS_FILE]
 
 
 class UnprovenTranslator(TranslatorError):

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.folder import MANIFEST_FILE
 from ..errors import RunRefused
 
 TRANSLATORS = ("closed_form", "distilled")  # the translator folders a training run writes
@@ -57,7 +58,7 @@ class RunPaths:
 
     def translators(self, kinds=TRANSLATORS) -> tuple[dict[str, Path], list[str]]:
         """({kind: folder} of the complete translators among `kinds`, [kinds that are missing])."""
-        found = {k: self.translator(k) for k in kinds if (self.translator(k) / "manifest.json").is_file()}
+        found = {k: self.translator(k) for k in kinds if (self.translator(k) / MANIFEST_FILE).is_file()}
         return found, [k for k in kinds if k not in found]
 
     @property
