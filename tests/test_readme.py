@@ -278,7 +278,8 @@ def test_links_resolve_and_each_docs_page_is_linked_once_from_the_readme():
     assert sorted(links) == sorted(f"docs/{p.name}" for p in DOCS), links
     for p in DOCS:  # each page says what it is for, in its first paragraph
         head = p.read_text().split("\n")
-        assert head[0].startswith("# ") and head[1] == "" and head[2].strip(), f"{p.name}: title, then one line"
+        assert head[0].startswith("# ") and head[1] == "" and head[2].strip() and head[3] == "", \
+            f"{p.name}: a title, then one line saying what the page is for"
 
 
 def test_readme_stays_short():
