@@ -42,9 +42,6 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 RUN_AS_WRITTEN = {("make", "help"), ("make", "venv")}  # cheap make lines run for real
-# Folders the README names ahead of the code layout that creates them: each must still be missing (once it exists,
-# drop it here, and the ordinary check takes over).
-PENDING = {"kvlingo/bench"}
 LANGUAGES = {"bash", "python", "text"}
 
 
@@ -250,11 +247,7 @@ def test_named_targets_scripts_and_paths_exist():
                 if re.fullmatch(r"[a-z_]+\.py", token) and not token.startswith("test_"):
                     assert (ROOT / token).is_file(), f"{page.name}: `{token}` names no script at the repository root"
                 elif re.match(r"(kvlingo|tests|examples|docs)/", token) and not re.search(r"[A-Z*{<]", token):
-                    if token.rstrip("/") in PENDING:
-                        continue
                     assert (ROOT / token).exists(), f"{page.name}: `{token}` names nothing in the repository"
-    for path in PENDING:
-        assert not (ROOT / path).exists(), f"{path} exists now: remove it from PENDING in this test"
 
 
 def slug(heading: str) -> str:
