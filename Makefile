@@ -84,8 +84,10 @@ PAIR_FLAGS = --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction 
 	--dtype $(DTYPE) $(if $(RUN),--run $(RUN))
 REFRESH_FLAG = $(if $(REFRESH),--refresh $(REFRESH))
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
-# One process, or torchrun with NPROC ranks (kvlingo/train/distributed.py).
+# One process, or torchrun with NPROC ranks (kvlingo/train/distributed.py). torchrun's parser would take a stage
+# flag that abbreviates one of its own options (--run: --run-path) for its own: the stage's flags follow `--`.
 TRAIN_PY = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY))
+TRAIN_SEP = $(if $(filter-out 1,$(NPROC)),--)
 
 .DEFAULT_GOAL := help
 .PHONY: help venv test test-fast run demo toy toy-train toy-train-deep toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate frontier export
@@ -166,7 +168,7 @@ prepare: $(VENV)/.synced ## disjoint train/validation/test splits → data/PROFI
 	$(PY) paper_data.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
 
 train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, results/RUN/train.json (TRAIN_ARGS=--resume, NPROC=8)
-	$(TRAIN_PY) train_translator.py $(PAIR_FLAGS) $(TRAIN_ARGS)
+	$(TRAIN_PY) train_translator.py $(TRAIN_SEP) $(PAIR_FLAGS) $(TRAIN_ARGS)
 
 estimate: $(VENV)/.synced ## peak memory per rank and time per update of PROFILE's distillation (NPROC=8 GPU=H100)
 	$(PY) estimate.py --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) \

@@ -27,7 +27,7 @@ from kvlingo.errors import Failure, Refusal
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
 from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig, pair_config_from_args
-from kvlingo.run.paths import RunPaths, default_data, default_run
+from kvlingo.run.paths import TRANSLATORS, RunPaths, check_outputs, default_data, default_run
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
@@ -91,7 +91,7 @@ class Plan:
     def train(self, setting: A.Setting, sub: str, updates: int | None = None) -> K.Cell:
         flags = {"--data": self.cfg.data, "--family": setting.family, "--updates": updates}
         return self.cell("train", sub, flags, "train", extra=setting.flags, resume_flag="--resume",
-                         outputs=(str(self.paths.nested(sub).translator("distilled") / MAPS_FILE),))
+                         outputs=tuple(str(self.paths.nested(sub).translator(k) / MAPS_FILE) for k in TRANSLATORS))
 
     def benchmark(self, sub: str) -> K.Cell:
         return self.cell("benchmark", sub, {"--data": self.cfg.data, "--timing-conversations": 0,
@@ -178,6 +178,8 @@ def main(argv=None) -> dict:
                          settings=tuple(args.settings), long_factor=args.long_factor, eval_root=args.data_root,
                          tasks=tasks, artifacts=args.artifacts, results=args.results, pair=pair)
     plan = Plan(cfg)
+    check_outputs([plan.paths.report("ablation"), *(plan.paths.beside("ablation", x) for x in (".md", ".png")),
+                   plan.paths.res / LEDGER_FILE])
     lock_run(plan.paths.res, "ablate")
     ledger = K.Ledger(plan.paths.res / LEDGER_FILE, asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)

@@ -40,7 +40,7 @@ from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split
 from kvlingo.run.models import PairConfig, dtype_name, load_model, load_pair, pair_config_from_args, resolve_dtype
-from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
+from kvlingo.run.paths import TRANSLATORS, check_outputs, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_interval, fmt_pm, fmt_table, publish
 
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         print(md.read_text() if md.exists() else "")
         return
 
+    check_outputs([paths.report("benchmark"), paths.beside("benchmark", ".rows.jsonl"), paths.beside("benchmark", ".md")])
     lock_run(paths.res, "benchmark")  # before the models load: also refuses a folder it cannot write
     pair = load_pair(pair_cfg, tokenizer)
     translators = {name: load_translator(f, pair)[0] for name, f in folders.items()}

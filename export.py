@@ -20,9 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvlingo.drive.stage import refusals_exit, stage_parser
-from kvlingo.run.exported import CONFIG_FILE, gather, write_export
+from kvlingo.run.exported import CONFIG_FILE, EXPORT_FILES, gather, write_export
 from kvlingo.run.models import DIRECTIONS
-from kvlingo.run.paths import TRANSLATORS, add_run_args, run_paths, writable
+from kvlingo.run.paths import TRANSLATORS, add_run_args, check_outputs, run_paths, writable
 from kvlingo.run.profiles import PROFILES
 
 
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     paths = run_paths(args)
     out = args.out or paths.art / "export"
     maps, config, evidence = gather(paths, args.translator, evidence=not args.no_evidence)
+    check_outputs([out / name for name in EXPORT_FILES], flag="--out", need_bytes=len(maps))
     writable(out, "--out")
     verdict = write_export(out, maps, config, evidence)
     print(f"wrote {out} ({config['family']} {config['direction']}, {args.translator} maps of run {paths.run}; "

@@ -31,17 +31,17 @@ import torch
 from kvlingo.bench import timing
 from kvlingo.bench.packing import packed
 from kvlingo.bench.shapes import real_pair_configs, translator_at
-from kvlingo.core.folder import MANIFEST_FILE, MAPS_FILE
+from kvlingo.core.folder import MANIFEST_FILE, MAPS_FILE, read_manifest
 from kvlingo.core.refresh import Refresh, refresh_flops
 from kvlingo.drive import cells as K
 from kvlingo.drive.stage import (add_task_data_args, generative_tasks, lock_run, refresh_setting, refusals_exit,
                                stage_parser)
 from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.stats import ratio_of_medians_interval
-from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
+from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_file
 from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig, pair_config_from_args
-from kvlingo.run.paths import RunPaths, default_data, run_paths
+from kvlingo.run.paths import RunPaths, check_outputs, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
@@ -345,11 +345,13 @@ def main(argv=None) -> dict:
         folder = RunPaths(r, cfg.artifacts, cfg.results).translator("distilled")
         if not (folder / MANIFEST_FILE).is_file():
             raise Refusal(f"no trained translator at {folder}: train the run first (make train RUN={r})")
-        m = read_json(folder / MANIFEST_FILE)
+        m = read_manifest(folder)  # refuses a damaged or edited manifest, or maps that do not match it
         specs[r] = {"family": m["family"], "key_space": m["key_space"], "settings": m["settings"]}
     toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
     n_layers = pair.geometry["target_layers"]
     plan = Plan(cfg)
+    check_outputs([plan.paths.report("frontier"), plan.paths.report("frontier-timing"),
+                   *(plan.paths.beside("frontier", x) for x in (".md", ".png")), plan.paths.res / K.LEDGER_FILE])
     lock_run(plan.paths.res, "frontier")
     ledger = K.Ledger(plan.paths.res / "frontier-state.json", asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)

@@ -37,7 +37,7 @@ from kvlingo.eval.tasks.prompts import user_prompt_ids
 from kvlingo.io import atomic_write_text, sha256_json
 from kvlingo.run import resume
 from kvlingo.run.models import PairConfig
-from kvlingo.run.paths import run_paths
+from kvlingo.run.paths import check_outputs, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table
 
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     docs = docs[:limit]
     name = "ifeval-native" if args.native else "ifeval"
     sibling = "ifeval" if args.native else "ifeval-native"
+    check_outputs([paths.report(name), paths.beside(name, ".rows.jsonl"), paths.beside(name, ".md")])
     lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
     session = Session(args, paths)
     pair, tok = session.pair, session.pair.tokenizer
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         n_samples={"prompts": len(docs), "instructions": results.paths[b]["n_instructions"]},
         inputs={**inputs, "prompts_sha256": sha256_json(docs), "translator": session.translator_info, "punkt": punkt,
                 "code_sha256": resume.code_hash(SCRIPT), "rows": session.rows_input()},
-        resume_key=resume.resume_key(log.settings),
+        resume_key=resume.resume_key(log.settings), files={log.path.name: session.rows_input()["sha256"]},
     ).write(paths.report(name))
     headers = ["path", "prompts", "prompt strict", "prompt loose", "inst strict", "inst loose", "hit cap"]
     pct = lambda m: fmt_pm(m, 100.0, ".1f", missing="-")  # noqa: E731

@@ -44,7 +44,7 @@ from kvlingo.drive.stage import check_passthrough, lock_run, refusals_exit, stag
 from kvlingo.errors import Failure, Refusal
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_file
 from kvlingo.run.models import PairConfig, PairError, pair_config_from_args, resolve_pair
-from kvlingo.run.paths import RunPaths, default_data, run_paths
+from kvlingo.run.paths import RunPaths, check_outputs, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_table
 from kvlingo.run.resume import code_hash
@@ -305,6 +305,8 @@ def main(argv=None, runner=K.run_stage) -> dict:
     pair = cells_pair(args)  # refuses a bad pair before any cell runs
     cfg = make_config(args, pair)
     plan = Plan(cfg)
+    check_outputs([plan.paths.report("recipe"), *(plan.paths.beside("recipe", x) for x in (".md", ".png")),
+                   plan.res / K.LEDGER_FILE])
     lock_run(plan.res, "recipe")  # the ledger serialises cells; this keeps a second recipe off the same run
     ledger = K.Ledger(plan.res / K.LEDGER_FILE, asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner, launcher=launcher_from_args(args, plan.res))

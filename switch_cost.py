@@ -38,7 +38,7 @@ from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split
 from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
-from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
+from kvlingo.run.paths import TRANSLATORS, check_outputs, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_table, publish
 
@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     if chat["repeated"]:
         print(f"note: the test split holds {chat['split_tokens']} tokens, fewer than {max(cfg.lengths) + k}; "
               f"its conversations were joined {chat['passes']} times over", file=sys.stderr)
+    check_outputs([paths.report("switch"), paths.beside("switch", ".md"), paths.beside("switch", ".png")])
     lock_run(paths.res, "switch")  # before the models load: also refuses a folder it cannot write
     pair = load_pair(pair_cfg, tokenizer)
     limit = min(pair.source.config.max_position_embeddings, pair.target.config.max_position_embeddings)

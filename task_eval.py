@@ -42,7 +42,7 @@ from kvlingo.io import atomic_write_text, sha256_json
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig
-from kvlingo.run.paths import run_paths
+from kvlingo.run.paths import check_outputs, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table
 
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     items = [ITEM_BUILDERS[args.task](r) for r in rows[:limit]]
     base = f"task-{args.task}" + ("-trace" if trace else "")
     name, sibling = (f"{base}-native", base) if args.native else (base, f"{base}-native")
+    check_outputs([paths.report(name), paths.beside(name, ".rows.jsonl"), paths.beside(name, ".md")])
     lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
     session = Session(args, paths)
     pair, tok, eos = session.pair, session.pair.tokenizer, session.eos
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         wall_time_s=time.time() - t_start, device=pair.device, dtype=config.pair.dtype, n_samples={"items": len(items)},
         inputs={**inputs, "items_sha256": sha256_json([asdict(i) for i in items]), "translator": session.translator_info,
                 "code_sha256": resume.code_hash(SCRIPT), "rows": session.rows_input()},
-        resume_key=resume.resume_key(log.settings),
+        resume_key=resume.resume_key(log.settings), files={log.path.name: session.rows_input()["sha256"]},
     ).write(paths.report(name))
     pct = lambda m: fmt_pm(m, 100.0, ".1f", missing="-")  # noqa: E731
     table = fmt_table(["path", "items", "accuracy", "no answer", "hit cap", "new tokens"], [

@@ -32,7 +32,7 @@ from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split, split_path
 from kvlingo.run.models import load_pair, pair_config_from_args
-from kvlingo.run.paths import default_data, run_paths, writable
+from kvlingo.run.paths import check_outputs, default_data, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Report, figure, figure_png, fmt_table
 from kvlingo.train import checkpoints as ckpt
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    return build_parser().parse_args(distributed.script_args(argv))  # under torchrun the flags follow a `--`
 
 
 def given(value, default):
@@ -122,6 +122,18 @@ def positive(name: str, value, allow_zero: bool = False):
     return value
 
 
+def artifact_bytes(empty, cfg: TrainConfig, args, state: dict | None, ckpt_dir: Path) -> int:
+    """About what the run writes under --artifacts: the closed-form and distilled maps, and each checkpoint
+    still to come (the maps and AdamW's two moments), less the old checkpoints a fresh run removes first."""
+    maps = sum(v.numel() * v.element_size() for v in empty.state_dict().values())
+    if args.closed_form_only:
+        return maps
+    start = state["update"] if state is not None else 0
+    checkpoints = sum(1 for u in range(start + 1, cfg.updates + 1) if u % cfg.checkpoint_every == 0 or u == cfg.updates)
+    removed = 0 if args.resume else sum(p.stat().st_size for p in ckpt_dir.glob("ckpt_*.pt") if p.is_file())
+    return max(0, 2 * maps + checkpoints * 3 * maps - removed)
+
+
 def plot_curves(path: Path, loss: list, val: list, title: str) -> None:
     fig, ax = figure((7, 4))
     if loss:
@@ -146,8 +158,9 @@ def closed_form_start(init_from: str | None, init: dict | None, pair, cfg: Train
             "fit_key": init.get("fit_key"), "fit": init.get("fit"), "copied_from": str(init_from)}
     if (cf_dir / MANIFEST_FILE).is_file():
         try:
-            old = read_manifest(cf_dir)
-        except ValueError:  # damaged: fit again
+            old = read_manifest(cf_dir)  # its maps against their hash, and itself against its content hash
+        except ValueError as e:  # damaged or edited: fit again (the fit replaces it)
+            print(f"{e}: fitting again")
             old = {}
         if old.get("fit_key") == fit_key:
             print(f"closed-form fit up to date (same data, code, models and fit settings): {cf_dir}")
@@ -208,11 +221,19 @@ def main(argv=None) -> dict:
         init = read_manifest(args.init_from)  # refuses a missing or damaged folder before anything is written
         check_expected(init, family=cfg.family, key_space=cfg.key_space, direction=pair_cfg.direction,
                        models=pair_cfg.identities())
-    before_training(pair_cfg, empty, cfg, profile, world, args)  # peak memory and time per update; refuses a misfit
-
-    writable(paths.art, "--artifacts")  # before the models load, not after the fit
+    estimate: list[str] = []  # peak memory and time per update: printed once the outputs and the run lock are sure
+    try:
+        before_training(pair_cfg, empty, cfg, profile, world, args, say=estimate.append)
+    except Refusal:  # a misfit: the estimate is its reason
+        print("\n".join(estimate))
+        raise
+    check_outputs([paths.report("train"), paths.beside("train", ".md"), paths.beside("train", ".png")])
+    check_outputs([d / f for d in (cf_dir, dist_dir) for f in (MAPS_FILE, MANIFEST_FILE)], [ckpt_dir], "--artifacts",
+                  artifact_bytes(empty, cfg, args, state, ckpt_dir))
     lock_run(paths.res, "train")  # one training per run: checkpoints and translators are its alone
     lock_run(paths.art, "train", root_flag="--artifacts")  # two --results roots still share one run's artifacts
+    if world.main and estimate:
+        print("\n".join(estimate))
     pair = load_pair(pair_cfg, tokenizer)
     models = {"source": pair.source, "target": pair.target}
     check_frozen(models)
@@ -263,7 +284,7 @@ def main(argv=None) -> dict:
         return validation_kl(pair.source, pair.target, translator, val_rows, pair.dtype, bar, world, pair.cache)
 
     if state is None:
-        history = {"loss": [], "val": [[0, validate()]], "wall_time_s": 0.0}
+        history = {"loss": [], "val": [[0, validate()]], "wall_time_s": 0.0, "segments": []}
         start, resumed_from = 0, None
     else:
         translator.load_state_dict(state["translator"])
@@ -274,6 +295,9 @@ def main(argv=None) -> dict:
         set_rng_state(state["rng"])
         history, start, resumed_from = state["history"], state["update"], state["update"]
     cf_kl = history["val"][0][1]
+    segment = {"checkpoint_every": cfg.checkpoint_every, "world_size": world.size}  # what a resume may change
+    if not history["segments"] or {k: history["segments"][-1][k] for k in segment} != segment:
+        history["segments"].append({"from_update": start, **segment})
     segment_t0 = time.time()
 
     def checkpoint(update: int) -> None:
@@ -327,7 +351,7 @@ def main(argv=None) -> dict:
         closed_form_val_kl=cf_kl, distilled_val_kl=dist_kl,
         loss_curve=[{"update": u, "loss": x} for u, x in history["loss"]],
         val_kl_curve=[{"update": u, "val_kl": x} for u, x in history["val"]],
-        fit=fit_stats, frozen_weights=frozen, resumed_from_update=resumed_from,
+        fit=fit_stats, frozen_weights=frozen, resumed_from_update=resumed_from, segments=history["segments"],
         wall_time_s_total=history["wall_time_s"] + time.time() - segment_t0,
         translator={"family": cfg.family, "n_params": translator.n_params(),
                     "flops_per_token": translator.flops_per_token()},

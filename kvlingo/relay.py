@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 Messages = Sequence[dict[str, Any]]  # chat messages: {"role": ..., "content": ...}
 Source = Union[Messages, Sequence[int], torch.Tensor, Capture, "DynamicCache"]  # what a handoff starts from
 HUB_FILES = [CONFIG_FILE, EVIDENCE_FILE, CARD_FILE, MAPS_FILE]
+ROLES = ("system", "user", "assistant", "tool")  # the roles the supported chat templates render
 
 
 class UnprovenTranslator(TranslatorError):
@@ -261,8 +262,8 @@ def _token_id(i: Any) -> int:
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """Chat messages as a list, each a {"role": str, "content": str} dict; anything else is refused with the
-    message's index and what is wrong (a chat template would fail on it with a template error)."""
+    """Chat messages as a list, each a {"role": one of ROLES, "content": str} dict; anything else is refused with
+    the message's index and what is wrong (a chat template would fail on it, or render it as it likes)."""
     if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Iterable):
         raise ValueError(f"chat messages are a list of {{'role': ..., 'content': ...}} dicts, got "
                          f"{type(messages).__name__}; token ids go to relay.handoff")
@@ -274,6 +275,8 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
                 raise ValueError(f"chat message {i} has {key} {m.get(key)!r}; give it as a string")
+        if m["role"] not in ROLES:  # a chat template renders an unknown role as it likes, or not at all
+            raise ValueError(f"chat message {i} has role {m['role']!r}; give one of {', '.join(ROLES)}")
     return messages
 
 

@@ -6,7 +6,8 @@ Every fenced block of README.md is checked, and every bash block of docs/*.md:
 - ```bash lines, by kind:
   * `make help`, `make venv`: run as written.
   * every other `make ...` line: `make -n` as written must succeed, and every stage command it would start
-    (`.venv/bin/python SCRIPT ...`, `-m MODULE ...`, torchrun) must parse with that stage's own argparse parser.
+    (`.venv/bin/python SCRIPT ...`, `-m MODULE ...`, torchrun) must parse with that stage's own argparse parser
+    (under torchrun, after torchrun's own parser has read the line).
     That is all `make demo` (minutes), `make test` (this suite), `make run DEVICE=cuda`, `make recipe ...` and
     `make perf ...` (the Hub's models, a GPU or an hour) get here; `tests/test_demo_mini.py` runs every stage of
     the demo on a mini toy world.
@@ -14,6 +15,7 @@ Every fenced block of README.md is checked, and every bash block of docs/*.md:
     (its *_ARGS pass-throughs), and `examples/relay_toy.py` runs on what it exports; `examples/relay_qwen.py`
     runs on an export that the stages of `make run` build there on the tiny profile, the toy small model on
     both sides (its maps pass the gate).
+  * `.venv/bin/torchrun ...`: parsed by torchrun's parser, then the stage's.
   * `.venv/bin/python examples/X.py`: the slow run above; `.venv/bin/python SCRIPT ... --help`: run; any other
     `.venv/bin/python SCRIPT ...`: parsed with the script's parser.
   * anything else fails: a new kind of command needs a check here.
@@ -111,10 +113,20 @@ def stage_commands(dry_run: str) -> list[list[str]]:
     for line in dry_run.replace("\\\n", " ").split("\n"):
         for m in re.finditer(r"\.venv/bin/(python|torchrun)\b([^;&|>]*)", line):
             argv = shlex.split(m.group(2))
-            if m.group(1) == "torchrun":
-                argv = argv[next(i for i, a in enumerate(argv) if a.endswith(".py")):]
-            found.append(argv)
+            found.append(torchrun_stage(argv) if m.group(1) == "torchrun" else argv)
     return found
+
+
+def torchrun_stage(argv: list[str]) -> list[str]:
+    """The stage command [SCRIPT, *args] that torchrun (its arguments `argv`) starts, as torchrun's own parser
+    reads them: a stage flag it takes for an abbreviation of one of its options fails here as it would there."""
+    from torch.distributed.run import parse_args as torchrun_args
+
+    try:
+        launch = torchrun_args(argv)
+    except SystemExit as e:
+        raise AssertionError(f"torchrun {' '.join(argv)}: refused by torchrun's parser (exit {e.code})") from None
+    return [launch.training_script, *launch.training_script_args]
 
 
 class Parsed(BaseException):
@@ -178,6 +190,9 @@ def check_command(where: str, argv: list[str], capsys) -> str:
             return "ran"
         parse_with_stage(argv[1:])
         return "parse"
+    if argv[0] == ".venv/bin/torchrun":
+        parse_with_stage(torchrun_stage(argv[1:]))
+        return "parse (torchrun, then the stage)"
     raise AssertionError(f"{where}: {' '.join(argv)}: no check for this kind of command; add one to this test")
 
 

@@ -269,6 +269,7 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
         assert re.search(pattern, err), err
 
     refused([*args, "--resume", "--lr", "1e-3"], r"refusing to resume base.*settings changed: settings\.lr: 0\.003 → 0\.001;.*drop --resume")
+    refused([*args, "--resume", "--val-every", "3"], r"settings changed: settings\.val_every: 4 → 3;")  # where the curve is measured
     with monkeypatch.context() as m:  # an edit of the code the stage imports
         m.setattr(resume, "code_hash", lambda *scripts: "e" * 64)
         refused([*args, "--resume"], r"refusing to resume.*code changed: code: \w+… → eeeeeeeeeeee…")
@@ -289,11 +290,13 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
     refused([*args, "--resume", "--small", str(small)], r"models changed: pair\.target\.")
     assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before  # a refusal touches nothing
 
-    # Unchanged inputs (and a resume-safe setting) resume from the last checkpoint and change nothing.
+    # Unchanged inputs (and a resume-safe setting, recorded as it ran) resume from the last checkpoint and change nothing.
     dist = root / "artifacts" / "base" / "distilled" / "maps.safetensors"
     old = dist.read_bytes()
-    rep = main([*args, "--resume", "--val-every", "3"])
+    rep = main([*args, "--resume", "--checkpoint-every", "3"])
     assert rep["results"]["resumed_from_update"] == 8 and dist.read_bytes() == old
+    assert rep["results"]["segments"] == [{"from_update": 0, "checkpoint_every": 2, "world_size": 1},
+                                          {"from_update": 8, "checkpoint_every": 3, "world_size": 1}]
 
 
 @pytest.mark.parametrize("flags, says", [

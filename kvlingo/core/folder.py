@@ -3,8 +3,9 @@
 A folder holds `MAPS_FILE` (the state dict), then `MANIFEST_FILE`, written last, so its presence
 marks a complete translator. The manifest records the family, key space, settings and geometry,
 the sha256 of the maps file, and whatever provenance the writer adds (direction, model
-identities, data and code hashes). An exported folder (kvlingo.run.exported) keeps the same
-fields in config.json.
+identities, data and code hashes), and is sealed by its own content hash (`CONTENT_HASH`), so
+an edit of any field is refused where the manifest is read. An exported folder
+(kvlingo.run.exported) keeps the same fields in config.json.
 """
 
 from __future__ import annotations
@@ -16,13 +17,31 @@ from typing import Any
 
 import torch
 
-from ..io import DamagedFile, atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from ..io import DamagedFile, atomic_write_bytes, atomic_write_json, read_json, sha256_file, sha256_json, to_jsonable
 from .families import FAMILIES  # every family registered
 from .keyspace import KEY_SPACES
 from .translator import Geometry, Translator, TranslatorError
 
 MAPS_FILE = "maps.safetensors"
 MANIFEST_FILE = "manifest.json"
+CONTENT_HASH = "content_sha256"  # a manifest's (or export config's) own hash: its canonical JSON without this field
+
+
+def sealed(meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with its content hash (CONTENT_HASH) set: what a translator manifest or export config is written as."""
+    body = {k: v for k, v in to_jsonable(meta).items() if k != CONTENT_HASH}
+    return {**body, CONTENT_HASH: sha256_json(body)}
+
+
+def seal_problem(meta: dict[str, Any]) -> str | None:
+    """Why `meta` (a manifest or config as read) is not as it was written, or None: every field counts, so an
+    edit of any of them (a setting, the pair, the provenance) is found."""
+    recorded = meta.get(CONTENT_HASH)
+    if recorded is None:
+        return f"it records no {CONTENT_HASH} (written by older code)"
+    if recorded != sha256_json({k: v for k, v in meta.items() if k != CONTENT_HASH}):
+        return f"it was edited after it was written (its {CONTENT_HASH} does not match its fields)"
+    return None
 
 
 # --------------------------------------------------------------------------- folders
@@ -39,13 +58,13 @@ def save_translator(folder: str | Path, translator: Translator, provenance: dict
     atomic_write_bytes(folder / MAPS_FILE, state_bytes(translator))
     manifest = {**provenance, **translator.spec(), "n_params": translator.n_params(),
                 "maps_sha256": sha256_file(folder / MAPS_FILE)}
-    atomic_write_json(folder / MANIFEST_FILE, manifest)
+    atomic_write_json(folder / MANIFEST_FILE, sealed(manifest))
     return folder
 
 
 def read_manifest(folder: str | Path, name: str = MANIFEST_FILE) -> dict[str, Any]:
-    """A translator folder's manifest (`name`: manifest.json, or an export's config.json), after checking the
-    maps file against its hash."""
+    """A translator folder's manifest (`name`: manifest.json, or an export's config.json), after checking it
+    against its own content hash and the maps file against the hash it records."""
     folder = Path(folder)
     mpath = folder / name
     if not mpath.is_file():
@@ -55,6 +74,9 @@ def read_manifest(folder: str | Path, name: str = MANIFEST_FILE) -> dict[str, An
         manifest = read_json(mpath)
     except DamagedFile as e:
         raise TranslatorError(f"{e.problem}: the translator folder is damaged; train or export it again") from None
+    problem = seal_problem(manifest) if isinstance(manifest, dict) else f"it is a {type(manifest).__name__}, not a mapping"
+    if problem:
+        raise TranslatorError(f"{mpath}: {problem}; train or export it again")
     if manifest.get("family") not in FAMILIES:
         raise TranslatorError(f"{mpath}: unknown translator family {manifest.get('family')!r} "
                               f"(known: {', '.join(sorted(FAMILIES))}); it was written by other code")

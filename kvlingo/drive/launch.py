@@ -53,8 +53,10 @@ def stage_command(argv: Sequence[str], nproc: int = 1) -> list[str]:
     """The command of a stage: this interpreter, or torchrun (from the same environment) with `nproc` ranks."""
     if nproc <= 1:
         return [sys.executable, *argv]
+    from ..train.distributed import torchrun_command
+
     torchrun = Path(sys.executable).with_name("torchrun")
-    return [str(torchrun) if torchrun.is_file() else "torchrun", "--standalone", "--nproc-per-node", str(nproc), *argv]
+    return torchrun_command(str(torchrun) if torchrun.is_file() else "torchrun", nproc, argv)
 
 
 def run_stage(argv: Sequence[str], report: str | os.PathLike, log: str | os.PathLike | None = None,

@@ -1,7 +1,9 @@
 """The recipe's cell ledger, `recipe-state.json`, shared by cells that run at the same time.
 
-One entry per cell: its key, status (running, done, failed), flags, inputs, report and the
-report's sha256 once done, how many times it was started, and where it last ran. The recipe's
+One entry per cell: its key, status (running, done, failed), flags, inputs, report, and once done
+the sha256 of the report and of every output it vouches for (declared maps, the rows and figures
+the report lists), how many times it was started, and where it last ran. A finished cell is
+skipped only while all of those hashes still match. The recipe's
 settings sit beside them, so a resume under other settings is refused.
 
 Concurrent cells (threads of the local launcher, SLURM jobs on other nodes) each record their
@@ -40,6 +42,18 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def outputs_sha256(report: str | os.PathLike, outputs) -> dict[str, str]:
+    """{path: sha256} of what a finished cell leaves beside its report: its declared outputs (maps) and the files
+    the report lists beside itself (`files`: rows, figures). A resume checks them all (`Ledger.check`)."""
+    paths = [Path(o) for o in outputs]
+    try:
+        listed = read_json(report).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    paths += [Path(report).with_name(str(n)) for n in (listed if isinstance(listed, dict) else {})]
+    return {str(p): sha256_file(p) for p in paths if p.is_file()}
 
 
 def entry_of(cell) -> dict[str, Any]:
@@ -129,9 +143,14 @@ class Ledger:
             return "run", f"its report {report} is missing"
         if sha256_file(report) != entry.get("report_sha256"):
             return "run", f"its report {report} changed since the cell finished"
-        missing = [o for o in cell.outputs if not Path(o).is_file()]
-        if missing:
-            return "run", f"its output {missing[0]} is missing"
+        recorded = entry.get("outputs_sha256")
+        if not isinstance(recorded, dict) or not set(map(str, cell.outputs)) <= set(recorded):
+            return "run", "the ledger records no hashes of its outputs"
+        for path, sha in recorded.items():
+            if not Path(path).is_file():
+                return "run", f"its output {path} is missing"
+            if sha256_file(path) != sha:
+                return "run", f"its output {path} changed since the cell finished"
         return "done", "finished with the same key"
 
     def start(self, name: str, entry: dict[str, Any], where: dict[str, Any] | None = None) -> None:
@@ -149,7 +168,7 @@ class Ledger:
     def finish(self, name: str, report: str | os.PathLike, wall_time_s: float) -> None:
         def update(old):
             new = {**old, "status": "done", "report_sha256": sha256_file(report), "finished_unix": time.time(),
-                   "wall_time_s": wall_time_s}
+                   "outputs_sha256": outputs_sha256(report, old.get("outputs", [])), "wall_time_s": wall_time_s}
             new.pop("error", None)
             return new
         self.change(name, update)

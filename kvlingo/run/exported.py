@@ -6,7 +6,8 @@
     config.json       written last, so its presence marks a complete export: the translator's spec
                       (family, key space, settings, geometry), its direction, the pair (ids with
                       revisions or local weights digests, tokenizer digest, the dtype it was measured
-                      in), its training provenance, and the sha256 of maps.safetensors and evidence.json
+                      in), its training provenance, the sha256 of maps.safetensors and evidence.json,
+                      and its own content hash over all of that (an edit of any field is refused)
 
 config.json carries every field the one loader (`core.folder.load_translator`) reads from a
 manifest, so an exported folder loads through it unchanged. A re-export first removes config.json:
@@ -19,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..core.folder import MANIFEST_FILE, MAPS_FILE, read_manifest, same_model
+from ..core.folder import CONTENT_HASH, MANIFEST_FILE, MAPS_FILE, read_manifest, same_model, seal_problem, sealed
 from ..core.translator import TranslatorError
 from ..io import (DamagedFile, atomic_write_bytes, atomic_write_json, atomic_write_text, not_ours, read_json,
                   sha256_bytes, sha256_file)
@@ -31,7 +32,7 @@ CONFIG_FILE = "config.json"
 EVIDENCE_FILE = "evidence.json"
 CARD_FILE = "README.md"
 FORMAT = "kvlingo-translator"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: config.json is sealed by its content hash
 SPEC_KEYS = ("family", "key_space", "settings", "geometry", "n_params", "maps_sha256", "direction", "models")
 
 
@@ -50,11 +51,11 @@ def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> t
     bench_path, ifeval_path, train_path = (paths.report(name) for name in ("benchmark", "ifeval", "train"))
     found = None
     if not evidence:  # the pair from whichever report the run has
-        pair_from = next((p for p in (bench_path, train_path) if p.is_file()), None)
+        pair_from = next((p for p in (bench_path, train_path) if p.exists()), None)
         if pair_from is None:
             raise EvidenceError(f"neither {bench_path} nor {train_path} exists: the pair is read from the run's reports")
         pair = read_report(pair_from)["config"]["pair"]
-    elif not bench_path.is_file():
+    elif not bench_path.exists():
         raise EvidenceError(f"{bench_path} does not exist: a translator is exported with its benchmark figures; "
                             f"run `make benchmark RUN={paths.run}` first (or export it unproven with --no-evidence)")
     else:
@@ -64,7 +65,7 @@ def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> t
             what = (f"another {kind} translator (manifest {scored[:12]}…, this one {manifest_sha[:12]}…)" if scored
                     else f"no {kind} translator")
             raise EvidenceError(f"{bench_path} scored {what}; re-run `make benchmark RUN={paths.run}`")
-        ifeval = read_report(ifeval_path, "ifeval") if ifeval_path.is_file() else None
+        ifeval = read_report(ifeval_path, "ifeval") if ifeval_path.exists() else None
         if ifeval is not None:
             used = (ifeval["inputs"].get("translator") or {}).get("maps_sha256")
             if ifeval["config"].get("translator") != kind or used != manifest["maps_sha256"]:
@@ -102,7 +103,7 @@ def export_config(manifest: dict[str, Any], pair: dict[str, Any], origin: dict[s
                  "geometry": pair["geometry"]},
         "refresh": refresh,  # what the target recomputes on top of the translation (kvlingo/core/refresh.py)
         "origin": origin,  # the run and translator folder it was exported from
-        "training": {k: v for k, v in manifest.items() if k not in SPEC_KEYS},
+        "training": {k: v for k, v in manifest.items() if k not in (*SPEC_KEYS, CONTENT_HASH)},
     }
 
 
@@ -139,7 +140,7 @@ def write_export(out: str | Path, maps: bytes, config: dict[str, Any], evidence:
     config = {**config, "maps_sha256": sha256_bytes(maps),
               "evidence_sha256": sha256_file(out / EVIDENCE_FILE) if evidence is not None else None}
     atomic_write_text(out / CARD_FILE, model_card(config, evidence, verdict))
-    atomic_write_json(out / CONFIG_FILE, config)
+    atomic_write_json(out / CONFIG_FILE, sealed(config))
     return verdict
 
 
@@ -165,6 +166,9 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any] | No
     if version > FORMAT_VERSION:
         raise TranslatorError(f"{folder} is export format {version}, newer than this kvlingo "
                               f"reads ({FORMAT_VERSION}); update kvlingo")
+    sealed_wrong = seal_problem(config)
+    if sealed_wrong:  # every field counts: the key space, the dtype and refresh the evidence was measured in, ...
+        raise TranslatorError(f"{folder / CONFIG_FILE}: {sealed_wrong}; export it again (make export RUN=...)")
     wrong = config_problems(config)
     if wrong:
         raise TranslatorError(f"{folder / CONFIG_FILE}: {'; '.join(wrong)}; the export is damaged or edited: export it "

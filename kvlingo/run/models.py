@@ -310,8 +310,8 @@ def check_pair(src_cfg, tgt_cfg, src_tok=None, tgt_tok=None) -> None:
 class PairConfig:
     """A pair as every stage config records it: resolved values only, never "auto"."""
 
-    large: str  # larger model as given: Hub id[@rev] or local folder
-    small: str  # smaller model as given
+    large: str  # larger model: Hub id[@rev] as given, or a local folder as its absolute path (`as_named`)
+    small: str  # smaller model, the same way
     direction: str  # l2s: large builds the cache, small continues; s2l the reverse
     device: str  # resolved device (cuda, mps or cpu)
     dtype: str  # model dtype name (bfloat16, float32, float16)
@@ -330,6 +330,12 @@ class PairConfig:
 
     def identities(self) -> dict[str, Any]:
         return {"source": self.source, "target": self.target}
+
+
+def as_named(model: str) -> str:
+    """A model argument as a setting records it: a local folder by its resolved absolute path (so the same folder
+    named relatively or absolutely is one setting), a Hub id[@rev] as given."""
+    return str(Path(model).resolve()) if Path(model).exists() else model
 
 
 def load_config(spec: ModelSpec):
@@ -358,7 +364,7 @@ def resolve_pair(large: str, small: str, direction: str = "l2s", device: str = "
     from ..core.translator import Geometry
     from ..io import sha256_json
 
-    cfg = PairConfig(large=large, small=small, direction=direction, device=device, dtype=dtype_name(dt),
+    cfg = PairConfig(large=as_named(large), small=as_named(small), direction=direction, device=device, dtype=dtype_name(dt),
                      source=src_spec.identity(), target=tgt_spec.identity(),
                      tokenizer_sha256=tokenizer_digest(tgt_tok),
                      chat_template_sha256=sha256_json(getattr(tgt_tok, "chat_template", None)),

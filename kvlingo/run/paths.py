@@ -13,12 +13,15 @@ A run nested in another (the recipe's cells) is just a longer run name, `RUN/cel
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from ..core.folder import MANIFEST_FILE
 from ..errors import RunRefused
+from ..io import mib
 
 TRANSLATORS = ("closed_form", "distilled")  # the translator folders a training run writes
 
@@ -87,6 +90,47 @@ def writable(folder: str | Path, flag: str) -> Path:
     except OSError as e:
         raise RunRefused(f"cannot write to {folder} ({e.strerror or e}); give {flag} a folder you can write to") from None
     return folder
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """The nearest folder at or above `path` that exists (where its missing folders would be made)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_outputs(files: Iterable[str | Path] = (), folders: Iterable[str | Path] = (), flag: str = "--results",
+                  need_bytes: int = 0) -> None:
+    """Refuse (RunRefused, one line naming the path and `flag`, the flag that chose it) outputs a stage could
+    not write, before any model loads and without making anything: a file path that is a folder, a folder
+    path (or a file's folder) that is a file, a folder that cannot be written (read-only, no permission:
+    checked by making and removing a file in the nearest existing folder), or, given `need_bytes` (what
+    the stage will write there, where it is known), too little free space."""
+    files, folders = [Path(f) for f in files], [Path(f) for f in folders]
+    for f in files:
+        if f.is_dir():
+            raise RunRefused(f"{f} is a folder, but the stage writes a file there: remove it (rmdir {f}) or give "
+                             f"{flag} or --run another name")
+    for d in folders + [f.parent for f in files]:
+        above = next((p for p in [d, *d.parents] if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise RunRefused(f"{above} is a file, but the stage writes into a folder there: move it away or give "
+                             f"{flag} another folder")
+    roots = {_existing_ancestor(d) for d in folders + [f.parent for f in files]}
+    for root in sorted(roots):
+        try:
+            with tempfile.NamedTemporaryFile(dir=root, prefix=".write-check-"):
+                pass
+        except OSError as e:
+            raise RunRefused(f"cannot write to {root} ({e.strerror or e}); give {flag} a folder you can write "
+                             "to") from None
+    if need_bytes > 0:
+        for root in sorted(roots):
+            free = shutil.disk_usage(root).free
+            if free < need_bytes:
+                raise RunRefused(f"{root} has {mib(free)} free, but this stage writes about {mib(need_bytes)} "
+                                 f"there; free some space or give {flag} a folder on a larger disk")
 
 
 def add_run_args(parser, required: bool = False) -> None:

@@ -161,6 +161,9 @@ class ReportError(Refusal, ValueError):
 
 def read_report(path: str | os.PathLike, stage: str | None = None) -> dict[str, Any]:
     """A report from disk, refusing one of another stage. ReportError names the file, the problem and the fix."""
+    if Path(path).is_dir():
+        raise ReportError(f"{path} is a folder, not a report: remove it (rmdir {path}) and rerun the stage that "
+                          "writes it")
     try:
         data = read_json(path)
     except DamagedFile as e:

@@ -111,8 +111,9 @@ def resume_key(ident: dict[str, Any]) -> str:
 
 
 def finished(report_path: str | os.PathLike, key: str) -> dict[str, Any] | None:
-    """The report at `report_path` when it was made under resume key `key` and its checks passed (up to date),
-    else None: also for a report that does not parse or was edited out of shape (it is made again)."""
+    """The report at `report_path` when it was made under resume key `key`, its checks passed and the files it
+    lists beside itself (rows, figures) still hold what it recorded (up to date), else None: also for a report
+    that does not parse or was edited out of shape (it is made again)."""
     from ..io import read_json
 
     try:
@@ -121,8 +122,27 @@ def finished(report_path: str | os.PathLike, key: str) -> dict[str, Any] | None:
         return None
     if not isinstance(old, dict) or old.get("resume_key") != key:
         return None
+    changed = changed_files(report_path, old)
+    if changed:
+        print(f"{changed}: made again")
+        return None
     checks = old.get("results", {}).get("checks") if isinstance(old.get("results"), dict) else None
     return old if isinstance(checks, dict) and checks.get("passed") is True else None
+
+
+def changed_files(report_path: str | os.PathLike, report: dict[str, Any]) -> str | None:
+    """Which file a report lists beside itself (`files`: name → sha256) is missing or no longer holds what it
+    recorded, in words, or None when all are as recorded."""
+    from ..io import sha256_file
+
+    files = report.get("files")
+    for name, sha in (files.items() if isinstance(files, dict) else []):
+        path = Path(report_path).with_name(str(name))
+        if not path.is_file():
+            return f"{path}, which {Path(report_path).name} lists, is missing"
+        if sha256_file(path) != sha:
+            return f"{path} changed since {Path(report_path).name} recorded it"
+    return None
 
 
 def _short(v: Any) -> str:
