@@ -160,7 +160,7 @@ def closed_form_start(init_from: str | None, init: dict | None, pair, cfg: Train
         try:
             old = read_manifest(cf_dir)  # its maps against their hash, and itself against its content hash
         except ValueError as e:  # damaged or edited: fit again (the fit replaces it)
-            print(f"{e}: fitting again")
+            print(f"closed-form fit not reused: {e} (this run fits it again)")
             old = {}
         if old.get("fit_key") == fit_key:
             print(f"closed-form fit up to date (same data, code, models and fit settings): {cf_dir}")

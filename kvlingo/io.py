@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository root
 # --------------------------------------------------------------------------- atomic writes
 _UMASK = os.umask(0)
 os.umask(_UMASK)
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the disk, a quota or a file size limit is full
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # the disk or a quota is full
 CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM)  # a read-only file system, or no permission
 
 
@@ -38,7 +38,11 @@ class WriteRefused(Refusal):
 
 
 def mib(n: int | float) -> str:
-    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+    """A byte count in words: bytes, KiB, MiB or GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{int(n)} bytes"
 
 
 def _free(folder: Path) -> int | None:
@@ -59,6 +63,9 @@ def write_refusal(path: str | os.PathLike, err: OSError, size: int) -> WriteRefu
         return WriteRefused(f"no space left in {path.parent} ({err.strerror}): writing {path.name} needs "
                             f"{mib(size)}{f' and {mib(free)} is free' if free is not None else ''}; free at least "
                             f"{mib(size)} there, {again}")
+    if err.errno == errno.EFBIG:  # a file size limit (ulimit -f), or the file system's largest file
+        return WriteRefused(f"no room for {path.name} in {path.parent} ({err.strerror}): it needs {mib(size)} more "
+                            f"than the file size limit allows; raise the limit (ulimit -f) or write elsewhere, {again}")
     if err.errno in CANNOT_WRITE:
         return WriteRefused(f"cannot write {path.name} in {path.parent} ({err.strerror}): make the folder writable "
                             f"or write elsewhere, {again}")
