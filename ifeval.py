@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from kvlingo.drive.session import Session, add_eval_args, control_paths, prepare_and_exit
-from kvlingo.drive.stage import lock_run, refusals_exit
+from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
 from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import paired_accuracy
@@ -103,7 +103,7 @@ def compare(a: list[dict], b: list[dict]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG,
+    ap = StageParser(description=__doc__.split("\n")[0], epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_eval_args(ap, "prompts scored, the first N", f"{IFEVAL.repo_id} ({IFEVAL.split}, revision {IFEVAL.revision})",
                   IFEVAL.name)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvlingo.drive.stage import lock_run, refusals_exit
+from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
 from kvlingo.errors import Refusal
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import NEMOTRON, HubSource, load_tokenizer, prepare
@@ -45,7 +45,7 @@ def summary(manifest: dict) -> str:
 
 @refusals_exit("paper_data")
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
+    ap = StageParser(
         description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="run profile: split sizes and token caps")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvlingo.drive.stage import refusals_exit
+from kvlingo.drive.stage import StageParser, refusals_exit
 from kvlingo.io import atomic_write_text, read_json
 from kvlingo.run.models import DIRECTIONS
 from kvlingo.run.paths import add_run_args, run_paths
@@ -80,7 +80,7 @@ def write_summary(folder: str | Path) -> str:
 
 @refusals_exit("summary")
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = StageParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="examples:\n  python summary.py --profile demo --direction l2s\n"
                                         "  python summary.py --run demo-l2s-recipe/lr1.00e-03-s42")
     ap.add_argument("--profile", default="pilot", help="profile (for the default run name)")

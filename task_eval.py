@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from kvlingo.drive.session import Session, add_eval_args, control_paths, prepare_and_exit
-from kvlingo.drive.stage import lock_run, refusals_exit
+from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
 from kvlingo.errors import Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import mean_se, paired_accuracy
@@ -102,7 +102,7 @@ def trace_summary(rows: list[dict]) -> dict:
 
 @refusals_exit("task_eval", resumable=True)
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG,
+    ap = StageParser(description=__doc__.split("\n")[0], epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", required=True, choices=sorted(ITEM_BUILDERS), help="arc (ARC-Challenge) or gsm8k")
     ap.add_argument("--handoff", choices=("prompt", "trace"), default="prompt",

@@ -22,7 +22,7 @@ import argparse
 import os
 from pathlib import Path
 
-from kvlingo.drive.stage import refusals_exit
+from kvlingo.drive.stage import StageParser, refusals_exit
 from kvlingo.errors import Refusal
 from kvlingo.run.argtypes import number
 from kvlingo.run.paths import writable
@@ -32,7 +32,7 @@ from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pa
 
 @refusals_exit("toy_world")
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = StageParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"

@@ -325,9 +325,9 @@ def test_passthrough_may_not_override_what_the_recipe_sets(world, capsys):
 
 
 @pytest.mark.parametrize("flag, text, message", [
-    ("--train-args", "--batch 2 --bogus 3", r"--train-args: train_translator.py has no flag '--bogus'"),
+    ("--train-args", "--batch 2 --bogus 3", r"--train-args: train_translator.py: no flag --bogus"),
     ("--train-args", "--batch two", r"--train-args: argument --batch: .*'two'"),
-    ("--train-args", "--upd 3", r"has no flag '--upd' \(flags are spelled out in full\)"),  # not --updates
+    ("--train-args", "--upd 3", r"no flag --upd \(flags are spelled out in full, never abbreviated\); did you mean --updates\?"),  # not --updates
     ("--benchmark-args", "--variant bent", r"--benchmark-args: argument --variant: invalid choice: 'bent'"),
     ("--ifeval-args", "--max-new-tokens", r"--ifeval-args: argument --max-new-tokens: expected one argument"),
     ("--ifeval-args", "--help", r"--help passed through to ifeval.py would print its help"),
