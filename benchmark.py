@@ -87,8 +87,8 @@ class BenchmarkResults:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = stage_parser(__doc__, ["python benchmark.py --profile pilot --run pilot-l2s --device cuda",
-                                    "python benchmark.py --profile demo --large runs/large --small runs/small "
-                                    "--dtype float32 --timing-repeats 8"], common=True, data=True)
+                                    "python benchmark.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+                                    "--device cpu --dtype float32 --timing-repeats 8"], common=True, data=True)
     parser.add_argument("--variant", choices=("natural", "packed"), default="natural", help="test-split variant to score")
     parser.add_argument("--limit", type=whole(1), default=None, help="score only the first N test conversations")
     parser.add_argument("--skip-missing", action="store_true",

@@ -46,7 +46,8 @@ EPILOG = """examples:
   python ifeval.py --install-punkt
   python ifeval.py --native --large Qwen/Qwen3-1.7B --small Qwen/Qwen3-0.6B --device cuda --run pilot-l2s
   python ifeval.py --run pilot-l2s --translator distilled --max-accuracy-loss 5
-  python ifeval.py --profile demo --source ifeval_local.jsonl --large L --small S --dtype float32 --resume
+  python ifeval.py --profile demo --source artifacts/toy/corpus/ifeval.jsonl --large artifacts/toy/large \
+      --small artifacts/toy/small --device cpu --dtype float32 --resume
 """
 
 

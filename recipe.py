@@ -107,7 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = stage_parser(__doc__, [
         "python recipe.py --profile pilot --run pilot-l2s --device cuda",
         "python recipe.py --profile pilot --run pilot-l2s --device cuda --resume",
-        "python recipe.py --profile demo --large runs/large --small runs/small --dtype float32 --run demo-recipe",
+        "python recipe.py --profile demo --large artifacts/toy/large --small artifacts/toy/small --device cpu "
+        "--dtype float32 --ifeval-source artifacts/toy/corpus/ifeval.jsonl --run demo-l2s-recipe",
         "python recipe.py --profile paper-budget --run qwen --device cuda --max-parallel 8",
         "python recipe.py --profile paper-budget --run qwen --device cuda --launcher slurm --partition gpu "
         "--account proj --gpus-per-cell 8 --time-limit 1440 --max-parallel 5"], common=True, data=True)

@@ -51,7 +51,8 @@ EPILOG = """examples:
   python task_eval.py --task arc --native --device cuda --run pilot-l2s
   python task_eval.py --task gsm8k --run pilot-l2s --translator closed_form --resume
   python task_eval.py --task gsm8k --handoff trace --trace-tokens 512 --run pilot-l2s
-  python task_eval.py --task arc --source arc_local.jsonl --large L --small S --dtype float32 --profile tiny --run t
+  python task_eval.py --task arc --source artifacts/toy/corpus/arc.jsonl --large artifacts/toy/large \
+      --small artifacts/toy/small --device cpu --dtype float32 --profile demo
 """
 
 

@@ -52,7 +52,8 @@ SCRIPT = Path(__file__).resolve()
 
 def build_parser() -> argparse.ArgumentParser:
     p = stage_parser(__doc__, [
-        "python train_translator.py --profile demo --large PATH --small PATH --device cpu --dtype float32",
+        "python train_translator.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+        "--device cpu --dtype float32",
         "python train_translator.py --profile pilot --run pilot-l2s --device cuda --resume",
         "python train_translator.py --profile pilot --run lr3e-4 --init-from artifacts/pilot-l2s/closed_form --lr 3e-4"], common=True, data=True)
     p.add_argument("--family", choices=sorted(FAMILIES), default=None,

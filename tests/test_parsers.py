@@ -75,3 +75,35 @@ def test_make_train_with_an_abbreviated_flag_is_refused_and_writes_nothing(tmp_p
     assert ("train_translator.py: no flag --update (flags are spelled out in full, never abbreviated); "
             "did you mean --updates?") in out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- --help examples
+PATH_FLAGS = ("--large", "--small", "--source", "--tokenizer", "--init-from", "--data", "--ifeval-source")
+OUTPUTS = ("artifacts/", "data/", "results/", "/tmp/", "kvlingo/toy/", "exports/")  # made by a stage or a user
+
+
+def help_examples(parser) -> list[list[str]]:
+    import shlex
+
+    text = (parser.epilog or "").split("examples:", 1)[-1].replace("\\\n", " ")
+    return [shlex.split(line)[1:] for line in text.splitlines() if line.strip().startswith("python ")]
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_every_help_example_parses_and_names_real_paths(name, monkeypatch, toy_pair):
+    """A --help example runs as written after `make toy` (its toy paths exist) or after the stage that makes its
+    inputs: no placeholder such as `--large runs/large`, `L` or `...`."""
+    parser = _parser_of(name, monkeypatch)
+    monkeypatch.undo()
+    examples = help_examples(parser)
+    assert examples, f"{name}: --help shows no example"
+    for argv in examples:
+        assert argv[0] == f"{name}.py", argv
+        parser.parse_args(argv[1:])  # exits 2 on a flag it does not take
+        for flag, value in zip(argv, argv[1:]):
+            if flag not in PATH_FLAGS:
+                continue
+            if value.startswith("artifacts/toy/"):
+                assert (toy_pair / value.removeprefix("artifacts/toy/")).exists(), f"{name}: {flag} {value}"
+            else:
+                assert value.startswith(OUTPUTS) or value.startswith("Qwen/"), f"{name}: {flag} {value}"
