@@ -12,8 +12,10 @@ Generation is greedy, capped by --max-new-tokens; answers that hit the cap are c
 Outputs under RESULTS/RUN/: ifeval.json (translated) or ifeval-native.json (--native),
 each with .rows.jsonl (one checksummed row per answer, appended as it finishes) and .md
 (the summary table) beside it. --resume skips answers whose input hash matches and
-refuses a changed setting, input or code. --max-accuracy-loss POINTS exits 1 when the
-translated strict prompt-level accuracy is more than POINTS below the native target's.
+refuses a changed setting, input or code. A report made under the same settings, inputs,
+models and code, its rows log unchanged, is up to date: nothing runs (--force runs it
+again). --max-accuracy-loss POINTS exits 1 when the translated strict prompt-level
+accuracy is more than POINTS below the native target's.
 """
 
 from __future__ import annotations
@@ -154,13 +156,21 @@ def main(argv: list[str] | None = None) -> None:
     docs = docs[:limit]
     name = "ifeval-native" if args.native else "ifeval"
     sibling = "ifeval" if args.native else "ifeval-native"
-    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
-    session = Session(args, paths)
-    pair, tok = session.pair, session.pair.tokenizer
+    session = Session(args, paths)  # the pair and the translator folder, checked; no weights yet
     controls = control_paths(args, len(docs))
     config = IFEvalConfig(profile.name, paths.run, "native" if args.native else "translated",
                           None if args.native else args.translator, len(docs), cap, args.thinking,
                           args.max_accuracy_loss, controls, str(args.refresh), session.pair_cfg)
+    inputs = {"data": data_info, **session.translator_inputs}
+    ident = session.identity(config, inputs, resume.code_hash(SCRIPT))
+    if not args.force and session.up_to_date(paths.report(name), ident) is not None:
+        md = paths.beside(name, ".md")
+        print(f"{paths.report(name)} is up to date (same settings, inputs, models and code); --force re-runs it\n"
+              + (md.read_text() if md.is_file() else ""), end="")
+        return
+    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
+    session.load()
+    pair, tok = session.pair, session.pair.tokenizer
 
     # ---------------------------------------------------------------- rows
     models = pair.identities()
@@ -176,9 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     path_inputs["control"] = path_inputs["translated"]
     all_prompt_ids = [user_prompt_ids(tok, doc["prompt"], args.thinking) for doc in docs]
-    inputs = {"data": data_info, **session.translator_inputs}
-    log = session.open_rows(paths.beside(name, ".rows.jsonl"), config, inputs, resume.code_hash(SCRIPT), args.resume,
-                            paths.beside(sibling, ".rows.jsonl"))
+    log = session.open_rows(paths.beside(name, ".rows.jsonl"), ident, args.resume, paths.beside(sibling, ".rows.jsonl"))
 
     by_path: dict[str, list[dict]] = {p: [] for p in paths_scored}
     bar = tqdm(total=len(docs) * len(paths_scored), desc=f"ifeval {config.mode}", unit="answer")
