@@ -16,6 +16,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..core.folder import MANIFEST_FILE
 from ..errors import RunRefused
@@ -87,6 +88,27 @@ def writable(folder: str | Path, flag: str) -> Path:
     except OSError as e:
         raise RunRefused(f"cannot write to {folder} ({e.strerror or e}); give {flag} a folder you can write to") from None
     return folder
+
+
+# The Makefile's defaults for the pair variables: PROFILE=demo runs on the toy world on the CPU.
+MAKE_DEFAULTS = {"demo": {"LARGE": "artifacts/toy/large", "SMALL": "artifacts/toy/small", "DIRECTION": "l2s",
+                          "DEVICE": "cpu", "DTYPE": "float32"},
+                 None: {"LARGE": "Qwen/Qwen3-1.7B", "SMALL": "Qwen/Qwen3-0.6B", "DIRECTION": "l2s", "DEVICE": "auto",
+                        "DTYPE": "bfloat16"}}
+
+
+def make_command(targets: str, run: str, profile: str | None, pair: Any = None) -> str:
+    """`make TARGETS PROFILE=… RUN=…` as a stage suggests it to the user: with the pair's models (LARGE, SMALL) and
+    whichever of DIRECTION, DEVICE and DTYPE differ from the Makefile's defaults for the profile, so that it runs
+    as given. `pair` is a PairConfig or its dict in a report (None: the profile's defaults)."""
+    words = [f"make {targets}", *([f"PROFILE={profile}"] if profile else []), f"RUN={run}"]
+    if pair is not None:
+        get = pair.get if isinstance(pair, dict) else lambda k: getattr(pair, k)
+        defaults = MAKE_DEFAULTS.get(profile, MAKE_DEFAULTS[None])
+        given = {"LARGE": get("large"), "SMALL": get("small"), "DIRECTION": get("direction"),
+                 "DEVICE": str(get("device")).split(":")[0], "DTYPE": get("dtype")}
+        words += [f"{k}={v}" for k, v in given.items() if k in ("LARGE", "SMALL") or v != defaults[k]]
+    return " ".join(words)
 
 
 def add_run_args(parser, required: bool = False) -> None:
