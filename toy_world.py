@@ -100,7 +100,9 @@ def main(argv=None) -> None:
     for name, info in models.items():
         print(f"{name}: {info['n_params']:,} parameters, {info['train_steps']} steps, "
               f"train {info['train_wall_s']:.0f}s, final loss {info['final_loss']:.3f}")
-    print(f"manifest: {args.out / 'manifest.json'} (build wall time {manifest['wall_time_s']:.0f}s)")
+    built = (f"built in {manifest['wall_time_s']:.0f}s" if training else
+             f"the packaged pair, installed; its training build took {manifest['wall_time_s']:.0f}s")
+    print(f"manifest: {args.out / 'manifest.json'} ({built})")
     if deep is not None:
         print()
         print(summary_table(deep))

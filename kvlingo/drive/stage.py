@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 from ..bench.timing import CV_LIMIT
 from ..core.cache import CACHE_KINDS
 from ..errors import Failure, Refusal, RunRefused
+from ..progress import quiet_in_logs
 from ..run.argtypes import number, whole
 from ..run.models import add_pair_args
 from ..run.paths import add_run_args
@@ -39,13 +40,15 @@ def refusals_exit(stage: str, resumable: bool = False) -> Callable:
     """Decorator for a stage's main(): a `Refusal` (exit 2) or a `Failure` (exit 1) becomes one line, Ctrl-C one
     line and status 130 (saying that --resume goes on, for a `resumable` stage), and the run locks the
     stage took (`lock_run`) are released when it returns or fails. A stage run inside another
-    (ablate's and frontier's cells) passes Ctrl-C on to the outer one, which stops as a whole."""
+    (ablate's and frontier's cells) passes Ctrl-C on to the outer one, which stops as a whole. Progress bars
+    are throttled when stderr is not a terminal (`kvlingo.progress`)."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def main(*args, **kwargs):
             global _depth
             held = len(_run_locks)
+            quiet_in_logs()  # a log (stderr not a terminal) gets a bar's line at most every 30 s, not every redraw
             _depth += 1
             try:
                 return fn(*args, **kwargs)
