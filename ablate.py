@@ -65,7 +65,8 @@ class AblationResults:
 def parse_args(argv=None):
     p = stage_parser(__doc__, ["python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
                                "--device cpu --dtype float32 --data-root data/toy-eval",
-                               "python ablate.py --profile demo ... --settings headwise crosshead --resume"],
+                               "python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+                               "--device cpu --dtype float32 --data-root data/toy-eval --settings headwise crosshead --resume"],
                      common=True, data=True)
     p.add_argument("--settings", nargs="+", default=[s.name for s in A.SETTINGS],
                    choices=[s.name for s in A.SETTINGS], help="settings to run (default: all)")

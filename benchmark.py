@@ -40,7 +40,7 @@ from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split
 from kvlingo.run.models import PairConfig, dtype_name, load_model, load_pair, pair_config_from_args, resolve_dtype
-from kvlingo.run.paths import TRANSLATORS, check_outputs, default_data, run_paths
+from kvlingo.run.paths import TRANSLATORS, check_outputs, default_data, make_command, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_interval, fmt_pm, fmt_table, publish
 
@@ -87,8 +87,8 @@ class BenchmarkResults:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = stage_parser(__doc__, ["python benchmark.py --profile pilot --run pilot-l2s --device cuda",
-                                    "python benchmark.py --profile demo --large runs/large --small runs/small "
-                                    "--dtype float32 --timing-repeats 8"], common=True, data=True)
+                                    "python benchmark.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+                                    "--device cpu --dtype float32 --timing-repeats 8"], common=True, data=True)
     parser.add_argument("--variant", choices=("natural", "packed"), default="natural", help="test-split variant to score")
     parser.add_argument("--limit", type=whole(1), default=None, help="score only the first N test conversations")
     parser.add_argument("--skip-missing", action="store_true",
@@ -132,8 +132,9 @@ def summary_markdown(results: BenchmarkResults, dtype: str, refresh: str = "none
     text = [f"## Benchmark quality ({dtype}; KL(native target ‖ arm) over reply tokens"
             + (f"; refresh {refresh}" if refresh != "none" else "") + ")\n",
             fmt_table(["arm", "KL/token", "KL/conv ± SE", "ppl", "top-1", "ΔNLL", "convs", "tokens"], arm_rows),
-            f"control: {q['control_translator']} translator on another test conversation's source cache of the same "
-            f"length; no_context: {q['no_context']} (the floor)."
+            (f"control: {q['control_translator']} translator on another test conversation's source cache of the same "
+             "length; " if q["control_translator"] else "control: not scored (no translator in this run); ")
+            + f"no_context: {q['no_context']} (the floor)."
             + (f" Skipped (translator missing): {', '.join(q['skipped'])}." if q["skipped"] else "") + "\n"]
     if q["paired"]:
         text += ["\nPaired t-tests on per-conversation mean NLL (a − b):\n",
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     folders, missing = paths.translators(TRANSLATORS)
     if missing and not args.skip_missing:
         raise Refusal(f"no trained translator at {', '.join(str(paths.translator(m)) for m in missing)} "
-                      f"(manifest.json missing): run `make train RUN={paths.run}` first "
+                      f"(manifest.json missing): run `{make_command('train', paths.run, args.profile, pair_cfg)}` first "
                       "(or pass --skip-missing to leave those rows out)")
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)

@@ -16,7 +16,7 @@ from kvlingo.bench.shapes import QWEN3_ARCH
 from kvlingo.core.families import FAMILIES
 from kvlingo.core.folder import build
 from kvlingo.core.translator import Geometry
-from kvlingo.drive.stage import refusals_exit
+from kvlingo.drive.stage import StageParser, refusals_exit
 from kvlingo.run.argtypes import whole
 from kvlingo.run.models import (DIRECTIONS, LARGE_ID, SMALL_ID, ModelSpec, load_config, pair_specs, resolve_device,
                                 resolve_dtype)
@@ -26,7 +26,7 @@ from kvlingo.train.footprint import DEVICES, Estimate, Shape, add_estimate_args,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = StageParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="examples:\n  python estimate.py --profile paper-budget --gpu H100 --nproc 8\n"
                                        "  python estimate.py --profile pilot --device cpu")
     p.add_argument("--profile", default="paper-budget", choices=sorted(PROFILES), help="run profile (caps, batch, updates)")

@@ -91,7 +91,8 @@ class FrontierResults:
 def parse_args(argv=None):
     p = stage_parser(__doc__, ["python frontier.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
                                "--device cpu --dtype float32 --data-root data/toy-eval",
-                               "python frontier.py --profile demo ... --runs demo-l2s-ablate/crosshead --resume"],
+                               "python frontier.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+                               "--device cpu --dtype float32 --data-root data/toy-eval --runs demo-l2s-ablate/crosshead --resume"],
                      common=True, data=True)
     p.add_argument("--runs", nargs="*", default=[], help="other trained runs to put on the frontier (other families)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), type=lambda text: str(refresh_setting(text)),

@@ -12,8 +12,10 @@ Generation is greedy, capped by --max-new-tokens; answers that hit the cap are c
 Outputs under RESULTS/RUN/: ifeval.json (translated) or ifeval-native.json (--native),
 each with .rows.jsonl (one checksummed row per answer, appended as it finishes) and .md
 (the summary table) beside it. --resume skips answers whose input hash matches and
-refuses a changed setting, input or code. --max-accuracy-loss POINTS exits 1 when the
-translated strict prompt-level accuracy is more than POINTS below the native target's.
+refuses a changed setting, input or code. A report made under the same settings, inputs,
+models and code, its rows log unchanged, is up to date: nothing runs (--force runs it
+again). --max-accuracy-loss POINTS exits 1 when the translated strict prompt-level
+accuracy is more than POINTS below the native target's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from kvlingo.drive.session import Session, add_eval_args, control_paths, prepare_and_exit
-from kvlingo.drive.stage import lock_run, refusals_exit
+from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
 from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import paired_accuracy
@@ -46,7 +48,8 @@ EPILOG = """examples:
   python ifeval.py --install-punkt
   python ifeval.py --native --large Qwen/Qwen3-1.7B --small Qwen/Qwen3-0.6B --device cuda --run pilot-l2s
   python ifeval.py --run pilot-l2s --translator distilled --max-accuracy-loss 5
-  python ifeval.py --profile demo --source ifeval_local.jsonl --large L --small S --dtype float32 --resume
+  python ifeval.py --profile demo --source artifacts/toy/corpus/ifeval.jsonl --large artifacts/toy/large \
+      --small artifacts/toy/small --device cpu --dtype float32 --resume
 """
 
 
@@ -103,7 +106,7 @@ def compare(a: list[dict], b: list[dict]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG,
+    ap = StageParser(description=__doc__.split("\n")[0], epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_eval_args(ap, "prompts scored, the first N", f"{IFEVAL.repo_id} ({IFEVAL.split}, revision {IFEVAL.revision})",
                   IFEVAL.name)
@@ -154,13 +157,21 @@ def main(argv: list[str] | None = None) -> None:
     name = "ifeval-native" if args.native else "ifeval"
     sibling = "ifeval" if args.native else "ifeval-native"
     check_outputs([paths.report(name), paths.beside(name, ".rows.jsonl"), paths.beside(name, ".md")])
-    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
-    session = Session(args, paths)
-    pair, tok = session.pair, session.pair.tokenizer
+    session = Session(args, paths)  # the pair and the translator folder, checked; no weights yet
     controls = control_paths(args, len(docs))
     config = IFEvalConfig(profile.name, paths.run, "native" if args.native else "translated",
                           None if args.native else args.translator, len(docs), cap, args.thinking,
                           args.max_accuracy_loss, controls, str(args.refresh), session.pair_cfg)
+    inputs = {"data": data_info, **session.translator_inputs}
+    ident = session.identity(config, inputs, resume.code_hash(SCRIPT))
+    if not args.force and session.up_to_date(paths.report(name), ident) is not None:
+        md = paths.beside(name, ".md")
+        print(f"{paths.report(name)} is up to date (same settings, inputs, models and code); --force re-runs it\n"
+              + (md.read_text() if md.is_file() else ""), end="")
+        return
+    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
+    session.load()
+    pair, tok = session.pair, session.pair.tokenizer
 
     # ---------------------------------------------------------------- rows
     models = pair.identities()
@@ -176,9 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     path_inputs["control"] = path_inputs["translated"]
     all_prompt_ids = [user_prompt_ids(tok, doc["prompt"], args.thinking) for doc in docs]
-    inputs = {"data": data_info, **session.translator_inputs}
-    log = session.open_rows(paths.beside(name, ".rows.jsonl"), config, inputs, resume.code_hash(SCRIPT), args.resume,
-                            paths.beside(sibling, ".rows.jsonl"))
+    log = session.open_rows(paths.beside(name, ".rows.jsonl"), ident, args.resume, paths.beside(sibling, ".rows.jsonl"))
 
     by_path: dict[str, list[dict]] = {p: [] for p in paths_scored}
     bar = tqdm(total=len(docs) * len(paths_scored), desc=f"ifeval {config.mode}", unit="answer")

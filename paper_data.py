@@ -1,7 +1,7 @@
 """Prepare chat data: natural and packed train/validation/test splits in the target's chat template.
 
 Usage:
-    python paper_data.py --profile demo --source data/toy/chats.jsonl --tokenizer artifacts/toy/tokenizer
+    python paper_data.py --profile demo --source artifacts/toy/corpus/chats.jsonl --tokenizer artifacts/toy/tokenizer
     python paper_data.py --profile pilot                  # streams Nemotron chat rows from the Hub
 
 Writes <out>/<profile>/{train,validation,test}.{natural,packed}.jsonl and, last, manifest.json
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvlingo.drive.stage import lock_run, refusals_exit
+from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
 from kvlingo.errors import Refusal
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import NEMOTRON, HubSource, load_tokenizer, prepare
@@ -23,11 +23,11 @@ from kvlingo.run.report import fmt_table
 
 EPILOG = """examples:
   # offline, from a local JSONL in Nemotron chat format
-  python paper_data.py --profile demo --source data/toy/chats.jsonl --tokenizer artifacts/toy/tokenizer
+  python paper_data.py --profile demo --source artifacts/toy/corpus/chats.jsonl --tokenizer artifacts/toy/tokenizer
   # the real data, streamed at a pinned dataset commit, with Qwen3's tokenizer
   python paper_data.py --profile pilot --revision <commit-sha> --tokenizer Qwen/Qwen3-0.6B
   # rebuild even though nothing changed
-  python paper_data.py --profile tiny --source data/toy/chats.jsonl --tokenizer artifacts/toy/tokenizer --force
+  python paper_data.py --profile tiny --source artifacts/toy/corpus/chats.jsonl --tokenizer artifacts/toy/tokenizer --force
 """
 
 
@@ -45,7 +45,7 @@ def summary(manifest: dict) -> str:
 
 @refusals_exit("paper_data")
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
+    ap = StageParser(
         description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="run profile: split sizes and token caps")

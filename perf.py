@@ -310,7 +310,16 @@ def pair_names(args) -> tuple[str, str]:
 
 
 def perf_plot(points: list[dict], modes: tuple[str, ...], title: str) -> bytes:
+    """Median time against context length per path and mode; at a single length, one bar per path and mode."""
     fig, ax = figure((6.4, 4.2))
+    if len(points) == 1:
+        bars = [(f"{name} ({mode})", s["median_s"]) for mode in timing.MODES if mode in modes
+                for name, s in points[0]["modes"][mode]["paths"].items()]
+        ax.barh([b[0] for b in bars][::-1], [b[1] for b in bars][::-1], color="C0")
+        ax.set_xlabel(f"median seconds to first-token logits, {points[0]['context_tokens']}-token context")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_title(title, fontsize=9)
+        return figure_png(fig)
     xs = [p["context_tokens"] for p in points]
     for mode, style in zip(timing.MODES, ("--", "-")):
         if mode not in modes:
@@ -418,7 +427,9 @@ def main(argv=None) -> None:
                     metrics=PerfResults.METRICS, n_samples={"lengths": len(points), "trials_per_path": cfg.repeats},
                     seeds=[0], wall_time_s=time.time() - t_start, device=device, dtype=dtype,
                     files={plot.name: sha256_file(plot)})
-    publish(report, paths.report("perf"), None, md, checks=checks)
+    print(md[len(flops_md):].lstrip("\n"))  # the FLOP table was printed before the timings
+    publish(report, paths.report("perf"), None, md, echo=False, checks=checks)
+    print(f"wrote {paths.report('perf')}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ Cells that do not depend on each other run together through a launcher (--launch
 --max-parallel processes on this machine, one GPU group each; --launcher slurm: one SLURM job
 array per level, through submitit); see kvlingo/drive/launch.py. The summary is written once
 every cell has finished; a level with failed cells stops the recipe, naming them and their logs.
+A cell that finished with the same key (its stage, flags and input hashes) and whose report is
+unchanged is up to date and does not run again; --resume also continues an interrupted cell,
+--force runs every cell again.
 
 Outputs under RESULTS/RUN/: recipe.json (the report, written last), recipe.md (summary),
 recipe.png (validation KL against learning rate), recipe-state.json (the cell ledger), logs/
@@ -55,10 +58,11 @@ EVALS = ("benchmark", "ifeval")  # evaluation stages run on the native models an
 PAIR_FLAGS = ("--large", "--small", "--direction", "--device", "--dtype")
 RUN_FLAGS = ("--profile", "--run", "--artifacts", "--results", *PAIR_FLAGS)
 RESERVED = {  # flags the recipe sets itself; a pass-through string may not override them
-    "train": ("--data", "--lr", "--seed", "--updates", "--init-from", "--closed-form-only", "--resume", *RUN_FLAGS),
+    "train": ("--data", "--lr", "--seed", "--updates", "--init-from", "--closed-form-only", "--resume", "--force",
+              *RUN_FLAGS),
     "benchmark": ("--data", "--skip-missing", "--force", *RUN_FLAGS),
-    "ifeval": ("--data-root", "--source", "--native", "--translator", "--resume", "--prepare", "--install-punkt",
-               *RUN_FLAGS),
+    "ifeval": ("--data-root", "--source", "--native", "--translator", "--resume", "--force", "--prepare",
+               "--install-punkt", *RUN_FLAGS),
 }
 
 
@@ -107,7 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = stage_parser(__doc__, [
         "python recipe.py --profile pilot --run pilot-l2s --device cuda",
         "python recipe.py --profile pilot --run pilot-l2s --device cuda --resume",
-        "python recipe.py --profile demo --large runs/large --small runs/small --dtype float32 --run demo-recipe",
+        "python recipe.py --profile demo --large artifacts/toy/large --small artifacts/toy/small --device cpu "
+        "--dtype float32 --ifeval-source artifacts/toy/corpus/ifeval.jsonl --run demo-l2s-recipe",
         "python recipe.py --profile paper-budget --run qwen --device cuda --max-parallel 8",
         "python recipe.py --profile paper-budget --run qwen --device cuda --launcher slurm --partition gpu "
         "--account proj --gpus-per-cell 8 --time-limit 1440 --max-parallel 5"], common=True, data=True)
@@ -133,6 +138,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ifeval-args", default="", help="extra ifeval.py flags, e.g. --ifeval-args='--max-new-tokens 64'")
     p.add_argument("--resume", action="store_true",
                    help="keep finished cells whose key matches, continue an interrupted one, refuse changed settings")
+    p.add_argument("--force", action="store_true",
+                   help="run every cell again, even those that finished with the same key (up to date)")
     add_launch_args(p)
     args = p.parse_args(argv)
     for stage in RESERVED:  # each --STAGE-args string becomes its tokens, refused here before anything else runs
@@ -239,7 +246,7 @@ class Plan:
         kind = "closed_form" if closed else "distilled"
         return self.cell("train", sub, flags, inputs, "train",
                          outputs=(str(self.paths.nested(sub).translator(kind) / MAPS_FILE),),
-                         extra=self.cfg.train_args, resume_flag="--resume")
+                         extra=self.cfg.train_args, resume_flag="--resume", fresh_flag="--force")
 
     def benchmark(self, sub: str, trained: bool) -> K.Cell:
         inputs = {} if not trained else {"closed_form_sha256": self.maps_sha(sub, "closed_form"),
@@ -258,7 +265,7 @@ class Plan:
             here = self.paths.nested(sub).beside("ifeval-native", ".rows.jsonl")
             before = lambda: K.copy_file(native_rows, here)  # noqa: E731
         return self.cell("ifeval", sub, flags, inputs, "ifeval" if trained else "ifeval-native",
-                         extra=self.cfg.ifeval_args, resume_flag="--resume", before=before)
+                         extra=self.cfg.ifeval_args, resume_flag="--resume", fresh_flag="--force", before=before)
 
     def evaluation(self, stage: str, sub: str, trained: bool) -> K.Cell:
         return {"benchmark": self.benchmark, "ifeval": self.ifeval}[stage](sub, trained)
@@ -308,7 +315,9 @@ def main(argv=None, runner=K.run_stage) -> dict:
     check_outputs([plan.paths.report("recipe"), *(plan.paths.beside("recipe", x) for x in (".md", ".png")),
                    plan.res / K.LEDGER_FILE])
     lock_run(plan.res, "recipe")  # the ledger serialises cells; this keeps a second recipe off the same run
-    ledger = K.Ledger(plan.res / K.LEDGER_FILE, asdict(cfg), args.resume)
+    if args.force and args.resume:
+        raise Refusal("--force runs every cell again and --resume keeps finished ones: give one of them")
+    ledger = K.Ledger(plan.res / K.LEDGER_FILE, asdict(cfg), args.resume, reuse=not args.force)
     cells = K.Cells(ledger, args.resume, runner, launcher=launcher_from_args(args, plan.res))
     seed0 = cfg.seeds[0]
 

@@ -38,7 +38,7 @@ from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split
 from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
-from kvlingo.run.paths import TRANSLATORS, check_outputs, default_data, run_paths
+from kvlingo.run.paths import TRANSLATORS, check_outputs, default_data, make_command, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_table, publish
 
@@ -89,7 +89,8 @@ def join_chat(convs: list[dict], n_tokens: int) -> tuple[list[int], dict]:
 
 
 def plot(points: list[dict], title: str) -> bytes:
-    """PNG of median time against history length for both paths."""
+    """PNG of median time against history length for both paths; the error bars span the fastest and slowest
+    timed trial (the caption says so, with the trial count)."""
     fig, ax = figure((6, 4))
     xs = [p["context_tokens"] for p in points]
     for label in PATHS:
@@ -101,7 +102,8 @@ def plot(points: list[dict], title: str) -> bytes:
     ax.set_ylabel("time to first-token logits (s)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    n = sorted({p["paths"][label]["n"] for p in points for label in PATHS})
+    ax.legend(title=f"median of {'/'.join(map(str, n))} timed trials; bars: fastest to slowest trial", title_fontsize=8)
     return figure_png(fig)
 
 
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     if not (folder / MANIFEST_FILE).is_file():
         other = "closed_form" if args.translator == "distilled" else "distilled"
         there = (paths.translator(other) / MANIFEST_FILE).is_file()  # suggested only when it exists
-        raise Refusal(f"no trained translator at {folder}: run `make train RUN={paths.run}` first"
+        raise Refusal(f"no trained translator at {folder}: run `{make_command('train', paths.run, args.profile, pair_cfg)}` "
+                      "first"
                       + (f" (or pass --translator {other}, which this run has)" if there else ""))
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)

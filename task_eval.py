@@ -17,7 +17,9 @@ trace) in place of this one's, and no_context, the target from the prefix's last
 Outputs under RESULTS/RUN/: task-TASK[-trace][-native].json, .rows.jsonl (one checksummed
 row per answer or trace, appended as it finishes) and .md. Accuracy with SE per path, and
 the exact McNemar test between the two paths on the same items. --resume skips rows
-whose input hash matches and refuses a changed setting, input or code.
+whose input hash matches and refuses a changed setting, input or code. A report made under
+the same settings, inputs, models and code, its rows log unchanged, is up to date: nothing
+runs (--force runs it again).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from kvlingo.drive.session import Session, add_eval_args, control_paths, prepare_and_exit
-from kvlingo.drive.stage import lock_run, refusals_exit
+from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
 from kvlingo.errors import Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import mean_se, paired_accuracy
@@ -51,7 +53,8 @@ EPILOG = """examples:
   python task_eval.py --task arc --native --device cuda --run pilot-l2s
   python task_eval.py --task gsm8k --run pilot-l2s --translator closed_form --resume
   python task_eval.py --task gsm8k --handoff trace --trace-tokens 512 --run pilot-l2s
-  python task_eval.py --task arc --source arc_local.jsonl --large L --small S --dtype float32 --profile tiny --run t
+  python task_eval.py --task arc --source artifacts/toy/corpus/arc.jsonl --large artifacts/toy/large \
+      --small artifacts/toy/small --device cpu --dtype float32 --profile demo
 """
 
 
@@ -102,7 +105,7 @@ def trace_summary(rows: list[dict]) -> dict:
 
 @refusals_exit("task_eval", resumable=True)
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG,
+    ap = StageParser(description=__doc__.split("\n")[0], epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", required=True, choices=sorted(ITEM_BUILDERS), help="arc (ARC-Challenge) or gsm8k")
     ap.add_argument("--handoff", choices=("prompt", "trace"), default="prompt",
@@ -138,13 +141,21 @@ def main(argv: list[str] | None = None) -> None:
     base = f"task-{args.task}" + ("-trace" if trace else "")
     name, sibling = (f"{base}-native", base) if args.native else (base, f"{base}-native")
     check_outputs([paths.report(name), paths.beside(name, ".rows.jsonl"), paths.beside(name, ".md")])
-    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
-    session = Session(args, paths)
-    pair, tok, eos = session.pair, session.pair.tokenizer, session.eos
+    session = Session(args, paths)  # the pair and the translator folder, checked; no weights yet
     controls = control_paths(args, len(items))
     config = TaskConfig(profile.name, paths.run, args.task, args.handoff, "native" if args.native else "translated",
                         None if args.native else args.translator, len(items), cap, trace_cap, thinking, controls,
                         str(args.refresh), session.pair_cfg)
+    inputs = {"data": data_info, **session.translator_inputs}
+    ident = session.identity(config, inputs, resume.code_hash(SCRIPT))
+    if not args.force and session.up_to_date(paths.report(name), ident) is not None:
+        md = paths.beside(name, ".md")
+        print(f"{paths.report(name)} is up to date (same settings, inputs, models and code); --force re-runs it\n"
+              + (md.read_text() if md.is_file() else ""), end="")
+        return
+    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
+    session.load()
+    pair, tok, eos = session.pair, session.pair.tokenizer, session.eos
 
     # ---------------------------------------------------------------- rows
     models = pair.identities()
@@ -156,9 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         scored = ("native_source", "native_target")
     else:
         scored = ("translated", "native_target_with_trace" if trace else "native_target", *controls)
-    inputs = {"data": data_info, **session.translator_inputs}
-    log = session.open_rows(paths.beside(name, ".rows.jsonl"), config, inputs, resume.code_hash(SCRIPT), args.resume,
-                            paths.beside(sibling, ".rows.jsonl"))
+    log = session.open_rows(paths.beside(name, ".rows.jsonl"), ident, args.resume, paths.beside(sibling, ".rows.jsonl"))
 
     def answer(path: str, prefix: list[int], item, extra: dict | None = None, other: list[int] | None = None) -> dict:
         gen = generate("native_target" if path == "native_target_with_trace" else path, pair, session.translator,

@@ -22,7 +22,7 @@ import argparse
 import os
 from pathlib import Path
 
-from kvlingo.drive.stage import refusals_exit
+from kvlingo.drive.stage import StageParser, refusals_exit
 from kvlingo.errors import Refusal
 from kvlingo.run.argtypes import number
 from kvlingo.run.paths import writable
@@ -32,7 +32,7 @@ from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pa
 
 @refusals_exit("toy_world")
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = StageParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
@@ -100,7 +100,9 @@ def main(argv=None) -> None:
     for name, info in models.items():
         print(f"{name}: {info['n_params']:,} parameters, {info['train_steps']} steps, "
               f"train {info['train_wall_s']:.0f}s, final loss {info['final_loss']:.3f}")
-    print(f"manifest: {args.out / 'manifest.json'} (build wall time {manifest['wall_time_s']:.0f}s)")
+    built = (f"built in {manifest['wall_time_s']:.0f}s" if training else
+             f"the packaged pair, installed; its training build took {manifest['wall_time_s']:.0f}s")
+    print(f"manifest: {args.out / 'manifest.json'} ({built})")
     if deep is not None:
         print()
         print(summary_table(deep))

@@ -8,7 +8,9 @@ file's sha256 and its tokenizer are checked) and writes
   RESULTS/RUN/train.json       the report (+ train.md summary and train.png curves beside it)
 
 Every check (pair, data, tokenizer, --init-from, resume) runs before anything is written, so
-a refused run leaves a finished one exactly as it was.
+a refused run leaves a finished one exactly as it was. A run that finished under the same config,
+data, models, code and --init-from maps, its translators intact, is up to date: nothing runs
+(--force trains again).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ SCRIPT = Path(__file__).resolve()
 
 def build_parser() -> argparse.ArgumentParser:
     p = stage_parser(__doc__, [
-        "python train_translator.py --profile demo --large PATH --small PATH --device cpu --dtype float32",
+        "python train_translator.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+        "--device cpu --dtype float32",
         "python train_translator.py --profile pilot --run pilot-l2s --device cuda --resume",
         "python train_translator.py --profile pilot --run lr3e-4 --init-from artifacts/pilot-l2s/closed_form --lr 3e-4"], common=True, data=True)
     p.add_argument("--family", choices=sorted(FAMILIES), default=None,
@@ -83,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-every", type=int, default=None, help="validation KL every N updates (default: the profile's)")
     p.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint every N updates (default: the profile's)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint of --run")
+    p.add_argument("--force", action="store_true",
+                   help="train again even when train.json is up to date (same config, data, models and code)")
     p.add_argument("--init-from", default=None, help="start from an existing closed-form translator folder instead of fitting")
     p.add_argument("--closed-form-only", action="store_true", help="stop after the closed-form fit and its validation")
     add_estimate_args(p)
@@ -132,6 +137,27 @@ def artifact_bytes(empty, cfg: TrainConfig, args, state: dict | None, ckpt_dir: 
     checkpoints = sum(1 for u in range(start + 1, cfg.updates + 1) if u % cfg.checkpoint_every == 0 or u == cfg.updates)
     removed = 0 if args.resume else sum(p.stat().st_size for p in ckpt_dir.glob("ckpt_*.pt") if p.is_file())
     return max(0, 2 * maps + checkpoints * 3 * maps - removed)
+
+
+def finished_training(paths, key: str, args) -> dict | None:
+    """The run's train.json when this training already finished: made under resume key `key` (config, data,
+    models, code), the same kind of run (--closed-form-only or not, from --init-from maps with the same
+    sha256), and its translators still there holding the maps it records."""
+    old = resume.up_to_date(paths.report("train"), key)
+    if old is None:
+        return None
+    art, init = old["results"].get("artifacts") or {}, old["inputs"].get("init_from")
+    if (art.get("distilled") is None) != args.closed_form_only or bool(init) != bool(args.init_from):
+        return None
+
+    def maps_sha(folder: Path) -> str | None:
+        maps = folder / MAPS_FILE
+        return sha256_file(maps) if maps.is_file() and (folder / MANIFEST_FILE).is_file() else None
+
+    if args.init_from and maps_sha(Path(args.init_from)) != init.get("maps_sha256"):
+        return None
+    kinds = ("closed_form",) if args.closed_form_only else ("closed_form", "distilled")
+    return old if all(maps_sha(paths.translator(k)) == art.get(f"{k}_sha256") for k in kinds) else None
 
 
 def plot_curves(path: Path, loss: list, val: list, title: str) -> None:
@@ -208,6 +234,14 @@ def main(argv=None) -> dict:
                       f"every one would repeat within each update; give --batch {n_train} or less")
     code_sha = resume.code_hash(SCRIPT)
     identity = resume.identity(cfg, {"data": data_hashes}, pair_cfg.identities(), code_sha)
+    done = None if args.force else finished_training(paths, resume.resume_key(identity), args)
+    if done is not None:
+        if world.main:
+            md = paths.beside("train", ".md")
+            print(f"{paths.report('train')} is up to date (same config, inputs and code); --force re-trains\n"
+                  + (md.read_text() if md.is_file() else ""), end="")
+        distributed.close(world)
+        return done
     state = None
     if args.resume:
         state = ckpt.newest_checkpoint(ckpt_dir, warn=lambda m: tqdm.write(m))

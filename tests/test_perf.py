@@ -145,6 +145,7 @@ def test_perf_says_when_a_step_beats_its_floor(tmp_path, capsys):
     assert set(row["vs_limit"]["below_floor"]) == {"translate", "new_turn", "reprefill"}
     assert all(r < 1 for r in row["vs_limit"]["below_floor"].values())
     assert "Faster than their floor" in out and "16 optimised translate" in out
+    assert out.count("## FLOP ceilings") == 1  # printed before the timings, not again with them
 
 
 def test_measured_peaks_are_raised_to_the_rates_the_timed_steps_reached():

@@ -149,8 +149,7 @@ def test_recipe_selects_on_validation_kl_and_aggregates_seeds(world):
             assert f["--data"] == [str(world["data"])]
         if Path(argv[0]).name == "train_translator.py" and "--closed-form-only" not in f:
             assert f["--init-from"] == [str(world["root"] / "artifacts" / "r" / "closed" / "closed_form")]
-        assert "--resume" not in f  # a fresh recipe starts every stage fresh ...
-        assert ("--force" in f) == (Path(argv[0]).name == "benchmark.py")  # ... and recomputes the benchmark
+        assert "--resume" not in f and "--force" in f  # a fresh recipe starts every stage it runs afresh
     assert fake.donor_seen == {42: True, 43: True}  # the native IFEval rows were put beside each seed's run
 
     res = rep["results"]
@@ -195,6 +194,27 @@ def test_resume_skips_finished_cells_and_continues_the_interrupted_one(world):
     rep = recipe.main(world["argv"] + ["--resume"], runner=FakeStages(forbid=True))  # all finished: nothing runs
     assert {c["action"] for c in rep["results"]["cells"]} == {"skipped (finished)"}
     assert ledger(world)["cells"] == {**after}  # same entries, same timestamps
+
+
+def test_a_second_recipe_keeps_its_up_to_date_cells_and_runs_the_rest_afresh(world, capsys):
+    """Without --resume, a recipe under the same settings reruns only what is not up to date (a changed report
+    here); --force reruns every cell; other settings start a fresh ledger."""
+    recipe.main(world["argv"], runner=FakeStages())
+    capsys.readouterr()
+    rep = recipe.main(world["argv"], runner=FakeStages(forbid=True))
+    assert {c["action"] for c in rep["results"]["cells"]} == {"skipped (finished)"}
+    assert capsys.readouterr().out.count(": up to date (finished with the same key") == len(EXPECTED) + 1  # seed 42 reads its search cell
+    report = Path(ledger(world)["cells"]["benchmark/lr3.16e-04-s43"]["report"])
+    report.write_text(report.read_text().replace("0.3", "0.9"))
+    fake = FakeStages()
+    recipe.main(world["argv"], runner=fake)
+    assert names(fake.calls) == ["benchmark:lr3.16e-04-s43"] and "--force" in fake.calls[0]
+    fake = FakeStages()
+    recipe.main(world["argv"] + ["--force"], runner=fake)
+    assert names(fake.calls) == EXPECTED and all("--force" in a for a in fake.calls)
+    fake = FakeStages()
+    recipe.main(world["argv"] + ["--seeds", "42"], runner=fake)
+    assert names(fake.calls) == [n for n in EXPECTED if not n.endswith("-s43")]
 
 
 def test_resume_reruns_a_cell_whose_report_was_changed(world):
@@ -325,9 +345,9 @@ def test_passthrough_may_not_override_what_the_recipe_sets(world, capsys):
 
 
 @pytest.mark.parametrize("flag, text, message", [
-    ("--train-args", "--batch 2 --bogus 3", r"--train-args: train_translator.py has no flag '--bogus'"),
+    ("--train-args", "--batch 2 --bogus 3", r"--train-args: train_translator.py: no flag --bogus"),
     ("--train-args", "--batch two", r"--train-args: argument --batch: .*'two'"),
-    ("--train-args", "--upd 3", r"has no flag '--upd' \(flags are spelled out in full\)"),  # not --updates
+    ("--train-args", "--upd 3", r"no flag --upd \(flags are spelled out in full, never abbreviated\); did you mean --updates\?"),  # not --updates
     ("--benchmark-args", "--variant bent", r"--benchmark-args: argument --variant: invalid choice: 'bent'"),
     ("--ifeval-args", "--max-new-tokens", r"--ifeval-args: argument --max-new-tokens: expected one argument"),
     ("--ifeval-args", "--help", r"--help passed through to ifeval.py would print its help"),

@@ -11,6 +11,7 @@ Two runs are made with the real stages (benchmark.py, ifeval.py, export.py) on c
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -306,7 +307,9 @@ def test_export_refuses_a_benchmark_of_other_maps(toy, tmp_path, capsys):
     (root / "results" / "toy" / "benchmark.json").unlink()
     with pytest.raises(SystemExit) as err:
         export.main(run_flags(root, "toy"))
-    assert err.value.code == 2 and "run `make benchmark RUN=toy` first" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the command runs as given: the run's profile and pair (from its IFEval report)
+    assert re.search(r"run `make benchmark PROFILE=tiny RUN=toy LARGE=\S+/large SMALL=\S+/small DEVICE=cpu "
+                     r"DTYPE=float32` first", err), err
 
 
 def test_a_hub_repo_that_cannot_be_fetched_is_named(monkeypatch):

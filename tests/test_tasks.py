@@ -303,3 +303,41 @@ def test_resume_after_a_code_edit_is_refused_and_mixes_nothing(world, tmp_path, 
         task_eval.main(_args(world, tmp_path, "--limit", "2", "--no-controls", "--resume"))
     assert e.value.code == 2 and "code changed" in capsys.readouterr().err
     assert rows.read_bytes() == before
+
+
+def test_a_finished_evaluation_is_up_to_date_until_its_maps_or_rows_change(world, tmp_path, monkeypatch, capsys):
+    """The same settings, inputs, models and code: nothing loads, nothing is rewritten; --force, other maps or a
+    changed rows log run it again."""
+    import kvlingo.drive.session as session
+
+    task_eval.main(_args(world, tmp_path, "--limit", "2"))
+    report = tmp_path / "t" / "task-gsm8k.json"
+    first = report.read_bytes()
+
+    def loads(*_a, **_k):
+        raise RuntimeError("the pair was loaded")
+
+    monkeypatch.setattr(session, "load_pair", loads)
+    capsys.readouterr()
+    for extra in ((), ("--resume",)):
+        task_eval.main(_args(world, tmp_path, "--limit", "2", *extra))
+        assert f"{report} is up to date (same settings, inputs, models and code)" in capsys.readouterr().out
+    assert report.read_bytes() == first
+    for extra in (("--force",), ("--limit", "3"), ("--no-controls",)):
+        with pytest.raises(RuntimeError, match="was loaded"):
+            task_eval.main(_args(world, tmp_path, "--limit", "2", *extra) if extra[0] != "--limit" else
+                           _args(world, tmp_path, *extra))
+    rows = tmp_path / "t" / "task-gsm8k.rows.jsonl"
+    rows.write_bytes(rows.read_bytes() + b"\n")
+    with pytest.raises(RuntimeError, match="was loaded"):
+        task_eval.main(_args(world, tmp_path, "--limit", "2"))
+    manifest = Path(world["maps"]) / "manifest.json"
+    saved = manifest.read_bytes()
+    rows.write_bytes(rows.read_bytes()[:-1])
+    task_eval.main(_args(world, tmp_path, "--limit", "2"))  # up to date again
+    try:
+        manifest.write_bytes(saved.replace(b'"direction"', b'"note": "retrained", "direction"', 1))
+        with pytest.raises(RuntimeError, match="was loaded"):
+            task_eval.main(_args(world, tmp_path, "--limit", "2"))  # another translator: evaluated again
+    finally:
+        manifest.write_bytes(saved)

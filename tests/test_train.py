@@ -366,6 +366,42 @@ def test_resume_after_truncated_checkpoint_falls_back_and_matches(tiny_pair_path
     assert maps_equal(root / "artifacts" / "base" / "distilled", tmp_path / "artifacts" / "base" / "distilled")
 
 
+def test_a_finished_training_is_up_to_date_until_an_input_or_output_changes(trained, tmp_path, capsys, monkeypatch):
+    import train_translator
+
+    root, args, _ = trained
+    shutil.copytree(root, tmp_path / "run")
+    args = [str(tmp_path / "run") + a.removeprefix(str(root)) if a.startswith(str(root)) else a for a in args]
+    report = tmp_path / "run" / "results" / "base" / "train.json"
+    maps = tmp_path / "run" / "artifacts" / "base" / "distilled" / "maps.safetensors"
+    main(args)  # trains once more if an earlier test left another training's report in this run
+    first = json.loads(report.read_text())
+
+    def loads_nothing(*_a, **_k):
+        raise AssertionError("an up-to-date training loaded the models")
+
+    with monkeypatch.context() as m:
+        m.setattr(train_translator, "load_pair", loads_nothing)
+        capsys.readouterr()
+        assert main(args) == first  # same config, data, models and code: nothing runs, nothing is rewritten
+        assert f"{report} is up to date (same config, inputs and code); --force re-trains" in capsys.readouterr().out
+        assert main([*args, "--resume"]) == first and json.loads(report.read_text()) == first
+        with pytest.raises(AssertionError, match="loaded the models"):
+            main([*args, "--force"])  # --force trains again
+        with pytest.raises(AssertionError, match="loaded the models"):
+            main([*args, "--updates", "9"])  # a changed setting trains again
+        with pytest.raises(AssertionError, match="loaded the models"):
+            main([*args, "--closed-form-only"])  # another kind of run trains again
+        saved = maps.read_bytes()
+        maps.write_bytes(saved[:-1] + bytes([saved[-1] ^ 1]))
+        with pytest.raises(AssertionError, match="loaded the models"):
+            main(args)  # maps that are not the ones the report records: trained again
+        maps.write_bytes(saved)
+        assert main(args) == first
+    rep = main([*args, "--force"])
+    assert rep["created_unix"] > first["created_unix"] and maps.read_bytes() == saved  # retrained bit for bit
+
+
 def test_frozen_weights_are_verified(tiny_pair_paths, data, tmp_path, monkeypatch, capsys):
     import train_translator
 

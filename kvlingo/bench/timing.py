@@ -464,7 +464,11 @@ def cv_checks(noisy: list[str], cv_limit: float, allow_cv: bool, failed: list[st
 
 
 def checks_line(checks: dict) -> str:
-    return f"\nChecks: {'PASSED' if checks['passed'] else 'FAILED: ' + '; '.join(checks['failed'])}\n"
+    """The checks' verdict, saying why timings flagged NOISY did not fail it (the CV screen was waived)."""
+    noisy = checks.get("noisy_timings") or []
+    waived = (f" ({len(noisy)} timing(s) flagged NOISY: the CV of their trials exceeds --cv-limit; waived by "
+              "--allow-cv or the profile, so their medians are less certain)") if noisy and checks.get("cv_allowed") else ""
+    return f"\nChecks: {'PASSED' if checks['passed'] else 'FAILED: ' + '; '.join(checks['failed'])}{waived}\n"
 
 
 def noisy_timings(summaries: dict, prefix: str = "") -> list[str]:

@@ -128,7 +128,7 @@ class Cells:
 
     def _read_back(self, cell: Cell) -> dict[str, Any]:
         """The report of a cell the ledger holds as finished under the same key (nothing runs)."""
-        self.say(f"[recipe] {cell.name}: finished earlier, key {cell.key[:12]}… matches: skipped")
+        self.say(f"[recipe] {cell.name}: up to date (finished with the same key {cell.key[:12]}…; its report is unchanged)")
         self.log.append({"cell": cell.name, "action": "skipped (finished)"})
         return read_json(cell.report)
 

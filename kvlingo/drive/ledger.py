@@ -3,8 +3,10 @@
 One entry per cell: its key, status (running, done, failed), flags, inputs, report, and once done
 the sha256 of the report and of every output it vouches for (declared maps, the rows and figures
 the report lists), how many times it was started, and where it last ran. A finished cell is
-skipped only while all of those hashes still match. The recipe's
-settings sit beside them, so a resume under other settings is refused.
+skipped only while all of those hashes still match. The recipe's settings sit beside them, so a
+resume under other settings is refused. A run without --resume keeps the finished cells of a
+ledger made under the same settings (`reuse`): a cell whose key and hashes still match is up to
+date, any other runs afresh.
 
 Concurrent cells (threads of the local launcher, SLURM jobs on other nodes) each record their
 own entry. Every change is read → change one entry → atomic replace, under an exclusive
@@ -65,12 +67,15 @@ def entry_of(cell) -> dict[str, Any]:
 class Ledger:
     """recipe-state.json: the recipe's settings and one entry per cell, changed under a file lock."""
 
-    def __init__(self, path: str | os.PathLike, config: dict[str, Any], resume: bool):
+    def __init__(self, path: str | os.PathLike, config: dict[str, Any], resume: bool, reuse: bool = False):
         self.path = Path(path)
+        self.resume = resume
         config = to_jsonable(config)
         with file_lock(self.lock_path):
             old = None
-            if resume and self.path.is_file():
+            if reuse and not resume:
+                old = self._finished_cells(config)
+            elif resume and self.path.is_file():
                 try:
                     old = read_json(self.path)
                 except DamagedFile as e:
@@ -95,11 +100,25 @@ class Ledger:
             self.state.setdefault("invocations", []).append({"started_unix": time.time(), "resume": resume})
             atomic_write_json(self.path, self.state)
 
+    def _finished_cells(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """The ledger on disk with its finished cells only, when it is intact and was made under `config`;
+        else None (a fresh ledger)."""
+        try:
+            old = read_json(self.path) if self.path.is_file() else None
+        except DamagedFile:
+            return None
+        if not isinstance(old, dict) or old.get("format") != LEDGER_FORMAT or diff(old.get("config"), config) \
+                or not isinstance(old.get("cells"), dict):
+            return None
+        cells = {n: e for n, e in old["cells"].items()
+                 if isinstance(e, dict) and e.get("status") == "done" and {"key", "report"} <= set(e)}
+        return {**old, "cells": cells}
+
     @classmethod
     def attach(cls, path: str | os.PathLike) -> "Ledger":
         """The ledger a running recipe keeps, for a cell's job to record itself in (no settings check)."""
         self = cls.__new__(cls)
-        self.path = Path(path)
+        self.path, self.resume = Path(path), True
         self.refresh()
         return self
 
@@ -130,6 +149,8 @@ class Ledger:
         entry = self.cells.get(cell.name)
         if entry is None:
             return "run", "new"
+        if entry["key"] != cell.key and not self.resume:
+            return "run", "its inputs or settings changed since it finished"
         if entry["key"] != cell.key:
             changed = diff({"flags": entry.get("flags"), "extra": entry.get("extra"), "inputs": entry.get("inputs")},
                            {"flags": cell.flags, "extra": list(cell.extra), "inputs": cell.inputs})

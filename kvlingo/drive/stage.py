@@ -10,6 +10,7 @@ and the exit status the error carries (2 and 1), never a traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import fcntl
 import functools
 import os
@@ -20,6 +21,7 @@ from typing import Callable, Sequence
 from ..bench.timing import CV_LIMIT
 from ..core.cache import CACHE_KINDS
 from ..errors import Failure, Refusal, RunRefused
+from ..progress import quiet_in_logs
 from ..run.argtypes import number, whole
 from ..run.models import add_pair_args
 from ..run.paths import add_run_args
@@ -38,13 +40,15 @@ def refusals_exit(stage: str, resumable: bool = False) -> Callable:
     """Decorator for a stage's main(): a `Refusal` (exit 2) or a `Failure` (exit 1) becomes one line, Ctrl-C one
     line and status 130 (saying that --resume goes on, for a `resumable` stage), and the run locks the
     stage took (`lock_run`) are released when it returns or fails. A stage run inside another
-    (ablate's and frontier's cells) passes Ctrl-C on to the outer one, which stops as a whole."""
+    (ablate's and frontier's cells) passes Ctrl-C on to the outer one, which stops as a whole. Progress bars
+    are throttled when stderr is not a terminal (`kvlingo.progress`)."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def main(*args, **kwargs):
             global _depth
             held = len(_run_locks)
+            quiet_in_logs()  # a log (stderr not a terminal) gets a bar's line at most every 30 s, not every redraw
             _depth += 1
             try:
                 return fn(*args, **kwargs)
@@ -101,12 +105,49 @@ def lock_run(folder: str | Path, name: str, elsewhere: str = "--run", root_flag:
     _run_locks.append(handle)
 
 
+class StageParser(argparse.ArgumentParser):
+    """argparse as every stage uses it: a flag must be spelled out in full (argparse would take `--update 10` as
+    `--updates 10` and run), and a parse error is one line, "script: what is wrong (see script --help)", exit 2;
+    an unknown flag names the nearest real one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        self.unknown = list(extras)  # parse_args reports them through error(), as one joined string
+        return namespace, extras
+
+    def error(self, message: str):
+        unknown = getattr(self, "unknown", None)
+        if unknown and message.startswith(_UNRECOGNIZED):
+            message = unknown_flag(unknown, self)
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+_UNRECOGNIZED = argparse._("unrecognized arguments: %s").split("%s")[0]
+
+
+def unknown_flag(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """'no flag --update; did you mean --updates?' for the first token a parser did not take."""
+    flags = [t for t in extras if t.startswith("-")]
+    if not flags:
+        return f"unexpected argument {extras[0]!r}"
+    given = flags[0].split("=")[0]
+    options = sorted({o for a in parser._actions for o in a.option_strings if o.startswith("--")})
+    longer = [o for o in options if o.startswith(given)]
+    if longer:  # an abbreviation, which argparse would otherwise have expanded
+        return f"no flag {given} (flags are spelled out in full, never abbreviated); did you mean {' or '.join(longer)}?"
+    near = difflib.get_close_matches(given, options, n=1, cutoff=0.6)
+    return f"no flag {given}" + (f"; did you mean {near[0]}?" if near else "")
+
+
 def stage_parser(doc: str, examples: list[str], common: bool = False, data: bool = False) -> argparse.ArgumentParser:
-    """A stage's parser: the first paragraph of its docstring, `--help` ending with examples, and (with
-    `common`) the flags every stage shares (`add_common_args`)."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="examples:\n" + "".join(f"  {e}\n" for e in examples))
+    """A stage's parser (`StageParser`): the first paragraph of its docstring, `--help` ending with examples,
+    and (with `common`) the flags every stage shares (`add_common_args`)."""
+    parser = StageParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog="examples:\n" + "".join(f"  {e}\n" for e in examples))
     if common:
         add_common_args(parser, data)
     return parser
@@ -127,7 +168,7 @@ def check_passthrough(parser: argparse.ArgumentParser, tokens: Sequence[str], sc
     parser.exit = lambda status=0, message=None: fail(message or f"{script} would exit")
     _, unknown = parser.parse_known_args(list(tokens))
     if unknown:
-        fail(f"{script} has no flag {unknown[0]!r} (flags are spelled out in full)")
+        fail(f"{script}: {unknown_flag(unknown, parser)}")
 
 
 def add_timing_args(parser, warmups: str = "the profile's", repeats: str = "the profile's") -> None:

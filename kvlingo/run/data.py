@@ -633,7 +633,7 @@ def data_code_hash() -> str:
 def _up_to_date(data_dir: Path, identity: dict) -> tuple[bool, str]:
     """(up to date, why not): the folder's manifest must vouch for intact files made from this identity."""
     if not (data_dir / MANIFEST).is_file():
-        return False, "no manifest"
+        return False, "first build" if not data_dir.exists() else "its manifest is missing"
     try:
         manifest = verify_split(data_dir)
     except (SplitIntegrityError, DamagedFile) as e:

@@ -25,7 +25,7 @@ from ..core.translator import TranslatorError
 from ..io import (DamagedFile, atomic_write_bytes, atomic_write_json, atomic_write_text, not_ours, read_json,
                   sha256_bytes, sha256_file)
 from .evidence import EvidenceError, Verdict, collect, judge
-from .paths import RunPaths
+from .paths import RunPaths, make_command
 from .report import fmt_pm, fmt_table, read_report
 
 CONFIG_FILE = "config.json"
@@ -49,6 +49,7 @@ def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> t
     if sha256_bytes(maps) != manifest["maps_sha256"]:
         raise EvidenceError(f"{folder / MAPS_FILE} changed while it was read; export again")
     bench_path, ifeval_path, train_path = (paths.report(name) for name in ("benchmark", "ifeval", "train"))
+    rerun = lambda target: make_command(target, paths.run, *run_settings(paths, manifest))  # noqa: E731
     found = None
     if not evidence:  # the pair from whichever report the run has
         pair_from = next((p for p in (bench_path, train_path) if p.exists()), None)
@@ -57,20 +58,20 @@ def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> t
         pair = read_report(pair_from)["config"]["pair"]
     elif not bench_path.exists():
         raise EvidenceError(f"{bench_path} does not exist: a translator is exported with its benchmark figures; "
-                            f"run `make benchmark RUN={paths.run}` first (or export it unproven with --no-evidence)")
+                            f"run `{rerun('benchmark')}` first (or export it unproven with --no-evidence)")
     else:
         bench = read_report(bench_path, "benchmark")
         scored = bench["inputs"].get(kind, {}).get("manifest_sha256")
         if scored != manifest_sha:
             what = (f"another {kind} translator (manifest {scored[:12]}…, this one {manifest_sha[:12]}…)" if scored
                     else f"no {kind} translator")
-            raise EvidenceError(f"{bench_path} scored {what}; re-run `make benchmark RUN={paths.run}`")
-        ifeval = read_report(ifeval_path, "ifeval") if ifeval_path.exists() else None
+            raise EvidenceError(f"{bench_path} scored {what}; re-run `{rerun('benchmark')}`")
+        ifeval = read_report(ifeval_path, "ifeval") if ifeval_path.is_file() else None
         if ifeval is not None:
             used = (ifeval["inputs"].get("translator") or {}).get("maps_sha256")
             if ifeval["config"].get("translator") != kind or used != manifest["maps_sha256"]:
                 raise EvidenceError(f"{ifeval_path} answered with other maps than {folder}; re-run "
-                                    f"`make ifeval RUN={paths.run}` (IFEval is part of the evidence when it exists)")
+                                    f"`{rerun('ifeval')}` (IFEval is part of the evidence when it exists)")
         found = collect(bench, kind, ifeval)
         pair = bench["config"]["pair"]
     refresh = found["refresh"] if found is not None else "none"
@@ -84,6 +85,21 @@ def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> t
     config = export_config(manifest, pair, {"run": paths.run, "translator": kind, "manifest_sha256": manifest_sha},
                            refresh)
     return maps, config, found
+
+
+def run_settings(paths: RunPaths, manifest: dict[str, Any]) -> tuple[str | None, dict | None]:
+    """(profile, pair) a run's stages ran with, for a command to suggest: from the translator's training config,
+    else from the first of the run's reports that records them; (None, None) when none does."""
+    candidates = [manifest.get("config")]
+    for name in ("train", "benchmark", "ifeval", "ifeval-native"):
+        try:
+            candidates.append(read_report(paths.report(name)).get("config") if paths.report(name).is_file() else None)
+        except ValueError:  # a damaged report names nothing
+            continue
+    for cfg in candidates:
+        if isinstance(cfg, dict) and cfg.get("profile") and isinstance(cfg.get("pair"), dict):
+            return cfg["profile"], cfg["pair"]
+    return None, None
 
 
 def export_config(manifest: dict[str, Any], pair: dict[str, Any], origin: dict[str, Any],

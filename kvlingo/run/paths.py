@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from ..core.folder import MANIFEST_FILE
 from ..errors import RunRefused
@@ -131,6 +131,27 @@ def check_outputs(files: Iterable[str | Path] = (), folders: Iterable[str | Path
             if free < need_bytes:
                 raise RunRefused(f"{root} has {mib(free)} free, but this stage writes about {mib(need_bytes)} "
                                  f"there; free some space or give {flag} a folder on a larger disk")
+
+
+# The Makefile's defaults for the pair variables: PROFILE=demo runs on the toy world on the CPU.
+MAKE_DEFAULTS = {"demo": {"LARGE": "artifacts/toy/large", "SMALL": "artifacts/toy/small", "DIRECTION": "l2s",
+                          "DEVICE": "cpu", "DTYPE": "float32"},
+                 None: {"LARGE": "Qwen/Qwen3-1.7B", "SMALL": "Qwen/Qwen3-0.6B", "DIRECTION": "l2s", "DEVICE": "auto",
+                        "DTYPE": "bfloat16"}}
+
+
+def make_command(targets: str, run: str, profile: str | None, pair: Any = None) -> str:
+    """`make TARGETS PROFILE=… RUN=…` as a stage suggests it to the user: with the pair's models (LARGE, SMALL) and
+    whichever of DIRECTION, DEVICE and DTYPE differ from the Makefile's defaults for the profile, so that it runs
+    as given. `pair` is a PairConfig or its dict in a report (None: the profile's defaults)."""
+    words = [f"make {targets}", *([f"PROFILE={profile}"] if profile else []), f"RUN={run}"]
+    if pair is not None:
+        get = pair.get if isinstance(pair, dict) else lambda k: getattr(pair, k)
+        defaults = MAKE_DEFAULTS.get(profile, MAKE_DEFAULTS[None])
+        given = {"LARGE": get("large"), "SMALL": get("small"), "DIRECTION": get("direction"),
+                 "DEVICE": str(get("device")).split(":")[0], "DTYPE": get("dtype")}
+        words += [f"{k}={v}" for k, v in given.items() if k in ("LARGE", "SMALL") or v != defaults[k]]
+    return " ".join(words)
 
 
 def add_run_args(parser, required: bool = False) -> None:

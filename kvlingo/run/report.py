@@ -187,14 +187,15 @@ def figure(figsize: tuple[float, float] = (6.5, 4.2), ncols: int = 1):
     return plt.subplots(1, ncols, figsize=figsize)
 
 
-def figure_png(fig) -> bytes:
-    """A matplotlib figure as PNG bytes (then closed), ready for `atomic_write_bytes`."""
+def figure_png(fig, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> bytes:
+    """A matplotlib figure as PNG bytes (then closed), ready for `atomic_write_bytes`; its axes are laid out
+    inside `rect` (a figure legend or caption goes outside it)."""
     import io
 
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
     return buf.getvalue()

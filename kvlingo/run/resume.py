@@ -145,6 +145,30 @@ def changed_files(report_path: str | os.PathLike, report: dict[str, Any]) -> str
     return None
 
 
+def up_to_date(report_path: str | os.PathLike, key: str) -> dict[str, Any] | None:
+    """The report at `report_path` when it was made under resume key `key`, none of its checks or its gate
+    failed, and every file it lists beside itself (`files`: name → sha256) is there unchanged; else None,
+    also for a report that does not parse (the stage runs again). A stage's own outputs elsewhere (maps) are
+    its to check."""
+    from ..io import read_json, sha256_file
+
+    try:
+        old = read_json(report_path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(old, dict) or old.get("resume_key") != key:
+        return None
+    results = old.get("results") if isinstance(old.get("results"), dict) else {}
+    if any(isinstance(v, dict) and v.get("passed") is False for v in (results.get("checks"), results.get("gate"))):
+        return None
+    files = old.get("files") if isinstance(old.get("files"), dict) else {}
+    for name, sha in files.items():
+        path = Path(report_path).parent / name
+        if not path.is_file() or sha256_file(path) != sha:
+            return None
+    return old
+
+
 def _short(v: Any) -> str:
     s = str(v)
     return s[:12] + "…" if len(s) == 64 and all(c in "0123456789abcdef" for c in s) else s
