@@ -98,11 +98,12 @@ def prefill_flops(model, tokens: int) -> float:
 
 
 def real_settings(settings: dict, width_ratio: float) -> dict:
-    """A family's settings carried to other shapes: the layer plan dropped (re-derived there), the rank
+    """A family's settings carried to other shapes: the layer plan dropped (re-derived there), the ranks
     scaled by the ratio of the target widths (so a rank that is half the width stays half)."""
     out = {k: v for k, v in settings.items() if k != "layers"}
-    if out.get("rank"):
-        out["rank"] = max(1, round(out["rank"] * width_ratio))
+    for name in ("rank", "key_rank"):
+        if out.get(name):
+            out[name] = max(1, round(out[name] * width_ratio))
     if isinstance(out.get("base"), dict):
         out["base"] = {**out["base"], "settings": real_settings(out["base"].get("settings", {}), width_ratio)}
     return out
