@@ -368,3 +368,54 @@ def test_timing_defers_by_default_on_a_cpu_only_where_it_saves_flops(pairs):
     assert timing.defer_values_here(cross, "cpu", target=target, n=30, k=1)
     assert not timing.defer_values_here(cross, "cpu", target=target, n=30, k=16)
     assert timing.defer_values_here(cross, "cpu", wanted=True)  # asked for: deferred even where it costs more
+
+
+# --------------------------------------------------------------------------- on a GPU (skipped elsewhere)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["headwise", "crosshead", "crosslayer k=2 rank 12, key rank 6"])
+def test_deferred_values_on_cuda_replay_as_cuda_graphs_and_stay_as_close_as_translated(pairs, name):
+    """BF16 on CUDA, the optimised paths with the values deferred: replayed as CUDA graphs they give the eager
+    paths' logits bit for bit (the deferred attention reads no mask there); the handoff's logits are as close to
+    FP32 maths as those of the same paths with the values translated (`DEFERRED_BF16_FACTOR`)."""
+    source32, target32, maps32 = translator(pairs, name, torch.float32, seed=9)
+    source, target = (copy.deepcopy(m).to("cuda", torch.bfloat16) for m in (source32, target32))
+    maps = copy.deepcopy(maps32).cuda().bind(source, target)
+    ids = _ids(60, target.config.vocab_size, 9)
+    with torch.no_grad():
+        truth = continue_from(target32, *maps32(capture(source32, ids[:, :52])), ids[:, 52:],
+                              kind="dynamic").logits[0, -1]
+    ids = ids.cuda()
+    paths = {(defer, graphs): timing.HandoffPaths(source, target, maps, ids[:, :52], ids[:, 52:],
+                                                  timing.PathOptions(defer_values=defer, cuda_graphs=graphs))
+             for defer in (True, False) for graphs in (True, False)}
+    graphed = paths[True, True]
+    assert graphed.defer_values and not graphed.graph_errors and {"translate", "new_turn"} <= set(graphed.graphed)
+    with torch.inference_mode():
+        for path in timing.PATHS:
+            a, b = graphed.path(path)().clone(), graphed.path(path)().clone()
+            assert torch.equal(a, b) and torch.equal(a, paths[True, False].path(path)()), path
+        deferred = (graphed.source_cache_handoff().float().cpu() - truth).abs().max().item()
+        translated = (paths[False, True].source_cache_handoff().float().cpu() - truth).abs().max().item()
+    assert deferred <= DEFERRED_BF16_FACTOR * translated + BF16_EPS * truth.abs().max().item()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_perf_times_deferred_values_on_cuda(tmp_path):
+    """perf.py on CUDA with deferred values asked for, on the 2-layer stand-in: the default family's optimised
+    rows defer, replay as CUDA graphs with no capture failing, and the limit counts the deferred work."""
+    import json
+
+    import perf
+
+    perf.main(["--arch", "tiny", "--device", "cuda", "--lengths", "64", "--new-turn-tokens", "4", "--modes", "optimised",
+               "--defer-values", "on", "--timing-warmups", "1", "--timing-repeats", "3", "--allow-cv",
+               "--results", str(tmp_path)])
+    point = json.loads((tmp_path / "perf" / "perf.json").read_text())["results"]["lengths"][0]
+    row = point["modes"]["optimised"]
+    assert row["deferred_values"] and not row["graph_errors"] and "new_turn" in row["cuda_graphs"]
+    assert point["cost"]["deferred"] and point["cost"]["deferred_new_turn_flops"] > 0

@@ -36,8 +36,7 @@ def test_make_perf_smoke(tmp_path):
     for p in lengths:
         for mode in ("shipped", "optimised"):
             row = p["modes"][mode]
-            assert set(row["paths"]) == {"target_reprefill", "source_cache_handoff", "source_prefill_handoff",
-                                         "target_cache_continue"}
+            assert set(row["paths"]) == set(perf.QUICK_PATHS) == {"target_reprefill", "source_cache_handoff"}
             for s in row["paths"].values():  # 2 trials, more only while the CV so far was over the limit
                 t = s["trials_s"]
                 assert 2 <= len(t) <= 30 and (len(t) == 2 or timing.cv(t[:-1]) > timing.CV_LIMIT)
@@ -109,11 +108,11 @@ def test_make_perf_passes_a_named_pair():
 @pytest.mark.slow
 def test_perf_times_a_family_on_another_geometry(tmp_path):
     """A Llama stand-in (3 layers, 1 KV head, head_dim 32, llama3 RoPE) → tiny Qwen3 (2 × 2 × 16): head-wise maps
-    refuse it before any model is built; cross-layer maps built through the registry are timed."""
+    (--family headwise) refuse it before any model is built; cross-layer maps built through the registry are timed."""
     base = [sys.executable, "perf.py", "--large", "tiny-llama", "--small", "tiny-small", "--device", "cpu",
             "--lengths", "16", "--new-turn-tokens", "4", "--timing-warmups", "0", "--timing-repeats", "2",
             "--results", str(tmp_path)]
-    refused = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    refused = subprocess.run(base + ["--family", "headwise"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "building random" not in refused.stderr and "--family crosslayer" in refused.stderr
     proc = subprocess.run(base + ["--family", "crosslayer", "--refresh", "tail:4"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
