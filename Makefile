@@ -198,9 +198,13 @@ task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the nat
 	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(TASK_ARGS)
 
 # LARGE/SMALL given on the command line name preset shapes (kvlingo/bench/shapes.py), e.g. Qwen/Qwen3-4B.
-perf: $(VENV)/.synced ## speed at real shapes, random weights: the profile's default family at 4k, re-prefill against the handoff as shipped and optimised, what the maps cost, the physical limit (DIRECTION=s2l; PERF_ARGS=--full: 1k/2k/4k, 4 paths, every family; LARGE=Qwen/Qwen3-4B SMALL=...) → results/perf/perf.json
-	$(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) \
-	  --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)
+# Both directions unless DIRECTION is given.
+PERF_DIRECTIONS = $(if $(filter command line environment,$(origin DIRECTION)),$(DIRECTION),l2s s2l)
+perf: $(VENV)/.synced ## speed at real shapes, random weights: each direction's default family at 4k, re-prefill against the handoff as shipped and optimised, what the maps cost, the physical limit (DIRECTION=s2l: one direction; PERF_ARGS=--full: 1k/2k/4k, 4 paths, every family; LARGE=Qwen/Qwen3-4B SMALL=...) → results/perf/perf.json, results/perf-s2l/perf.json
+	@set -e; for d in $(PERF_DIRECTIONS); do \
+	  echo "$(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) --direction $$d --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)"; \
+	  $(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) \
+	    --direction $$d --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS); done
 
 # Needs no .venv: on a machine lent a GPU, PY=python3 with the pinned transformers beside it (gpu_check.py's header).
 GPU_CHECK_ARGS ?=

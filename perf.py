@@ -26,10 +26,10 @@ the speedup from FLOPs and bytes at the device's peaks (kvlingo/bench/roofline.p
 --peak-tflops/--peak-gbps, or measured here by a probe and then raised to the best rate any timed
 step reached, so that every floor is a lower bound on what this run timed).
 
-By default one length (4,096 tokens) and the two paths of the speedup, in both modes: minutes on
-a CPU. --full sweeps 1,024 / 2,048 / 4,096 tokens, all four paths, and times every family that
-maps the pair (at its default settings) at the longest length, optimised, each against re-prefill
-(--families names others: `crosshead:key_rank=256`, `default`, ...).
+By default one length (4,096 tokens), the two paths of the speedup, optimised: minutes on a CPU.
+--full sweeps 1,024 / 2,048 / 4,096 tokens, all four paths, both modes, and times every family
+that maps the pair (at its default settings) at the longest length, optimised, each against
+re-prefill (--families names others: `crosshead:key_rank=256`, `default`, ...).
 
 Writes RESULTS/RUN/perf.json (default run "perf", "perf-s2l" for s2l), perf.md (the tables, also
 printed) and perf.png; --flops-only writes perf-flops.json and .md instead. On a CPU the CV flags
@@ -171,8 +171,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--key-rank", type=whole(0), default=None,
                    help="crosshead/crosslayer: rank of the key maps alone (0: full; default: --rank's)")
     p.add_argument("--full", action="store_true",
-                   help="the full sweep: lengths 1024 2048 4096, all four paths and every family that maps the pair "
-                        "(--lengths, --paths, --families given win)")
+                   help="the full sweep: lengths 1024 2048 4096, all four paths, both modes and every family that maps "
+                        "the pair (--lengths, --paths, --modes, --families given win)")
     p.add_argument("--families", nargs="+", type=family_spec, default=None, metavar="FAMILY[:KEY=VALUE,...]",
                    help="a second row set: these families' handoffs timed against re-prefill at the longest length, "
                         "optimised, one after another ('default': the timed family; settings at the timed shapes, "
@@ -195,8 +195,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="those extra trials also stop once a path's trials add up to this many seconds, so cheap "
                         f"steps get many and a long prefill only --timing-repeats (default: {CPU_MAX_SECONDS:g} on a "
                         "CPU, no limit elsewhere; 0: no limit)")
-    p.add_argument("--modes", nargs="+", choices=timing.MODES, default=list(timing.MODES),
-                   help="row sets: shipped (transformers' DynamicCache and sdpa as shipped) and optimised")
+    p.add_argument("--modes", nargs="+", choices=timing.MODES, default=None,
+                   help="row sets: shipped (transformers' DynamicCache and sdpa as shipped) and optimised (default: "
+                        "optimised; with --full both)")
     p.add_argument("--paths", nargs="+", choices=timing.PATHS, default=None,
                    help="paths to time (target_reprefill and source_cache_handoff at least, the default; all four "
                         "with --full)")
@@ -514,7 +515,8 @@ def main(argv=None) -> None:
         key_space=args.key_space, full=args.full,
         lengths=tuple(sorted(set(args.lengths or (FULL_LENGTHS if args.full else QUICK_LENGTHS)))),
         families=(), new_turn_tokens=k,
-        modes=tuple(m for m in timing.MODES if m in args.modes), paths=tuple(n for n in timing.PATHS if n in chosen_paths),
+        modes=tuple(m for m in timing.MODES if m in (args.modes or (timing.MODES if args.full else ("optimised",)))),
+        paths=tuple(n for n in timing.PATHS if n in chosen_paths),
         cuda_graphs=device == "cuda" and not args.no_cuda_graphs, fuse_keys=args.fuse_keys,
         defer_values=args.defer_values,
         warmups=args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups),

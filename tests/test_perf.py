@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_make_perf_smoke(tmp_path):
     out = tmp_path / "perf"
-    args = (f"--arch tiny --lengths 16 32 --new-turn-tokens 4 --timing-warmups 0 --timing-repeats 2 "
+    args = (f"--arch tiny --full --lengths 16 32 --new-turn-tokens 4 --timing-warmups 0 --timing-repeats 2 "
             f"--results {tmp_path}")
     proc = subprocess.run(["make", "-s", "perf", "DEVICE=cpu", f"PERF_ARGS={args}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
@@ -36,7 +36,8 @@ def test_make_perf_smoke(tmp_path):
     for p in lengths:
         for mode in ("shipped", "optimised"):
             row = p["modes"][mode]
-            assert set(row["paths"]) == set(perf.QUICK_PATHS) == {"target_reprefill", "source_cache_handoff"}
+            assert set(row["paths"]) == {"target_reprefill", "source_cache_handoff", "source_prefill_handoff",
+                                         "target_cache_continue"}
             for s in row["paths"].values():  # 2 trials, more only while the CV so far was over the limit
                 t = s["trials_s"]
                 assert 2 <= len(t) <= 30 and (len(t) == 2 or timing.cv(t[:-1]) > timing.CV_LIMIT)
@@ -214,7 +215,7 @@ def test_perf_packs_the_targets_projections_in_the_optimised_rows_only(tmp_path,
     import perf
     from kvlingo.core import linear
 
-    base = ["--arch", "tiny", "--lengths", "16", "--new-turn-tokens", "4", "--paths", "target_reprefill",
+    base = ["--arch", "tiny", "--lengths", "16", "--new-turn-tokens", "4", "--modes", "shipped", "optimised", "--paths", "target_reprefill",
             "source_cache_handoff", "--timing-warmups", "0", "--timing-repeats", "1", "--peak-tflops", "1",
             "--peak-gbps", "1", "--device", "cpu"]
     perf.main([*base, "--results", str(tmp_path / "small")])
