@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="translator family: headwise, crosshead, crosslayer or residual (default: the profile's)")
     p.add_argument("--k", type=whole(1), default=None, help="crosslayer: source layers per target layer (default 2)")
     p.add_argument("--rank", type=whole(0), default=None, help="crosshead/crosslayer: rank of each layer's map (0: full)")
+    p.add_argument("--key-rank", type=whole(0), default=None,
+                   help="crosshead/crosslayer: rank of the key maps alone (0: full; default: --rank's)")
     p.add_argument("--pairing", choices=("ranked", "proportional"), default=None,
                    help="crosslayer: source layers ranked by held-out R² (default), or nearest by relative depth")
     p.add_argument("--base", choices=("headwise", "crosshead", "crosslayer"), default=None,
@@ -115,7 +117,8 @@ def ridge_value(text):
 def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
     """The family and its settings (`resolve_family`): --family with its own defaults and the flags given, or
     the profile's default for the direction."""
-    flags = {k: getattr(args, k) for k in ("k", "rank", "pairing", "base", "hidden") if getattr(args, k) is not None}
+    flags = {k: getattr(args, k) for k in ("k", "rank", "key_rank", "pairing", "base", "hidden")
+             if getattr(args, k) is not None}
     try:
         return resolve_family(profile, direction, args.family, flags)
     except (TypeError, ValueError) as e:
