@@ -200,13 +200,13 @@ task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the nat
 	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(TASK_ARGS)
 
 # LARGE/SMALL given on the command line name preset shapes (kvlingo/bench/shapes.py), e.g. Qwen/Qwen3-4B.
-# Both directions unless DIRECTION is given.
+# Both directions unless DIRECTION is given: one perf.py line each.
 PERF_DIRECTIONS = $(if $(filter command line environment,$(origin DIRECTION)),$(DIRECTION),l2s s2l)
-perf: $(VENV)/.synced ## speed at real shapes, random weights: each direction's default family at 4k, re-prefill against the handoff as shipped and optimised, what the maps cost, the physical limit (DIRECTION=s2l: one direction; PERF_ARGS=--full: 1k/2k/4k, 4 paths, every family; LARGE=Qwen/Qwen3-4B SMALL=...) → results/perf/perf.json, results/perf-s2l/perf.json
-	@set -e; for d in $(PERF_DIRECTIONS); do \
-	  echo "$(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) --direction $$d --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)"; \
-	  $(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) \
-	    --direction $$d --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS); done
+PERF_CMD = $(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) \
+  --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS) --direction
+perf: $(VENV)/.synced ## speed at real shapes, random weights: each direction's default family at 4k, the handoff against re-prefill, optimised, what the maps cost, the physical limit (DIRECTION=s2l: one direction; PERF_ARGS=--full: 1k/2k/4k, 4 paths, shipped rows, every family; LARGE=Qwen/Qwen3-4B SMALL=...) → results/perf/perf.json, results/perf-s2l/perf.json
+	$(PERF_CMD) $(firstword $(PERF_DIRECTIONS))
+	$(if $(word 2,$(PERF_DIRECTIONS)),$(PERF_CMD) $(word 2,$(PERF_DIRECTIONS)))
 
 # Needs no .venv: on a machine lent a GPU, PY=python3 with the pinned transformers beside it (gpu_check.py's header).
 GPU_CHECK_ARGS ?=
