@@ -38,6 +38,15 @@ import torch
 from ..core.arch import head_dim
 
 
+def synchronize(device: str | torch.device) -> None:
+    """Wait for queued device work so that a host clock reading covers it (a no-op on CPU)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
+
+
 @dataclass(frozen=True)
 class Peaks:
     flops_per_s: float  # dense matmul FLOP/s in the run dtype
@@ -46,8 +55,6 @@ class Peaks:
 
 
 def _best_seconds(fn, device, repeats: int = 3) -> float:
-    from .timing import synchronize
-
     fn()
     synchronize(device)
     best = float("inf")

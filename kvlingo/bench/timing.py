@@ -44,7 +44,7 @@ from ..core.handoff import can_defer_values, device_of, prefill, refreshing, tra
 from ..core.translator import Translator
 from ..eval.stats import cv, median, ratio_of_medians_interval
 from . import graphs
-from .roofline import deferral_saves
+from .roofline import deferral_saves, synchronize
 
 PATHS = ("target_reprefill", "source_cache_handoff", "source_prefill_handoff", "target_cache_continue")
 STAGES = ("translate", "build_cache", "new_turn")  # the pieces of source_cache_handoff, timed apart
@@ -96,15 +96,6 @@ def fast_precision(device, fuse_keys: bool | None = None) -> str:
 def threads() -> int:
     """Intra-op threads torch runs on: reported with every timing (a shared CPU is far from idle)."""
     return torch.get_num_threads()
-
-
-def synchronize(device: str | torch.device) -> None:
-    """Wait for queued device work so that a host clock reading covers it (a no-op on CPU)."""
-    kind = torch.device(device).type
-    if kind == "cuda":
-        torch.cuda.synchronize(device)
-    elif kind == "mps":
-        torch.mps.synchronize()
 
 
 def run_trials(fn: Callable[[], object], device, warmups: int, repeats: int, cv_limit: float | None = None,
