@@ -20,8 +20,11 @@ from tqdm.auto import tqdm as auto_tqdm
 @refusals_exit("bars")
 def main():
     for bar in (tqdm, auto_tqdm):
-        for _ in bar(range(200), desc="work"):
-            time.sleep(0.002)
+        with bar(range(200), desc="work") as b:
+            for i in b:
+                b.set_postfix(loss=str(i))  # once forced a redraw per update
+                b.set_description("work")
+                time.sleep(0.002)
 
 main()
 """
