@@ -83,6 +83,14 @@ class ContextFree:
             h = self.layer.input_layernorm(self.embeddings(ids))
             return self.layer.self_attn.k_proj(h).view(h.shape[1], -1, self.head_dim).transpose(0, 1)
 
+    def token_features(self, ids) -> torch.Tensor:
+        """[k_proj(h), v_proj(h)] per token, [tokens, 2 · kv_heads · head_dim]: the layer-0 key (pre k_norm and
+        RoPE) and value, a linear image of h that keeps all of it when 2 · kv width ≥ hidden (Qwen3-0.6B, 1.7B)."""
+        with torch.no_grad():
+            h = self.layer.input_layernorm(self.embeddings(ids))
+            attn = self.layer.self_attn
+            return torch.cat([attn.k_proj(h), attn.v_proj(h)], -1)[0]
+
     def kv(self, ids, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer-0 (keys, values) a forward of `ids` at positions start.. caches, each [kv_heads, tokens, head_dim]."""
         with torch.no_grad():

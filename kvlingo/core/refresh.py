@@ -247,7 +247,8 @@ def _tail(target, translator, cap: Capture, ids: torch.Tensor, w: int, out_dtype
             own = capture(target, ids, want_prenorm=False, logits_to_keep=1)
         return own.keys, own.values
     sliced = Capture(cap.keys[:, :, :head], cap.values[:, :, :head],
-                     None if cap.prenorm is None else cap.prenorm[:, :, :head], cap.logits)
+                     None if cap.prenorm is None else cap.prenorm[:, :, :head], cap.logits,
+                     None if cap.ids is None else cap.ids[:head])
     keys, values = translator(sliced, out_dtype)
     with torch.no_grad():
         out = target(input_ids=ids[:, head:], cache=build_cache(target, keys, values, kind="dynamic"), use_cache=True, logits_to_keep=1)

@@ -578,4 +578,4 @@ def load_translator(folder: str | Path, pair, *, family: str | None = None, key_
 
 # The families register themselves on import; importing them here makes every family loadable by name
 # wherever the interface is imported. (At the end: each family module imports the names above.)
-from . import crosslayer, headwise, residual  # noqa: E402,F401
+from . import crosslayer, headwise, residual, tokeninput  # noqa: E402,F401

@@ -37,8 +37,8 @@ class Setting:
         """The family flags as train_translator.family_settings takes them."""
         out, it = {}, iter(self.flags)
         for flag in it:
-            if flag in ("--k", "--rank", "--hidden"):
-                out[flag[2:]] = int(next(it))
+            if flag in ("--k", "--rank", "--hidden", "--token-rank", "--window"):
+                out[flag[2:].replace("-", "_")] = int(next(it))
             elif flag in ("--pairing", "--base"):
                 out[flag[2:]] = next(it)
         return out
