@@ -62,7 +62,7 @@ class BenchmarkConfig:
     allow_cv: bool  # flagged timings do not fail the run
     refresh: str  # the part of each translated context the target recomputes (kvlingo/core/refresh.py)
     pair: PairConfig  # the resolved pair
-    split: str = "test"  # the prepared split scored: test, or validation (where choices are made)
+    split: str = "test"  # the prepared split scored: test, validation (where choices are made) or train
 
 
 @dataclass
@@ -89,9 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "--dtype float32 --timing-repeats 8"], common=True, data=True)
     parser.add_argument("--variant", choices=("natural", "packed"), default="natural", help="test-split variant to score")
     parser.add_argument("--limit", type=whole(1), default=None, help="score only the first N test conversations")
-    parser.add_argument("--split", choices=("test", "validation"), default="test",
-                        help="the split scored: test (claims; benchmark.json) or validation (choices, e.g. an "
-                        "ablation's; benchmark-validation.json)")
+    parser.add_argument("--split", choices=("test", "validation", "train"), default="test",
+                        help="the split scored: test (claims; benchmark.json), validation (choices, e.g. an "
+                        "ablation's; benchmark-validation.json) or train (the maps' own conversations: their overfit, "
+                        "with --limit; benchmark-train.json)")
     parser.add_argument("--skip-missing", action="store_true",
                         help="leave out the closed-form/distilled rows whose translator is missing instead of stopping")
     parser.add_argument("--control-dtypes", nargs="+", default=["bfloat16", "float32"],
