@@ -6,8 +6,8 @@ conversations (benchmark --split validation: KL/token, the context-token metrics
 agreement) and the validation halves of IFEval and GSM8K after a prompt handoff. Across the
 settings, each validation metric's rank correlation with task retention says which tracks the
 tasks; the default is the best setting by that metric among those costing at most 10% of a
-re-prefill at the real shapes. The default, the runner-up and the direction's default before are
-then scored on the test conversations and the test halves of the tasks, beside the native rows
+re-prefill at the real shapes. The default and the direction's default before are then scored on
+the test conversations and the test halves of the tasks, beside the native rows
 (scored once and shared). Every step is a resumable cell (the recipe's ledger): a killed run
 continues with --resume. Writes RESULTS/RUN/ablation.{json,md,png}.
 """
@@ -75,8 +75,9 @@ def parse_args(argv=None):
                                "python ablate.py --profile demo ... --settings crosshead token-w3 --resume"],
                      common=True, data=True)
     names = [s.name for s in A.SETTINGS]
-    p.add_argument("--settings", nargs="+", default=[s.name for s in A.SETTINGS if s.default_run], choices=names,
-                   help="settings to run (default: " + ", ".join(s.name for s in A.SETTINGS if s.default_run) + ")")
+    p.add_argument("--settings", nargs="+", default=None, choices=names,
+                   help="settings to run (default: " + ", ".join(A.default_settings("l2s")) + " for l2s; s2l runs "
+                   f"{A.BEFORE['s2l']} in place of {A.BEFORE['l2s']})")
     p.add_argument("--long-factor", type=whole(0), default=A.LONG_FACTOR,
                    help="train the best two again for this many × the updates (default 0: not)")
     p.add_argument("--items", type=whole(1), nargs=2, default=None, metavar=("VALIDATION", "TEST"),
@@ -192,8 +193,8 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
           f"{100 * r['real']['fraction_of_reprefill']:.1f}", _num(r["val_kl"]), _num(r["val_context_kl"]),
           _num(100 * r["val_ifeval"]["kept"], ".0f") + "%" if "val_ifeval" in r else "",
           _num(100 * r["val_gsm8k"]["kept"], ".0f") + "%" if "val_gsm8k" in r else "",
-          _num(r.get("test_kl")), fmt_pm(r["test_kl_conversation"]) if "test_kl_conversation" in r else "",
-          fmt_pm(r["test_context_kl_conversation"]) if "test_context_kl_conversation" in r else "",
+          _num(r.get("test_kl")), fmt_pm(r["test_kl_conversation"], fmt=".3f") if "test_kl_conversation" in r else "",
+          fmt_pm(r["test_context_kl_conversation"], fmt=".3f") if "test_context_kl_conversation" in r else "",
           _num(r.get("test_context_top1")), _pct(r.get("test_ifeval")), _pct(r.get("test_gsm8k"))] for r in rows]
         + [["native target", "100", "0", "0", "", "", "0", "", "", "1", _pct(native.get("test_ifeval_target"), False),
             _pct(native.get("test_gsm8k_target"), False)],
@@ -209,7 +210,7 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
              f"Same splits and budget for every setting. Validation: {n_val} conversations, the first "
              f"{cfg.items[0]} items of the validation half of IFEval and GSM8K (where the choice is made). Test: "
              f"{rows[0].get('test_n', '—') if rows else '—'} conversations and the first {cfg.items[1]} items of the "
-             "test half of each task, for the chosen default, the runner-up and the direction's default before. "
+             "test half of each task, for the chosen default and the direction's default before. "
              "Kept: the share of the native target's accuracy on the same items (± SE, paired). Cost: handoff FLOPs per "
              "context token at the real Qwen3-1.7B/0.6B shapes (translation, plus the exact layer 0 where a setting "
              "uses it) against the target's re-prefill per token. Context KL: KL on the reply tokens whose native "
@@ -255,7 +256,8 @@ def main(argv=None) -> dict:
     tasks = generative_tasks("ablate", args)
     cfg = AblationConfig(run=args.run or f"{default_run(profile.name, pair.direction)}-ablate",
                          profile=profile.name, data=str(args.data or default_data(profile.name)),
-                         settings=tuple(args.settings), long_factor=args.long_factor, eval_root=args.data_root,
+                         settings=tuple(args.settings or A.default_settings(pair.direction)),
+                         long_factor=args.long_factor, eval_root=args.data_root,
                          tasks=tasks, items=tuple(args.items or profile.ablate_items), artifacts=args.artifacts,
                          results=args.results, pair=pair)
     plan = Plan(cfg)
@@ -292,7 +294,7 @@ def main(argv=None) -> dict:
         correlations = A.metric_correlations(plain)
         metric = A.choose_metric(correlations)
         default = A.choose_default(plain, metric)
-        claims = [default.get("setting"), default.get("runner_up"), A.BEFORE.get(pair.direction)]
+        claims = [default.get("setting"), A.BEFORE.get(pair.direction)]
         for name in dict.fromkeys(n for n in claims if n in by_name):  # in order, once each
             row = next(r for r in rows if r["name"] == name)
             cells.ensure(plan.benchmark(by_name[name], name, "test"))

@@ -37,6 +37,14 @@ def test_real_cost_counts_flops_at_the_real_shapes():
     assert s2l["fraction_of_reprefill"] < cross["fraction_of_reprefill"]  # the 1.7B's re-prefill costs more
 
 
+def test_each_direction_runs_its_own_default_before_beside_the_levers():
+    l2s, s2l = A.default_settings("l2s"), A.default_settings("s2l")
+    assert "crosshead" in l2s and "crosslayer-k4-rhalf" not in l2s
+    assert "crosslayer-k4-rhalf" in s2l and "crosshead" not in s2l
+    assert set(l2s) - {"crosshead"} == set(s2l) - {"crosslayer-k4-rhalf"} and "token-w3" in l2s
+    assert not {s.name for s in A.SETTINGS if not s.default_run} & set(l2s + s2l)
+
+
 def _row(name, cost, **metrics):
     return {"name": name, "real": {"fraction_of_reprefill": cost}, **metrics}
 

@@ -17,9 +17,9 @@ agreement) and on the validation halves of IFEval and GSM8K (`Profile.ablate_ite
 each). Across the settings, each candidate metric's rank correlation with task retention (the
 mean of the IFEval and GSM8K shares of the native target's accuracy) says which one tracks the
 tasks; the default is the best setting by that metric among those costing at most
-`MAX_COST_FRACTION` of a re-prefill at the real shapes. The chosen default, the runner-up and the
-direction's default before are then scored on the test conversations and the test halves of the
-tasks (`ablate_items[1]` items each): the claims.
+`MAX_COST_FRACTION` of a re-prefill at the real shapes. The chosen default and the direction's
+default before are then scored on the test conversations and the test halves of the tasks
+(`ablate_items[1]` items each): the claims.
 
 Cost: each setting's FLOPs per context token at the real Qwen3-1.7B → 0.6B shapes (the
 direction's source and target), against the target's re-prefill per token (`shapes.prefill_flops`,
@@ -89,6 +89,13 @@ SETTINGS = (
     Setting("token-w3-full", "tokeninput", ("--base", "headwise", "--window", "3"),
             "token-w3 at full rank", "exact:0", default_run=False),
 )
+
+
+def default_settings(direction: str) -> list[str]:
+    """The settings a run of this direction trains by default: every default one, the other direction's default
+    before excepted (it answers another question and costs a row)."""
+    other = {v for k, v in BEFORE.items() if k != direction} - {BEFORE.get(direction)}
+    return [s.name for s in SETTINGS if s.default_run and s.name not in other]
 
 
 def real_cost(setting: Setting, direction: str, toy_target_width: int) -> dict[str, float]:
