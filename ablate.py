@@ -1,6 +1,6 @@
 """Ablate the translator's levers on the same splits and budget: choices on validation, claims on test.
 
-For each setting in kvlingo/run/ablation.py (a family, its refresh setting, its objective):
+For each setting in kvlingo/drive/ablation.py (a family, its refresh setting, its objective):
 train (closed form, then distillation at the profile's budget), then score the validation
 conversations (benchmark --split validation: KL/token, the context-token metrics, attention-output
 agreement) and the validation halves of IFEval and GSM8K after a prompt handoff. Across the
@@ -20,18 +20,20 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvlingo.core.folder import MAPS_FILE
+from kvlingo.drive import ablation as A
+from kvlingo.drive import cells as K
+from kvlingo.drive.ledger import LEDGER_FILE
+from kvlingo.drive.stage import add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
+from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.tasks.data import split_suffix
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
-from kvlingo.run import ablation as A
-from kvlingo.run import recipe as K
 from kvlingo.run.argtypes import whole
-from kvlingo.run.ledger import LEDGER_FILE
 from kvlingo.run.models import PairConfig, pair_config_from_args
-from kvlingo.run.paths import RunPaths, default_data, default_run
+from kvlingo.run.paths import TRANSLATORS, RunPaths, check_outputs, default_data, default_run
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_pm, fmt_table
+from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import REFUSALS, add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": "train_translator.py", "benchmark": "benchmark.py", "ifeval": "ifeval.py", "task": "task_eval.py"}
@@ -43,7 +45,7 @@ class AblationConfig:
     run: str  # cells live under ARTIFACTS/RUN/<setting> and RESULTS/RUN/<setting>
     profile: str  # profile passed to every stage (budget, splits)
     data: str  # prepared chat data
-    settings: tuple[str, ...]  # the settings run (kvlingo/run/ablation.py SETTINGS)
+    settings: tuple[str, ...]  # the settings run (kvlingo/drive/ablation.py SETTINGS)
     long_factor: int  # the best two settings are trained again for this many × the profile's updates (0: not)
     eval_root: str  # prepared IFEval and GSM8K data root
     tasks: tuple[str, ...]  # generative evaluations run per setting (ifeval, gsm8k)
@@ -72,7 +74,8 @@ class AblationResults:
 def parse_args(argv=None):
     p = stage_parser(__doc__, ["python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
                                "--device cpu --dtype float32 --data-root data/toy-eval",
-                               "python ablate.py --profile demo ... --settings crosshead token-w3 --resume"],
+                               "python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+                               "--device cpu --dtype float32 --data-root data/toy-eval --settings crosshead token-w3 --resume"],
                      common=True, data=True)
     names = [s.name for s in A.SETTINGS]
     p.add_argument("--settings", nargs="+", default=None, choices=names,
@@ -105,7 +108,7 @@ class Plan:
         flags = {"--data": self.cfg.data, "--family": setting.family, "--updates": updates,
                  "--refresh": setting.refresh}
         return self.cell("train", sub, flags, "train", extra=setting.flags, resume_flag="--resume",
-                         outputs=(str(self.paths.nested(sub).translator("distilled") / "maps.safetensors"),))
+                         outputs=tuple(str(self.paths.nested(sub).translator(k) / MAPS_FILE) for k in TRANSLATORS))
 
     def benchmark(self, setting: A.Setting, sub: str, split: str) -> K.Cell:
         flags = {"--data": self.cfg.data, "--split": split, "--timing-conversations": 0, "--control-dtypes": "none",
@@ -223,12 +226,7 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
 
 
 def plot(rows: list[dict], title: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = figure((7, 4.5))
     for r in rows:
         x = 100 * r["real"]["fraction_of_reprefill"]
         test = A.retention(r, "test")
@@ -253,7 +251,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     profile = get_profile(args.profile)
     pair, _ = pair_config_from_args(args)
-    tasks = generative_tasks("ablate", args)
+    tasks = generative_tasks(args)
     cfg = AblationConfig(run=args.run or f"{default_run(profile.name, pair.direction)}-ablate",
                          profile=profile.name, data=str(args.data or default_data(profile.name)),
                          settings=tuple(args.settings or A.default_settings(pair.direction)),
@@ -261,6 +259,8 @@ def main(argv=None) -> dict:
                          tasks=tasks, items=tuple(args.items or profile.ablate_items), artifacts=args.artifacts,
                          results=args.results, pair=pair)
     plan = Plan(cfg)
+    check_outputs([plan.paths.report("ablation"), *(plan.paths.beside("ablation", x) for x in (".md", ".png")),
+                   plan.paths.res / LEDGER_FILE])
     lock_run(plan.paths.res, "ablate")
     ledger = K.Ledger(plan.paths.res / LEDGER_FILE, asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
@@ -307,10 +307,10 @@ def main(argv=None) -> dict:
                 "native_source"]
             native.update(test_source_kl=src["kl_token_mean"], test_source_context_kl=src["context_kl_token_mean"],
                           test_source_context_top1=src["context_top1"])
-    except REFUSALS:
+    except Refusal:
         raise
     except K.StageFailed as e:
-        raise SystemExit(f"ablate: {e}. The ledger marks that cell failed; fix the cause, then re-run with --resume")
+        raise Failure(f"{e}. The ledger marks that cell failed; fix the cause, then re-run with --resume") from None
 
     results = AblationResults(rows=rows, correlations=correlations, metric=metric, default=default, native=native)
     png = plan.paths.beside("ablation", ".png")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvlingo.core.cache import capture
-from kvlingo.core.crosslayer import CrossHead
+from kvlingo.core.families.crosslayer import CrossHead
 from kvlingo.core.handoff import translate
 from kvlingo.core.layer0 import ContextFree, NotContextFree, check, flops_per_token
 from kvlingo.core.refresh import Refresh, RefreshError, refresh_flops, refreshed_kv
@@ -103,7 +103,7 @@ def test_exact_refresh_is_priced_at_one_projection_per_token(pair):
     cost = refresh_flops(Refresh.parse("exact:0"), pair.source.config, tgt, t, T)
     assert cost["native_flops"] == per_token * T and cost["translate_flops"] == t * T * (L - 1) / L
     # at the real shapes: about 0.3% of a re-prefill of a 4,096-token context, far below layer:0's forward
-    from kvlingo.eval.shapes import real_pair_configs
+    from kvlingo.bench.shapes import real_pair_configs
 
     for direction in ("l2s", "s2l"):
         s, c = real_pair_configs(direction)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlingo.core.cache import handoff_split
-from kvlingo.core.crosslayer import CrossHead
+from kvlingo.core.families.crosslayer import CrossHead
 from kvlingo.core.handoff import as_ids, translate
 from kvlingo.core.refresh import Refresh
 from kvlingo.core.translator import Geometry

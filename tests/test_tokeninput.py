@@ -10,8 +10,9 @@ import torch
 from kvlingo.core.cache import Capture, capture
 from kvlingo.core.fit import NormalEquations
 from kvlingo.core.layer0 import ContextFree
-from kvlingo.core.tokeninput import TokenInput
-from kvlingo.core.translator import Geometry, TranslatorError, load_translator, save_translator
+from kvlingo.core.families.tokeninput import TokenInput
+from kvlingo.core.folder import load_translator, save_translator
+from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.train.closed_form import fit_closed_form
 from kvlingo.train.distill import distill_loss
 from test_families import lstsq_blocks

@@ -13,7 +13,7 @@ head_dim FLOPs per token (`flops_per_token`; about 0.3% of a re-prefill at Qwen3
 shapes), where `refresh.py`'s `layer:0` runs the model's forward through layer 0. `ContextFree`
 calls the model's own modules in the forward's order, on the same [1, tokens, hidden] shapes,
 so its K/V are the bits a forward caches. Its normed embedding h is also a per-token feature a
-translator may read beside the source's (kvlingo.core.tokeninput).
+translator may read beside the source's (kvlingo.core.families.tokeninput).
 
 Any other architecture is refused by name (`check`): a first layer that is linear attention,
 a convolution or a state-space block (Qwen3-Next, LFM2, Mamba hybrids) mixes tokens before or
@@ -26,10 +26,11 @@ import sys
 
 import torch
 
+from ..errors import Refusal
 from . import arch
 
 
-class NotContextFree(ValueError):
+class NotContextFree(Refusal, ValueError):
     """A model whose first layer's keys and values are not known to depend on the token and position alone."""
 
 

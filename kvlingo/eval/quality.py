@@ -99,10 +99,10 @@ def score_logits(ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor)
 @torch.no_grad()
 def score_conversation(source, target, translators: dict[str, Translator], control_translator: str | None,
                        conv: dict, control_context: Sequence[int], out_dtype: torch.dtype,
-                       refresh=None) -> dict[str, dict]:
+                       refresh=None, kind: str = "preallocated") -> dict[str, dict]:
     """Per-arm sums for one conversation. Arms whose maps are absent from `translators` are left out;
     the control arm runs when `control_translator` names one of them. A `refresh` (kvlingo.core.refresh)
-    applies to every translated cache, the control's included."""
+    applies to every translated cache, the control's included; every arm builds caches of `kind`."""
     device = device_of(target)
     context, new, targets = handoff_split(conv["prefix_ids"], conv["reply_ids"])
     new_t, tgt = as_ids(new, device), torch.as_tensor(targets, device=device)
@@ -111,9 +111,9 @@ def score_conversation(source, target, translators: dict[str, Translator], contr
                          "context it stands in for (see control_contexts)")
 
     native_attn: list = []
-    own_t = capture_source(target, context)
+    own_t = capture_source(target, context, kind=kind)
     with ctx.attention_outputs(target, len(new), native_attn):
-        ref = continue_target(target, (own_t.keys, own_t.values), new_t).logits[0]  # [reply tokens, vocab]
+        ref = continue_target(target, (own_t.keys, own_t.values), new_t, kind).logits[0]  # [reply tokens, vocab]
     del own_t
     no_ctx = target(input_ids=new_t, use_cache=False).logits[0]
     change = ctx.context_change(ref, no_ctx)  # [reply tokens]: how much the context moves each prediction
@@ -121,21 +121,21 @@ def score_conversation(source, target, translators: dict[str, Translator], contr
     def on_target(kv) -> dict:  # an arm whose cache the target continues: the sums, context metrics included
         attn: list = []
         with ctx.attention_outputs(target, len(new), attn):
-            logits = continue_target(target, kv, new_t).logits[0]
+            logits = continue_target(target, kv, new_t, kind).logits[0]
         return {**score_logits(ref, logits, tgt), **ctx.score(ref, logits, change),
                 **ctx.attention_agreement(native_attn, attn)}
 
-    src = capture_source(source, context, translators.values())
+    src = capture_source(source, context, translators.values(), kind)
     arms = {"native_target": {**score_logits(ref, ref, tgt), **ctx.score(ref, ref, change)}}
-    source_logits = continue_target(source, (src.keys, src.values), new_t).logits[0]
+    source_logits = continue_target(source, (src.keys, src.values), new_t, kind).logits[0]
     arms["native_source"] = {**score_logits(ref, source_logits, tgt), **ctx.score(ref, source_logits, change)}
     for name, translator in translators.items():
         arms[name] = on_target(translate(source, translator, context, out_dtype, cap=src, refresh=refresh,
-                                         target=target))
+                                         target=target, kind=kind))
     del src
     if control_translator is not None:
         arms["control"] = on_target(translate(source, translators[control_translator], control_context, out_dtype,
-                                              refresh=refresh, target=target))
+                                              refresh=refresh, target=target, kind=kind))
     arms["no_context"] = {**score_logits(ref, no_ctx, tgt), **ctx.score(ref, no_ctx, change)}
     for a in arms.values():
         n = a["n_tokens"]

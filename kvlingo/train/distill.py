@@ -55,7 +55,8 @@ def attention_outputs(model, last: int, into: list):
 
 
 def distill_loss(source, target, translator: Translator, row: dict, dtype: torch.dtype,
-                 aux_weight: float = 0.0, refresh=None, context_weight: float = 0.0) -> torch.Tensor:
+                 aux_weight: float = 0.0, refresh=None, context_weight: float = 0.0,
+                 kind: str = "preallocated") -> torch.Tensor:
     """Mean over reply tokens of KL(native target || target on the translated cache) (weighted by the context's
     change of each prediction when context_weight > 0), plus the weighted attention-output term when
     aux_weight > 0; FP32 scalar with grad."""
@@ -66,9 +67,9 @@ def distill_loss(source, target, translator: Translator, row: dict, dtype: torch
         native = target(input_ids=as_ids(context + new, device_of(target)), use_cache=False,
                         logits_to_keep=len(new)).logits[0]
     # [layers, kv_heads, context, head_dim] each, differentiable
-    kv = translate(source, translator, context, dtype, refresh=refresh, target=target)
+    kv = translate(source, translator, context, dtype, refresh=refresh, target=target, kind=kind)
     with attention_outputs(target, len(new), ours_attn) if aux_weight else nullcontext():
-        out = continue_target(target, kv, new)
+        out = continue_target(target, kv, new, kind)
     kl = token_kl(native, out.logits[0])  # [new]
     if context_weight:
         kl = kl * context_weights(context_change(target, new, native), context_weight)
@@ -83,7 +84,7 @@ def distill_loss(source, target, translator: Translator, row: dict, dtype: torch
 def distill_step(source, target, translator: Translator, rows: list[dict], optimizer, dtype: torch.dtype,
                  max_grad_norm: float = 0.0, world: World = SINGLE, aux_weight: float = 0.0, refresh=None,
                  context_weight: float = 0.0, onpolicy: float = 0.0, first_index: int = 0,
-                 eos_ids: set[int] | None = None) -> float:
+                 eos_ids: set[int] | None = None, kind: str = "preallocated") -> float:
     """One optimiser update over the batch `rows` (gradient accumulation); returns the batch's mean loss.
 
     `first_index`: the position of rows[0] in the data order (the on-policy schedule's index).
@@ -91,10 +92,11 @@ def distill_step(source, target, translator: Translator, rows: list[dict], optim
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     if onpolicy:
-        rows = [onpolicy_row(source, target, translator, r, dtype, refresh, eos_ids=eos_ids)
+        rows = [onpolicy_row(source, target, translator, r, dtype, refresh, eos_ids=eos_ids, kind=kind)
                 if onpolicy_at(first_index + i, onpolicy) else r for i, r in enumerate(rows)]
     for row in world.share(rows):
-        loss = distill_loss(source, target, translator, row, dtype, aux_weight, refresh, context_weight) / len(rows)
+        loss = distill_loss(source, target, translator, row, dtype, aux_weight, refresh, context_weight,
+                            kind) / len(rows)
         loss.backward()
         total += loss.item()
     world.sum_grads(translator)
@@ -106,11 +108,12 @@ def distill_step(source, target, translator: Translator, rows: list[dict], optim
 
 
 def validation_kl(source, target, translator: Translator, rows: list[dict], dtype: torch.dtype,
-                  progress: Callable | None = None, world: World = SINGLE, refresh=None) -> float:
+                  progress: Callable | None = None, world: World = SINGLE, refresh=None,
+                  kind: str = "preallocated") -> float:
     """Mean over conversations of the per-conversation mean reply-token KL. Leaves every RNG as it found it."""
     mine = world.share(rows)
     with preserved_rng(), torch.no_grad():
-        kls = [distill_loss(source, target, translator, r, dtype, refresh=refresh).item()
+        kls = [distill_loss(source, target, translator, r, dtype, refresh=refresh, kind=kind).item()
                for r in (progress(mine) if progress else mine)]
     return world.sum_float(sum(kls)) / len(rows)
 

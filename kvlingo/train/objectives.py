@@ -57,16 +57,18 @@ def onpolicy_at(index: int, share: float) -> bool:
 
 @torch.no_grad()
 def onpolicy_row(source, target, translator, row: dict, dtype: torch.dtype, refresh=None,
-                 max_new_tokens: int | None = None, eos_ids: set[int] | None = None, temperature: float = 1.0) -> dict:
+                 max_new_tokens: int | None = None, eos_ids: set[int] | None = None, temperature: float = 1.0,
+                 kind: str = "preallocated") -> dict:
     """`row` with its reply replaced by one the target samples on the translated cache of prefix[:-1] (the
-    handoff's convention), up to the data reply's length (or `max_new_tokens`), its stop token kept."""
+    handoff's convention, a cache of `kind`), up to the data reply's length (or `max_new_tokens`), its stop token
+    kept."""
     context, _, _ = handoff_split(row["prefix_ids"], row["reply_ids"])
     cap = max_new_tokens or len(row["reply_ids"])
-    kv = translate(source, translator, context, dtype, refresh=refresh, target=target)
+    kv = translate(source, translator, context, dtype, refresh=refresh, target=target, kind=kind)
     from ..core.cache import build_cache, run_with_cache
 
     device = device_of(target)
-    cache = build_cache(target, *kv, room=cap + 1)
+    cache = build_cache(target, *kv, kind=kind, room=cap + 1)
     x, out_ids = as_ids(row["prefix_ids"][-1:], device), []
     for _ in range(cap):
         out, _ = run_with_cache(target, x, cache=cache)

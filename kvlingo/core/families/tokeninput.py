@@ -32,15 +32,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cache import Capture
-from .fit import NormalEquations, reduced_rank
-from .translator import FAMILIES, Geometry, Translator, TranslatorError, family
+from ..cache import Capture
+from ..fit import NormalEquations, reduced_rank
+from ..translator import FAMILIES, Geometry, LinearFamily, Translator, TranslatorError, family
 
 BASES = ("headwise", "crosshead", "crosslayer")
 
 
 @family
-class TokenInput(Translator):
+class TokenInput(LinearFamily):
     family = "tokeninput"
 
     def __init__(self, geometry: Geometry, key_space: str = "prenorm", base: dict | None = None, rank: int = 0,
@@ -82,7 +82,7 @@ class TokenInput(Translator):
         return self.base.flops_per_token() + tok
 
     def bind(self, source, target) -> "TokenInput":
-        from .layer0 import ContextFree, NotContextFree
+        from ..layer0 import ContextFree, NotContextFree
 
         super().bind(source, target)
         self.base.space = self.space
