@@ -208,11 +208,12 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
                      [[m, _num(c["rho"]), _num(c["p"], ".3g"), c["n"], _num(c["tracking"])]
                       for m, c in results.correlations.items()])
     n_val = rows[0]["val_n"] if rows else 0
+    n_test = next((r["test_n"] for r in rows if "test_n" in r), "—")  # the tested rows share the test split
     p = cfg.pair
     lines = [f"# Translator ablation: {p.large} / {p.small}, {p.direction}, profile {cfg.profile}\n\n",
              f"Same splits and budget for every setting. Validation: {n_val} conversations, the first "
              f"{cfg.items[0]} items of the validation half of IFEval and GSM8K (where the choice is made). Test: "
-             f"{rows[0].get('test_n', '—') if rows else '—'} conversations and the first {cfg.items[1]} items of the "
+             f"{n_test} conversations and the first {cfg.items[1]} items of the "
              "test half of each task, for the chosen default and the direction's default before. "
              "Kept: the share of the native target's accuracy on the same items (± SE, paired). Cost: handoff FLOPs per "
              "context token at the real Qwen3-1.7B/0.6B shapes (translation, plus the exact layer 0 where a setting "
