@@ -33,7 +33,7 @@ from kvlingo.drive.stage import add_refresh_arg, lock_run, refusals_exit, stage_
 from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_bytes, sha256_file, sha256_json
 from kvlingo.run import resume
-from kvlingo.run.argtypes import whole
+from kvlingo.run.argtypes import share, whole
 from kvlingo.run.data import open_prepared, read_split, split_path
 from kvlingo.run.models import load_pair, pair_config_from_args
 from kvlingo.run.paths import check_outputs, default_data, run_paths
@@ -79,10 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the attention-output MSE added to the KL during distillation (default 0)")
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="what the key maps read and write")
     add_refresh_arg(p)  # the setting the translated cache is trained and validated under (e.g. exact:0)
-    p.add_argument("--context-weight", type=float, default=0.0,
+    p.add_argument("--context-weight", type=share, default=0.0,
                    help="α in [0, 1]: weight each reply token's KL by how much the context changes the native "
                    "prediction there (kvlingo/train/objectives.py; default 0: plain mean)")
-    p.add_argument("--onpolicy", type=float, default=0.0,
+    p.add_argument("--onpolicy", type=share, default=0.0,
                    help="λ in [0, 1]: share of conversations scored on a reply the target samples from the translated "
                    "cache (on-policy distillation; default 0)")
     p.add_argument("--keep-best", action="store_true",
@@ -144,12 +144,6 @@ def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
 def positive(name: str, value, allow_zero: bool = False):
     if value is None or (value < 0 if allow_zero else value <= 0) or (isinstance(value, float) and not math.isfinite(value)):
         raise Refusal(f"--{name} {value} is invalid: it must be a finite number {'≥ 0' if allow_zero else '> 0'}")
-    return value
-
-
-def share(name: str, value: float) -> float:
-    if not 0 <= value <= 1:
-        raise Refusal(f"--{name} {value} is invalid: give a number in [0, 1]")
     return value
 
 
@@ -244,8 +238,8 @@ def main(argv=None) -> dict:
         fit_weighting=given(args.fit_weighting, profile.fit_weighting),
         ridge=ridge_value(str(given(args.ridge, profile.ridge))),
         aux_attn_weight=positive("aux-attn-weight", args.aux_attn_weight, allow_zero=True),
-        refresh=str(args.refresh), context_weight=share("context-weight", args.context_weight),
-        onpolicy=share("onpolicy", args.onpolicy), keep_best=args.keep_best, n_train=args.n_train or 0,
+        refresh=str(args.refresh), context_weight=args.context_weight,
+        onpolicy=args.onpolicy, keep_best=args.keep_best, n_train=args.n_train or 0,
         n_fit=positive("n-fit", given(args.n_fit, profile.n_fit)),
         updates=positive("updates", given(args.updates, profile.updates), allow_zero=True),
         batch=positive("batch", given(args.batch, profile.batch)),
