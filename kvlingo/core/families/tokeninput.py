@@ -96,8 +96,9 @@ class TokenInput(LinearFamily):
     def features(self, cap: Capture) -> torch.Tensor:
         """The token features t [tokens, w · 2 · kv width], FP32 (computed once per capture)."""
         if cap.ids is None:
-            raise TranslatorError("token input needs the captured token ids (Capture.ids); capture the source with "
-                                  "kvlingo.core.cache.capture, which records them")
+            raise TranslatorError("token input needs the captured token ids (Capture.ids), which a bare cache lacks: "
+                                  "hand over from the messages or ids, or capture with relay.capture(ids) or "
+                                  "kvlingo.core.cache.capture")
         if self._memo is not None and self._memo[0] is cap.ids:
             return self._memo[1]
         t = self.layer0.token_features(cap.ids).float()  # [T, 2·kvw]
