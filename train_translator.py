@@ -174,10 +174,18 @@ def finished_training(paths, key: str, args) -> dict | None:
         maps = folder / MAPS_FILE
         return sha256_file(maps) if maps.is_file() and (folder / MANIFEST_FILE).is_file() else None
 
+    def intact(folder: Path) -> bool:  # the manifest as written (its content hash) and the maps it records
+        try:
+            read_manifest(folder)
+        except Refusal:
+            return False
+        return True
+
     if args.init_from and maps_sha(Path(args.init_from)) != init.get("maps_sha256"):
         return None
     kinds = ("closed_form",) if args.closed_form_only else ("closed_form", "distilled")
-    return old if all(maps_sha(paths.translator(k)) == art.get(f"{k}_sha256") for k in kinds) else None
+    return old if all(maps_sha(paths.translator(k)) == art.get(f"{k}_sha256") and intact(paths.translator(k))
+                      for k in kinds) else None
 
 
 def plot_curves(path: Path, loss: list, val: list, title: str) -> None:
