@@ -9,13 +9,14 @@ DIRECTION ?= l2s
 # The offline toy world (make demo): its pair, corpus and evaluation files.
 TOY       ?= artifacts/toy
 TOY_ARGS  ?=
-# PROFILE=demo runs on the toy world, offline, on the CPU: every stage's inputs default to it.
-ifeq ($(PROFILE),demo)
+# PROFILE=demo (and scale, the demo at 8,192 training conversations) runs on the toy world, offline, on the CPU:
+# every stage's inputs default to it. Their chats: the toy world's held-out conversations, 2,048 or 10,240 of them.
+ifneq ($(filter demo scale,$(PROFILE)),)
 DEVICE        ?= cpu
 DTYPE         ?= float32
 LARGE         ?= $(TOY)/large
 SMALL         ?= $(TOY)/small
-SOURCE        ?= $(TOY)/corpus/chats.jsonl
+SOURCE        ?= $(TOY)/corpus/chats.$(if $(filter scale,$(PROFILE)),10240,2048).jsonl
 IFEVAL_SOURCE ?= $(TOY)/corpus/ifeval.jsonl
 TASK_SOURCE_DIR ?= $(TOY)/corpus
 EVAL_ROOT     ?= data/toy-eval
@@ -164,7 +165,11 @@ toy-export: toy ## a toy translator with its evidence: prepare → train → ben
 	$(MAKE) prepare train benchmark export PROFILE=demo
 
 # ---------------------------------------------------------------- stages
-prepare: $(VENV)/.synced ## disjoint train/validation/test splits → data/PROFILE (SOURCE=chats.jsonl offline)
+# More held-out toy conversations than chats.jsonl holds (deterministic; disjoint from evaluation and toy training).
+$(TOY)/corpus/chats.%.jsonl: | $(VENV)/.synced
+	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) --chats $*
+
+prepare: $(VENV)/.synced $(filter $(TOY)/corpus/chats.%.jsonl,$(SOURCE)) ## disjoint train/validation/test splits → data/PROFILE (SOURCE=chats.jsonl offline)
 	$(PY) paper_data.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
 
 train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, results/RUN/train.json (TRAIN_ARGS=--resume, NPROC=8)
@@ -223,7 +228,7 @@ export: $(VENV)/.synced ## the run's translator, its evidence and a model card �
 summary: $(VENV)/.synced ## one table of the run's reports → results/RUN/summary.md
 	$(PY) summary.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))
 
-ablate: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## every translator family on the same budget, default chosen on validation KL → results/PROFILE-DIRECTION-ablate/ablation.{json,md,png} (both directions)
+ablate: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## the translator's levers (families, exact layer 0, token identity, objectives) on one budget; metric and default chosen on validation, the best scored on test → results/PROFILE-DIRECTION-ablate/ablation.{json,md,png} (both directions)
 	$(MAKE) prepare
 	@mkdir -p results; status=0; pids=""; \
 	for d in $(ABLATE_DIRECTIONS); do \

@@ -1,18 +1,20 @@
-"""Ablate the translator: every family and setting on the same splits and budget, and the default chosen on validation.
+"""Ablate the translator's levers on the same splits and budget: choices on validation, claims on test.
 
-For each setting in kvlingo/drive/ablation.py: train (closed form, then distillation at the
-profile's budget), benchmark the test split, IFEval and GSM8K after a prompt handoff (with the
-native rows scored once and shared). The two settings with the lowest validation KL are
-trained again with a longer budget. Every step is a resumable cell (the recipe's ledger): a
-killed run continues with --resume. Writes RESULTS/RUN/ablation.{json,md,png} with, per
-setting: parameters, translation FLOPs per token at the real Qwen3 shapes and the ceiling
-speedup they allow, closed-form and distilled validation KL, test KL/token ± SE, top-1, NLL Δ,
-IFEval strict prompt ± SE, GSM8K ± SE and training wall time; the chosen default is the lowest
-validation KL among settings costing at most 10% of re-prefill.
+For each setting in kvlingo/drive/ablation.py (a family, its refresh setting, its objective):
+train (closed form, then distillation at the profile's budget), then score the validation
+conversations (benchmark --split validation: KL/token, the context-token metrics, attention-output
+agreement) and the validation halves of IFEval and GSM8K after a prompt handoff. Across the
+settings, each validation metric's rank correlation with task retention says which tracks the
+tasks; the default is the best setting by that metric among those costing at most 10% of a
+re-prefill at the real shapes. The default and the direction's default before are then scored on
+the test conversations and the test halves of the tasks, beside the native rows
+(scored once and shared). Every step is a resumable cell (the recipe's ledger): a killed run
+continues with --resume. Writes RESULTS/RUN/ablation.{json,md,png}.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -24,6 +26,7 @@ from kvlingo.drive import cells as K
 from kvlingo.drive.ledger import LEDGER_FILE
 from kvlingo.drive.stage import add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Failure, Refusal
+from kvlingo.eval.tasks.data import split_suffix
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
 from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig, pair_config_from_args
@@ -34,17 +37,19 @@ from kvlingo.run.resume import code_hash
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": "train_translator.py", "benchmark": "benchmark.py", "ifeval": "ifeval.py", "task": "task_eval.py"}
+SPLITS = ("val", "test")  # row-field prefixes; the stages call them validation and test
 
 
 @dataclass(frozen=True)
 class AblationConfig:
     run: str  # cells live under ARTIFACTS/RUN/<setting> and RESULTS/RUN/<setting>
-    profile: str  # profile passed to every stage (budget, splits, evaluation sizes)
+    profile: str  # profile passed to every stage (budget, splits)
     data: str  # prepared chat data
     settings: tuple[str, ...]  # the settings run (kvlingo/drive/ablation.py SETTINGS)
-    long_factor: int  # the best two settings are trained again for this many × the profile's updates
+    long_factor: int  # the best two settings are trained again for this many × the profile's updates (0: not)
     eval_root: str  # prepared IFEval and GSM8K data root
     tasks: tuple[str, ...]  # generative evaluations run per setting (ifeval, gsm8k)
+    items: tuple[int, int]  # IFEval prompts and GSM8K items per row: validation half, test half
     artifacts: str
     results: str
     pair: PairConfig
@@ -52,25 +57,35 @@ class AblationConfig:
 
 @dataclass
 class AblationResults:
-    rows: list  # one per setting (and long run): cost, validation and test figures, task scores, wall time
+    rows: list  # one per setting (and long run): cost, validation figures, test figures where scored
+    correlations: dict  # each validation metric's Spearman correlation with validation task retention
+    metric: str  # the validation metric that tracks retention best: the one the default is chosen by
     default: dict  # the chosen default and why
-    native: dict  # native target (and source) task scores the handoff is compared with
+    native: dict  # native target and source: task accuracy per split, KL of the native source on test
 
-    METRICS = (Metric("rows.*.distilled_val_kl", False, "validation KL after distillation: the only selection metric"),
-               Metric("rows.*.test_kl_token", False, "test KL(native target ‖ translated) per reply token"),
-               Metric("rows.*.ifeval_strict_prompt", True, "IFEval strict prompt accuracy after the handoff"),
-               Metric("rows.*.gsm8k", True, "GSM8K accuracy after a prompt handoff"))
+    METRICS = (Metric("rows.*.val_context_kl", False, "validation KL on the reply tokens the context decides"),
+               Metric("rows.*.test_kl", False, "test KL(native target ‖ translated) per reply token"),
+               Metric("rows.*.test_ifeval.kept", True, "IFEval strict prompt accuracy after the handoff as a share of "
+                      "the native target's (test half)"),
+               Metric("rows.*.test_gsm8k.kept", True, "GSM8K accuracy after a prompt handoff as a share of the native "
+                      "target's (test half)"))
 
 
 def parse_args(argv=None):
     p = stage_parser(__doc__, ["python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
                                "--device cpu --dtype float32 --data-root data/toy-eval",
                                "python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
-                               "--device cpu --dtype float32 --data-root data/toy-eval --settings headwise crosshead --resume"],
+                               "--device cpu --dtype float32 --data-root data/toy-eval --settings crosshead token-w3 --resume"],
                      common=True, data=True)
-    p.add_argument("--settings", nargs="+", default=[s.name for s in A.SETTINGS],
-                   choices=[s.name for s in A.SETTINGS], help="settings to run (default: all)")
-    p.add_argument("--long-factor", type=whole(0), default=A.LONG_FACTOR, help="the best two's longer budget (0: none)")
+    names = [s.name for s in A.SETTINGS]
+    p.add_argument("--settings", nargs="+", default=None, choices=names,
+                   help="settings to run (default: " + ", ".join(A.default_settings("l2s")) + " for l2s; s2l runs "
+                   f"{A.BEFORE['s2l']} in place of {A.BEFORE['l2s']})")
+    p.add_argument("--long-factor", type=whole(0), default=A.LONG_FACTOR,
+                   help="train the best two again for this many × the updates (default 0: not)")
+    p.add_argument("--items", type=whole(1), nargs=2, default=None, metavar=("VALIDATION", "TEST"),
+                   help="IFEval prompts and GSM8K items per row on the validation and test halves (default: the "
+                        "profile's ablate_items)")
     add_task_data_args(p)
     return p.parse_args(argv)
 
@@ -86,82 +101,146 @@ class Plan:
     def cell(self, stage: str, sub: str, flags: dict, report: str, **kw) -> K.Cell:
         script = str(ROOT / SCRIPTS[stage])
         nested = self.paths.nested(sub)
-        return K.Cell(f"{stage}/{sub}", stage, script, {**self.flags, "--run": nested.run, **flags},
+        return K.Cell(f"{stage}/{sub}/{report}", stage, script, {**self.flags, "--run": nested.run, **flags},
                       str(nested.report(report)), {**self.inputs, "code_sha256": code_hash(script)}, **kw)
 
     def train(self, setting: A.Setting, sub: str, updates: int | None = None) -> K.Cell:
-        flags = {"--data": self.cfg.data, "--family": setting.family, "--updates": updates}
+        flags = {"--data": self.cfg.data, "--family": setting.family, "--updates": updates,
+                 "--refresh": setting.refresh}
         return self.cell("train", sub, flags, "train", extra=setting.flags, resume_flag="--resume",
                          outputs=tuple(str(self.paths.nested(sub).translator(k) / MAPS_FILE) for k in TRANSLATORS))
 
-    def benchmark(self, sub: str) -> K.Cell:
-        return self.cell("benchmark", sub, {"--data": self.cfg.data, "--timing-conversations": 0,
-                                            "--control-dtypes": "none"}, "benchmark", fresh_flag="--force")
+    def benchmark(self, setting: A.Setting, sub: str, split: str) -> K.Cell:
+        flags = {"--data": self.cfg.data, "--split": split, "--timing-conversations": 0, "--control-dtypes": "none",
+                 "--refresh": setting.refresh}
+        return self.cell("benchmark", sub, flags, "benchmark" + ("" if split == "test" else f"-{split}"),
+                         fresh_flag="--force")
 
-    def generative(self, task: str, sub: str, native: bool) -> K.Cell:
+    def generative(self, task: str, sub: str, split: str, native: bool, refresh: str = "none") -> K.Cell:
         stage, report = ("ifeval", "ifeval") if task == "ifeval" else ("task", "task-gsm8k")
-        flags = {"--data-root": self.cfg.eval_root, "--native": native, "--no-controls": not native}
+        limit = self.cfg.items[0 if split == "validation" else 1]
+        flags = {"--data-root": self.cfg.eval_root, "--native": native, "--no-controls": not native, "--split": split,
+                 "--limit": limit, "--refresh": None if native else refresh}
         if task == "gsm8k":
             flags["--task"] = "gsm8k"
         before = None
         if not native:  # the native target's answers are shared: copied beside the setting, reused by input hash
-            rows = f"{report}-native.rows.jsonl"
+            rows = f"{report}-native{split_suffix(split)}.rows.jsonl"
             src, dst = self.paths.nested("native").res / rows, self.paths.nested(sub).res / rows
             before = lambda: K.copy_file(src, dst)  # noqa: E731
-        return self.cell(stage, f"{sub}", flags, report + ("-native" if native else ""), resume_flag="--resume",
-                         before=before)
+        name = report + ("-native" if native else "") + split_suffix(split)
+        return self.cell(stage, sub, flags, name, resume_flag="--resume", before=before)
+
+
+def task_figures(report: dict, task: str) -> dict:
+    """A translated task report's accuracy, its share of the native target's (± SE) and the paired difference."""
+    key = "prompt_level_strict_acc" if task == "ifeval" else "accuracy"
+    res = report["results"]
+    comparison = res["comparison"]["translated_vs_native_target"]
+    return A.kept(res["paths"]["translated"][key], res["paths"]["native_target"][key],
+                  comparison[key] if task == "ifeval" else comparison)
+
+
+def arm_figures(report: dict, prefix: str) -> dict:
+    d = report["results"]["quality"]["arms"]["distilled"]
+    return {f"{prefix}_kl": d["kl_token_mean"], f"{prefix}_kl_conversation": d["kl_conversation"],
+            f"{prefix}_top1": d["top1_agreement"], f"{prefix}_nll_delta": d["nll_delta_vs_native_target"],
+            f"{prefix}_context_kl": d["context_kl_token_mean"], f"{prefix}_context_kl_conversation":
+                d["context_kl_conversation"], f"{prefix}_context_top1": d["context_top1"],
+            f"{prefix}_context_weighted_kl": d["context_weighted_kl"],
+            f"{prefix}_attention_cosine": d["attention_cosine"]["mean"], f"{prefix}_n": d["n_conversations"],
+            f"{prefix}_context_tokens": d["context_tokens"]}
 
 
 def summarise(plan: Plan, setting: A.Setting, sub: str, toy_width: int, long: bool) -> dict:
     res = plan.paths.nested(sub).res
     train = read_json(res / "train.json")["results"]
-    arms = read_json(res / "benchmark.json")["results"]["quality"]["arms"]
-    d = arms["distilled"]
     row = {"name": sub, "setting": setting.name, "family": setting.family, "flags": list(setting.flags),
-           "note": setting.note, "long_budget": long, "params": train["translator"]["n_params"],
+           "refresh": setting.refresh, "note": setting.note, "long_budget": long,
+           "params": train["translator"]["n_params"],
            "real": A.real_cost(setting, plan.cfg.pair.direction, toy_width),
            "closed_form_val_kl": train["closed_form_val_kl"], "distilled_val_kl": train["distilled_val_kl"],
-           "test_kl_token": d["kl_token_mean"], "test_kl_conversation": d["kl_conversation"],
-           "top1": d["top1_agreement"], "nll_delta": d["nll_delta_vs_native_target"],
-           "train_wall_s": train["wall_time_s_total"], "n_test": d["n_conversations"]}
-    if "ifeval" in plan.cfg.tasks:
-        row["ifeval_strict_prompt"] = read_json(res / "ifeval.json")["results"]["paths"]["translated"][
-            "prompt_level_strict_acc"]
-    if "gsm8k" in plan.cfg.tasks:
-        row["gsm8k"] = read_json(res / "task-gsm8k.json")["results"]["paths"]["translated"]["accuracy"]
+           "best_update": (train.get("best") or {}).get("update"), "train_wall_s": train["wall_time_s_total"],
+           **arm_figures(read_json(res / "benchmark-validation.json"), "val")}
+    for t in plan.cfg.tasks:
+        row[f"val_{t}"] = task_figures(read_json(res / f"{'ifeval' if t == 'ifeval' else 'task-gsm8k'}-validation.json"), t)
     return row
 
 
-def markdown(cfg: AblationConfig, rows: list[dict], default: dict, native: dict) -> str:
-    pct = lambda s: fmt_pm(s, 100.0, ".1f")  # noqa: E731
+def add_test(plan: Plan, row: dict) -> None:
+    res = plan.paths.nested(row["name"]).res
+    bench = read_json(res / "benchmark.json")
+    row.update(arm_figures(bench, "test"))
+    for t in plan.cfg.tasks:
+        row[f"test_{t}"] = task_figures(read_json(res / f"{'ifeval' if t == 'ifeval' else 'task-gsm8k'}-test.json"), t)
+
+
+def _pct(fig: dict | None, with_kept: bool = True) -> str:
+    if not fig:
+        return ""
+    out = f"{100 * fig['accuracy']:.1f} ± {100 * fig['accuracy_se']:.1f}"
+    return out + (f" ({100 * fig['kept']:.0f} ± {100 * fig['kept_se']:.0f}%)" if with_kept else "")
+
+
+def _num(x, fmt=".3f") -> str:
+    return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def markdown(cfg: AblationConfig, results: AblationResults) -> str:
+    rows, native = results.rows, results.native
     table = fmt_table(
-        ["setting", "params", "FLOP/token (real)", "% of re-prefill", "ceiling", "val KL closed", "val KL distilled",
-         "test KL/token", "KL/conv ± SE", "top-1", "ΔNLL", "IFEval strict %", "GSM8K %", "train s"],
-        [[r["name"], r["params"], f"{r['real']['translate_flops_per_token'] / 1e6:.1f}M",
-          f"{100 * r['real']['fraction_of_reprefill']:.1f}", f"{r['real']['ceiling_speedup']:.1f}×",
-          r["closed_form_val_kl"], r["distilled_val_kl"], r["test_kl_token"], fmt_pm(r["test_kl_conversation"]),
-          r["top1"], r["nll_delta"], pct(r.get("ifeval_strict_prompt")), pct(r.get("gsm8k")), round(r["train_wall_s"])]
-         for r in rows])
+        ["setting", "% of re-prefill", "val KL", "val context KL", "val IFEval kept", "val GSM8K kept",
+         "test KL/token", "KL/conv ± SE", "test context KL ± SE", "test context top-1", "test IFEval % (kept)",
+         "test GSM8K % (kept)"],
+        [[r["name"] + (" **(default)**" if r["name"] == results.default.get("setting") else ""),
+          f"{100 * r['real']['fraction_of_reprefill']:.1f}", _num(r["val_kl"]), _num(r["val_context_kl"]),
+          _num(100 * r["val_ifeval"]["kept"], ".0f") + "%" if "val_ifeval" in r else "",
+          _num(100 * r["val_gsm8k"]["kept"], ".0f") + "%" if "val_gsm8k" in r else "",
+          _num(r.get("test_kl")), fmt_pm(r["test_kl_conversation"], fmt=".3f") if "test_kl_conversation" in r else "",
+          fmt_pm(r["test_context_kl_conversation"], fmt=".3f") if "test_context_kl_conversation" in r else "",
+          _num(r.get("test_context_top1")), _pct(r.get("test_ifeval")), _pct(r.get("test_gsm8k"))] for r in rows]
+        + [["native target", "100", "0", "0", "", "", "0", "", "", "1", _pct(native.get("test_ifeval_target"), False),
+            _pct(native.get("test_gsm8k_target"), False)],
+           ["native source (the source answers)", "", "", "", "", "", _num(native.get("test_source_kl")), "",
+            _num(native.get("test_source_context_kl")), _num(native.get("test_source_context_top1")),
+            _pct(native.get("test_ifeval_source"), False), _pct(native.get("test_gsm8k_source"), False)]])
+    corr = fmt_table(["validation metric", "Spearman ρ with retention", "p (exact)", "settings", "tracks (signed ρ)"],
+                     [[m, _num(c["rho"]), _num(c["p"], ".3g"), c["n"], _num(c["tracking"])]
+                      for m, c in results.correlations.items()])
+    n_val = rows[0]["val_n"] if rows else 0
+    n_test = next((r["test_n"] for r in rows if "test_n" in r), "—")  # the tested rows share the test split
     p = cfg.pair
     lines = [f"# Translator ablation: {p.large} / {p.small}, {p.direction}, profile {cfg.profile}\n\n",
-             f"Same splits and budget for every setting; the best two by validation KL also ran {cfg.long_factor}× "
-             "longer (`-long`). FLOPs: translation per context token at the real Qwen3-1.7B/0.6B shapes, against the "
-             "target's re-prefill per token.\n\n", table,
-             f"\nNative target: IFEval strict {pct(native.get('ifeval'))}, GSM8K {pct(native.get('gsm8k'))}.\n",
-             f"\n**Default: {default['setting']}** — {default['why']}.\n\n![quality against cost](ablation.png)\n"]
+             f"Same splits and budget for every setting. Validation: {n_val} conversations, the first "
+             f"{cfg.items[0]} items of the validation half of IFEval and GSM8K (where the choice is made). Test: "
+             f"{n_test} conversations and the first {cfg.items[1]} items of the "
+             "test half of each task, for the chosen default and the direction's default before. "
+             "Kept: the share of the native target's accuracy on the same items (± SE, paired). Cost: handoff FLOPs per "
+             "context token at the real Qwen3-1.7B/0.6B shapes (translation, plus the exact layer 0 where a setting "
+             "uses it) against the target's re-prefill per token. Context KL: KL on the reply tokens whose native "
+             "prediction the context moves by more than 1 nat.\n\n", table,
+             "\nWhich validation metric tracks task retention (the mean of the IFEval and GSM8K shares kept) across "
+             "the settings:\n\n", corr,
+             f"\n**Default: {results.default['setting']}**, chosen by {results.metric} — {results.default['why']}.\n\n"
+             "![retention against cost](ablation.png)\n"]
     return "".join(lines)
 
 
 def plot(rows: list[dict], title: str) -> bytes:
     fig, ax = figure((7, 4.5))
     for r in rows:
-        x, y = 100 * r["real"]["fraction_of_reprefill"], r["test_kl_token"]
-        ax.plot([x], [y], "o", color="C1" if r["long_budget"] else "C0")
+        x = 100 * r["real"]["fraction_of_reprefill"]
+        test = A.retention(r, "test")
+        y = 100 * (test if test is not None else A.retention(r, "val") or float("nan"))
+        ax.plot([x], [y], "o", color="C1" if test is not None else "C0", mfc="C1" if test is not None else "none")
         ax.annotate(r["name"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.plot([], [], "o", color="C1", label="test halves (claims)")
+    ax.plot([], [], "o", color="C0", mfc="none", label="validation halves")
     ax.axvline(100 * A.MAX_COST_FRACTION, ls="--", c="grey", lw=1, label="cost cap of the default")
+    ax.axhline(90, ls=":", c="grey", lw=1)
     ax.set_xscale("log")
-    ax.set_xlabel("translation FLOPs, % of the target's re-prefill (real Qwen3 shapes)")
-    ax.set_ylabel("test KL(native ‖ translated), nats per reply token")
+    ax.set_xlabel("handoff FLOPs, % of the target's re-prefill (real Qwen3 shapes)")
+    ax.set_ylabel("task retention, % of the native target (mean of IFEval, GSM8K)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     return figure_png(fig)
@@ -176,8 +255,10 @@ def main(argv=None) -> dict:
     tasks = generative_tasks(args)
     cfg = AblationConfig(run=args.run or f"{default_run(profile.name, pair.direction)}-ablate",
                          profile=profile.name, data=str(args.data or default_data(profile.name)),
-                         settings=tuple(args.settings), long_factor=args.long_factor, eval_root=args.data_root,
-                         tasks=tasks, artifacts=args.artifacts, results=args.results, pair=pair)
+                         settings=tuple(args.settings or A.default_settings(pair.direction)),
+                         long_factor=args.long_factor, eval_root=args.data_root,
+                         tasks=tasks, items=tuple(args.items or profile.ablate_items), artifacts=args.artifacts,
+                         results=args.results, pair=pair)
     plan = Plan(cfg)
     check_outputs([plan.paths.report("ablation"), *(plan.paths.beside("ablation", x) for x in (".md", ".png")),
                    plan.paths.res / LEDGER_FILE])
@@ -185,41 +266,63 @@ def main(argv=None) -> dict:
     ledger = K.Ledger(plan.paths.res / LEDGER_FILE, asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
     chosen = [s for s in A.SETTINGS if s.name in cfg.settings]
+    by_name = {s.name: s for s in chosen}
     toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
     try:
-        native = {}
+        native: dict = {}
         for t in tasks:
-            rep = cells.ensure(plan.generative(t, "native", native=True))
             key = "prompt_level_strict_acc" if t == "ifeval" else "accuracy"
-            native[t] = rep["results"]["paths"]["native_target"][key]
+            for split, short in (("validation", "val"), ("test", "test")):
+                rep = cells.ensure(plan.generative(t, "native", split, native=True))
+                native[f"{short}_{t}_target"] = {"accuracy": rep["results"]["paths"]["native_target"][key]["mean"],
+                                                 "accuracy_se": rep["results"]["paths"]["native_target"][key]["se"]}
+                native[f"{short}_{t}_source"] = {"accuracy": rep["results"]["paths"]["native_source"][key]["mean"],
+                                                 "accuracy_se": rep["results"]["paths"]["native_source"][key]["se"]}
 
-        def evaluate(setting, sub, updates=None):
+        def validate(setting, sub, updates=None):
             cells.ensure(plan.train(setting, sub, updates))
-            cells.ensure(plan.benchmark(sub))
+            cells.ensure(plan.benchmark(setting, sub, "validation"))
             for t in tasks:
-                cells.ensure(plan.generative(t, sub, native=False))
+                cells.ensure(plan.generative(t, sub, "validation", native=False, refresh=setting.refresh))
             return summarise(plan, setting, sub, toy_width, long=updates is not None)
 
-        rows = [evaluate(s, s.name) for s in chosen]
+        rows = [validate(s, s.name) for s in chosen]
         if cfg.long_factor:
-            best = sorted(rows, key=lambda r: r["distilled_val_kl"])[:2]
-            by_name = {s.name: s for s in chosen}
-            rows += [evaluate(by_name[r["setting"]], f"{r['setting']}-long", cfg.long_factor * profile.updates)
+            best = sorted(rows, key=lambda r: r["val_kl"])[:2]
+            rows += [validate(by_name[r["setting"]], f"{r['setting']}-long", cfg.long_factor * profile.updates)
                      for r in best]
+        plain = [r for r in rows if not r["long_budget"]]
+        correlations = A.metric_correlations(plain)
+        metric = A.choose_metric(correlations)
+        default = A.choose_default(plain, metric)
+        claims = [default.get("setting"), A.BEFORE.get(pair.direction)]
+        for name in dict.fromkeys(n for n in claims if n in by_name):  # in order, once each
+            row = next(r for r in rows if r["name"] == name)
+            cells.ensure(plan.benchmark(by_name[name], name, "test"))
+            for t in tasks:
+                cells.ensure(plan.generative(t, name, "test", native=False, refresh=by_name[name].refresh))
+            add_test(plan, row)
+        tested = next((r for r in rows if "test_kl" in r), None)
+        if tested is not None:  # the native source's KL on the same test conversations (any test benchmark holds it)
+            src = read_json(plan.paths.nested(tested["name"]).res / "benchmark.json")["results"]["quality"]["arms"][
+                "native_source"]
+            native.update(test_source_kl=src["kl_token_mean"], test_source_context_kl=src["context_kl_token_mean"],
+                          test_source_context_top1=src["context_top1"])
     except Refusal:
         raise
     except K.StageFailed as e:
         raise Failure(f"{e}. The ledger marks that cell failed; fix the cause, then re-run with --resume") from None
 
-    default = A.choose_default([r for r in rows if not r["long_budget"]])
-    results = AblationResults(rows=rows, default=default, native=native)
+    results = AblationResults(rows=rows, correlations=correlations, metric=metric, default=default, native=native)
     png = plan.paths.beside("ablation", ".png")
     atomic_write_bytes(png, plot(rows, f"{pair.direction}, profile {cfg.profile}"))
-    md = markdown(cfg, rows, default, native)
+    md = markdown(cfg, results)
     atomic_write_text(plan.paths.beside("ablation", ".md"), md)
     report = Report("ablation", config=cfg, inputs={**plan.inputs, "code_sha256": code_hash(__file__)},
                     results=results, metrics=AblationResults.METRICS,
-                    n_samples={"settings": len(rows), "test_conversations": rows[0]["n_test"] if rows else 0},
+                    n_samples={"settings": len(rows), "validation_conversations": rows[0]["val_n"] if rows else 0,
+                               "test_conversations": tested["test_n"] if tested else 0,
+                               "validation_items_per_task": cfg.items[0], "test_items_per_task": cfg.items[1]},
                     wall_time_s=time.time() - t0, device=pair.device, dtype=pair.dtype,
                     files={png.name: sha256_file(png)}).write(plan.paths.report("ablation"))
     print(md)

@@ -65,6 +65,7 @@ class BenchmarkConfig:
     allow_cv: bool  # flagged timings do not fail the run
     refresh: str  # the part of each translated context the target recomputes (kvlingo/core/refresh.py)
     pair: PairConfig  # the resolved pair
+    split: str = "test"  # the prepared split scored: test, validation (where choices are made) or train
 
 
 @dataclass
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "--device cpu --dtype float32 --timing-repeats 8"], common=True, data=True)
     parser.add_argument("--variant", choices=("natural", "packed"), default="natural", help="test-split variant to score")
     parser.add_argument("--limit", type=whole(1), default=None, help="score only the first N test conversations")
+    parser.add_argument("--split", choices=("test", "validation", "train"), default="test",
+                        help="the split scored: test (claims; benchmark.json), validation (choices, e.g. an "
+                        "ablation's; benchmark-validation.json) or train (the maps' own conversations: their overfit, "
+                        "with --limit; benchmark-train.json)")
     parser.add_argument("--skip-missing", action="store_true",
                         help="leave out the closed-form/distilled rows whose translator is missing instead of stopping")
     parser.add_argument("--control-dtypes", nargs="+", default=["bfloat16", "float32"],
@@ -126,16 +131,24 @@ def timing_table(contexts: list[dict]) -> str:
 
 
 def summary_markdown(results: BenchmarkResults, dtype: str, refresh: str = "none") -> str:
+    from kvlingo.eval.context import THRESHOLD as ctx_threshold
+
     q = results.quality
     arm_rows = [[arm, m["kl_token_mean"], fmt_pm(m["kl_conversation"]), m["perplexity"], m["top1_agreement"],
-                 m["nll_delta_vs_native_target"], m["n_conversations"], m["n_tokens"]] for arm, m in q["arms"].items()]
+                 m["nll_delta_vs_native_target"], m.get("context_kl_token_mean"), m.get("context_top1"),
+                 fmt_pm(m["attention_cosine"]) if "attention_cosine" in m else "", m["n_conversations"], m["n_tokens"]]
+                for arm, m in q["arms"].items()]
     text = [f"## Benchmark quality ({dtype}; KL(native target ‖ arm) over reply tokens"
             + (f"; refresh {refresh}" if refresh != "none" else "") + ")\n",
-            fmt_table(["arm", "KL/token", "KL/conv ± SE", "ppl", "top-1", "ΔNLL", "convs", "tokens"], arm_rows),
-            (f"control: {q['control_translator']} translator on another test conversation's source cache of the same "
+            fmt_table(["arm", "KL/token", "KL/conv ± SE", "ppl", "top-1", "ΔNLL", "context KL", "context top-1",
+                       "attn cos ± SE", "convs", "tokens"], arm_rows),
+            (f"control: {q['control_translator']} translator on another conversation's source cache of the same "
              "length; " if q["control_translator"] else "control: not scored (no translator in this run); ")
             + f"no_context: {q['no_context']} (the floor)."
-            + (f" Skipped (translator missing): {', '.join(q['skipped'])}." if q["skipped"] else "") + "\n"]
+            + (f" Skipped (translator missing): {', '.join(q['skipped'])}." if q["skipped"] else "")
+            + " Context: the reply tokens whose native prediction the context moves by more than "
+            f"{ctx_threshold} nat (kvlingo/eval/context.py); attn cos: each layer's attention output against the "
+            "native cache's.\n"]
     if q["paired"]:
         text += ["\nPaired t-tests on per-conversation mean NLL (a − b):\n",
                  fmt_table(["a vs b", "mean diff", "SE", "t", "p", "n"],
@@ -170,9 +183,10 @@ def main(argv: list[str] | None = None) -> None:
                       "(or pass --skip-missing to leave those rows out)")
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)
-    convs = read_split(data_dir, "test", args.variant, limit=args.limit)
+    convs = read_split(data_dir, args.split, args.variant, limit=args.limit)
     if len(convs) < 2:
-        raise Refusal(f"the test split holds {len(convs)} usable conversation(s); the control arm needs 2")
+        raise Refusal(f"the {args.split} split holds {len(convs)} usable conversation(s); the control arm needs 2")
+    name = "benchmark" if args.split == "test" else f"benchmark-{args.split}"
     cfg = BenchmarkConfig(
         profile=profile.name, run=paths.run, data=str(data_dir), variant=args.variant, limit=args.limit,
         skipped_translators=tuple(missing),
@@ -182,22 +196,23 @@ def main(argv: list[str] | None = None) -> None:
         timing_warmups=profile.timing_warmups if args.timing_warmups is None else args.timing_warmups,
         timing_repeats=profile.timing_repeats if args.timing_repeats is None else args.timing_repeats,
         cv_limit=args.cv_limit, allow_cv=args.allow_cv or profile.allow_cv, refresh=str(args.refresh), pair=pair_cfg,
+        split=args.split,
     )
-    test_file = f"test.{args.variant}.jsonl"
-    inputs = {"test_split": {"path": str(data_dir / test_file), "sha256": manifest["files"][test_file]},
+    test_file = f"{args.split}.{args.variant}.jsonl"
+    inputs = {f"{args.split}_split": {"path": str(data_dir / test_file), "sha256": manifest["files"][test_file]},
               **{name: {"path": str(f), "manifest_sha256": sha256_file(f / MANIFEST_FILE)}
                  for name, f in folders.items()}}
     identity = resume.identity(cfg, inputs, pair_cfg.identities(), resume.code_hash(SCRIPT))
     key = resume.resume_key(identity)
-    old = None if args.force else resume.finished(paths.report("benchmark"), key)
+    old = None if args.force else resume.finished(paths.report(name), key)
     if old is not None:
-        print(f"{paths.report('benchmark')} is up to date (same config, inputs and code); --force re-runs it")
-        md = paths.beside("benchmark", ".md")
+        print(f"{paths.report(name)} is up to date (same config, inputs and code); --force re-runs it")
+        md = paths.beside(name, ".md")
         print(md.read_text() if md.exists() else "")
         return
 
-    check_outputs([paths.report("benchmark"), paths.beside("benchmark", ".rows.jsonl"), paths.beside("benchmark", ".md")])
-    lock_run(paths.res, "benchmark")  # before the models load: also refuses a folder it cannot write
+    check_outputs([paths.report(name), paths.beside(name, ".rows.jsonl"), paths.beside(name, ".md")])
+    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
     pair = load_pair(pair_cfg, tokenizer)
     translators = {name: load_translator(f, pair)[0] for name, f in folders.items()}
     control_name = "distilled" if "distilled" in translators else ("closed_form" if translators else None)
@@ -268,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
                    "timing_contexts": len(timing_results["contexts"]) if timing_results else 0},
         wall_time_s=time.time() - t_start, device=pair.device, dtype=pair_cfg.dtype, resume_key=key,
     )
-    publish(report, paths.report("benchmark"), rows, summary_markdown(results, pair_cfg.dtype, cfg.refresh), checks=checks)
+    publish(report, paths.report(name), rows, summary_markdown(results, pair_cfg.dtype, cfg.refresh), checks=checks)
 
 
 if __name__ == "__main__":

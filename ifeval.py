@@ -33,7 +33,7 @@ from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import paired_accuracy
 from kvlingo.eval.tasks import grader
-from kvlingo.eval.tasks.data import IFEVAL, load_data
+from kvlingo.eval.tasks.data import IFEVAL, load_data, split_rows, split_suffix
 from kvlingo.eval.tasks.generate import answer_text, control_partner, generate
 from kvlingo.eval.tasks.prompts import user_prompt_ids
 from kvlingo.io import atomic_write_text, sha256_json
@@ -59,13 +59,14 @@ class IFEvalConfig:
     run: str  # results go to RESULTS/RUN/ (and the translator comes from ARTIFACTS/RUN/)
     mode: str  # "translated" (translated + native target + floors) or "native" (native source + native target)
     translator: str | None  # which translator of the run (translated mode only)
-    limit: int  # prompts scored: the first N of the data set, in its order
+    limit: int  # prompts scored: the first N of the item split, in its order
     max_new_tokens: int  # greedy generation cap per answer
     enable_thinking: bool  # the chat template's thinking switch for the prompt
     max_accuracy_loss: float | None  # gate on strict prompt-level accuracy, in points; None: no gate
     controls: tuple[str, ...]  # floors scored beside a translated run (control, no_context), or none
     refresh: str  # the part of each translated prompt the target recomputes (kvlingo/core/refresh.py)
     pair: PairConfig  # the resolved pair
+    split: str = "all"  # item split scored: all, validation (the first half) or test (the second half)
 
 
 @dataclass
@@ -151,17 +152,18 @@ def main(argv: list[str] | None = None) -> None:
         grader.check_docs(docs)
     except (ValueError, grader.PunktMissing) as e:
         raise Refusal(str(e)) from None
+    docs = split_rows(docs, args.split)
     if limit > len(docs):
         print(f"note: --limit {limit} but the data holds {len(docs)} prompts; scoring all of them")
     docs = docs[:limit]
-    name = "ifeval-native" if args.native else "ifeval"
-    sibling = "ifeval" if args.native else "ifeval-native"
+    name = ("ifeval-native" if args.native else "ifeval") + split_suffix(args.split)
+    sibling = ("ifeval" if args.native else "ifeval-native") + split_suffix(args.split)
     check_outputs([paths.report(name), paths.beside(name, ".rows.jsonl"), paths.beside(name, ".md")])
     session = Session(args, paths)  # the pair and the translator folder, checked; no weights yet
     controls = control_paths(args, len(docs))
     config = IFEvalConfig(profile.name, paths.run, "native" if args.native else "translated",
                           None if args.native else args.translator, len(docs), cap, args.thinking,
-                          args.max_accuracy_loss, controls, str(args.refresh), session.pair_cfg)
+                          args.max_accuracy_loss, controls, str(args.refresh), session.pair_cfg, args.split)
     inputs = {"data": data_info, **session.translator_inputs}
     ident = session.identity(config, inputs, resume.code_hash(SCRIPT))
     lock_run(paths.res, name)  # before the up-to-date check and the models: also refuses a folder it cannot write

@@ -36,7 +36,7 @@ from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
 from kvlingo.errors import Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import mean_se, paired_accuracy
-from kvlingo.eval.tasks.data import DATASETS, load_data
+from kvlingo.eval.tasks.data import DATASETS, load_data, split_rows, split_suffix
 from kvlingo.eval.tasks.generate import answer_text, control_partner, generate, reasoning_trace, trace_prefix
 from kvlingo.eval.tasks.parsers import score
 from kvlingo.eval.tasks.prompts import ITEM_BUILDERS, user_prompt_ids
@@ -66,13 +66,14 @@ class TaskConfig:
     handoff: str  # prompt or trace
     mode: str  # "translated" (translated + native target + floors) or "native" (native source + native target)
     translator: str | None  # which translator of the run (translated mode only)
-    limit: int  # items scored: the first N of the split, in its order
+    limit: int  # items scored: the first N of the item split, in its order
     max_new_tokens: int  # greedy cap on each answer
     trace_tokens: int | None  # greedy cap on the reasoning trace (trace mode)
     enable_thinking: bool  # the chat template's thinking switch for the prompt (always on in trace mode)
     controls: tuple[str, ...]  # floors scored beside a translated run (control, no_context), or none
     refresh: str  # the part of each translated prefix the target recomputes (kvlingo/core/refresh.py)
     pair: PairConfig  # the resolved pair
+    split: str = "all"  # item split scored: all, validation (the first half) or test (the second half)
 
 
 @dataclass
@@ -135,17 +136,19 @@ def main(argv: list[str] | None = None) -> None:
         rows, data_info = load_data(data, args.data_root, args.source)
     except ValueError as e:
         raise Refusal(str(e)) from None
+    rows = split_rows(rows, args.split)
     if limit > len(rows):
         print(f"note: --limit {limit} but the data holds {len(rows)} items; scoring all of them")
     items = [ITEM_BUILDERS[args.task](r) for r in rows[:limit]]
     base = f"task-{args.task}" + ("-trace" if trace else "")
     name, sibling = (f"{base}-native", base) if args.native else (base, f"{base}-native")
+    name, sibling = name + split_suffix(args.split), sibling + split_suffix(args.split)
     check_outputs([paths.report(name), paths.beside(name, ".rows.jsonl"), paths.beside(name, ".md")])
     session = Session(args, paths)  # the pair and the translator folder, checked; no weights yet
     controls = control_paths(args, len(items))
     config = TaskConfig(profile.name, paths.run, args.task, args.handoff, "native" if args.native else "translated",
                         None if args.native else args.translator, len(items), cap, trace_cap, thinking, controls,
-                        str(args.refresh), session.pair_cfg)
+                        str(args.refresh), session.pair_cfg, args.split)
     inputs = {"data": data_info, **session.translator_inputs}
     ident = session.identity(config, inputs, resume.code_hash(SCRIPT))
     lock_run(paths.res, name)  # before the up-to-date check and the models: also refuses a folder it cannot write

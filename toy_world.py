@@ -8,6 +8,7 @@ Usage:
     python toy_world.py --out artifacts/toy --train --export kvlingo/toy/pair   # ... and re-package it
     python toy_world.py --out /tmp/toy --mini                # seconds: tiny corpus and models
     python toy_world.py --out artifacts/toy --train-deep --export-deep kvlingo/toy/deep   # retrain the deep model
+    python toy_world.py --out artifacts/toy --chats 10240    # ... and corpus/chats.10240.jsonl: more held-out chats
 
 Writes under --out: corpus/{train_chats,chats,chats.meta,ifeval,ifeval.ref,arc,arc.ref,gsm8k}.jsonl,
 tokenizer/, large/, small/ (save_pretrained folders with the tokenizer and meta.json), and
@@ -24,10 +25,11 @@ from pathlib import Path
 
 from kvlingo.drive.stage import StageParser, refusals_exit
 from kvlingo.errors import Refusal
-from kvlingo.run.argtypes import number
+from kvlingo.run.argtypes import number, whole
 from kvlingo.run.paths import writable
 from kvlingo.toy.deep import PACKAGED_DEEP, build_deep, export_deep, install_deep
 from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
+from kvlingo.toy.world import WorldConfig, write_more_chats
 
 
 @refusals_exit("toy_world")
@@ -57,6 +59,10 @@ def main(argv=None) -> None:
     parser.add_argument("--export-deep", type=Path, default=None, metavar="DIR",
                         help="after --train-deep on a full world, copy the deep model into DIR (e.g. kvlingo/toy/deep)")
     parser.add_argument("--mini", action="store_true", help="tiny corpus and models for tests (seconds)")
+    parser.add_argument("--chats", type=whole(1), default=None, metavar="N",
+                        help="also write corpus/chats.N.jsonl (+ .meta): chats.jsonl's held-out conversations, then "
+                        "more from their own seed stream up to N, disjoint from the evaluation items and from the toy "
+                        "models' training conversations (for translator training at scale; seconds)")
     parser.add_argument("--force", action="store_true", help="with --train/--mini: retrain even if the manifest matches")
     args = parser.parse_args(argv)
 
@@ -88,6 +94,11 @@ def main(argv=None) -> None:
                 export_deep(args.out, args.export_deep)
         elif not training:
             deep = install_deep(args.out)
+        if args.chats:
+            world = WorldConfig(**{**manifest["config"]["world"],
+                                   "kind_weights": tuple(manifest["config"]["world"]["kind_weights"])})
+            path = write_more_chats(args.out / "corpus", world, args.chats)
+            print(f"wrote {path} ({args.chats} held-out conversations)")
     except Refusal:
         raise
     except ValueError as err:  # a regenerated corpus or a build that does not match its recorded hashes

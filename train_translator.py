@@ -25,14 +25,15 @@ import torch
 from tqdm import tqdm
 
 from kvlingo.core.families import FAMILIES
-from kvlingo.core.folder import (MANIFEST_FILE, MAPS_FILE, check_expected, load_state, read_manifest, save_translator,
-                                 seal_problem, state_bytes)
+from kvlingo.core.folder import MANIFEST_FILE, MAPS_FILE, check_expected, load_state, read_manifest, save_translator, state_bytes
 from kvlingo.core.folder import build as build_translator
-from kvlingo.drive.stage import lock_run, refusals_exit, stage_parser
+from kvlingo.core.handoff import stop_ids
+from kvlingo.core.refresh import Refresh
+from kvlingo.drive.stage import add_refresh_arg, lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Refusal
-from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_bytes, sha256_file, sha256_json
+from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_bytes, sha256_file, sha256_json
 from kvlingo.run import resume
-from kvlingo.run.argtypes import whole
+from kvlingo.run.argtypes import share, whole
 from kvlingo.run.data import open_prepared, read_split, split_path
 from kvlingo.run.models import load_pair, pair_config_from_args
 from kvlingo.run.paths import check_outputs, default_data, run_paths
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         "python train_translator.py --profile pilot --run pilot-l2s --device cuda --resume",
         "python train_translator.py --profile pilot --run lr3e-4 --init-from artifacts/pilot-l2s/closed_form --lr 3e-4"], common=True, data=True)
     p.add_argument("--family", choices=sorted(FAMILIES), default=None,
-                   help="translator family: headwise, crosshead, crosslayer or residual (default: the profile's)")
+                   help="translator family: headwise, crosshead, crosslayer, residual or tokeninput (default: the "
+                   "profile's)")
     p.add_argument("--k", type=whole(1), default=None, help="crosslayer: source layers per target layer (default 2)")
     p.add_argument("--rank", type=whole(0), default=None, help="crosshead/crosslayer: rank of each layer's map (0: full)")
     p.add_argument("--key-rank", type=whole(0), default=None,
@@ -68,11 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairing", choices=("ranked", "proportional"), default=None,
                    help="crosslayer: source layers ranked by held-out R² (default), or nearest by relative depth")
     p.add_argument("--base", choices=("headwise", "crosshead", "crosslayer"), default=None,
-                   help="residual: the linear family under the MLP (default headwise)")
+                   help="residual: the linear family under the MLP (default headwise); tokeninput: the family beside "
+                   "the token features (default headwise)")
     p.add_argument("--hidden", type=whole(1), default=None, help="residual: the MLP's hidden width (default 64)")
+    p.add_argument("--token-rank", type=whole(0), default=None,
+                   help="tokeninput: rank of the token-feature maps, shared down-projection (default 0: full)")
+    p.add_argument("--window", type=whole(1), default=None,
+                   help="tokeninput: each token's features and those of the window − 1 tokens before it (default 1)")
     p.add_argument("--aux-attn-weight", type=float, default=0.0,
                    help="weight of the attention-output MSE added to the KL during distillation (default 0)")
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="what the key maps read and write")
+    add_refresh_arg(p)  # the setting the translated cache is trained and validated under (e.g. exact:0)
+    p.add_argument("--context-weight", type=share, default=0.0,
+                   help="α in [0, 1]: weight each reply token's KL by how much the context changes the native "
+                   "prediction there (kvlingo/train/objectives.py; default 0: plain mean)")
+    p.add_argument("--onpolicy", type=share, default=0.0,
+                   help="λ in [0, 1]: share of conversations scored on a reply the target samples from the translated "
+                   "cache (on-policy distillation; default 0)")
+    p.add_argument("--keep-best", action="store_true",
+                   help="save the translator at the validation with the lowest KL (early stopping), not the last")
+    p.add_argument("--n-train", type=whole(1), default=None,
+                   help="train on the first N conversations of the train split (default: all of them)")
     p.add_argument("--fit-weighting", choices=FIT_WEIGHTINGS, default=None,
                    help="closed-form weighting: uniform, or context positions by the target's reply-time attention "
                    "(default: the profile's)")
@@ -117,7 +135,7 @@ def ridge_value(text):
 def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
     """The family and its settings (`resolve_family`): --family with its own defaults and the flags given, or
     the profile's default for the direction."""
-    flags = {k: getattr(args, k) for k in ("k", "rank", "key_rank", "pairing", "base", "hidden")
+    flags = {k: getattr(args, k) for k in ("k", "rank", "key_rank", "pairing", "base", "hidden", "token_rank", "window")
              if getattr(args, k) is not None}
     try:
         return resolve_family(profile, direction, args.family, flags)
@@ -155,19 +173,21 @@ def finished_training(paths, key: str, args) -> dict | None:
         return None
 
     def maps_sha(folder: Path) -> str | None:
-        maps, manifest = folder / MAPS_FILE, folder / MANIFEST_FILE
-        if not (maps.is_file() and manifest.is_file()):
-            return None
+        maps = folder / MAPS_FILE
+        return sha256_file(maps) if maps.is_file() and (folder / MANIFEST_FILE).is_file() else None
+
+    def intact(folder: Path) -> bool:  # the manifest as written (its content hash) and the maps it records
         try:
-            sealed = seal_problem(read_json(manifest)) is None
-        except (OSError, ValueError):
-            return None
-        return sha256_file(maps) if sealed else None
+            read_manifest(folder)
+        except Refusal:
+            return False
+        return True
 
     if args.init_from and maps_sha(Path(args.init_from)) != init.get("maps_sha256"):
         return None
     kinds = ("closed_form",) if args.closed_form_only else ("closed_form", "distilled")
-    return old if all(maps_sha(paths.translator(k)) == art.get(f"{k}_sha256") for k in kinds) else None
+    return old if all(maps_sha(paths.translator(k)) == art.get(f"{k}_sha256") and intact(paths.translator(k))
+                      for k in kinds) else None
 
 
 def plot_curves(path: Path, loss: list, val: list, title: str) -> None:
@@ -228,6 +248,8 @@ def main(argv=None) -> dict:
         fit_weighting=given(args.fit_weighting, profile.fit_weighting),
         ridge=ridge_value(str(given(args.ridge, profile.ridge))),
         aux_attn_weight=positive("aux-attn-weight", args.aux_attn_weight, allow_zero=True),
+        refresh=str(args.refresh), context_weight=args.context_weight,
+        onpolicy=args.onpolicy, keep_best=args.keep_best, n_train=args.n_train or 0,
         n_fit=positive("n-fit", given(args.n_fit, profile.n_fit)),
         updates=positive("updates", given(args.updates, profile.updates), allow_zero=True),
         batch=positive("batch", given(args.batch, profile.batch)),
@@ -239,6 +261,11 @@ def main(argv=None) -> dict:
         seed=args.seed, pair=pair_cfg,
     )
     n_train = manifest.get("n_samples", {}).get("train.natural")
+    if isinstance(n_train, int) and cfg.n_train > n_train:
+        raise Refusal(f"--n-train {cfg.n_train} is more than the {n_train} training conversations in {data_dir}; "
+                      f"give --n-train {n_train} or less, or prepare a larger split")
+    if cfg.n_train:
+        n_train = cfg.n_train
     if isinstance(n_train, int) and cfg.batch > n_train:
         raise Refusal(f"--batch {cfg.batch} is more than the {n_train} training conversations in {data_dir}: "
                       f"every one would repeat within each update; give --batch {n_train} or less")
@@ -285,6 +312,8 @@ def main(argv=None) -> dict:
     weights_before = fingerprints(models)
     vocab = pair.target.config.vocab_size
     train_rows, val_rows = (read_split(data_dir, s, "natural", vocab) for s in ("train", "validation"))
+    if cfg.n_train:  # the split is a seeded sample already: its first n are a random subset, nested in larger ones
+        train_rows = train_rows[:cfg.n_train]
     seed_everything(cfg.seed)
     fit_rows = [train_rows[i] for i in fit_selection(len(train_rows), cfg.n_fit, cfg.seed)]
     if len(fit_rows) < cfg.n_fit and not args.init_from:
@@ -326,12 +355,20 @@ def main(argv=None) -> dict:
 
     def validate() -> float:
         bar = lambda rows: tqdm(rows, desc="validation", unit="conv", leave=False, disable=not world.main)  # noqa: E731
-        return validation_kl(pair.source, pair.target, translator, val_rows, pair.dtype, bar, world, pair.cache)
+        return validation_kl(pair.source, pair.target, translator, val_rows, pair.dtype, bar, world, refresh,
+                             pair.cache)
 
+    def state_copy() -> dict:
+        return {k: v.detach().cpu().clone() for k, v in translator.state_dict().items()}
+
+    refresh = Refresh.parse(cfg.refresh)
+    eos = stop_ids(pair.tokenizer) if cfg.onpolicy else None
     if state is None:
         history = {"loss": [], "val": [[0, validate()]], "wall_time_s": 0.0, "segments": []}
         start, resumed_from = 0, None
+        best = {"update": 0, "val_kl": history["val"][0][1], "translator": state_copy()} if cfg.keep_best else None
     else:
+        best = state.get("best")
         translator.load_state_dict(state["translator"])
         optimizer.load_state_dict(state["optimizer"])
         if state["data_order"].tolist() != order:
@@ -353,6 +390,7 @@ def main(argv=None) -> dict:
                 "translator": {k: v.detach().cpu() for k, v in translator.state_dict().items()},
                 "optimizer": optimizer.state_dict(), "rng": rng_state(),
                 "data_order": torch.tensor(order, dtype=torch.long), "cursor": update * cfg.batch, "history": saved,
+                "best": best,
                 "world_size": world.size,
             })
         world.barrier()
@@ -363,11 +401,15 @@ def main(argv=None) -> dict:
         for u in bar:
             rows = [train_rows[i] for i in order[u * cfg.batch:(u + 1) * cfg.batch]]
             loss = distill_step(pair.source, pair.target, translator, rows, optimizer, pair.dtype, cfg.max_grad_norm,
-                                world=world, aux_weight=cfg.aux_attn_weight, kind=pair.cache)
+                                world=world, aux_weight=cfg.aux_attn_weight, refresh=refresh,
+                                context_weight=cfg.context_weight, onpolicy=cfg.onpolicy, first_index=u * cfg.batch,
+                                eos_ids=eos, kind=pair.cache)
             done = u + 1
             history["loss"].append([done, loss])
             if done % cfg.val_every == 0 or done == cfg.updates:
                 history["val"].append([done, validate()])
+                if best is not None and history["val"][-1][1] < best["val_kl"]:
+                    best = {"update": done, "val_kl": history["val"][-1][1], "translator": state_copy()}
             bar.set_postfix(loss=f"{loss:.4f}", val_kl=f"{history['val'][-1][1]:.4f}")
             if done % cfg.checkpoint_every == 0 or done == cfg.updates:
                 checkpoint(done)
@@ -385,6 +427,9 @@ def main(argv=None) -> dict:
     dist_kl, dist_sha = None, None
     if not args.closed_form_only:
         dist_kl = history["val"][-1][1]
+        if best is not None:  # early stopping: the translator of the lowest validation KL, the closed form included
+            translator.load_state_dict(best["translator"])
+            dist_kl = best["val_kl"]
         save_translator(dist_dir, translator, {**provenance, "stage": "distilled", "closed_form_sha256": cf_sha,
                                                "updates": cfg.updates, "val_kl": dist_kl})
         dist_sha = sha256_file(dist_dir / MAPS_FILE)
@@ -398,6 +443,7 @@ def main(argv=None) -> dict:
         val_kl_curve=[{"update": u, "val_kl": x} for u, x in history["val"]],
         fit=fit_stats, frozen_weights=frozen, resumed_from_update=resumed_from, segments=history["segments"],
         wall_time_s_total=history["wall_time_s"] + time.time() - segment_t0,
+        best=None if best is None else {"update": best["update"], "val_kl": best["val_kl"]},
         translator={"family": cfg.family, "n_params": translator.n_params(),
                     "flops_per_token": translator.flops_per_token()},
         artifacts={"closed_form": str(cf_dir), "closed_form_sha256": cf_sha,

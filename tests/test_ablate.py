@@ -1,6 +1,10 @@
-"""The ablation stage end to end on the tiny pair: cells, the table, the default chosen on validation KL only."""
+"""The ablation stage: its costs at the real shapes, the choice of metric and default on validation only, the
+paired share kept against a hand count, and the stage end to end on the tiny pair."""
 
 from __future__ import annotations
+
+import json
+import math
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from tinypair import task_inputs
 
 def test_real_cost_counts_flops_at_the_real_shapes():
     by = {s.name: s for s in A.SETTINGS}
-    head = A.real_cost(by["headwise"], "l2s", 64)
+    head = A.real_cost(by["headwise-ridge0"], "l2s", 64)
     assert abs(head["translate_flops_per_token"] - 14.68e6) < 0.01e6  # 2·2·28·8·128²
     cross = A.real_cost(by["crosshead"], "l2s", 64)
     assert cross["translate_flops_per_token"] == pytest.approx(2 * 2 * 28 * 1024 * 1024)
@@ -21,18 +25,66 @@ def test_real_cost_counts_flops_at_the_real_shapes():
     assert keys["translate_flops_per_token"] == pytest.approx(2 * 28 * 256 * 2048 + 2 * 28 * 1024 * 1024)
     low = A.real_cost(by["crosslayer-k4-rhalf"], "l2s", 64)
     assert low["real_settings"]["rank"] == 512  # half the toy width (32 of 64) → half the real width (512 of 1024)
-    assert head["fraction_of_reprefill"] < cross["fraction_of_reprefill"] < A.real_cost(by["crosslayer-k4"], "l2s", 64)[
+    # exact:0: the translator skips layer 0, which costs one k/v projection of the 0.6B's hidden state per token
+    exact = A.real_cost(by["crosshead-exact0"], "l2s", 64)
+    assert exact["translate_flops_per_token"] == pytest.approx(cross["translate_flops_per_token"] * 27 / 28)
+    assert exact["layer0_flops_per_token"] == 2 * 1024 * 2 * 1024
+    # token identity at rank 32 of the toy's 64 → 512: head-wise maps + shared down-projection + per-layer up
+    tok = A.real_cost(by["token-w3"], "l2s", 64)
+    assert tok["real_settings"]["rank"] == 512
+    per = 14.68e6 + 2 * 2 * (3 * 2048 * 512 + 28 * 512 * 1024)
+    assert tok["translate_flops_per_token"] == pytest.approx(per * 27 / 28, rel=1e-3)
+    assert tok["fraction_of_reprefill"] < A.MAX_COST_FRACTION < A.real_cost(by["token-w3-full"], "l2s", 64)[
         "fraction_of_reprefill"]
     s2l = A.real_cost(by["crosshead"], "s2l", 64)
     assert s2l["fraction_of_reprefill"] < cross["fraction_of_reprefill"]  # the 1.7B's re-prefill costs more
 
 
-def test_default_is_chosen_on_validation_kl_within_the_cost_cap():
-    rows = [{"name": "cheap", "distilled_val_kl": 0.5, "real": {"fraction_of_reprefill": 0.02}},
-            {"name": "good", "distilled_val_kl": 0.3, "real": {"fraction_of_reprefill": 0.08}},
-            {"name": "best-but-costly", "distilled_val_kl": 0.1, "real": {"fraction_of_reprefill": 0.4}}]
-    assert A.choose_default(rows)["setting"] == "good"
-    assert A.choose_default(rows[2:])["setting"] is None
+def test_each_direction_runs_its_own_default_before_beside_the_levers():
+    l2s, s2l = A.default_settings("l2s"), A.default_settings("s2l")
+    assert "crosshead" in l2s and "crosslayer-k4-rhalf" not in l2s
+    assert "crosslayer-k4-rhalf" in s2l and "crosshead" not in s2l
+    assert set(l2s) - {"crosshead"} == set(s2l) - {"crosslayer-k4-rhalf"} and "token-w3" in l2s
+    assert not {s.name for s in A.SETTINGS if not s.default_run} & set(l2s + s2l)
+
+
+def _row(name, cost, **metrics):
+    return {"name": name, "real": {"fraction_of_reprefill": cost}, **metrics}
+
+
+def test_the_metric_that_tracks_retention_chooses_the_default_within_the_cap():
+    # val KL orders these settings against retention; the context KL orders them as retention does
+    rows = [_row(f"s{i}", 0.05, val_kl=kl, val_context_kl=ctx, val_top1=0.9, val_context_top1=0.5,
+                 val_context_weighted_kl=ctx, val_attention_cosine=0.8,
+                 val_ifeval={"kept": keep}, val_gsm8k={"kept": keep})
+            for i, (kl, ctx, keep) in enumerate([(0.1, 0.9, 0.3), (0.2, 0.5, 0.6), (0.3, 0.2, 0.8), (0.4, 0.1, 0.95)])]
+    corr = A.metric_correlations(rows)
+    assert corr["val_context_kl"]["rho"] == pytest.approx(-1) and corr["val_context_kl"]["tracking"] == pytest.approx(1)
+    assert corr["val_kl"]["tracking"] == pytest.approx(-1) and math.isnan(corr["val_top1"]["rho"])  # constant
+    metric = A.choose_metric(corr)
+    assert metric in ("val_context_kl", "val_context_weighted_kl")
+    rows.append(_row("costly", 0.4, val_context_kl=0.01, val_context_weighted_kl=0.01, val_kl=0.01))
+    choice = A.choose_default(rows, "val_context_kl")
+    assert choice["setting"] == "s3" and choice["runner_up"] == "s2" and choice["metric"] == "val_context_kl"
+    assert A.choose_default(rows[-1:], "val_context_kl")["setting"] is None
+    assert A.choose_default(rows, "val_kl")["setting"] == "s0"  # lower is better for KL metrics
+
+
+def test_the_share_kept_and_its_paired_se_against_a_hand_count():
+    a = [1, 1, 0, 1, 0, 1, 1, 0, 1, 1, 0, 1]  # translated
+    b = [1, 1, 1, 1, 0, 1, 0, 1, 1, 1, 1, 1]  # native target, the same items
+    n = len(a)
+    from kvlingo.eval.stats import mean_se, paired_accuracy
+
+    fig = A.kept(mean_se(a), mean_se(b), paired_accuracy(a, b))
+    assert fig["kept"] == pytest.approx(sum(a) / sum(b))
+    d = [x - y for x, y in zip(a, b)]
+    assert fig["delta_points"] == pytest.approx(100 * sum(d) / n)
+    assert fig["delta_se_points"] == pytest.approx(100 * mean_se(d)["se"])
+    # the delta method's SE of the ratio, against the influence-function form computed item by item
+    ma, mb = sum(a) / n, sum(b) / n
+    infl = [(x - ma) / mb - ma * (y - mb) / mb**2 for x, y in zip(a, b)]
+    assert fig["kept_se"] == pytest.approx(math.sqrt(sum(v * v for v in infl) / (n - 1) / n), rel=1e-9)
 
 
 @pytest.mark.slow
@@ -44,17 +96,22 @@ def test_ablate_runs_and_resumes(tiny_pair_paths, tmp_path, monkeypatch):
     data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
     argv = ["--profile", "tiny", "--data", str(data), "--large", str(tiny_pair_paths[0]), "--small",
             str(tiny_pair_paths[1]), "--device", "cpu", "--dtype", "float32", "--data-root", str(eval_root),
-            "--skip-tasks", "ifeval", "--settings", "headwise", "crosshead", "--long-factor", "2",
+            "--skip-tasks", "ifeval", "--settings", "headwise-ridge0", "crosshead", "token-w1",
             "--artifacts", str(tmp_path / "artifacts"), "--results", str(tmp_path / "results")]
     rep = ablate.main(argv)
-    rows = rep["results"]["rows"]
-    assert [r["name"] for r in rows][:2] == ["headwise", "crosshead"] and len(rows) == 4  # + the best two, longer
-    assert all(r["long_budget"] for r in rows[2:])
-    assert rep["results"]["default"]["setting"] in ("headwise", "crosshead")
+    res = rep["results"]
+    rows = res["rows"]
+    assert [r["name"] for r in rows] == ["crosshead", "headwise-ridge0", "token-w1"]  # in SETTINGS order
+    assert res["default"]["setting"] in ("headwise-ridge0", "crosshead", "token-w1") and res["metric"] in A.METRICS
+    for r in rows:  # every row on validation; GSM8K's 4 items split into 2 + 2
+        assert r["val_gsm8k"]["n"] == 2 and r["params"] > 0 and r["val_kl"] >= 0 and r["val_n"] == 6
+    tested = [r["name"] for r in rows if "test_kl" in r]
+    assert res["default"]["setting"] in tested and "crosshead" in tested  # the l2s default before is always tested
+    assert all(r["test_gsm8k"]["n"] == 2 and r["test_n"] == 4 for r in rows if "test_kl" in r)
+    assert rows[2]["refresh"] == "exact:0" and rows[2]["real"]["layer0_flops_per_token"] > 0
     out = tmp_path / "results" / "tiny-l2s-ablate"
     assert (out / "ablation.png").read_bytes()[:4] == b"\x89PNG" and "Default" in (out / "ablation.md").read_text()
-    for r in rows:
-        assert r["gsm8k"]["n"] == 4 and r["params"] > 0 and r["test_kl_token"] >= 0
+    assert (out / "token-w1" / "benchmark-validation.json").is_file()
     again = ablate.main([*argv, "--resume"])  # everything finished: read back, nothing rerun
-    assert again["results"]["rows"] == rows
+    assert json.dumps(again["results"]["rows"]) == json.dumps(rows)  # (a share of a 0% native accuracy is NaN)
     assert read_json(out / "recipe-state.json")["cells"]

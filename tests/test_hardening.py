@@ -48,6 +48,11 @@ def finished(tiny_pair_paths, tmp_path_factory):
     return {"root": root, "data": data, "pair": pair, "run": run, "train": train_args, "tok": tok}
 
 
+# A setting a resume may change (RESUME_SAFE): the finished training is then not up to date, so a resume of it gets
+# as far as its checks (the run's lock, the checkpoints) instead of reporting the finished run.
+NOT_UP_TO_DATE = ("--checkpoint-every", "1")
+
+
 def refused(fn, argv, capsys) -> str:
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -190,7 +195,7 @@ def test_a_second_run_of_a_stage_on_the_same_run_is_refused_while_the_first_runs
     try:
         assert holder.stdout.readline().strip() == "held"
         before = snapshot(finished["root"])
-        err = refused(train_translator.main, [*finished["train"], "--resume"], capsys)
+        err = refused(train_translator.main, [*finished["train"], *NOT_UP_TO_DATE, "--resume"], capsys)
         assert f"another train is still running in {res}" in err and str(res / ".train.lock") in err
         source = finished["root"] / "chats.jsonl"  # never read: the data folder's build is refused first
         err = refused(paper_data.main, ["--profile", "tiny", "--source", str(source), "--tokenizer",
@@ -236,7 +241,7 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
     try:
         for p, data in saved.items():
             p.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-        err = refused(train_translator.main, [*train, "--resume", "--force"], capsys)  # finished: --force trains again
+        err = refused(train_translator.main, [*train, *NOT_UP_TO_DATE, "--resume"], capsys)
         assert "no intact checkpoint" in err and "drop --resume" in err
     finally:
         for p, data in saved.items():
@@ -249,7 +254,7 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
     try:
         assert holder.stdout.readline().strip() == "held"
         other_results = [a if a != str(root / "results") else str(tmp_path / "results") for a in train]
-        err = refused(train_translator.main, [*other_results, "--resume"], capsys)
+        err = refused(train_translator.main, [*other_results, *NOT_UP_TO_DATE, "--resume"], capsys)
         assert f"another train is still running in {root / 'artifacts' / 'r'}" in err
     finally:
         holder.kill()

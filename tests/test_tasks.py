@@ -336,7 +336,10 @@ def test_a_finished_evaluation_is_up_to_date_until_its_maps_or_rows_change(world
     rows.write_bytes(rows.read_bytes()[:-1])
     task_eval.main(_args(world, tmp_path, "--limit", "2"))  # up to date again
     try:
-        manifest.write_bytes(saved.replace(b'"direction"', b'"note": "retrained", "direction"', 1))
+        from kvlingo.core.folder import sealed
+
+        retrained = {**json.loads(saved), "note": "retrained"}  # another translator's manifest, sealed as written
+        manifest.write_text(json.dumps(sealed(retrained)))
         with pytest.raises(RuntimeError, match="was loaded"):
             task_eval.main(_args(world, tmp_path, "--limit", "2"))  # another translator: evaluated again
     finally:

@@ -40,6 +40,7 @@ class Capture:
     values: torch.Tensor  # [layers, kv_heads, tokens, head_dim]
     prenorm: torch.Tensor | None  # [layers, kv_heads, tokens, head_dim], k_proj output (pre k_norm, pre RoPE)
     logits: torch.Tensor  # [tokens or logits_to_keep, vocab] of the captured forward
+    ids: torch.Tensor | None = None  # [tokens] the captured token ids (None where a capture was built without them)
 
     @property
     def n_tokens(self) -> int:
@@ -111,7 +112,7 @@ def capture(model, input_ids: torch.Tensor, want_prenorm: bool = True, logits_to
         t = input_ids.shape[1]
         # k_proj output is [1, tokens, kv_heads*head_dim] → [layers, kv_heads, tokens, head_dim]
         prenorm = torch.stack([p[0].view(t, kv_heads, head_dim).transpose(0, 1) for p in pre])
-    return Capture(keys, values, prenorm, out.logits[0])
+    return Capture(keys, values, prenorm, out.logits[0], input_ids[0])
 
 
 def build_cache(model, keys: torch.Tensor, values: torch.Tensor, kind: str = "preallocated", room: int = 0):

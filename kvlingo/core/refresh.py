@@ -17,6 +17,9 @@ point between them:
     layer:l     a diagnostic rather than a saving: the target's own K/V at layer l alone (it needs
                 the target's layers 0..l natively), the translator's everywhere else; a sweep over l
                 shows which layers carry the translation's damage (`frontier.py` reports it)
+    exact:0     the target's own layer-0 K/V computed from the token ids alone (kvlingo.core.layer0:
+                one projection per token, the same bits as its cache), the translator's elsewhere;
+                refused for an architecture whose first layer is not context-free
 
 W and K are counts, or a percentage of the context / of the target's layers (`tail:10%`,
 `layers:25%`). The result is always the target's full cache [layers, kv_heads, T, head_dim],
@@ -39,7 +42,7 @@ from ..errors import Refusal
 from .arch import head_dim
 from .cache import Capture, build_cache, capture
 
-KINDS = ("none", "tail", "layers", "select", "layer")
+KINDS = ("none", "tail", "layers", "select", "layer", "exact")
 
 
 class RefreshError(Refusal, ValueError):
@@ -48,7 +51,7 @@ class RefreshError(Refusal, ValueError):
 
 @dataclass(frozen=True)
 class Refresh:
-    kind: str = "none"  # none, tail, layers or select
+    kind: str = "none"  # none, tail, layers, select, layer or exact
     amount: float = 0.0  # tokens (tail), layers (layers), fraction (select); with `relative`, a fraction
     relative: bool = False  # tail/layers given as a percentage of the context / of the layers
 
@@ -56,9 +59,9 @@ class Refresh:
     def parse(cls, text: str | None) -> "Refresh":
         if not text or text == "none":
             return cls()
-        m = re.fullmatch(r"(tail|layers|select|layer):([0-9.]+)(%?)", text.strip())
+        m = re.fullmatch(r"(tail|layers|select|layer|exact):([0-9.]+)(%?)", text.strip())
         if not m:
-            raise RefreshError(f"refresh {text!r} is not none, tail:W, layers:K, select:R or layer:l "
+            raise RefreshError(f"refresh {text!r} is not none, tail:W, layers:K, select:R, layer:l or exact:0 "
                                "(W and K: a count or a percentage such as 10%; R: a fraction in [0, 1]; "
                                "l: a target layer index)")
         kind, value, pct = m.group(1), float(m.group(2)), bool(m.group(3))
@@ -67,6 +70,9 @@ class Refresh:
             if not 0 <= value <= 1:
                 raise RefreshError(f"select:{m.group(2)}{m.group(3)}: the fraction must be within [0, 1]")
             return cls(kind, value)
+        if kind == "exact" and (pct or value != 0):
+            raise RefreshError(f"{text}: only layer 0 is computed from the token ids alone (every later layer reads "
+                               "the context); give exact:0")
         if kind == "layer" and (pct or value != int(value)):
             raise RefreshError(f"{text}: layer:l takes the index of one target layer, such as layer:0")
         if pct:
@@ -187,6 +193,8 @@ def refreshed_kv(source, target, translator, context_ids, refresh: Refresh, out_
     if refresh.kind == "layer":
         l = refresh.layer_index(L)
         return _with_native_layers(translator, cap, out_dtype, slice(l, l + 1), native_prefix_cache(target, ids, l + 1))
+    if refresh.kind == "exact":
+        return _with_exact_layer0(target, translator, cap, ids, out_dtype)
     return _select(target, translator, cap, ids, refresh.selected_count(T), out_dtype, kind)
 
 
@@ -208,6 +216,29 @@ def _with_native_layers(translator, cap: Capture, out_dtype, native: slice, own)
     return keys, values
 
 
+def _with_exact_layer0(target, translator, cap: Capture, ids: torch.Tensor, out_dtype):
+    """The target's full cache with layer 0 from its token ids (`layer0.ContextFree`) and the others translated
+    (differentiably when gradients are on: distillation under this setting)."""
+    from .layer0 import ContextFree, NotContextFree
+
+    try:
+        k0, v0 = ContextFree(target).kv(ids[0])  # [kv_heads, T, head_dim] each
+    except NotContextFree as err:
+        raise RefreshError(f"refresh exact:0: {err}") from None
+    rest = slice(1, translator.geometry.target_layers)
+    dtype = out_dtype or cap.keys.dtype
+    if torch.is_grad_enabled() and any(p.requires_grad for p in translator.parameters()):
+        keys, values = translator(cap, dtype, target_layers=rest)
+        return torch.cat([k0[None].to(dtype), keys]), torch.cat([v0[None].to(dtype), values])
+    keys = torch.empty(translator.geometry.target_layers, *k0.shape, dtype=dtype, device=k0.device)
+    values = torch.empty_like(keys)
+    if rest.start < rest.stop:
+        translator(cap, target_layers=rest, out=(keys[rest], values[rest]))
+    keys[0].copy_(k0)
+    values[0].copy_(v0)
+    return keys, values
+
+
 def _tail(target, translator, cap: Capture, ids: torch.Tensor, w: int, out_dtype, kind: str):
     T = ids.shape[1]
     if w == 0:
@@ -218,7 +249,8 @@ def _tail(target, translator, cap: Capture, ids: torch.Tensor, w: int, out_dtype
             own = capture(target, ids, want_prenorm=False, logits_to_keep=1, kind=kind)
         return own.keys, own.values
     sliced = Capture(cap.keys[:, :, :head], cap.values[:, :, :head],
-                     None if cap.prenorm is None else cap.prenorm[:, :, :head], cap.logits)
+                     None if cap.prenorm is None else cap.prenorm[:, :, :head], cap.logits,
+                     None if cap.ids is None else cap.ids[:head])
     keys, values = translator(sliced, out_dtype)
     with torch.no_grad():
         out = target(input_ids=ids[:, head:], cache=build_cache(target, keys, values, kind="dynamic"), use_cache=True, logits_to_keep=1)
@@ -284,6 +316,11 @@ def refresh_flops(refresh: Refresh, source_cfg, target_cfg, translator_flops_per
     elif refresh.kind == "layer":  # the native forward must reach layer l; one layer less to translate
         l = refresh.layer_index(L)
         native = forward_flops(tcfg, T, (T + 1) / 2, layers=l + 1)
+        translated = translator_flops_per_token * T * (L - 1) / L
+    elif refresh.kind == "exact":  # layer 0 from the token ids: k_proj and v_proj per token
+        from .layer0 import flops_per_token
+
+        native = flops_per_token(tcfg) * T
         translated = translator_flops_per_token * T * (L - 1) / L
     elif refresh.kind == "select":
         n = refresh.selected_count(T)

@@ -1,19 +1,31 @@
-"""The translator ablation: which family (and k, rank, objective) carries a conversation, at what cost.
+"""The translator ablation: which levers carry a conversation's facts, at what cost.
 
-Every setting trains on the same splits with the same distillation budget (the profile's),
-then is scored on the test split (benchmark: KL/token, top-1, NLL Δ), IFEval and GSM8K after a
-prompt handoff. The two settings with the lowest validation KL are trained again with a longer
-budget (`LONG_FACTOR` × the updates), which tells capacity apart from training.
+Every setting trains on the same splits with the same distillation budget (the profile's): a
+translator family and its flags, the refresh setting its cache is trained and evaluated under
+(exact:0: the target's own layer 0 from the token ids), and the objective. The levers:
 
-Cost: each setting's translation FLOPs per context token are counted at the real
-Qwen3-1.7B → 0.6B shapes (the direction's source and target), with the same k, the rank
-scaled by the ratio of the real and toy target widths (so a rank that is half the toy width
-stays half the real one), and compared with the target's re-prefill FLOPs per token
-(`shapes.prefill_flops`): the fraction, and the ceiling speedup those FLOPs allow.
+    the defaults before    crosshead (l2s), cross-layer k=4 at half rank (s2l)
+    exact layer 0          exact:0 beside a family
+    token identity         the tokeninput family: the target's layer-0 features of each token and
+                           the two before it, beside the head-wise maps' input (low rank)
+    objectives             context-weighted and on-policy distillation
+    regularisation         weight decay and early stopping on validation
 
-Choosing the default: the lowest validation KL among the settings whose translation FLOPs are
-at most `MAX_COST_FRACTION` of re-prefill at the real shapes. The test split and the task
-scores never choose.
+Deciding (choices on validation, claims on test). Every setting is scored on the validation
+conversations (KL/token, the context metrics of kvlingo/eval/context.py, attention-output
+agreement) and on the validation halves of IFEval and GSM8K (`Profile.ablate_items[0]` items
+each). Across the settings, each candidate metric's rank correlation with task retention (the
+mean of the IFEval and GSM8K shares of the native target's accuracy) says which one tracks the
+tasks; the default is the best setting by that metric among those costing at most
+`MAX_COST_FRACTION` of a re-prefill at the real shapes. The chosen default and the direction's
+default before are then scored on the test conversations and the test halves of the tasks
+(`ablate_items[1]` items each): the claims.
+
+Cost: each setting's FLOPs per context token at the real Qwen3-1.7B → 0.6B shapes (the
+direction's source and target), against the target's re-prefill per token (`shapes.prefill_flops`,
+dense): the translator's (with its rank scaled by the ratio of the real and toy target widths,
+so that a rank of half the toy width stays half the real one; over the layers it translates),
+plus the exact layer 0's one projection per token where the setting reads or writes it.
 """
 
 from __future__ import annotations
@@ -22,51 +34,80 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-MAX_COST_FRACTION = 0.10  # the default's translation FLOPs, at most this fraction of re-prefill at the real shapes
-LONG_FACTOR = 2  # the longer budget of the best two settings, in multiples of the profile's updates
+MAX_COST_FRACTION = 0.10  # the default's handoff FLOPs, at most this fraction of re-prefill at the real shapes
+LONG_FACTOR = 0  # a longer budget for the best two settings, in multiples of the profile's updates (0: none)
+# Validation metrics whose rank correlation with task retention is measured, and whether higher is better.
+METRICS = {"val_kl": False, "val_context_kl": False, "val_context_weighted_kl": False, "val_top1": True,
+           "val_context_top1": True, "val_attention_cosine": True}
+# The direction's default before this ablation: always scored on test beside the new choice.
+BEFORE = {"l2s": "crosshead", "s2l": "crosslayer-k4-rhalf"}
 
 
 @dataclass(frozen=True)
 class Setting:
     name: str  # a short name: also the run folder under RUN/
     family: str  # translator family
-    flags: tuple[str, ...] = ()  # train_translator.py flags besides --family
+    flags: tuple[str, ...] = ()  # train_translator.py flags besides --family and --refresh
     note: str = ""  # what the setting tests
+    refresh: str = "none"  # refresh setting of training and every evaluation (exact:0: the target's own layer 0)
+    default_run: bool = True  # run by default (the others with --settings)
 
     def family_args(self) -> dict[str, Any]:
         """The family flags as train_translator.family_settings takes them."""
         out, it = {}, iter(self.flags)
         for flag in it:
-            if flag in ("--k", "--rank", "--key-rank", "--hidden"):
+            if flag in ("--k", "--rank", "--key-rank", "--hidden", "--token-rank", "--window"):
                 out[flag[2:].replace("-", "_")] = int(next(it))
             elif flag in ("--pairing", "--base"):
                 out[flag[2:]] = next(it)
         return out
 
 
+# The target's layer-0 features of each token and the two before it, beside head-wise maps; rank half the toy width.
+TOKEN = ("--base", "headwise", "--window", "3", "--token-rank", "32")
 SETTINGS = (
-    Setting("headwise-ridge0", "headwise", ("--ridge", "0"), "the seed design: head-wise maps, plain least squares"),
-    Setting("headwise", "headwise", (), "head-wise maps, ridge chosen on held-out positions"),
-    Setting("crosshead", "crosshead", (), "all source heads → all target heads, same relative depth"),
-    Setting("crosshead-key-rquarter", "crosshead", ("--key-rank", "16"),
-            "cross-head maps, the keys' through a rank of a quarter of the target width (values full)"),
-    Setting("crosslayer-k2", "crosslayer", ("--k", "2"), "cross-head input from the top-2 source layers by R²"),
-    Setting("crosslayer-k4", "crosslayer", ("--k", "4"), "cross-head input from the top-4 source layers by R²"),
+    Setting("crosshead", "crosshead", (), "all source heads → all target heads, same relative depth (l2s default before)"),
     Setting("crosslayer-k4-rhalf", "crosslayer", ("--k", "4", "--rank", "32"),
-            "the top-4 layers through a rank of half the target width"),
-    Setting("residual-crosshead", "residual", ("--base", "crosshead", "--hidden", "64"),
-            "cross-head maps plus a zero-initialised per-layer MLP"),
-    Setting("crosshead-aux", "crosshead", ("--aux-attn-weight", "0.1"),
-            "cross-head maps, KL plus 0.1 × attention-output MSE"),
+            "the top-4 source layers through a rank of half the target width (s2l default before)"),
+    Setting("crosshead-exact0", "crosshead", (), "cross-head maps, the target's own layer 0 from the token ids",
+            "exact:0"),
+    Setting("token-w3", "tokeninput", TOKEN, "head-wise maps plus the target's layer-0 features of the token and the "
+            "two before it (rank 32), own layer 0", "exact:0"),
+    Setting("token-w3-context", "tokeninput", (*TOKEN, "--context-weight", "0.5"),
+            "token-w3, each reply token's KL weighted by how much the context moves it (α 0.5)", "exact:0"),
+    Setting("token-w3-onpolicy", "tokeninput", (*TOKEN, "--onpolicy", "0.5"),
+            "token-w3, half the conversations scored on replies the target samples from the translation", "exact:0"),
+    Setting("token-w3-reg", "tokeninput", (*TOKEN, "--weight-decay", "0.01", "--keep-best"),
+            "token-w3, weight decay 0.01 and the translator of the best validation KL", "exact:0"),
+    # Run with --settings: the seed design, the exact layer 0 on head-wise maps, cheaper cross-head key maps, token
+    # identity without the window, and the token maps at full rank (a capacity ceiling that costs more than the cap).
+    Setting("headwise-ridge0", "headwise", ("--ridge", "0"), "the seed design: head-wise maps, plain least squares",
+            default_run=False),
+    Setting("headwise-exact0", "headwise", (), "head-wise maps, own layer 0", "exact:0", default_run=False),
+    Setting("crosshead-key-rquarter", "crosshead", ("--key-rank", "16"),
+            "cross-head maps, the keys' through a rank of a quarter of the target width (values full)",
+            default_run=False),
+    Setting("token-w1", "tokeninput", ("--base", "headwise", "--token-rank", "32"),
+            "token identity of each token alone (rank 32), own layer 0", "exact:0", default_run=False),
+    Setting("token-w3-full", "tokeninput", ("--base", "headwise", "--window", "3"),
+            "token-w3 at full rank", "exact:0", default_run=False),
 )
 
 
+def default_settings(direction: str) -> list[str]:
+    """The settings a run of this direction trains by default: every default one, the other direction's default
+    before excepted (it answers another question and costs a row)."""
+    other = {v for k, v in BEFORE.items() if k != direction} - {BEFORE.get(direction)}
+    return [s.name for s in SETTINGS if s.default_run and s.name not in other]
+
+
 def real_cost(setting: Setting, direction: str, toy_target_width: int) -> dict[str, float]:
-    """Translation FLOPs per context token at the real shapes, as a fraction of the target's re-prefill."""
+    """Handoff FLOPs per context token at the real shapes, as a fraction of the target's re-prefill."""
     import torch
     from transformers import Qwen3ForCausalLM
 
     from ..bench.shapes import prefill_flops, real_pair_configs, real_settings, translator_at
+    from ..core import layer0
     from ..train.config import family_settings
 
     src_cfg, tgt_cfg = real_pair_configs(direction)
@@ -74,8 +115,13 @@ def real_cost(setting: Setting, direction: str, toy_target_width: int) -> dict[s
     translator = translator_at(setting.family, settings, src_cfg, tgt_cfg, from_width=toy_target_width)
     with torch.device("meta"):
         target = Qwen3ForCausalLM(tgt_cfg)
-    flops, reprefill = translator.flops_per_token(), prefill_flops(target, 1)
-    return {"translate_flops_per_token": flops, "reprefill_flops_per_token": reprefill,
+    L = tgt_cfg.num_hidden_layers
+    exact = setting.refresh == "exact:0"
+    translate = translator.flops_per_token() * ((L - 1) / L if exact else 1.0)
+    own_layer0 = layer0.flops_per_token(tgt_cfg) if exact or setting.family == "tokeninput" else 0.0
+    flops, reprefill = translate + own_layer0, prefill_flops(target, 1)
+    return {"translate_flops_per_token": translate, "layer0_flops_per_token": own_layer0,
+            "handoff_flops_per_token": flops, "reprefill_flops_per_token": reprefill,
             "fraction_of_reprefill": flops / reprefill, "ceiling_speedup": reprefill / flops,
             "real_settings": real_settings(settings, _width(tgt_cfg) / toy_target_width)}
 
@@ -84,14 +130,63 @@ def _width(cfg) -> int:
     return cfg.num_key_value_heads * cfg.head_dim
 
 
-def choose_default(rows: list[dict]) -> dict[str, Any]:
-    """The admissible setting (cost ≤ MAX_COST_FRACTION) with the lowest validation KL; ties to the cheaper."""
+def retention(row: dict, split: str) -> float | None:
+    """The mean of the IFEval and GSM8K shares of the native target's accuracy on `split`, or None."""
+    kept = [row.get(f"{split}_{t}", {}).get("kept") for t in ("ifeval", "gsm8k")]
+    kept = [k for k in kept if isinstance(k, (int, float)) and math.isfinite(k)]
+    return sum(kept) / len(kept) if kept else None
+
+
+def metric_correlations(rows: list[dict]) -> dict[str, dict]:
+    """Each validation metric's Spearman correlation with validation retention across the settings, and its
+    `tracking`: the correlation signed so that positive means the metric orders settings as retention does."""
+    from ..eval.stats import spearman
+
+    out = {}
+    for name, higher_better in METRICS.items():
+        pairs = [(r[name], retention(r, "val")) for r in rows
+                 if isinstance(r.get(name), (int, float)) and math.isfinite(r[name]) and retention(r, "val") is not None]
+        c = spearman([a for a, _ in pairs], [b for _, b in pairs])
+        out[name] = {**c, "tracking": c["rho"] if higher_better else -c["rho"]}
+    return out
+
+
+def choose_metric(correlations: dict[str, dict]) -> str:
+    """The validation metric that tracks retention best (highest signed correlation; val KL when none is finite)."""
+    finite = {k: v["tracking"] for k, v in correlations.items() if math.isfinite(v["tracking"])}
+    return max(finite, key=lambda k: (finite[k], k == "val_kl")) if finite else "val_kl"
+
+
+def choose_default(rows: list[dict], metric: str = "val_kl") -> dict[str, Any]:
+    """The admissible setting (cost ≤ MAX_COST_FRACTION) best by `metric` on validation; ties to the cheaper."""
+    higher = METRICS.get(metric, False)
     ok = [r for r in rows if r["real"]["fraction_of_reprefill"] <= MAX_COST_FRACTION
-          and isinstance(r["distilled_val_kl"], (int, float)) and math.isfinite(r["distilled_val_kl"])]
+          and isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
     if not ok:
-        return {"setting": None, "why": f"no setting costs at most {MAX_COST_FRACTION:.0%} of re-prefill"}
-    best = min(ok, key=lambda r: (r["distilled_val_kl"], r["real"]["fraction_of_reprefill"]))
-    return {"setting": best["name"], "distilled_val_kl": best["distilled_val_kl"],
+        return {"setting": None, "metric": metric,
+                "why": f"no setting costs at most {MAX_COST_FRACTION:.0%} of re-prefill with a finite {metric}"}
+    ranked = sorted(ok, key=lambda r: ((-1 if higher else 1) * r[metric], r["real"]["fraction_of_reprefill"]))
+    best = ranked[0]
+    return {"setting": best["name"], "metric": metric, "value": best[metric],
+            "runner_up": ranked[1]["name"] if len(ranked) > 1 else None,
             "fraction_of_reprefill": best["real"]["fraction_of_reprefill"],
-            "why": f"lowest validation KL among the {len(ok)} settings costing ≤ {MAX_COST_FRACTION:.0%} of re-prefill "
-                   "at the real shapes (the test split and the task scores take no part)"}
+            "why": f"best {metric} on validation among the {len(ok)} settings costing ≤ {MAX_COST_FRACTION:.0%} of "
+                   "re-prefill at the real shapes (the test split and test items take no part)"}
+
+
+def kept(translated: dict, native: dict, comparison: dict) -> dict[str, float]:
+    """Translated accuracy as a share of the native target's on the same items, with a delta-method SE that
+    uses the pairing (from McNemar's discordant counts), and the paired difference in points ± SE."""
+    n = translated["n"]
+    a, b = translated["mean"], native["mean"]
+    only_a, only_b = comparison["mcnemar"]["a_only"], comparison["mcnemar"]["b_only"]
+    d_mean = (only_a - only_b) / n
+    d_var = ((only_a + only_b) / n - d_mean ** 2) * n / max(1, n - 1)
+    both = a - only_a / n  # right on both paths
+    cov = (both - a * b) * n / max(1, n - 1)
+    va, vb = a * (1 - a) * n / max(1, n - 1), b * (1 - b) * n / max(1, n - 1)
+    ratio = a / b if b else float("nan")
+    se = ratio * math.sqrt(max(0.0, va / a**2 + vb / b**2 - 2 * cov / (a * b)) / n) if a and b else float("nan")
+    return {"kept": ratio, "kept_se": se, "delta_points": 100 * d_mean, "delta_se_points": 100 * math.sqrt(d_var / n),
+            "mcnemar_p": comparison["mcnemar"]["p"], "n": n, "accuracy": a, "accuracy_se": translated["se"],
+            "native": b, "native_se": native["se"]}

@@ -16,7 +16,7 @@ from ..core.folder import MANIFEST_FILE, load_translator, read_manifest
 from ..core.handoff import stop_ids
 from ..errors import Refusal
 from ..eval.itemrows import ItemRows
-from ..eval.tasks.data import HubData, prepare_data
+from ..eval.tasks.data import ITEM_SPLITS, HubData, prepare_data
 from ..eval.tasks.generate import CONTROL_PATHS
 from ..io import sha256_file
 from ..run import resume
@@ -33,6 +33,9 @@ def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None
     """The flags IFEval and the task evaluation share (besides --profile, the pair and the run folders)."""
     add_common_args(ap)
     ap.add_argument("--limit", type=whole(1), default=None, help=f"{items_help} (default: the profile's)")
+    ap.add_argument("--split", choices=ITEM_SPLITS, default="all",
+                    help="items scored: all of the data set, its first half (validation: where choices are made) or "
+                    "its second half (test: where claims are made); reports get a -validation/-test suffix")
     ap.add_argument("--native", action="store_true", help="score the native paths only (native source, native target)")
     ap.add_argument("--translator", choices=TRANSLATORS, default="distilled",
                     help="which translator of the run answers: ARTIFACTS/RUN/{distilled,closed_form}")

@@ -184,8 +184,9 @@ def add_timing_args(parser, warmups: str = "the profile's", repeats: str = "the 
 def add_refresh_arg(parser) -> None:
     parser.add_argument("--refresh", default="none", type=refresh_setting,
                         help="recompute part of the translated context natively: none, tail:W, layers:K "
-                        "(W, K: a count or a percentage), select:R (a fraction), or layer:l (diagnostic: target layer l "
-                        "native, the rest translated); see kvlingo/core/refresh.py")
+                        "(W, K: a count or a percentage), select:R (a fraction), layer:l (diagnostic: target layer l "
+                        "native, the rest translated), or exact:0 (the target's layer 0 from the token ids); see "
+                        "kvlingo/core/refresh.py")
 
 
 def refresh_setting(text: str):

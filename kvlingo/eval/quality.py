@@ -19,6 +19,9 @@ Every cache, native ones included, is captured and injected through the same cod
 (`core.handoff`: capture_source / translate / continue_target), so arms differ in cache
 contents only; the reconstruction control (`controls.py`) checks that this path equals
 ordinary split execution. KL is KL(native target ‖ arm) per reply token, in FP32 (`kl.token_kl`).
+Beside it every arm carries the context metrics (`context.py`): KL and top-1 on the reply tokens
+the context decides, the context-weighted KL, and (arms the target continues) the agreement of
+each layer's attention output with the native cache's.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ..core.cache import handoff_split
 from ..core.handoff import as_ids, capture_source, continue_target, device_of, translate
 from ..core.kl import token_kl, token_nll, top1_agreement
 from ..core.translator import Translator
+from . import context as ctx
 from .stats import mean_se, paired_t
 
 ARMS = ("native_source", "native_target", "closed_form", "distilled", "control", "no_context")
@@ -106,23 +110,33 @@ def score_conversation(source, target, translators: dict[str, Translator], contr
         raise ValueError(f"the control context has {len(control_context)} tokens, not the {len(context)} of the "
                          "context it stands in for (see control_contexts)")
 
+    native_attn: list = []
     own_t = capture_source(target, context, kind=kind)
-    ref = continue_target(target, (own_t.keys, own_t.values), new_t, kind).logits[0]  # [reply tokens, vocab]
+    with ctx.attention_outputs(target, len(new), native_attn):
+        ref = continue_target(target, (own_t.keys, own_t.values), new_t, kind).logits[0]  # [reply tokens, vocab]
     del own_t
+    no_ctx = target(input_ids=new_t, use_cache=False).logits[0]
+    change = ctx.context_change(ref, no_ctx)  # [reply tokens]: how much the context moves each prediction
+
+    def on_target(kv) -> dict:  # an arm whose cache the target continues: the sums, context metrics included
+        attn: list = []
+        with ctx.attention_outputs(target, len(new), attn):
+            logits = continue_target(target, kv, new_t, kind).logits[0]
+        return {**score_logits(ref, logits, tgt), **ctx.score(ref, logits, change),
+                **ctx.attention_agreement(native_attn, attn)}
+
     src = capture_source(source, context, translators.values(), kind)
-    arms = {"native_target": score_logits(ref, ref, tgt)}
-    arms["native_source"] = score_logits(ref, continue_target(source, (src.keys, src.values), new_t, kind).logits[0],
-                                         tgt)
+    arms = {"native_target": {**score_logits(ref, ref, tgt), **ctx.score(ref, ref, change)}}
+    source_logits = continue_target(source, (src.keys, src.values), new_t, kind).logits[0]
+    arms["native_source"] = {**score_logits(ref, source_logits, tgt), **ctx.score(ref, source_logits, change)}
     for name, translator in translators.items():
-        kv = translate(source, translator, context, out_dtype, cap=src, refresh=refresh, target=target, kind=kind)
-        arms[name] = score_logits(ref, continue_target(target, kv, new_t, kind).logits[0], tgt)
+        arms[name] = on_target(translate(source, translator, context, out_dtype, cap=src, refresh=refresh,
+                                         target=target, kind=kind))
     del src
     if control_translator is not None:
-        kv = translate(source, translators[control_translator], control_context, out_dtype, refresh=refresh,
-                       target=target, kind=kind)
-        arms["control"] = score_logits(ref, continue_target(target, kv, new_t, kind).logits[0], tgt)
-    no_ctx = target(input_ids=new_t, use_cache=False).logits[0]
-    arms["no_context"] = score_logits(ref, no_ctx, tgt)
+        arms["control"] = on_target(translate(source, translators[control_translator], control_context, out_dtype,
+                                              refresh=refresh, target=target, kind=kind))
+    arms["no_context"] = {**score_logits(ref, no_ctx, tgt), **ctx.score(ref, no_ctx, change)}
     for a in arms.values():
         n = a["n_tokens"]
         a.update(kl_mean=a["kl_sum"] / n, nll_mean=a["nll_sum"] / n, top1=a["top1_sum"] / n)
@@ -147,6 +161,7 @@ def summarize_arm(rows: Sequence[dict], arm: str) -> dict:
         "top1_agreement": sum(a["top1_sum"] for a in items) / tokens,
         "n_conversations": len(items),
         "n_tokens": tokens,
+        **ctx.summarize(items),  # KL and top-1 on the tokens the context decides; attention-output agreement
     }
 
 

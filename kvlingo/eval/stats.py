@@ -133,3 +133,52 @@ def paired_accuracy(a: Sequence[bool], b: Sequence[bool]) -> dict:
     n = len(a)
     delta = 100.0 * (sum(a) - sum(b)) / n if n else float("nan")
     return {"delta_points": delta, "mcnemar": mcnemar_exact(list(a), list(b))}
+
+
+def _ranks(xs: Sequence[float]) -> list[float]:
+    """Ranks 1..n, ties sharing their mean rank."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def _pearson(a: Sequence[float], b: Sequence[float]) -> float:
+    n = len(a)
+    ma, mb = sum(a) / n, sum(b) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    va, vb = sum((x - ma) ** 2 for x in a), sum((y - mb) ** 2 for y in b)
+    return cov / math.sqrt(va * vb) if va > 0 and vb > 0 else float("nan")
+
+
+def spearman(x: Sequence[float], y: Sequence[float], exact_up_to: int = 8) -> dict[str, float]:
+    """Spearman's rank correlation of paired values, with a two-sided p-value: exact over every permutation for
+    n ≤ `exact_up_to`, else Student's t with n − 2 degrees of freedom. NaN for n < 3 or constant ranks."""
+    import itertools
+
+    if len(x) != len(y):
+        raise ValueError(f"spearman needs paired values (got {len(x)} and {len(y)})")
+    n = len(x)
+    if n < 3:
+        return {"rho": float("nan"), "p": float("nan"), "n": n}
+    rx, ry = _ranks(x), _ranks(y)
+    rho = _pearson(rx, ry)
+    if math.isnan(rho):
+        return {"rho": rho, "p": float("nan"), "n": n}
+    if n <= exact_up_to:
+        hits = total = 0
+        for perm in itertools.permutations(ry):
+            total += 1
+            hits += abs(_pearson(rx, perm)) >= abs(rho) - 1e-12
+        p = hits / total
+    else:
+        t = rho * math.sqrt((n - 2) / max(1e-300, 1 - rho * rho))
+        p = _t_sf(t, n - 2)
+    return {"rho": rho, "p": p, "n": n}

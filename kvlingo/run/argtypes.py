@@ -48,3 +48,17 @@ def number(above: float | None = None, at_least: float | None = None) -> Callabl
 
     parse.__name__ = f"number {bound}"
     return parse
+
+
+def share(text: str) -> float:
+    """A number in [0, 1] (a weight or a proportion)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one in [0, 1]") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is out of range; give a number in [0, 1]")
+    return value
+
+
+share.__name__ = "number in [0, 1]"

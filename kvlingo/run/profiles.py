@@ -44,6 +44,9 @@ class Profile:
     recipe_max_extensions: int = 4  # half-decade steps the recipe's grid may grow past an edge winner
     switch_lengths: tuple[int, ...] = (1000, 2000, 4000, 8000)  # history lengths of switch_cost.py
     allow_cv: bool = False  # timings over the CV limit are reported, not fatal (a shared CPU)
+    # IFEval prompts and GSM8K items per row of `make ablate`: on the validation half (every row; the choice) and on
+    # the test half (the rows it evaluates in full; the claim)
+    ablate_items: tuple[int, int] = (128, 256)
 
     def lr_for(self, direction: str) -> float:
         return self.lr[0] if direction == "l2s" else self.lr[1]
@@ -77,11 +80,12 @@ PROFILES: dict[str, Profile] = {
             max_new_tokens=1024, lr_grid_size=5, recipe_seeds=(42, 43, 44),
             family=REAL_FAMILY, family_args=REAL_FAMILY_ARGS,
         ),
-        # The offline toy world on a 2-core CPU: every stage runs for real, in minutes.
+        # The offline toy world on a 2-core CPU: every stage runs for real, in minutes. 256 validation and test
+        # conversations (from corpus/chats.2048.jsonl), so that choices and claims can tell settings apart.
         Profile(
-            name="demo", n_train=512, n_validation=32, n_test=48, n_fit=128, updates=400, batch=4,
-            prefix_cap=384, reply_cap=48, ifeval_prompts=32, task_items=48, val_every=40,
-            checkpoint_every=40, n_packed=8, timing_warmups=2, timing_repeats=8,
+            name="demo", n_train=512, n_validation=256, n_test=256, n_fit=128, updates=400, batch=4,
+            prefix_cap=384, reply_cap=48, ifeval_prompts=32, task_items=48, val_every=100,
+            checkpoint_every=100, n_packed=8, timing_warmups=2, timing_repeats=8,
             max_new_tokens=48, lr_grid_size=2, recipe_seeds=(42,),
             # The toy pair's maps learn fastest near 3e-3 (the recipe's validation-only choice on this
             # pair: 3.16e-3 of 1e-3 / 3.16e-3 / 1e-2); the attention-weighted fit starts lower.
@@ -93,12 +97,22 @@ PROFILES: dict[str, Profile] = {
             # settings whose translation costs ≤ 10% of a re-prefill at the real shapes.
             family=("crosshead", "crosslayer"), family_args=({}, {"k": 4, "rank": 32}),
         ),
+        # The demo at 8,192 training conversations (corpus/chats.10240.jsonl): the data-scale curve trains on its first
+        # 512, 2,048 and 8,192 (train_translator.py --n-train) against one validation and one test split.
+        Profile(
+            name="scale", n_train=8192, n_validation=256, n_test=256, n_fit=128, updates=400, batch=4,
+            prefix_cap=384, reply_cap=48, ifeval_prompts=32, task_items=48, val_every=100,
+            checkpoint_every=100, n_packed=8, timing_warmups=2, timing_repeats=8,
+            max_new_tokens=48, lr_grid_size=2, recipe_seeds=(42,), lr=(3e-3, 3e-3), fit_weighting="attention",
+            switch_lengths=(250, 500, 1000), allow_cv=True,
+            family=("crosshead", "crosslayer"), family_args=({}, {"k": 4, "rank": 32}),
+        ),
         # Seconds, for the test suite's end-to-end pass.
         Profile(
             name="tiny", n_train=24, n_validation=6, n_test=6, n_fit=12, updates=4, batch=2,
             prefix_cap=96, reply_cap=16, ifeval_prompts=4, task_items=4, val_every=2,
             checkpoint_every=2, n_packed=2, timing_warmups=1, timing_repeats=3,
-            max_new_tokens=12, lr_grid_size=2, recipe_seeds=(42, 43),
+            max_new_tokens=12, lr_grid_size=2, recipe_seeds=(42, 43), ablate_items=(4, 4),
         ),
     ]
 }

@@ -606,16 +606,22 @@ class World:
     gsm8k: list[dict]  # GSM8K rows
 
 
-def generate_world(cfg: WorldConfig) -> World:
-    """Everything in memory. Evaluation items come first, from their own seed streams."""
-    if not 0 <= cfg.p_context <= 1 or not 0 <= cfg.p_reasoning <= 1:
-        raise ValueError("p_context and p_reasoning must lie in [0, 1]")
+def _eval_items(cfg: WorldConfig) -> tuple[list[Item], list[Item], list[Item], set[str]]:
+    """The IFEval, ARC and GSM8K items, each from its own seed stream, and their final prompts."""
     eval_prompts: set[str] = set()
     ifeval_items = _task_stream(random.Random(f"toyworld/{cfg.seed}/eval/ifeval"), cfg, "ifeval", cfg.n_ifeval,
                                 eval_prompts)
     arc_items = _task_stream(random.Random(f"toyworld/{cfg.seed}/eval/arc"), cfg, "mc", cfg.n_arc, eval_prompts)
     gsm_items = _task_stream(random.Random(f"toyworld/{cfg.seed}/eval/gsm8k"), cfg, "math", cfg.n_gsm8k,
                              eval_prompts)
+    return ifeval_items, arc_items, gsm_items, eval_prompts
+
+
+def generate_world(cfg: WorldConfig) -> World:
+    """Everything in memory. Evaluation items come first, from their own seed streams."""
+    if not 0 <= cfg.p_context <= 1 or not 0 <= cfg.p_reasoning <= 1:
+        raise ValueError("p_context and p_reasoning must lie in [0, 1]")
+    ifeval_items, arc_items, gsm_items, eval_prompts = _eval_items(cfg)
     seen = set(eval_prompts)
     chats = _chat_stream(random.Random(f"toyworld/{cfg.seed}/eval/chats"), cfg, cfg.n_chats, seen)
     train = _chat_stream(random.Random(f"toyworld/{cfg.seed}/train"), cfg, cfg.n_train, seen)
@@ -627,6 +633,30 @@ def generate_world(cfg: WorldConfig) -> World:
     gsm8k = [dict(it.task) for it in gsm_items]
     return World(train=[r for r, _ in train], chats=[r for r, _ in chats], chats_meta=[m for _, m in chats],
                  ifeval=ifeval, ifeval_ref=ifeval_ref, arc=arc, arc_ref=arc_ref, gsm8k=gsm8k)
+
+
+def more_chats(cfg: WorldConfig, n: int) -> tuple[list[dict], list[dict]]:
+    """n held-out conversations for translator training and evaluation at scale: chats.jsonl's, then more from
+    their own stream ("toyworld/SEED/eval/chats-more"), each disjoint from every evaluation prompt, every
+    held-out conversation and every conversation the toy models were trained on. Returns (rows, meta) with
+    the first n of that order, so a smaller n is a prefix of a larger one; the packaged corpus is unchanged."""
+    world = generate_world(cfg)
+    rows, meta = list(world.chats[:n]), list(world.chats_meta[:n])
+    if n <= len(rows):
+        return rows, meta
+    seen = _eval_items(cfg)[3] | {_input_key(r["input"]) for r in world.chats + world.train}
+    for row, m in _chat_stream(random.Random(f"toyworld/{cfg.seed}/eval/chats-more"), cfg, n - len(rows), seen):
+        rows.append(row)
+        meta.append(m)
+    return rows, meta
+
+
+def write_more_chats(out_dir: str | Path, cfg: WorldConfig, n: int) -> Path:
+    """`more_chats` as corpus files chats.N.jsonl and chats.N.meta.jsonl (atomically); returns the first."""
+    rows, meta = more_chats(cfg, n)
+    out_dir = Path(out_dir)
+    atomic_write_jsonl(out_dir / f"chats.{n}.meta.jsonl", meta)
+    return atomic_write_jsonl(out_dir / f"chats.{n}.jsonl", rows)
 
 
 WORLD_FILES = ("train_chats", "chats", "chats.meta", "ifeval", "ifeval.ref", "arc", "arc.ref", "gsm8k")

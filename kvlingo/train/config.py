@@ -8,8 +8,9 @@ from ..run.models import PairConfig
 from ..run.report import Metric
 
 def family_settings(family: str, k: int = 2, rank: int = 0, pairing: str = "ranked", base: str = "headwise",
-                    hidden: int = 64, key_rank: int | None = None) -> dict:
-    """A family's settings from the training flags (--k, --rank, --key-rank, --pairing, --base, --hidden)."""
+                    hidden: int = 64, key_rank: int | None = None, token_rank: int = 0, window: int = 1) -> dict:
+    """A family's settings from the training flags (--k, --rank, --key-rank, --pairing, --base, --hidden,
+    --token-rank, --window)."""
     keys = {} if key_rank is None else {"key_rank": key_rank}  # without it the keys take `rank`
     if family == "crosslayer":
         return {"k": k, "rank": rank, **keys, "pairing": pairing}
@@ -21,6 +22,11 @@ def family_settings(family: str, k: int = 2, rank: int = 0, pairing: str = "rank
                              "crosslayer)")
         return {"base": {"family": base, "settings": family_settings(base, k, rank, pairing, key_rank=key_rank)},
                 "hidden": hidden}
+    if family == "tokeninput":
+        if base == "residual":
+            raise ValueError("--base residual: token input sits on a linear family (headwise, crosshead, crosslayer)")
+        return {"base": {"family": base, "settings": family_settings(base, k, rank, pairing, key_rank=key_rank)},
+                "rank": token_rank, "window": window}
     return {}
 
 
@@ -49,6 +55,11 @@ class TrainConfig:
     fit_weighting: str = "uniform"  # uniform, or attention: context positions weighted by the target's reply-time attention
     ridge: float | str = "auto"  # ridge λ of the closed-form fit, or "auto": chosen per block on held-out conversations
     aux_attn_weight: float = 0.0  # weight of the attention-output MSE next to the KL (0: KL only)
+    refresh: str = "none"  # refresh setting the translated cache is trained (and validated) under, e.g. exact:0
+    context_weight: float = 0.0  # α: each reply token's KL weighted by the context's change of it (objectives.py)
+    onpolicy: float = 0.0  # λ: share of conversations scored on replies the target samples from the translation
+    keep_best: bool = False  # save the translator at the update with the lowest validation KL (early stopping)
+    n_train: int = 0  # training conversations read: the first n of the train split (0: all of them)
     n_fit: int = 0  # train conversations in the closed-form fit (the first n_fit of a seeded order)
     updates: int = 0  # distillation optimiser updates
     batch: int = 1  # conversations accumulated per update (the adapter is batch-one)
@@ -63,7 +74,8 @@ class TrainConfig:
     def fit_settings(self) -> dict:
         """What the closed form depends on (besides data, code and the pair)."""
         return {"family": self.family, "family_settings": self.family_settings, "key_space": self.key_space,
-                "fit_weighting": self.fit_weighting, "ridge": self.ridge, "n_fit": self.n_fit, "seed": self.seed}
+                "fit_weighting": self.fit_weighting, "ridge": self.ridge, "n_fit": self.n_fit, "seed": self.seed,
+                **({"n_train": self.n_train} if self.n_train else {})}
 
 
 @dataclass
@@ -79,6 +91,7 @@ class TrainResults:
     wall_time_s_total: float  # across resumed segments
     translator: dict  # family, parameter count, FLOPs per token
     artifacts: dict  # translator folders, their maps sha256, checkpoints, plot
+    best: dict | None = None  # with keep_best: the update whose translator was saved, and its validation KL
 
     METRICS = (
         Metric("closed_form_val_kl", False, "mean over validation conversations of the mean reply-token "

@@ -13,8 +13,13 @@ over the scored positions (its o_proj output, hooked) with the native cache and 
 translated one; the loss adds aux_weight × the mean over layers of the relative squared error
 |a_translated − a_native|² / |a_native|² (scale-free, so one weight fits every layer and pair).
 
-Validation KL: the same per-conversation mean KL (without the auxiliary term), averaged over
-the validation conversations.
+Objectives aimed at the context-dependent tokens (`objectives.py`): `context_weight` weights each
+reply token's KL by how much the context changes the native prediction; `onpolicy` scores a share
+of the conversations on replies the target samples from the translated cache. A `refresh`
+setting (kvlingo.core.refresh, e.g. exact:0) applies to the translated cache as at evaluation.
+
+Validation KL: the same per-conversation mean KL (without the auxiliary term and the context
+weights), averaged over the validation conversations.
 
 Data parallel (`distributed.World`): a rank runs its share of the rows, still dividing each loss
 by the global batch size, and the ranks' gradients are summed before the clip, so each update is
@@ -33,6 +38,7 @@ from ..core.handoff import as_ids, continue_target, device_of, translate
 from ..core.kl import token_kl
 from ..core.translator import Translator
 from .distributed import SINGLE, World
+from .objectives import context_change, context_weights, onpolicy_at, onpolicy_row
 from .rng import preserved_rng
 
 
@@ -49,19 +55,25 @@ def attention_outputs(model, last: int, into: list):
 
 
 def distill_loss(source, target, translator: Translator, row: dict, dtype: torch.dtype,
-                 aux_weight: float = 0.0, kind: str = "preallocated") -> torch.Tensor:
-    """Mean over reply tokens of KL(native target || target on the translated cache), plus the weighted
-    attention-output term when aux_weight > 0; FP32 scalar with grad."""
+                 aux_weight: float = 0.0, refresh=None, context_weight: float = 0.0,
+                 kind: str = "preallocated") -> torch.Tensor:
+    """Mean over reply tokens of KL(native target || target on the translated cache) (weighted by the context's
+    change of each prediction when context_weight > 0), plus the weighted attention-output term when
+    aux_weight > 0; FP32 scalar with grad."""
     context, new, _ = handoff_split(row["prefix_ids"], row["reply_ids"])
     native_attn, ours_attn = [], []
     with torch.no_grad(), attention_outputs(target, len(new), native_attn) if aux_weight else nullcontext():
         # The native arm reads the real prefix and the reply; its last len(new) positions predict the reply.
         native = target(input_ids=as_ids(context + new, device_of(target)), use_cache=False,
                         logits_to_keep=len(new)).logits[0]
-    kv = translate(source, translator, context, dtype, kind=kind)  # [layers, kv_heads, context, head_dim], differentiable
+    # [layers, kv_heads, context, head_dim] each, differentiable
+    kv = translate(source, translator, context, dtype, refresh=refresh, target=target, kind=kind)
     with attention_outputs(target, len(new), ours_attn) if aux_weight else nullcontext():
         out = continue_target(target, kv, new, kind)
-    loss = token_kl(native, out.logits[0]).mean()  # [new] → scalar
+    kl = token_kl(native, out.logits[0])  # [new]
+    if context_weight:
+        kl = kl * context_weights(context_change(target, new, native), context_weight)
+    loss = kl.mean()
     if aux_weight:
         rel = [(a.float() - b.float()).pow(2).sum() / b.float().pow(2).sum().clamp_min(1e-12)
                for a, b in zip(ours_attn, native_attn)]
@@ -70,15 +82,21 @@ def distill_loss(source, target, translator: Translator, row: dict, dtype: torch
 
 
 def distill_step(source, target, translator: Translator, rows: list[dict], optimizer, dtype: torch.dtype,
-                 max_grad_norm: float = 0.0, world: World = SINGLE, aux_weight: float = 0.0,
-                 kind: str = "preallocated") -> float:
+                 max_grad_norm: float = 0.0, world: World = SINGLE, aux_weight: float = 0.0, refresh=None,
+                 context_weight: float = 0.0, onpolicy: float = 0.0, first_index: int = 0,
+                 eos_ids: set[int] | None = None, kind: str = "preallocated") -> float:
     """One optimiser update over the batch `rows` (gradient accumulation); returns the batch's mean loss.
 
+    `first_index`: the position of rows[0] in the data order (the on-policy schedule's index).
     With a distributed `world`, this rank runs its share of `rows` and the gradients are summed over the ranks."""
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
+    if onpolicy:
+        rows = [onpolicy_row(source, target, translator, r, dtype, refresh, eos_ids=eos_ids, kind=kind)
+                if onpolicy_at(first_index + i, onpolicy) else r for i, r in enumerate(rows)]
     for row in world.share(rows):
-        loss = distill_loss(source, target, translator, row, dtype, aux_weight, kind) / len(rows)
+        loss = distill_loss(source, target, translator, row, dtype, aux_weight, refresh, context_weight,
+                            kind) / len(rows)
         loss.backward()
         total += loss.item()
     world.sum_grads(translator)
@@ -90,11 +108,12 @@ def distill_step(source, target, translator: Translator, rows: list[dict], optim
 
 
 def validation_kl(source, target, translator: Translator, rows: list[dict], dtype: torch.dtype,
-                  progress: Callable | None = None, world: World = SINGLE, kind: str = "preallocated") -> float:
+                  progress: Callable | None = None, world: World = SINGLE, refresh=None,
+                  kind: str = "preallocated") -> float:
     """Mean over conversations of the per-conversation mean reply-token KL. Leaves every RNG as it found it."""
     mine = world.share(rows)
     with preserved_rng(), torch.no_grad():
-        kls = [distill_loss(source, target, translator, r, dtype, kind=kind).item()
+        kls = [distill_loss(source, target, translator, r, dtype, refresh=refresh, kind=kind).item()
                for r in (progress(mine) if progress else mine)]
     return world.sum_float(sum(kls)) / len(rows)
 

@@ -34,6 +34,22 @@ IFEVAL = HubData("ifeval", "google/IFEval", None, "train", "main")
 ARC = HubData("arc", "allenai/ai2_arc", "ARC-Challenge", "test", "main")
 GSM8K = HubData("gsm8k", "openai/gsm8k", "main", "test", "main")
 DATASETS = {d.name: d for d in (IFEVAL, ARC, GSM8K)}
+# Item splits of an evaluation set: choices (defaults, settings) are made on `validation`, claims on `test`.
+ITEM_SPLITS = ("all", "validation", "test")
+
+
+def split_rows(rows: list, split: str) -> list:
+    """The rows of an item split, in order: validation the first half, test the second (an odd row to test),
+    all of them for "all". The halves are fixed by position, so every stage and run agrees on them."""
+    if split not in ITEM_SPLITS:
+        raise ValueError(f"item split {split!r} is not one of {ITEM_SPLITS}")
+    half = len(rows) // 2
+    return rows if split == "all" else rows[:half] if split == "validation" else rows[half:]
+
+
+def split_suffix(split: str) -> str:
+    """The report-name suffix of an item split: none for all, -validation or -test."""
+    return "" if split == "all" else f"-{split}"
 
 
 def check_ifeval_row(row: dict[str, Any], where: str) -> None:

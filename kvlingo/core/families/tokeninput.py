@@ -1,0 +1,187 @@
+"""Token identity as an input: a linear family plus the target's own per-token features.
+
+A source's cache carries each token's identity only through the source's own representation
+of it, which a map must turn into the target's. The target's exact layer-0 features carry it
+directly, from the token ids alone (kvlingo.core.layer0): t = [k_proj(h), v_proj(h)] of its
+first layer, h = input_layernorm(embed(token)), a linear image of h that keeps all of it when
+2 · kv width ≥ hidden (Qwen3-0.6B and 1.7B). With `window` w > 1 the features of the w − 1
+tokens before each token are appended (zeros before the first), for keys that encode the
+previous token. Every target layer's map reads them beside the source's features:
+
+    y_l = base_l(x) + T_l(t)      T_l(t) = t M_l            (full: M_l [w·d_t, H_t·d_t])
+                                  T_l(t) = (t P) Q_l        (rank r: P [w·d_t, r] shared by the layers, Q_l [r, H_t·d_t])
+
+separately for keys and values. The base is headwise, crosshead or crosslayer.
+
+Closed form: one least-squares problem per block of the base with the token features appended
+to its design, [x, t, 1] → y (kvlingo.core.fit). The base's part of the solution goes to the
+base (a rank-r cross-layer base keeps the reduced-rank solution of its own rows); the token
+part, one M per block, is stacked over layers (and heads) and reduced to rank r by
+`fit.reduced_rank` under the token features' second moment. Distillation trains everything.
+
+Cost: the base's FLOPs plus 2 · 2 · (w·d_t·r + L·r·d_out) per token at rank r (2 · 2 · L · w·d_t
+· d_out at full rank). The features themselves are layer 0's k and v projections: the work of
+the exact:0 refresh, which a handoff with these maps runs anyway; `layer0.flops_per_token`
+prices it, and the ablation counts it once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cache import Capture
+from ..fit import NormalEquations, reduced_rank
+from ..translator import FAMILIES, Geometry, LinearFamily, Translator, TranslatorError, family
+
+BASES = ("headwise", "crosshead", "crosslayer")
+
+
+@family
+class TokenInput(LinearFamily):
+    family = "tokeninput"
+
+    def __init__(self, geometry: Geometry, key_space: str = "prenorm", base: dict | None = None, rank: int = 0,
+                 window: int = 1):
+        super().__init__(geometry, key_space)
+        base = base or {"family": "crosshead", "settings": {}}
+        if base.get("family") not in BASES:
+            raise TranslatorError(f"token input needs a linear base family ({', '.join(BASES)}), not "
+                                  f"{base.get('family')!r}; pass --base crosshead (or headwise, crosslayer)")
+        self.base = FAMILIES[base["family"]].from_spec(geometry, key_space, base.get("settings", {}))
+        g = geometry
+        self.d_tok = window * 2 * g.target_kv_heads * g.target_head_dim
+        self.d_out = g.target_kv_heads * g.target_head_dim
+        if window < 1:
+            raise TranslatorError(f"window {window}: give at least 1 token")
+        if rank < 0 or rank > min(self.d_tok, g.target_layers * self.d_out):
+            raise TranslatorError(f"token rank {rank} must be 0 (full) or at most "
+                                  f"{min(self.d_tok, g.target_layers * self.d_out)}")
+        self.rank, self.window = rank, window
+        L = g.target_layers
+        if rank:
+            self.tok_down = nn.Parameter(torch.zeros(2, self.d_tok, rank))
+            self.tok_up = nn.Parameter(torch.zeros(2, L, rank, self.d_out))
+        else:
+            self.tok_weight = nn.Parameter(torch.zeros(2, L, self.d_tok, self.d_out))
+        self.layer0 = None  # the target's exact first layer (layer0.ContextFree), bound by `bind`
+        self._memo: tuple | None = None  # (ids, features) of the capture being translated
+
+    def settings(self) -> dict[str, Any]:
+        return {"base": {"family": self.base.family, "settings": self.base.settings()}, "rank": self.rank,
+                "window": self.window}
+
+    def flops_per_token(self) -> float:
+        L = self.geometry.target_layers
+        if self.rank:
+            tok = 2.0 * 2 * (self.d_tok * self.rank + L * self.rank * self.d_out)
+        else:
+            tok = 2.0 * 2 * L * self.d_tok * self.d_out
+        return self.base.flops_per_token() + tok
+
+    def bind(self, source, target) -> "TokenInput":
+        from ..layer0 import ContextFree, NotContextFree
+
+        super().bind(source, target)
+        self.base.space = self.space
+        try:
+            self.layer0 = ContextFree(target)
+        except NotContextFree as err:
+            raise TranslatorError(f"token input reads the target's layer 0 from the token ids: {err}") from None
+        return self
+
+    # ------------------------------------------------------------------ translation
+    def features(self, cap: Capture) -> torch.Tensor:
+        """The token features t [tokens, w · 2 · kv width], FP32 (computed once per capture)."""
+        if cap.ids is None:
+            raise TranslatorError("token input needs the captured token ids (Capture.ids), which a bare cache lacks: "
+                                  "hand over from the messages or ids, or capture with relay.capture(ids) or "
+                                  "kvlingo.core.cache.capture")
+        if self._memo is not None and self._memo[0] is cap.ids:
+            return self._memo[1]
+        t = self.layer0.token_features(cap.ids).float()  # [T, 2·kvw]
+        parts = [t] + [torch.cat([t.new_zeros(min(s, t.shape[0]), t.shape[1]), t[:-s]]) for s in range(1, self.window)]
+        feats = torch.cat(parts, -1)
+        self._memo = (cap.ids, feats)
+        return feats
+
+    def token_term(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
+        """T_l(t) for target `layers`: [n, heads, tokens, head_dim]."""
+        t = self.features(cap).to(self._compute)
+        if self.rank:
+            y = torch.einsum("tr,nro->nto", t @ self.cast(self.tok_down)[which], self.cast(self.tok_up)[which, layers])
+        else:
+            y = torch.einsum("td,ndo->nto", t, self.cast(self.tok_weight)[which, layers])
+        g = self.geometry
+        return y.view(y.shape[0], y.shape[1], g.target_kv_heads, g.target_head_dim).transpose(1, 2)
+
+    def map(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
+        return self.base.map(which, cap, layers) + self.token_term(which, cap, layers)
+
+    # ------------------------------------------------------------------ closed form
+    @property
+    def needs_plan(self) -> bool:
+        return self.base.needs_plan
+
+    @property
+    def k(self) -> int:
+        """Source layers per target layer of a cross-layer base (what the layer ranking keeps)."""
+        return self.base.k
+
+    @property
+    def plan(self) -> torch.Tensor:
+        return self.base.plan
+
+    def set_plan(self, layers) -> None:
+        self.base.set_plan(layers)
+
+    def fit_blocks(self) -> tuple[int, int, int, int]:
+        L, B, d_in, d_out = self.base.fit_blocks()
+        return L, B, d_in + self.d_tok, d_out
+
+    def design(self, which: int, cap: Capture) -> torch.Tensor:
+        x = self.base.design(which, cap)  # [L, B, T, d_in]
+        t = self.features(cap)  # [T, d_tok]
+        return torch.cat([x, t.expand(*x.shape[:2], *t.shape)], -1)
+
+    def block_targets(self, y: torch.Tensor) -> torch.Tensor:
+        return self.base.block_targets(y)
+
+    def block_weights(self, w):
+        return self.base.block_weights(w)
+
+    def solve_from(self, ne: NormalEquations, ridge) -> None:
+        sol = ne.solve_augmented(ridge)  # [2, L, B, d_in + d_tok + 1, d_out]
+        d_in = ne.d_in - self.d_tok
+        keep = list(range(d_in)) + [ne.d_in]  # the base's rows and the bias
+        base_sol = sol[..., keep, :]
+        base_A = ne.A.cpu()[..., keep, :][..., keep]
+        tok = sol[..., d_in:ne.d_in, :]  # [2, L, B, d_tok, d_out_block]
+        _set_base(self.base, base_sol, base_A)
+        two, L, B, dt, db = tok.shape
+        m = tok.permute(0, 3, 1, 2, 4).reshape(two, dt, L, B * db)  # [2, d_tok, L, d_out]: heads side by side
+        with torch.no_grad():
+            if self.rank:
+                A_tok = ne.A.cpu()[:, 0, 0, d_in:ne.d_in, d_in:ne.d_in]  # the features' second moment (any block)
+                down, up = reduced_rank(m.reshape(two, dt, L * B * db), A_tok, self.rank)
+                self.tok_down.copy_(down.float())
+                self.tok_up.copy_(up.view(two, self.rank, L, B * db).transpose(1, 2).float())
+            else:
+                self.tok_weight.copy_(m.transpose(1, 2).float())
+
+
+def _set_base(base: Translator, sol: torch.Tensor, A: torch.Tensor) -> None:
+    """The base family's parameters from its augmented solution [2, L, B, d_in + 1, d_out] (FP64)."""
+    with torch.no_grad():
+        if base.family == "headwise":
+            base.set_solution(sol[..., :-1, :], sol[..., -1, :])
+        elif base.rank:
+            left, right = reduced_rank(sol[:, :, 0], A[:, :, 0], base.rank)
+            base.down.copy_(left[..., :-1, :].float())
+            base.up.copy_(right.float())
+            base.bias.copy_((left[..., -1:, :] @ right)[..., 0, :].float())
+        else:
+            base.weight.copy_(sol[:, :, 0, :-1, :].float())
+            base.bias.copy_(sol[:, :, 0, -1, :].float())
