@@ -47,9 +47,10 @@ class Tolerances:
 
 
 # Why these numbers:
-# - reconstruction: the injected tensors are the very tensors transformers cached, fed to the same
-#   kernels; the measured difference is 0 in both dtypes. FP32 allows 1e-5;
-#   BF16 allows one BF16 rounding of the largest logit, 2^-8 × max|logit|.
+# - reconstruction: the injected tensors are the very tensors transformers cached. FP32 allows 1e-5.
+#   In BF16 a preallocated cache's attention (grouped-query, no repeated K/V) sums in another order than
+#   transformers' own, which can move a logit by one BF16 step; a step is 2^-8 to 2^-7 of the value it
+#   sits at, so BF16 allows 2^-7 × max|logit|, one step of the largest logit.
 # - identity keys: strip and re-apply are exact inverses up to FP32 rounding of cos/sin (measured
 #   ≈ 1e-7 relative, 1.9e-6 absolute on real keys); FP32 allows 1e-5 relative. In BF16 the FP32
 #   result is rounded once back to BF16, which lands on the model's own key except where the FP32
@@ -65,7 +66,7 @@ class Tolerances:
 #   KL ≈ ½·Var(δ) ≪ 1e-3 for δ of a few 2^-8 × |logit|).
 _TOLERANCES = {
     "float32": Tolerances("float32", 1e-5, 0.0, 1e-5, 0.0, 1e-4, 1e-5),
-    "bfloat16": Tolerances("bfloat16", 0.0, BF16_EPS, BF16_EPS, 0.0, 4 * BF16_EPS, 1e-3),
+    "bfloat16": Tolerances("bfloat16", 0.0, 2 * BF16_EPS, BF16_EPS, 0.0, 4 * BF16_EPS, 1e-3),
 }
 
 
