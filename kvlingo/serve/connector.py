@@ -8,10 +8,12 @@ Each engine gets one; the connector both saves what its engine computes (into th
 
 - scheduler side (`get_num_new_matched_tokens`): the longest source cache in the store that
   shares a prefix with the prompt, admitted by the contract (`contract.Contract`), gives the
-  tokens the translation fills: whole blocks, never the prompt's last token, less the refresh's
-  tail, which the engine prefills itself on top. Anything refused is logged with its reason
-  and the request is prefilled as usual (0 matched tokens). The model's own exact cache of the
-  same prefix is reused as it is when it covers at least as much.
+  tokens the translation fills: never the prompt's last token (as in `kvlingo.Relay`; whole
+  blocks only with `whole_blocks`), less the refresh's
+  tail, which the engine prefills itself on top. Where the store also holds this model's own
+  exact cache of a prefix of the prompt (an earlier turn it computed itself), that prefix is
+  reused as it is and only the rest is translated. Anything refused is logged with its reason
+  and the request is prefilled as usual (0 matched tokens).
 - worker side (`start_load_kv`): translates those tokens (`Contract.translate`) and writes
   them through each attention layer's own cache writer (`paged.write`) before the forward;
   after each forward (`wait_for_save`) it reads the step's K/V back (`paged.Reader`) into the
@@ -25,8 +27,9 @@ Everything the worker side needs travels in the step's metadata, so one worker c
 serves every engine of a process (vLLM keeps one per process) and no request reads another
 engine's settings.
 
-Per request, `SamplingParams(extra_args={"kv_transfer_params": {"kvlingo": "off"}})` turns the
-load off (an ordinary prefill, e.g. to time against).
+Per request, `SamplingParams(extra_args={"kv_transfer_params": {"kvlingo": MODE}})` with MODE
+"off" keeps the connector out of it (no load, no save: an ordinary request, e.g. to time against),
+and "no-save" loads but leaves the store as it was (repeated trials of one prompt).
 """
 
 from __future__ import annotations
@@ -58,13 +61,13 @@ _SOURCE_MODELS: dict[tuple, SourceModel] = {}  # (name, dtype) → the source mo
 
 
 def engine_args(export: str | None = None, *, source: str = "engine", allow_unproven: bool = False,
-                save: bool = True, whole_blocks: bool = False, log_file: str | None = None,
+                save: bool = True, whole_blocks: bool = False, min_tokens: int = 16, log_file: str | None = None,
                 block_size: int = 32) -> dict[str, Any]:
     """The `LLM(...)` / `vllm serve` settings of an engine with this connector: prefix caching off (see the
     module docstring), a failed load recomputed rather than failing the request, and the connector's own
     settings (`export`: the translator folder this engine's loads use; None: it only saves)."""
     extra = {"export": export, "source": source, "allow_unproven": allow_unproven, "save": save,
-             "whole_blocks": whole_blocks, "log_file": log_file}
+             "whole_blocks": whole_blocks, "min_tokens": min_tokens, "log_file": log_file}
     return {"enable_prefix_caching": False, "block_size": block_size,
             "kv_transfer_config": {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
                                    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}}
@@ -84,15 +87,23 @@ def record(event: dict[str, Any], log_file: str | None = None) -> None:
 # --------------------------------------------------------------------------- metadata
 @dataclass
 class Load:
-    """One request's load: its first `tokens` positions, from a store entry (or the source model run here)."""
+    """One request's load of its first len(ids) positions: [0, own_tokens) from this model's own exact cache as it
+    is, the rest translated from a source cache (a store entry, or the source model run here on `ids`)."""
 
     request: str
-    slots: torch.Tensor  # [tokens] where they go
-    entry: int | None  # the store entry read (None: run the source model on `ids`)
-    ids: list[int]  # the prompt's first `tokens` ids
-    translate: bool  # False: the entry is this model's own exact cache, written as it is
-    contract: str | None  # `_CONTRACTS` key of the translator (None when not translating)
+    ids: list[int]  # the prompt's first tokens, all of them loaded
+    own: int | None  # store entry of this model's own exact cache (None: none is used)
+    own_tokens: int  # positions taken from it
+    source: int | None  # store entry translated (None: the source model, run here, reads `ids`)
+    contract: str | None  # `_CONTRACTS` key of the translator (None when nothing is translated)
     log_file: str | None = None
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [tokens] where they go
+
+    @property
+    def mode(self) -> str:
+        if self.own_tokens == len(self.ids):
+            return "own"
+        return "own+translated" if self.own_tokens else "translated"
 
 
 @dataclass
@@ -136,6 +147,8 @@ class KvlingoConnector(KVConnectorBase_V1):
         self.save = bool(extra.get("save", True))
         self.log_file = extra.get("log_file")
         self.whole_blocks = bool(extra.get("whole_blocks", False))
+        # A load shorter than this is not worth it (e.g. a chat template's first tokens, which every conversation shares)
+        self.min_tokens = int(extra.get("min_tokens", 16))
         mc = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
         self.granule = self.block_size if self.whole_blocks else 1  # loads fill whole blocks, or any token count
@@ -196,15 +209,15 @@ class KvlingoConnector(KVConnectorBase_V1):
         self.plans[request.request_id] = plan
         tokens = len(plan.ids) - num_computed_tokens
         record({"request": request.request_id, "engine": self.served.name, "prompt_tokens": n, "matched": len(plan.ids),
-                "mode": "translated" if plan.translate else "own", "reason": None}, self.log_file)
-        log.info("kvlingo %s on %s: %s %d of %d prompt tokens", request.request_id, self.served.name,
-                 "translates" if plan.translate else "reuses its own cache for", len(plan.ids), n)
+                "own_tokens": plan.own_tokens, "mode": plan.mode, "reason": None}, self.log_file)
+        log.info("kvlingo %s on %s: loads %d of %d prompt tokens (%d from its own cache, %d translated)",
+                 request.request_id, self.served.name, len(plan.ids), n, plan.own_tokens,
+                 len(plan.ids) - plan.own_tokens)
         return tokens, False
 
     def _plan(self, request, num_computed: int) -> tuple[Load | None, str | None]:
         """The request's load, or (None, why not)."""
-        params = request.kv_transfer_params or {}
-        if params.get("kvlingo") == "off":
+        if mode(request) == "off":
             return None, "off for this request (kv_transfer_params)"
         if self.refusal:
             return None, self.refusal
@@ -212,16 +225,14 @@ class KvlingoConnector(KVConnectorBase_V1):
         if len(ids) < 2:
             return None, "the prompt has fewer than 2 tokens"
         contract = self.contract
-        if self.source == "model" and contract is not None:
-            m = contract.usable_tokens(len(ids), len(ids), self.granule)
-            if m <= num_computed:
-                return None, f"{len(ids)} prompt tokens leave nothing to translate (refresh {contract.refresh}, granule {self.granule})"
-            return Load(request.request_id, torch.empty(0), None, ids[:m], True, self.contract_key, self.log_file), None
         found = STORE.lookup(ids)
-        own = next(((e, c) for e, c in found if e.exact and e.model == self.served.to_dict()), None)
-        reasons = []
-        best = None
-        if contract is not None:
+        own_entry, own = next(((e, c) for e, c in found if e.exact and e.model == self.served.to_dict()), (None, 0))
+        own = min(own, len(ids) - 1) // self.granule * self.granule
+        own = own if own >= self.min_tokens else 0
+        reasons, source, m = [], None, 0
+        if contract is not None and self.source == "model":
+            source, m = "model", contract.usable_tokens(len(ids), len(ids), self.granule)
+        elif contract is not None:
             for entry, common in found:
                 if entry.model["identity"] == self.served.identity:
                     continue
@@ -230,31 +241,28 @@ class KvlingoConnector(KVConnectorBase_V1):
                 except Refused as err:
                     reasons.append(str(err))
                     continue
-                m = contract.usable_tokens(common, len(ids), self.granule)
-                if m > num_computed:
-                    best = (entry, m)
-                    break
-                reasons.append(f"the source cache covers {common} prompt tokens, leaving nothing to translate in granules of "
-                               f"{self.granule} beyond what is computed (refresh {contract.refresh})")
-        if own is not None:
-            m = min(own[1], len(ids) - 1) // self.granule * self.granule
-            if m > num_computed and (best is None or m >= best[1]):
-                return Load(request.request_id, torch.empty(0), own[0].key, ids[:m], False, None, self.log_file), None
-        if best is not None:
-            entry, m = best
-            return Load(request.request_id, torch.empty(0), entry.key, ids[:m], True, self.contract_key,
-                        self.log_file), None
-        if not found:
-            return None, "no cache in the store shares a prefix with this prompt"
-        if contract is None:
-            return None, "no translator is configured (export) and no exact cache of this model covers a block"
-        return None, "; ".join(dict.fromkeys(reasons)) or "no usable source cache"
+                source, m = entry, contract.usable_tokens(common, len(ids), self.granule)
+                break
+        if source is not None and m > max(own, num_computed) and m >= self.min_tokens:  # past its own exact prefix
+            return Load(request.request_id, ids[:m], own_entry.key if own else None, own,
+                        None if source == "model" else source.key, self.contract_key, self.log_file), None
+        if own > num_computed:
+            return Load(request.request_id, ids[:own], own_entry.key, own, None, None, self.log_file), None
+        if source is not None:
+            reasons.append(f"the source cache gives {m} tokens to load, not more than {max(own, num_computed)} and at "
+                           f"least {self.min_tokens} (min_tokens; refresh {contract.refresh}, granule {self.granule})")
+        elif not found:
+            reasons.append("no cache in the store shares a prefix with this prompt")
+        elif contract is None:
+            reasons.append("no translator is configured (export), and no exact cache of this model covers the prompt")
+        return None, "; ".join(dict.fromkeys(reasons)) or "no usable cache"
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        plan = self.plans.get(request.request_id)
         if num_external_tokens == 0:
             self.plans.pop(request.request_id, None)
-        elif request.request_id in self.tracked:
-            self.tracked[request.request_id].exact = False  # its later tokens attend to a loaded cache
+        elif plan is not None and plan.mode != "own" and request.request_id in self.tracked:
+            self.tracked[request.request_id].exact = False  # its later tokens attend to a translated cache
 
     def build_connector_meta(self, scheduler_output) -> Meta:
         meta = Meta(self.block_size)
@@ -281,7 +289,7 @@ class KvlingoConnector(KVConnectorBase_V1):
         return meta
 
     def _save(self, meta: Meta, req_id: str, t: _Tracked, stop: int) -> None:
-        if not self.save or t.request is None or stop <= t.saved:
+        if not self.save or t.request is None or mode(t.request) in ("off", "no-save") or stop <= t.saved:
             return
         ids = list(t.request.all_token_ids[t.saved:stop])
         meta.saves.append(Save(self.served.name, req_id, self.served.to_dict(), t.exact, t.saved, ids,
@@ -311,28 +319,32 @@ class KvlingoConnector(KVConnectorBase_V1):
 
     def _load(self, load: Load, layers: list) -> None:
         t0 = time.perf_counter()
-        cache = layers[0].kv_cache
-        prenorm = None
-        if load.entry is None:  # the source model, run here, reads the context
-            contract = _CONTRACTS[load.contract]
-            cap = _source_model(contract, cache.dtype).capture(load.ids)
-            keys, values, prenorm = cap.keys, cap.values, cap.prenorm
-        else:
-            entry = STORE.get(load.entry)
-            if entry is None:
-                raise RuntimeError(f"store entry {load.entry} was evicted before the load")
-            keys, values = entry.prefix(len(load.ids))
+        dtype, m, own = layers[0].kv_cache.dtype, len(load.ids), load.own_tokens
+        parts = []  # (keys, values [layers, kv_heads, tokens, head_dim], slots)
+        if own:
+            parts.append((*_entry(load.own).prefix(own), load.slots[:own]))
         t1 = time.perf_counter()
-        if load.translate:
-            keys, values = _CONTRACTS[load.contract].translate(keys, values, cache.dtype, prenorm)
+        if m > own:
+            contract = _CONTRACTS[load.contract]
+            prenorm = None
+            if load.source is None:  # the source model, run here, reads the context
+                cap = _source_model(contract, dtype).capture(load.ids)
+                keys, values, prenorm = cap.keys, cap.values, cap.prenorm
+            else:
+                keys, values = _entry(load.source).prefix(m)
+            t1 = time.perf_counter()
+            keys, values = contract.translate(keys, values, dtype, prenorm)  # positions 0..m-1: the maps are per token
+            parts.append((keys[:, :, own:], values[:, :, own:], load.slots[own:]))
         t2 = time.perf_counter()
-        if len(layers) != keys.shape[0]:
-            raise RuntimeError(f"{keys.shape[0]} layers of K/V for an engine with {len(layers)} attention layers")
-        for layer, k, v in zip(layers, keys, values):  # k, v [kv_heads, tokens, head_dim]
-            paged.write(layer, k.transpose(0, 1).to(cache.dtype), v.transpose(0, 1).to(cache.dtype), load.slots)
+        for keys, values, where in parts:
+            if keys.shape[0] != len(layers):
+                raise RuntimeError(f"{keys.shape[0]} layers of K/V for an engine with {len(layers)} attention layers")
+            for layer, k, v in zip(layers, keys, values):  # k, v [kv_heads, tokens, head_dim]
+                paged.write(layer, k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype), where)
         t3 = time.perf_counter()
-        record({"request": load.request, "event": "loaded", "tokens": len(load.ids), "translated": load.translate,
-                "source_s": t1 - t0, "translate_s": t2 - t1, "write_s": t3 - t2}, load.log_file)
+        record({"request": load.request, "event": "loaded", "tokens": m, "own_tokens": own,
+                "source_s": t1 - t0, "translate_s": t2 - t1, "write_s": t3 - t2,
+                "threads": torch.get_num_threads()}, load.log_file)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -391,6 +403,20 @@ def attention_layers(forward_context) -> list:
         if m and isinstance(getattr(layer, "kv_cache", None), torch.Tensor) and hasattr(layer, "impl"):
             found.append((int(m.group(1)), layer))
     return [layer for _, layer in sorted(found, key=lambda il: il[0])]
+
+
+MODES = ("on", "off", "no-save")  # a request's kv_transfer_params["kvlingo"] (see the module docstring)
+
+
+def mode(request) -> str:
+    return (request.kv_transfer_params or {}).get("kvlingo", "on")
+
+
+def _entry(key: int):
+    entry = STORE.get(key)
+    if entry is None:
+        raise RuntimeError(f"store entry {key} was evicted before the load")
+    return entry
 
 
 def _contract(folder: str, served: ServedModel, allow_unproven: bool) -> tuple[str, Contract]:

@@ -27,6 +27,7 @@ either model. The code here runs on the serving environment's transformers as we
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -285,8 +286,10 @@ class SourceModel:
         hooks = [layer.self_attn.k_proj.register_forward_hook(lambda _m, _i, out: pre.append(out))
                  for layer in self.model.model.layers]
         cache = DynamicCache(config=cfg)
-        try:  # the cache keyword of the serving environment's transformers (the suite's own also takes it)
-            self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        # transformers 5.24 calls the cache argument `cache` (the suite's); the serving environment's 5.19 `past_key_values`
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        try:
+            self.model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1, **{name: cache})
         finally:
             for h in hooks:
                 h.remove()

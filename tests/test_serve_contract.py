@@ -1,0 +1,188 @@
+"""kvlingo.serve without vLLM: the connector's contract (what it accepts, what it refuses and why), its
+translation on RoPE-only model stubs against `kvlingo.Relay`'s on the loaded pair, the source model run beside an
+engine, and the store of source caches. The engine-side tests are in tests/serve/ (make test-serve)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlingo import Relay
+from kvlingo.core.handoff import capture_source
+from kvlingo.core.refresh import Refresh
+from kvlingo.core.rope import RopeCache
+from kvlingo.run.data import read_split
+from kvlingo.run.models import load_pair, resolve_pair
+from kvlingo.serve.contract import Contract, Refused, ServedModel, SourceModel, model_stub, load_config
+from kvlingo.serve.store import Store
+from serve.exports import export_run
+from tinypair import chat_rows, write_prepared
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_pair_paths, tmp_path_factory):
+    """Self-pair exports (the tiny small model on both sides, exact fits, so the gate passes honestly) in the
+    cache and prenorm key spaces, and a large → small one (cross-head, cache key space)."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("serve_contract")
+    large, small = tiny_pair_paths
+    _, tok = resolve_pair(str(small), str(small), "l2s", "cpu", "float32")
+    data = write_prepared(root / "data" / "tiny", tok, {"train": chat_rows(tok, 8, 0, "tr"), "test": chat_rows(tok, 6, 1, "te")})
+    train = read_split(data, "train")
+    out = {space: export_run(root, f"self-{space}", small, small, train, data, space, family="headwise")
+           for space in ("cache", "prenorm")}
+    out["l2s"] = export_run(root, "l2s", large, small, train, data, "cache")
+    return {**out, "root": root, "large": large, "small": small, "tok": tok}
+
+
+def served(path) -> ServedModel:
+    return ServedModel.describe(str(path))
+
+
+def prompt(tok) -> list[int]:
+    return chat_rows(tok, 1, 7, "p", user_words=(20, 20))[0]["prefix_ids"]
+
+
+@pytest.mark.parametrize("space", ["cache", "prenorm"])
+def test_contract_translation_is_the_relays_bit_for_bit(exports, space):
+    """The connector's translator (maps on RoPE tables and k_norm weights read from the folders) turns a capture
+    into exactly what Relay's translator, bound to the loaded models, does."""
+    contract = Contract.load(exports[space], served(exports["small"]))
+    assert contract.verdict.passed and contract.key_space == space
+    relay = Relay.load(exports[space], device="cpu", dtype="float32")
+    cap = relay.capture(prompt(exports["tok"]))
+    want = relay.translator(cap, torch.float32)
+    got = contract.translate(cap.keys, cap.values, torch.float32, cap.prenorm)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_model_stub_has_the_models_rope_and_key_norms(exports):
+    pair = load_pair(*resolve_pair(str(exports["large"]), str(exports["small"]), "l2s", "cpu", "float32"))
+    for model, path in ((pair.source, exports["large"]), (pair.target, exports["small"])):
+        stub = model_stub(load_config(str(path)), weights=str(path))
+        real, mine = RopeCache(model), RopeCache(stub)
+        for a, b in zip((*real(300), *real.inverse(300)), (*mine(300), *mine.inverse(300))):
+            assert torch.equal(a, b)
+        for layer, stub_layer in zip(model.model.layers, stub.model.layers):
+            assert torch.equal(layer.self_attn.k_norm.weight.float(), stub_layer.self_attn.k_norm.weight)
+            assert layer.self_attn.k_norm.variance_epsilon == stub_layer.self_attn.k_norm.variance_epsilon
+
+
+def test_source_model_capture_is_the_suites(exports):
+    """The source run beside an engine (transformers' own cache) captures what the suite's capture does."""
+    relay = Relay.load(exports["prenorm"], device="cpu", dtype="float32")
+    ids = prompt(exports["tok"])
+    mine = SourceModel(str(exports["small"]), torch.float32, relay.config["models"]["source"]).capture(ids)
+    ref = capture_source(relay.source, ids, [relay.translator])
+    for a, b in ((mine.keys, ref.keys), (mine.values, ref.values), (mine.prenorm, ref.prenorm)):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    with pytest.raises(Refused, match="is not the translator's source"):
+        SourceModel(str(exports["large"]), torch.float32, relay.config["models"]["source"])
+
+
+# --------------------------------------------------------------------------- refusals, one line each
+def edited(src: Path, dst: Path, **config_changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in config_changes.items():
+        node, *path = key.split(".")
+        target = cfg
+        for part in [node, *path][:-1]:
+            target = target[part]
+        target[[node, *path][-1]] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def refusal(folder, target, **kw) -> str:
+    with pytest.raises(Refused) as err:
+        Contract.load(folder, target, **kw)
+    text = str(err.value)
+    assert "\n" not in text
+    return text
+
+
+def test_contract_refuses_an_unproven_translator_unless_waived(exports, tmp_path):
+    folder = shutil.copytree(exports["cache"], tmp_path / "no-evidence")
+    (folder / "evidence.json").unlink()
+    assert "unproven (evidence.json is missing)" in refusal(folder, served(exports["small"]))
+    assert not Contract.load(folder, served(exports["small"]), allow_unproven=True).verdict.passed
+
+
+def test_contract_refuses_another_tokenizer_model_revision_or_geometry(exports, tmp_path):
+    small = served(exports["small"])
+    other_tok = ServedModel(small.name, small.identity, small.geometry, "0" * 64)
+    assert "served tokenizer" in refusal(exports["cache"], other_tok)
+    assert "is not the translator's target" in refusal(exports["cache"], served(exports["large"]))
+    hub = edited(exports["cache"], tmp_path / "hub", **{"models.target": {"id": "Qwen/Qwen3-0.6B", "revision": "a" * 40}})
+    other_rev = ServedModel("Qwen/Qwen3-0.6B", {"id": "Qwen/Qwen3-0.6B", "revision": "b" * 40}, small.geometry,
+                            small.tokenizer_sha256)
+    text = refusal(hub, other_rev)
+    assert "a" * 40 in text and "b" * 40 in text
+    wrong_shape = ServedModel(small.name, small.identity, (3, 2, 16), small.tokenizer_sha256)
+    assert "caches [layers, kv_heads, head_dim] = [3, 2, 16]" in refusal(exports["cache"], wrong_shape)
+
+
+def test_contract_refuses_refresh_a_connector_cannot_run_and_damaged_maps(exports, tmp_path):
+    small = served(exports["small"])
+    assert "refresh layers:1" in refusal(edited(exports["cache"], tmp_path / "layers", refresh="layers:1"), small)
+    assert Contract.load(edited(exports["cache"], tmp_path / "tail", refresh="tail:4"), small).refresh == \
+        Refresh("tail", 4)
+    damaged = shutil.copytree(exports["cache"], tmp_path / "damaged")
+    data = bytearray((damaged / "maps.safetensors").read_bytes())
+    data[-1] ^= 1
+    (damaged / "maps.safetensors").write_bytes(bytes(data))
+    assert "does not match its manifest hash" in refusal(damaged, small)
+
+
+def test_admit_checks_the_source_cache_and_its_key_space(exports):
+    small = served(exports["small"]).to_dict()
+    contract = Contract.load(exports["l2s"], served(exports["small"]), allow_unproven=True)
+    contract.admit(served(exports["large"]).to_dict())  # the recorded source: admitted
+    with pytest.raises(Refused, match="the source cache is small"):
+        contract.admit(small)
+    with pytest.raises(Refused, match="translator reads"):
+        contract.admit({**served(exports["large"]).to_dict(), "geometry": [2, 2, 32]})
+    with pytest.raises(Refused, match="tokenizer"):
+        contract.admit({**served(exports["large"]).to_dict(), "tokenizer_sha256": "0" * 64})
+    prenorm = Contract.load(exports["prenorm"], served(exports["small"]))
+    with pytest.raises(Refused, match="pre-norm key features"):
+        prenorm.admit(small)
+    prenorm.admit(small, with_prenorm=True)
+
+
+def test_usable_tokens_leave_the_last_token_and_the_refresh_tail(exports, tmp_path):
+    small = served(exports["small"])
+    plain = Contract.load(exports["cache"], small)
+    assert plain.usable_tokens(100, 50) == 49 and plain.usable_tokens(30, 50) == 30
+    assert plain.usable_tokens(100, 50, granule=32) == 32 and plain.usable_tokens(100, 1) == 0
+    for setting in ("tail:5", "tail:10%"):
+        c = Contract.load(edited(exports["cache"], tmp_path / setting.replace(":", "-").replace("%", "pc"),
+                                 refresh=setting), small)
+        assert c.usable_tokens(100, 50) == 49 - Refresh.parse(setting).tail_tokens(49) == 44
+
+
+# --------------------------------------------------------------------------- the store
+def test_store_entries_grow_match_prefixes_and_evict_finished_first():
+    store = Store(capacity_bytes=10_000)
+    shape, model = (2, 1, 4), {"identity": {"path": "a"}}
+    a = store.entry_for("e", "r1", model, True, shape, torch.float32, 3)
+    k = torch.arange(2 * 1 * 5 * 4, dtype=torch.float32).view(2, 1, 5, 4)
+    a.write(0, [5, 6, 7], k[:, :, :3], -k[:, :, :3])
+    a.write(3, [8, 9], k[:, :, 3:], -k[:, :, 3:])  # past its capacity: it grows, keeping what it held
+    assert a.n == 5 and torch.equal(a.prefix(5)[0], k) and torch.equal(a.prefix(4)[1], -k[:, :, :4])
+    with pytest.raises(ValueError, match="cannot write from position 7"):
+        a.write(7, [1], k[:, :, :1], k[:, :, :1])
+    b = store.entry_for("e", "r2", model, True, shape, torch.float32, 2)
+    b.write(0, [5, 6], k[:, :, :2], k[:, :, :2])
+    assert [(e.key, c) for e, c in store.lookup([5, 6, 7, 1])] == [(a.key, 3), (b.key, 2)]
+    assert store.lookup([1, 2]) == []
+    assert store.entry_for("e", "r1", model, True, shape, torch.float32, 1) is a  # one entry per request
+    store.finish("e", "r1")
+    store.capacity_bytes = b.nbytes
+    store.entry_for("e", "r3", model, True, shape, torch.float32, 1)  # over capacity: the finished entry goes
+    assert a.key not in store.entries and b.key in store.entries
