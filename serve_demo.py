@@ -53,13 +53,14 @@ def provenance() -> dict:
             "machine": platform.machine(), "cpus": os.cpu_count()}
 
 
-def make_engine(model: str, export: str | None, dtype: str, max_len: int, allow_unproven: bool = False):
+def make_engine(model: str, export: str | None, dtype: str, max_len: int, allow_unproven: bool = False,
+                precision: str | None = None):
     from vllm import LLM
 
     from kvlingo.serve.connector import engine_args
 
     return LLM(model=model, dtype=dtype, max_model_len=max_len, seed=0,
-               **engine_args(export, allow_unproven=allow_unproven))
+               **engine_args(export, allow_unproven=allow_unproven, precision=precision))
 
 
 # --------------------------------------------------------------------------- toy
@@ -115,7 +116,8 @@ def run_real(args) -> int:
     t0 = time.time()
     print(f"timing-only run: the gate is waived (--allow-unproven) for random maps {root / 'export-l2s'}")
     source = make_engine(str(root / "large"), None, args.dtype, args.tokens + 64)
-    target = make_engine(str(root / "small"), str(root / "export-l2s"), args.dtype, args.tokens + 64, True)
+    target = make_engine(str(root / "small"), str(root / "export-l2s"), args.dtype, args.tokens + 64, True,
+                         args.precision)
     g = torch.Generator().manual_seed(0)
     vocab = len(target.get_tokenizer())
     ids = torch.randint(3, vocab, (args.tokens,), generator=g).tolist()
@@ -182,6 +184,8 @@ def main(argv=None) -> int:
     real.add_argument("--dtype", default="bfloat16", help="the engines' dtype")
     real.add_argument("--trials", type=int, default=5, help="timed trials per path")
     real.add_argument("--warmups", type=int, default=1, help="untimed rounds before them")
+    real.add_argument("--precision", default=None, help="the translation's precision (fp32, fast; default: FP32 "
+                      "maths, as kvlingo.Relay translates)")
     real.add_argument("--kv-gib", type=int, default=2, help="KV cache GiB per engine (VLLM_CPU_KVCACHE_SPACE)")
     real.add_argument("--allow-unproven", action="store_true", help="waive the gate for the random maps (required)")
     real.add_argument("--out", default="results/serve", help="folder of real.json")

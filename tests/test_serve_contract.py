@@ -58,6 +58,9 @@ def test_contract_translation_is_the_relays_bit_for_bit(exports, space):
     want = relay.translator(cap, torch.float32)
     got = contract.translate(cap.keys, cap.values, torch.float32, cap.prenorm)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # written token-major (the layout an engine's cache writer reads): the same values
+    keys, values = contract.translate(cap.keys, cap.values, torch.float32, cap.prenorm, token_major=True)
+    assert keys.transpose(1, 2).is_contiguous() and torch.equal(keys, want[0]) and torch.equal(values, want[1])
 
 
 def test_model_stub_has_the_models_rope_and_key_norms(exports):
@@ -186,3 +189,15 @@ def test_store_entries_grow_match_prefixes_and_evict_finished_first():
     store.capacity_bytes = b.nbytes
     store.entry_for("e", "r3", model, True, shape, torch.float32, 1)  # over capacity: the finished entry goes
     assert a.key not in store.entries and b.key in store.entries
+
+
+def test_token_major_cross_head_translation_is_the_same(exports):
+    """Cross-head maps written straight into token-major buffers (no copy before the engine's writer) give the
+    same values as the head-major translation."""
+    contract = Contract.load(exports["l2s"], served(exports["small"]), allow_unproven=True)
+    relay = Relay.load(exports["l2s"], device="cpu", dtype="float32", allow_unproven=True)
+    cap = relay.capture(prompt(exports["tok"]))
+    want = contract.translate(cap.keys, cap.values, torch.float32)
+    keys, values = contract.translate(cap.keys, cap.values, torch.float32, token_major=True)
+    assert keys.transpose(1, 2).is_contiguous() and values.transpose(1, 2).is_contiguous()
+    assert torch.equal(keys, want[0]) and torch.equal(values, want[1])

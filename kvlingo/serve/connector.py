@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from . import paged
+from ..core.translator import PRECISIONS
 from .contract import Contract, Refused, ServedModel, SourceModel
 from .store import STORE
 
@@ -61,13 +62,15 @@ _SOURCE_MODELS: dict[tuple, SourceModel] = {}  # (name, dtype) → the source mo
 
 
 def engine_args(export: str | None = None, *, source: str = "engine", allow_unproven: bool = False,
-                save: bool = True, whole_blocks: bool = False, min_tokens: int = 16, log_file: str | None = None,
-                block_size: int = 32) -> dict[str, Any]:
+                save: bool = True, whole_blocks: bool = False, min_tokens: int = 16, precision: str | None = None,
+                log_file: str | None = None, block_size: int = 32) -> dict[str, Any]:
     """The `LLM(...)` / `vllm serve` settings of an engine with this connector: prefix caching off (see the
     module docstring), a failed load recomputed rather than failing the request, and the connector's own
-    settings (`export`: the translator folder this engine's loads use; None: it only saves)."""
+    settings (`export`: the translator folder this engine's loads use; None: it only saves and reuses its own
+    exact caches; `precision`: the translation's, `kvlingo.core.translator.PRECISIONS`, None: FP32 maths as
+    `kvlingo.Relay` translates; "fast" takes the maps' matmuls in a BF16 engine's dtype)."""
     extra = {"export": export, "source": source, "allow_unproven": allow_unproven, "save": save,
-             "whole_blocks": whole_blocks, "min_tokens": min_tokens, "log_file": log_file}
+             "whole_blocks": whole_blocks, "min_tokens": min_tokens, "precision": precision, "log_file": log_file}
     return {"enable_prefix_caching": False, "block_size": block_size,
             "kv_transfer_config": {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
                                    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}}
@@ -97,6 +100,7 @@ class Load:
     source: int | None  # store entry translated (None: the source model, run here, reads `ids`)
     contract: str | None  # `_CONTRACTS` key of the translator (None when nothing is translated)
     log_file: str | None = None
+    precision: str | None = None  # the translation's (None: FP32 maths)
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [tokens] where they go
 
     @property
@@ -149,6 +153,7 @@ class KvlingoConnector(KVConnectorBase_V1):
         self.whole_blocks = bool(extra.get("whole_blocks", False))
         # A load shorter than this is not worth it (e.g. a chat template's first tokens, which every conversation shares)
         self.min_tokens = int(extra.get("min_tokens", 16))
+        self.precision = extra.get("precision")
         mc = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
         self.granule = self.block_size if self.whole_blocks else 1  # loads fill whole blocks, or any token count
@@ -179,6 +184,8 @@ class KvlingoConnector(KVConnectorBase_V1):
             return f"kv cache dtype {vllm_config.cache_config.cache_dtype} is not supported; use auto", None
         if self.source not in SOURCES:
             return f"source {self.source!r} is not one of {SOURCES}", None
+        if self.precision not in (None, *PRECISIONS):
+            return f"precision {self.precision!r} is not one of {PRECISIONS}", None
         if self.export is None:
             return None, None  # saves, and reuses its own exact caches
         try:
@@ -245,7 +252,8 @@ class KvlingoConnector(KVConnectorBase_V1):
                 break
         if source is not None and m > max(own, num_computed) and m >= self.min_tokens:  # past its own exact prefix
             return Load(request.request_id, ids[:m], own_entry.key if own else None, own,
-                        None if source == "model" else source.key, self.contract_key, self.log_file), None
+                        None if source == "model" else source.key, self.contract_key, self.log_file,
+                        self.precision), None
         if own > num_computed:
             return Load(request.request_id, ids[:own], own_entry.key, own, None, None, self.log_file), None
         if source is not None:
@@ -333,14 +341,15 @@ class KvlingoConnector(KVConnectorBase_V1):
             else:
                 keys, values = _entry(load.source).prefix(m)
             t1 = time.perf_counter()
-            keys, values = contract.translate(keys, values, dtype, prenorm)  # positions 0..m-1: the maps are per token
+            # [layers, tokens, kv_heads, head_dim] underneath: each layer's slice is the writer's input as it is
+            keys, values = contract.translate(keys, values, dtype, prenorm, load.precision, token_major=True)
             parts.append((keys[:, :, own:], values[:, :, own:], load.slots[own:]))
         t2 = time.perf_counter()
         for keys, values, where in parts:
             if keys.shape[0] != len(layers):
                 raise RuntimeError(f"{keys.shape[0]} layers of K/V for an engine with {len(layers)} attention layers")
             for layer, k, v in zip(layers, keys, values):  # k, v [kv_heads, tokens, head_dim]
-                paged.write(layer, k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype), where)
+                paged.write(layer, k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype), where)  # no copy if token-major
         t3 = time.perf_counter()
         record({"request": load.request, "event": "loaded", "tokens": m, "own_tokens": own,
                 "source_s": t1 - t0, "translate_s": t2 - t1, "write_s": t3 - t2,

@@ -179,11 +179,23 @@ class Contract:
 
     # ------------------------------------------------------------------ the translation
     def translate(self, keys: torch.Tensor, values: torch.Tensor, out_dtype: torch.dtype,
-                  prenorm: torch.Tensor | None = None, precision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  prenorm: torch.Tensor | None = None, precision: str | None = None,
+                  token_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Target (keys, values) [layers, kv_heads, tokens, head_dim] of a source cache's first tokens (keys as
-        cached, post-RoPE; `prenorm` the k_proj outputs where the key space reads them)."""
+        cached, post-RoPE; `prenorm` the k_proj outputs where the key space reads them). `token_major`: the
+        results are views of [layers, tokens, kv_heads, head_dim] tensors, whose per-layer slices are what an
+        engine's cache writer takes (no copy between them)."""
         cap = Capture(keys, values, prenorm, torch.empty(0))
-        return self.translator(cap, out_dtype, precision=precision)
+        g = self.translator.geometry
+        if not token_major or type(self.translator).map_into is not Translator.map_into:
+            # head-wise maps write each head's rows in one strided matmul, which needs head-major outputs
+            out = self.translator(cap, out_dtype, precision=precision)
+            if not token_major:
+                return out
+            return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in out)
+        k, v = (torch.empty(g.target_layers, cap.n_tokens, g.target_kv_heads, g.target_head_dim, dtype=out_dtype)
+                for _ in "kv")
+        return self.translator(cap, out=(k.transpose(1, 2), v.transpose(1, 2)), precision=precision)
 
 
 def recorded_model(config: dict[str, Any], role: str) -> str:
