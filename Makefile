@@ -238,6 +238,10 @@ SERVE_PY     := $(SERVE_VENV)/bin/python
 SERVE_PYTHON ?= 3.11
 SERVE_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 SERVE_ARGS   ?=
+# serve-perf: the random maps' family, and the translation's precision (fast-fused: the maps' matmuls in the
+# engine's BF16 with FP32 accumulation, the keys' norm and RoPE compiled; kvlingo/core/translator.py)
+SERVE_FAMILY    ?= crosshead
+SERVE_PRECISION ?= fast-fused
 # The demo's translators: cache key space (the engine's own saved cache is their input), trained until they pass
 # the default gate on the toy pair (l2s cross-head, s2l cross-layer).
 SERVE_L2S_ARGS ?= --key-space cache --updates 1200
@@ -270,9 +274,10 @@ serve-demo: $(SERVE_VENV)/.synced toy artifacts/serve-l2s/export/config.json art
 	$(SERVE_RUN) $(SERVE_PY) serve_demo.py toy --large $(TOY)/large --small $(TOY)/small \
 	  --l2s artifacts/serve-l2s/export --s2l artifacts/serve-s2l/export $(SERVE_ARGS)
 
-serve-perf: $(SERVE_VENV)/.synced toy ## TTFT at Qwen3-1.7B → 0.6B shapes (random weights, 4,096 tokens): vLLM re-prefill against the connector → results/serve/real.json
-	HF_HUB_OFFLINE=1 $(PY) serve_demo.py prepare-real --tokenizer $(TOY)/small
-	$(SERVE_RUN) $(SERVE_PY) serve_demo.py real --allow-unproven $(SERVE_ARGS)
+serve-perf: $(SERVE_VENV)/.synced toy ## TTFT at Qwen3-1.7B → 0.6B shapes (random weights and maps, BF16, 4,096 tokens): vLLM re-prefill against the connector → results/serve/real-*.json (SERVE_FAMILY=headwise)
+	HF_HUB_OFFLINE=1 $(PY) serve_demo.py prepare-real --tokenizer $(TOY)/small --family $(SERVE_FAMILY)
+	$(SERVE_RUN) $(SERVE_PY) serve_demo.py real --allow-unproven --family $(SERVE_FAMILY) --precision $(SERVE_PRECISION) \
+	  $(SERVE_ARGS)
 
 test-serve: $(SERVE_VENV)/.synced $(VENV)/.synced ## the serving tests, in .venv-serve (vLLM engines on the CPU; references from .venv)
 	$(SERVE_RUN) TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(SERVE_PY) -m pytest -q tests/serve $(TEST_ARGS)

@@ -95,7 +95,7 @@ def run_prepare_real(args) -> int:
     root = Path(args.root)
     large = bench.random_model_folder("Qwen/Qwen3-1.7B", root / "large", Path(args.tokenizer), args.dtype, seed=1)
     small = bench.random_model_folder("Qwen/Qwen3-0.6B", root / "small", Path(args.tokenizer), args.dtype, seed=2)
-    export = bench.random_export(large, small, root / "export-l2s", "l2s", args.family, "cache", args.dtype)
+    export = bench.random_export(large, small, root / f"export-l2s-{args.family}", "l2s", args.family, "cache", args.dtype)
     print(f"random-weight pair {large}, {small}; random {args.family} maps (cache key space, no evidence) {export}")
     return 0
 
@@ -114,10 +114,10 @@ def run_real(args) -> int:
         return 2
     root = Path(args.root)
     t0 = time.time()
-    print(f"timing-only run: the gate is waived (--allow-unproven) for random maps {root / 'export-l2s'}")
+    export = root / f"export-l2s-{args.family}"
+    print(f"timing-only run: the gate is waived (--allow-unproven) for random {args.family} maps {export}")
     source = make_engine(str(root / "large"), None, args.dtype, args.tokens + 64)
-    target = make_engine(str(root / "small"), str(root / "export-l2s"), args.dtype, args.tokens + 64, True,
-                         args.precision)
+    target = make_engine(str(root / "small"), str(export), args.dtype, args.tokens + 64, True, args.precision)
     g = torch.Generator().manual_seed(0)
     vocab = len(target.get_tokenizer())
     ids = torch.randint(3, vocab, (args.tokens,), generator=g).tolist()
@@ -136,7 +136,8 @@ def run_real(args) -> int:
             for path, s in ((p, bench.spread(ts)) for p, ts in times.items())]
     rows += [[f"  └ {k.removesuffix('_s')}", s["n"], f"{s['median']:.3f}", f"{s['min']:.3f}", f"{s['max']:.3f}",
               f"{s['cv']:.3f}"] for k, s in parts.items()]
-    print(f"\nQwen3-1.7B → 0.6B shapes (random weights, {args.dtype}), {args.tokens}-token context; the source engine "
+    print(f"\nQwen3-1.7B → 0.6B shapes (random weights, {args.dtype}), random {args.family} maps (cache key space, "
+          f"precision {args.precision or 'fp32'}), {args.tokens}-token context; the source engine "
           f"read it in {source_s:.1f} s and saved {entry.n} tokens. TTFT of the 0.6B engine, seconds:\n")
     print("| path | n | median | min | max | CV |\n|---|---|---|---|---|---|")
     for r in rows:
@@ -146,9 +147,11 @@ def run_real(args) -> int:
           f"{speed['low']:.1f}–{speed['high']:.1f}×); torch threads in the engine {loads[0]['threads'] if loads else '?'}"
           f", {env['cpus']} CPUs")
     out = {"stage": "serve-real", "config": vars(args), "env": env, "source_prefill_s": source_s,
-           "ttft_trials": times, "speedup": speed, "loads": loads, "wall_s": time.time() - t0}
-    atomic_write_json(Path(args.out) / "real.json", out)
-    print(f"wrote {Path(args.out) / 'real.json'}")
+           "ttft_trials": times, "speedup": speed, "loads": loads, "calls": bench.STARTS,
+           "decisions": DECISIONS[mark:], "wall_s": time.time() - t0}
+    name = f"real-{args.family}-{args.precision or 'fp32'}.json"
+    atomic_write_json(Path(args.out) / name, out)
+    print(f"wrote {Path(args.out) / name}")
     return 0
 
 
@@ -180,6 +183,7 @@ def main(argv=None) -> int:
     prep.add_argument("--family", default="crosshead", help="translator family of the random maps")
     real = sub.add_parser("real", help="TTFT at real shapes (random weights)")
     real.add_argument("--root", default="artifacts/serve-real", help="folder prepare-real wrote")
+    real.add_argument("--family", default="crosshead", help="translator family of the random maps (prepare-real's)")
     real.add_argument("--tokens", type=int, default=4096, help="context length")
     real.add_argument("--dtype", default="bfloat16", help="the engines' dtype")
     real.add_argument("--trials", type=int, default=5, help="timed trials per path")

@@ -37,7 +37,11 @@ def interleaved(paths: dict[str, Callable[[], Any]], trials: int, warmups: int =
             t = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - t)
+            STARTS.append((name, time.time() - times[name][-1], time.time()))
     return times
+
+
+STARTS: list[tuple[str, float, float]] = []  # (path, wall start, wall end) of every timed call, in order
 
 
 def spread(xs: list[float]) -> dict[str, float]:

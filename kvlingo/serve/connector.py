@@ -326,7 +326,7 @@ class KvlingoConnector(KVConnectorBase_V1):
                 self._load_errors.update(torch.unique(load.slots // meta.block_size).tolist())
 
     def _load(self, load: Load, layers: list) -> None:
-        t0 = time.perf_counter()
+        started, t0 = time.time(), time.perf_counter()
         dtype, m, own = layers[0].kv_cache.dtype, len(load.ids), load.own_tokens
         parts = []  # (keys, values [layers, kv_heads, tokens, head_dim], slots)
         if own:
@@ -351,7 +351,7 @@ class KvlingoConnector(KVConnectorBase_V1):
             for layer, k, v in zip(layers, keys, values):  # k, v [kv_heads, tokens, head_dim]
                 paged.write(layer, k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype), where)  # no copy if token-major
         t3 = time.perf_counter()
-        record({"request": load.request, "event": "loaded", "tokens": m, "own_tokens": own,
+        record({"request": load.request, "event": "loaded", "started": started, "tokens": m, "own_tokens": own,
                 "source_s": t1 - t0, "translate_s": t2 - t1, "write_s": t3 - t2,
                 "threads": torch.get_num_threads()}, load.log_file)
 
