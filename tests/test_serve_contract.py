@@ -201,3 +201,30 @@ def test_token_major_cross_head_translation_is_the_same(exports):
     keys, values = contract.translate(cap.keys, cap.values, torch.float32, token_major=True)
     assert keys.transpose(1, 2).is_contiguous() and values.transpose(1, 2).is_contiguous()
     assert torch.equal(keys, want[0]) and torch.equal(values, want[1])
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
+                                             (torch.bfloat16, "fast")])
+def test_reused_buffers_strip_rope_bit_for_bit(exports, dtype, precision):
+    """The connector's key space strips the source's RoPE into reused buffers: the translation is the plain key
+    space's bit for bit, in every output dtype and precision, across calls of different lengths."""
+    from kvlingo.core.keyspace import KeySpace
+    from kvlingo.serve.contract import ReusingKeySpace
+
+    contract = Contract.load(exports["l2s"], served(exports["large"].parent / "small"), allow_unproven=True)
+    assert isinstance(contract.translator.space, ReusingKeySpace)
+    relay = Relay.load(exports["l2s"], device="cpu", dtype="float32", allow_unproven=True)
+    ids = prompt(exports["tok"])
+    for n in (len(ids), 9, len(ids) - 3):  # shorter and longer calls reuse and regrow the buffers
+        cap = relay.capture(ids[:n])
+        keys, values = cap.keys.to(dtype), cap.values.to(dtype)
+        got = contract.translate(keys, values, dtype, precision=precision)
+        plain = contract.translator.space
+        contract.translator.space = KeySpace.__new__(KeySpace)
+        contract.translator.space.__dict__.update({k: v for k, v in plain.__dict__.items()
+                                                   if k not in ("_buffers", "_negated")})
+        try:
+            want = contract.translate(keys, values, dtype, precision=precision)
+        finally:
+            contract.translator.space = plain
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

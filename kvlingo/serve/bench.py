@@ -96,8 +96,8 @@ def conversation(engines: dict[str, Any], tokenizer, turns: list[tuple[str, str]
                                "prompt_tokens": len(ids)}
         if row["switch"]:
             mark = len(decisions)
-            times = interleaved({"reprefill": lambda: first_token(llm, ids, OFF),
-                                 "connector": lambda: first_token(llm, ids, NO_SAVE)}, trials, warmups)
+            times = interleaved({"reprefill": lambda llm=llm, ids=ids: first_token(llm, ids, OFF),
+                                 "connector": lambda llm=llm, ids=ids: first_token(llm, ids, NO_SAVE)}, trials, warmups)
             row["ttft"] = {path: spread(ts) for path, ts in times.items()}
             row["ttft_trials"] = times
             row["speedup"] = ratio(times["reprefill"], times["connector"])

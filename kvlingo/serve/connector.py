@@ -157,7 +157,7 @@ class KvlingoConnector(KVConnectorBase_V1):
         mc = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
         self.granule = self.block_size if self.whole_blocks else 1  # loads fill whole blocks, or any token count
-        self.engine = f"{mc.model}#{id(self)}"
+        self.engine = f"{mc.model}#{id(self)}"  # this engine in the store (two engines may serve one model)
         self.dtype = mc.dtype
         self._reader: paged.Reader | None = None
         self._load_errors: set[int] = set()
@@ -174,7 +174,7 @@ class KvlingoConnector(KVConnectorBase_V1):
                      self.contract.config["family"], "passed" if self.contract.verdict.passed else "WAIVED")
 
     # ------------------------------------------------------------------ scheduler side
-    def _accept(self, vllm_config) -> tuple[str | None, tuple | None]:
+    def _accept(self, vllm_config) -> tuple[str | None, str | None]:
         """(why this engine never loads, or None; the contract's key, or None when there is no translator)."""
         if vllm_config.cache_config.enable_prefix_caching:
             return ("prefix caching is on, and vLLM would hash the blocks a translation fills by their token ids and "
@@ -300,14 +300,14 @@ class KvlingoConnector(KVConnectorBase_V1):
         if not self.save or t.request is None or mode(t.request) in ("off", "no-save") or stop <= t.saved:
             return
         ids = list(t.request.all_token_ids[t.saved:stop])
-        meta.saves.append(Save(self.served.name, req_id, self.served.to_dict(), t.exact, t.saved, ids,
+        meta.saves.append(Save(self.engine, req_id, self.served.to_dict(), t.exact, t.saved, ids,
                                paged.slots(t.blocks, t.saved, stop, self.block_size)))
         t.saved = stop
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         self.tracked.pop(request.request_id, None)
         self.plans.pop(request.request_id, None)
-        STORE.finish(self.served.name, request.request_id)
+        STORE.finish(self.engine, request.request_id)
         return False, None
 
     # ------------------------------------------------------------------ worker side

@@ -35,7 +35,9 @@ from typing import Any
 import torch
 
 from ..core.cache import Capture
+from ..core.keyspace import KeySpace
 from ..core.refresh import Refresh, RefreshError
+from ..core.rope import apply_rope_into
 from ..core.translator import (Geometry, Translator, TranslatorError, load_state, read_manifest, same_model)
 from ..run.evidence import Gate, Verdict, judge
 from ..run.export import CONFIG_FILE, read_export
@@ -138,6 +140,7 @@ class Contract:
             target_stub = model_stub(load_config(target.name),
                                      weights=target.name if manifest["key_space"] == "prenorm" else None)
             translator = load_state(folder, manifest).bind(source, target_stub)
+            translator.space = ReusingKeySpace.of(translator.space)
         except (TranslatorError, PairError, OSError, ValueError) as err:
             raise Refused(f"translator {folder}: {err}") from None
         translator.requires_grad_(False)
@@ -216,6 +219,47 @@ def load_config(name: str):
 
     spec = ModelSpec.parse(name)
     return AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision)
+
+
+class ReusingKeySpace(KeySpace):
+    """A translator's key space whose `cache`-space source side (RoPE stripped off the cached keys) writes into
+    buffers reused from one layer chunk to the next, instead of half a dozen fresh tensors per chunk (each a
+    round of page faults on a CPU). The same operations: `rope.apply_rope_into` with the strip tables' sine
+    negated computes `rope.strip_rope` bit for bit (x·(−s) = −(x·s) and a − (−b) = a + b exactly).
+
+    Its result is overwritten by the next call, so a family must consume it before asking again (every
+    family maps a chunk's source features before it reads the next chunk's)."""
+
+    @classmethod
+    def of(cls, space: KeySpace) -> "ReusingKeySpace":
+        reusing = cls.__new__(cls)
+        reusing.__dict__.update(space.__dict__)
+        reusing._buffers, reusing._negated = {}, None
+        return reusing
+
+    def source_keys(self, cap: Capture, layers=slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.name != "cache":
+            return super().source_keys(cap, layers, dtype)
+        keys = cap.keys[layers]  # [n, heads, tokens, head_dim] as cached
+        cos, sin = self.source_rope.inverse(cap.n_tokens, device=keys.device)
+        if self._negated is None or self._negated.shape != sin.shape or self._negated.device != sin.device:
+            self._negated = -sin
+        x = self._take("x", keys.shape, torch.float32, keys.device)
+        x.copy_(keys)
+        out = self._take("out", keys.shape, torch.float32, keys.device)
+        half = self._take("half", (*keys.shape[:-1], keys.shape[-1] // 2), torch.float32, keys.device)
+        apply_rope_into(x, cos, self._negated, out, half)
+        if dtype == torch.float32:
+            return out
+        low = self._take("low", keys.shape, dtype, keys.device)
+        return low.copy_(out)
+
+    def _take(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        n = torch.Size(shape).numel()
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = self._buffers[name] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
 
 
 # --------------------------------------------------------------------------- RoPE-only models

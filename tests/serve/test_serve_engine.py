@@ -13,7 +13,6 @@ import copy
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
