@@ -11,8 +11,9 @@ Each engine gets one; the connector both saves what its engine computes (into th
   tokens the translation fills: never the prompt's last token (as in `kvlingo.Relay`; whole
   blocks only with `whole_blocks`), less the refresh's
   tail, which the engine prefills itself on top. Where the store also holds this model's own
-  exact cache of a prefix of the prompt (an earlier turn it computed itself), that prefix is
-  reused as it is and only the rest is translated. Anything refused is logged with its reason
+  cache of a prefix of the prompt (an earlier turn it served), that prefix is reused as it is
+  and only the rest is translated: each part of a conversation that switches back and forth is
+  then translated once, from the model that computed it. Anything refused is logged with its reason
   and the request is prefilled as usual (0 matched tokens).
 - worker side (`start_load_kv`): translates those tokens (`Contract.translate`) and writes
   them through each attention layer's own cache writer (`paged.write`) before the forward;
@@ -97,6 +98,7 @@ class Load:
     ids: list[int]  # the prompt's first tokens, all of them loaded
     own: int | None  # store entry of this model's own exact cache (None: none is used)
     own_tokens: int  # positions taken from it
+    own_exact: bool  # that entry is exact (`store.Entry.exact`)
     source: int | None  # store entry translated (None: the source model, run here, reads `ids`)
     contract: str | None  # `_CONTRACTS` key of the translator (None when nothing is translated)
     log_file: str | None = None
@@ -216,7 +218,8 @@ class KvlingoConnector(KVConnectorBase_V1):
         self.plans[request.request_id] = plan
         tokens = len(plan.ids) - num_computed_tokens
         record({"request": request.request_id, "engine": self.served.name, "prompt_tokens": n, "matched": len(plan.ids),
-                "own_tokens": plan.own_tokens, "mode": plan.mode, "reason": None}, self.log_file)
+                "own_tokens": plan.own_tokens, "own_exact": plan.own_exact, "mode": plan.mode, "reason": None},
+               self.log_file)
         log.info("kvlingo %s on %s: loads %d of %d prompt tokens (%d from its own cache, %d translated)",
                  request.request_id, self.served.name, len(plan.ids), n, plan.own_tokens,
                  len(plan.ids) - plan.own_tokens)
@@ -233,7 +236,9 @@ class KvlingoConnector(KVConnectorBase_V1):
             return None, "the prompt has fewer than 2 tokens"
         contract = self.contract
         found = STORE.lookup(ids)
-        own_entry, own = next(((e, c) for e, c in found if e.exact and e.model == self.served.to_dict()), (None, 0))
+        # This model's own cache of the longest prefix: what it would hold had it continued the conversation itself
+        # (exact when it computed all of it from the conversation; else it attended to a translation already made)
+        own_entry, own = next(((e, c) for e, c in found if e.model == self.served.to_dict()), (None, 0))
         own = min(own, len(ids) - 1) // self.granule * self.granule
         own = own if own >= self.min_tokens else 0
         reasons, source, m = [], None, 0
@@ -251,11 +256,12 @@ class KvlingoConnector(KVConnectorBase_V1):
                 source, m = entry, contract.usable_tokens(common, len(ids), self.granule)
                 break
         if source is not None and m > max(own, num_computed) and m >= self.min_tokens:  # past its own exact prefix
-            return Load(request.request_id, ids[:m], own_entry.key if own else None, own,
+            return Load(request.request_id, ids[:m], own_entry.key if own else None, own, bool(own and own_entry.exact),
                         None if source == "model" else source.key, self.contract_key, self.log_file,
                         self.precision), None
         if own > num_computed:
-            return Load(request.request_id, ids[:own], own_entry.key, own, None, None, self.log_file), None
+            return Load(request.request_id, ids[:own], own_entry.key, own, own_entry.exact, None, None,
+                        self.log_file), None
         if source is not None:
             reasons.append(f"the source cache gives {m} tokens to load, not more than {max(own, num_computed)} and at "
                            f"least {self.min_tokens} (min_tokens; refresh {contract.refresh}, granule {self.granule})")
@@ -269,8 +275,8 @@ class KvlingoConnector(KVConnectorBase_V1):
         plan = self.plans.get(request.request_id)
         if num_external_tokens == 0:
             self.plans.pop(request.request_id, None)
-        elif plan is not None and plan.mode != "own" and request.request_id in self.tracked:
-            self.tracked[request.request_id].exact = False  # its later tokens attend to a translated cache
+        elif plan is not None and request.request_id in self.tracked:  # exact only if all it loads is exact
+            self.tracked[request.request_id].exact = plan.mode == "own" and plan.own_exact
 
     def build_connector_meta(self, scheduler_output) -> Meta:
         meta = Meta(self.block_size)

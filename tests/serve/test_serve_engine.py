@@ -179,7 +179,8 @@ def claim(conn, ids) -> tuple[int, bool, str]:
 def test_engines_the_contract_refuses_load_nothing_and_say_why(fx, engines, tmp_path):
     """An unproven translator (gate not waived), another tokenizer, another target model, a refresh a connector
     cannot run, prefix caching on, and prenorm maps given an engine's cache: each claims 0 matched tokens (vLLM
-    then prefills), with the reason logged."""
+    then prefills), with the reason logged. Maps measured with a tail refresh, and whole blocks, leave the tail
+    of the context to vLLM."""
     import shutil
 
     ids = fx["prompts"][1]
@@ -207,3 +208,9 @@ def test_engines_the_contract_refuses_load_nothing_and_say_why(fx, engines, tmp_
             assert reason in conn.refusal
     n, _, why = claim(connector(small, exports["cache"], allow_unproven=True), ids)
     assert n == len(ids) - 1 and why is None  # the same request, with the checks passing, loads
+    tail = shutil.copytree(exports["cache"], tmp_path / "tail")
+    (tail / "config.json").write_text(json.dumps({**cfg, "refresh": "tail:5"}))
+    n, _, _ = claim(connector(small, str(tail), allow_unproven=True), ids)
+    assert n == len(ids) - 1 - 5  # maps measured with refresh tail:5 leave the last 5 context tokens to vLLM
+    n, _, _ = claim(connector(small, exports["cache"], allow_unproven=True, whole_blocks=True), ids)
+    assert n == (len(ids) - 1) // 32 * 32
