@@ -72,6 +72,12 @@ class ServedModel:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "geometry": list(self.geometry)}
 
+    @property
+    def argument(self) -> str:
+        """The model as a model argument at the revision it was served at: its folder, or id@revision."""
+        ident = self.identity
+        return f"{ident['id']}@{ident['revision']}" if "id" in ident else self.name
+
 
 def geometry_of(cfg) -> tuple[int, int, int]:
     g = Geometry.of(cfg, cfg)
@@ -137,8 +143,8 @@ class Contract:
         try:
             source_cfg = load_config(source_name)
             source = model_stub(source_cfg)
-            target_stub = model_stub(load_config(target.name),
-                                     weights=target.name if manifest["key_space"] == "prenorm" else None)
+            target_stub = model_stub(load_config(target.argument),
+                                     weights=target.argument if manifest["key_space"] == "prenorm" else None)
             translator = load_state(folder, manifest).bind(source, target_stub)
             translator.space = ReusingKeySpace.of(translator.space)
         except (TranslatorError, PairError, OSError, ValueError) as err:
