@@ -72,8 +72,8 @@ DEMO_FAMILY_deep := crosslayer
 # cache every process recompiles torch and transformers (seconds per stage, minutes per test run).
 export PYTHONDONTWRITEBYTECODE =
 # torch's CPU allocator asks Linux for transparent huge pages for tensors of 2 MiB or more (read once,
-# at torch's first allocation; nothing elsewhere). A 4,096-token Qwen3-0.6B prefill otherwise takes
-# about 3.7 million page faults. Every process of a run gets the same setting, so a timing's paths do;
+# at torch's first allocation; nothing elsewhere); a long prefill otherwise takes millions of page
+# faults. Every process of a run gets the same setting, so a timing's paths do;
 # reports record it (env.huge_pages). THP_MEM_ALLOC_ENABLE=0 on the command line turns it off.
 export THP_MEM_ALLOC_ENABLE ?= 1
 
@@ -84,8 +84,10 @@ PAIR_FLAGS = --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction 
 	--dtype $(DTYPE) $(if $(RUN),--run $(RUN))
 REFRESH_FLAG = $(if $(REFRESH),--refresh $(REFRESH))
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
-# One process, or torchrun with NPROC ranks (kvlingo/train/distributed.py).
+# One process, or torchrun with NPROC ranks (kvlingo/train/distributed.py). torchrun's parser would take a stage
+# flag that abbreviates one of its own options (--run: --run-path) for its own: the stage's flags follow `--`.
 TRAIN_PY = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY))
+TRAIN_SEP = $(if $(filter-out 1,$(NPROC)),--)
 
 .DEFAULT_GOAL := help
 .PHONY: help venv test test-fast run demo toy toy-train toy-train-deep toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate frontier export
@@ -166,10 +168,10 @@ prepare: $(VENV)/.synced ## disjoint train/validation/test splits → data/PROFI
 	$(PY) paper_data.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
 
 train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, results/RUN/train.json (TRAIN_ARGS=--resume, NPROC=8)
-	$(TRAIN_PY) train_translator.py $(PAIR_FLAGS) $(TRAIN_ARGS)
+	$(TRAIN_PY) train_translator.py $(TRAIN_SEP) $(PAIR_FLAGS) $(TRAIN_ARGS)
 
 estimate: $(VENV)/.synced ## peak memory per rank and time per update of PROFILE's distillation (NPROC=8 GPU=H100)
-	$(PY) -m kvlingo.train.estimate --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) \
+	$(PY) estimate.py --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) \
 	  --dtype $(DTYPE) --nproc $(NPROC) --device $(DEVICE) $(if $(GPU),--gpu $(GPU))
 
 benchmark: $(VENV)/.synced ## KL/perplexity rows, native controls, four timing paths → results/RUN/benchmark.json
@@ -197,7 +199,7 @@ task: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff
 task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the native source and target
 	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(TASK_ARGS)
 
-# LARGE/SMALL given on the command line name preset shapes (kvlingo/eval/shapes.py), e.g. Qwen/Qwen3-4B.
+# LARGE/SMALL given on the command line name preset shapes (kvlingo/bench/shapes.py), e.g. Qwen/Qwen3-4B.
 perf: $(VENV)/.synced ## speed at real shapes (LARGE=Qwen/Qwen3-4B SMALL=Qwen/Qwen3-0.6B ...), random weights: FLOP ceilings of every family, then 4 paths as shipped and optimised, the physical limit, 1k/2k/4k (DIRECTION=s2l too) → results/perf/perf.json
 	$(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) \
 	  --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)
@@ -210,7 +212,7 @@ export: $(VENV)/.synced ## the run's translator, its evidence and a model card �
 	$(PY) export.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN)) $(EXPORT_ARGS)
 
 summary: $(VENV)/.synced ## one table of the run's reports → results/RUN/summary.md
-	$(PY) -m kvlingo.eval.summary --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))
+	$(PY) summary.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))
 
 ablate: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## every translator family on the same budget, default chosen on validation KL → results/PROFILE-DIRECTION-ablate/ablation.{json,md,png} (both directions)
 	$(MAKE) prepare
@@ -239,7 +241,7 @@ SERVE_PYTHON ?= 3.11
 SERVE_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 SERVE_ARGS   ?=
 # serve-perf: the random maps' family, and the translation's precision (fast-fused: the maps' matmuls in the
-# engine's BF16 with FP32 accumulation, the keys' norm and RoPE compiled; kvlingo/core/translator.py)
+# engine's BF16 with FP32 accumulation, the keys' norm and RoPE compiled; kvlingo/core/engine.py)
 SERVE_FAMILY    ?= crosshead
 SERVE_PRECISION ?= fast-fused
 # The demo's translators: cache key space (the engine's own saved cache is their input), trained until they pass

@@ -1,6 +1,6 @@
 """Ablate the translator: every family and setting on the same splits and budget, and the default chosen on validation.
 
-For each setting in kvlingo/run/ablation.py: train (closed form, then distillation at the
+For each setting in kvlingo/drive/ablation.py: train (closed form, then distillation at the
 profile's budget), benchmark the test split, IFEval and GSM8K after a prompt handoff (with the
 native rows scored once and shared). The two settings with the lowest validation KL are
 trained again with a longer budget. Every step is a resumable cell (the recipe's ledger): a
@@ -18,17 +18,19 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvlingo.core.folder import MAPS_FILE
+from kvlingo.drive import ablation as A
+from kvlingo.drive import cells as K
+from kvlingo.drive.ledger import LEDGER_FILE
+from kvlingo.drive.stage import add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
+from kvlingo.errors import Failure, Refusal
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
-from kvlingo.run import ablation as A
-from kvlingo.run import recipe as K
 from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig, pair_config_from_args
-from kvlingo.run.paths import RunPaths, default_data, default_run
+from kvlingo.run.paths import TRANSLATORS, RunPaths, check_outputs, default_data, default_run
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_pm, fmt_table
+from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.ledger import LEDGER_FILE
-from kvlingo.run.stage import REFUSALS, add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": "train_translator.py", "benchmark": "benchmark.py", "ifeval": "ifeval.py", "task": "task_eval.py"}
@@ -39,7 +41,7 @@ class AblationConfig:
     run: str  # cells live under ARTIFACTS/RUN/<setting> and RESULTS/RUN/<setting>
     profile: str  # profile passed to every stage (budget, splits, evaluation sizes)
     data: str  # prepared chat data
-    settings: tuple[str, ...]  # the settings run (kvlingo/run/ablation.py SETTINGS)
+    settings: tuple[str, ...]  # the settings run (kvlingo/drive/ablation.py SETTINGS)
     long_factor: int  # the best two settings are trained again for this many × the profile's updates
     eval_root: str  # prepared IFEval and GSM8K data root
     tasks: tuple[str, ...]  # generative evaluations run per setting (ifeval, gsm8k)
@@ -63,7 +65,8 @@ class AblationResults:
 def parse_args(argv=None):
     p = stage_parser(__doc__, ["python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
                                "--device cpu --dtype float32 --data-root data/toy-eval",
-                               "python ablate.py --profile demo ... --settings headwise crosshead --resume"],
+                               "python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+                               "--device cpu --dtype float32 --data-root data/toy-eval --settings headwise crosshead --resume"],
                      common=True, data=True)
     p.add_argument("--settings", nargs="+", default=[s.name for s in A.SETTINGS],
                    choices=[s.name for s in A.SETTINGS], help="settings to run (default: all)")
@@ -89,7 +92,7 @@ class Plan:
     def train(self, setting: A.Setting, sub: str, updates: int | None = None) -> K.Cell:
         flags = {"--data": self.cfg.data, "--family": setting.family, "--updates": updates}
         return self.cell("train", sub, flags, "train", extra=setting.flags, resume_flag="--resume",
-                         outputs=(str(self.paths.nested(sub).translator("distilled") / "maps.safetensors"),))
+                         outputs=tuple(str(self.paths.nested(sub).translator(k) / MAPS_FILE) for k in TRANSLATORS))
 
     def benchmark(self, sub: str) -> K.Cell:
         return self.cell("benchmark", sub, {"--data": self.cfg.data, "--timing-conversations": 0,
@@ -150,12 +153,7 @@ def markdown(cfg: AblationConfig, rows: list[dict], default: dict, native: dict)
 
 
 def plot(rows: list[dict], title: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = figure((7, 4.5))
     for r in rows:
         x, y = 100 * r["real"]["fraction_of_reprefill"], r["test_kl_token"]
         ax.plot([x], [y], "o", color="C1" if r["long_budget"] else "C0")
@@ -175,12 +173,14 @@ def main(argv=None) -> dict:
     t0 = time.time()
     profile = get_profile(args.profile)
     pair, _ = pair_config_from_args(args)
-    tasks = generative_tasks("ablate", args)
+    tasks = generative_tasks(args)
     cfg = AblationConfig(run=args.run or f"{default_run(profile.name, pair.direction)}-ablate",
                          profile=profile.name, data=str(args.data or default_data(profile.name)),
                          settings=tuple(args.settings), long_factor=args.long_factor, eval_root=args.data_root,
                          tasks=tasks, artifacts=args.artifacts, results=args.results, pair=pair)
     plan = Plan(cfg)
+    check_outputs([plan.paths.report("ablation"), *(plan.paths.beside("ablation", x) for x in (".md", ".png")),
+                   plan.paths.res / LEDGER_FILE])
     lock_run(plan.paths.res, "ablate")
     ledger = K.Ledger(plan.paths.res / LEDGER_FILE, asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
@@ -206,10 +206,10 @@ def main(argv=None) -> dict:
             by_name = {s.name: s for s in chosen}
             rows += [evaluate(by_name[r["setting"]], f"{r['setting']}-long", cfg.long_factor * profile.updates)
                      for r in best]
-    except REFUSALS:
+    except Refusal:
         raise
     except K.StageFailed as e:
-        raise SystemExit(f"ablate: {e}. The ledger marks that cell failed; fix the cause, then re-run with --resume")
+        raise Failure(f"{e}. The ledger marks that cell failed; fix the cause, then re-run with --resume") from None
 
     default = A.choose_default([r for r in rows if not r["long_budget"]])
     results = AblationResults(rows=rows, default=default, native=native)

@@ -9,7 +9,7 @@ Quality arms (kvlingo/eval/quality.py): native source, native target (the refere
 closed-form, distilled, control (the translator on another conversation's cache of the same
 length) and no-context (the target reads only the last prefix token and the reply; the floor).
 Native controls (kvlingo/eval/controls.py): reconstruction and identity round trip, per test
-conversation, in every dtype of --control-dtypes. Timing (kvlingo/eval/timing.py): four paths
+conversation, in every dtype of --control-dtypes. Timing (kvlingo/bench/timing.py): four paths
 to the first-token logits of a new turn (context = prefix[:-k], new turn = the last k prefix
 tokens) on the --timing-conversations longest test prefixes.
 
@@ -28,18 +28,21 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvlingo.bench import timing
+from kvlingo.bench.packing import packed
+from kvlingo.core.folder import MANIFEST_FILE, load_translator
 from kvlingo.core.handoff import as_ids
-from kvlingo.core.translator import load_translator
-from kvlingo.eval import controls, quality, timing
+from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
+from kvlingo.errors import Refusal
+from kvlingo.eval import controls, quality
 from kvlingo.io import sha256_file
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split
 from kvlingo.run.models import PairConfig, dtype_name, load_model, load_pair, pair_config_from_args, resolve_dtype
-from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
+from kvlingo.run.paths import TRANSLATORS, check_outputs, default_data, make_command, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_interval, fmt_pm, fmt_table, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, refuse, stage_parser
 
 SCRIPT = Path(__file__).resolve()
 
@@ -84,8 +87,8 @@ class BenchmarkResults:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = stage_parser(__doc__, ["python benchmark.py --profile pilot --run pilot-l2s --device cuda",
-                                    "python benchmark.py --profile demo --large runs/large --small runs/small "
-                                    "--dtype float32 --timing-repeats 8"], common=True, data=True)
+                                    "python benchmark.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+                                    "--device cpu --dtype float32 --timing-repeats 8"], common=True, data=True)
     parser.add_argument("--variant", choices=("natural", "packed"), default="natural", help="test-split variant to score")
     parser.add_argument("--limit", type=whole(1), default=None, help="score only the first N test conversations")
     parser.add_argument("--skip-missing", action="store_true",
@@ -129,8 +132,9 @@ def summary_markdown(results: BenchmarkResults, dtype: str, refresh: str = "none
     text = [f"## Benchmark quality ({dtype}; KL(native target ‖ arm) over reply tokens"
             + (f"; refresh {refresh}" if refresh != "none" else "") + ")\n",
             fmt_table(["arm", "KL/token", "KL/conv ± SE", "ppl", "top-1", "ΔNLL", "convs", "tokens"], arm_rows),
-            f"control: {q['control_translator']} translator on another test conversation's source cache of the same "
-            f"length; no_context: {q['no_context']} (the floor)."
+            (f"control: {q['control_translator']} translator on another test conversation's source cache of the same "
+             "length; " if q["control_translator"] else "control: not scored (no translator in this run); ")
+            + f"no_context: {q['no_context']} (the floor)."
             + (f" Skipped (translator missing): {', '.join(q['skipped'])}." if q["skipped"] else "") + "\n"]
     if q["paired"]:
         text += ["\nPaired t-tests on per-conversation mean NLL (a − b):\n",
@@ -161,14 +165,14 @@ def main(argv: list[str] | None = None) -> None:
     pair_cfg, tokenizer = pair_config_from_args(args)
     folders, missing = paths.translators(TRANSLATORS)
     if missing and not args.skip_missing:
-        refuse("benchmark", f"no trained translator at {', '.join(str(paths.translator(m)) for m in missing)} "
-                            f"(manifest.json missing): run `make train RUN={paths.run}` first "
-                            "(or pass --skip-missing to leave those rows out)")
+        raise Refusal(f"no trained translator at {', '.join(str(paths.translator(m)) for m in missing)} "
+                      f"(manifest.json missing): run `{make_command('train', paths.run, args.profile, pair_cfg)}` first "
+                      "(or pass --skip-missing to leave those rows out)")
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)
     convs = read_split(data_dir, "test", args.variant, limit=args.limit)
     if len(convs) < 2:
-        raise SystemExit(f"benchmark: the test split holds {len(convs)} usable conversation(s); the control arm needs 2")
+        raise Refusal(f"the test split holds {len(convs)} usable conversation(s); the control arm needs 2")
     cfg = BenchmarkConfig(
         profile=profile.name, run=paths.run, data=str(data_dir), variant=args.variant, limit=args.limit,
         skipped_translators=tuple(missing),
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     test_file = f"test.{args.variant}.jsonl"
     inputs = {"test_split": {"path": str(data_dir / test_file), "sha256": manifest["files"][test_file]},
-              **{name: {"path": str(f), "manifest_sha256": sha256_file(f / "manifest.json")}
+              **{name: {"path": str(f), "manifest_sha256": sha256_file(f / MANIFEST_FILE)}
                  for name, f in folders.items()}}
     identity = resume.identity(cfg, inputs, pair_cfg.identities(), resume.code_hash(SCRIPT))
     key = resume.resume_key(identity)
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         print(md.read_text() if md.exists() else "")
         return
 
+    check_outputs([paths.report("benchmark"), paths.beside("benchmark", ".rows.jsonl"), paths.beside("benchmark", ".md")])
     lock_run(paths.res, "benchmark")  # before the models load: also refuses a folder it cannot write
     pair = load_pair(pair_cfg, tokenizer)
     translators = {name: load_translator(f, pair)[0] for name, f in folders.items()}
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for conv, ctl in zip(tqdm(convs, desc="quality", file=sys.stderr), pairing):
         arms = quality.score_conversation(pair.source, pair.target, translators, control_name, conv,
-                                          ctl["context_ids"], pair.dtype, args.refresh)
+                                          ctl["context_ids"], pair.dtype, args.refresh, pair.cache)
         rows.append({"id": conv["id"], "context_tokens": len(conv["prefix_ids"]) - 1,
                      "reply_tokens": len(conv["reply_ids"]),
                      "control_pairing": {"ids": ctl["ids"], "kind": ctl["kind"], "translator": control_name},
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         model = pair.target if dtype == pair.dtype else load_model(pair.target_spec, pair.device, dtype)
         tol = controls.tolerances_for(dtype).scaled(cfg.tolerance_scale)
         for conv, row in zip(tqdm(convs, desc=f"controls {dname}", file=sys.stderr), rows):
-            row["controls"][dname] = controls.native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol)
+            row["controls"][dname] = controls.native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol,
+                                                               pair.cache)
         control_results[dname] = {"tolerances": asdict(tol),
                                   **controls.summarize_controls([r["controls"][dname] for r in rows])}
         del model
@@ -228,15 +234,18 @@ def main(argv: list[str] | None = None) -> None:
     timed = sorted((c for c in convs if len(c["prefix_ids"]) > k), key=lambda c: (-len(c["prefix_ids"]), c["id"]))
     timed = timed[:cfg.timing_conversations]
     if cfg.timing_conversations and not timed:
-        raise SystemExit(f"benchmark: no test prefix is longer than --new-turn-tokens {k}; lower it")
+        raise Refusal(f"no test prefix is longer than --new-turn-tokens {k}; lower it")
     if timed and control_name is not None:
         contexts = []
+        trials = timing.Trials(cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
+        options = timing.PathOptions(timing.mode_for(pair.cache), refresh=args.refresh)
         for conv in tqdm(timed, desc="timing", file=sys.stderr):
             ids = as_ids(conv["prefix_ids"], pair.device)  # [1, prefix]; tokenisation stays out of the clock
-            paths_ = timing.HandoffPaths(pair.source, pair.target, translators[control_name], ids[:, :-k], ids[:, -k:],
-                                         refresh=args.refresh)
-            summaries = timing.time_paths(paths_, timing.PATHS, cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
-            breakdown = timing.time_breakdown(paths_, cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
+            with packed(pair.target, on=options.mode == "optimised"):
+                paths_ = timing.HandoffPaths(pair.source, pair.target, translators[control_name], ids[:, :-k],
+                                             ids[:, -k:], options)
+                summaries = timing.time_paths(paths_, timing.PATHS, trials)
+                breakdown = timing.time_breakdown(paths_, trials)
             contexts.append({"id": conv["id"], "context_tokens": ids.shape[1] - k, "new_turn_tokens": k,
                              "paths": summaries, "speedup": timing.speedups(summaries),
                              "speedup_interval": timing.speedup_intervals(summaries),

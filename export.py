@@ -12,18 +12,18 @@ RESULTS/RUN/ifeval.json; writes to --out (default ARTIFACTS/RUN/export/):
 
 Reports that scored other maps or another pair are refused before anything is written (exit 2).
 A translator that fails the gate is still exported, and its card says so; `Relay.load` refuses
-it unless told `allow_unproven=True`. The layout and the gate: kvlingo/run/export.py, evidence.py.
+it unless told `allow_unproven=True`. The layout and the gate: kvlingo/run/exported.py, evidence.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvlingo.run.export import CONFIG_FILE, gather, write_export
+from kvlingo.drive.stage import refusals_exit, stage_parser
+from kvlingo.run.exported import CONFIG_FILE, EXPORT_FILES, gather, write_export
 from kvlingo.run.models import DIRECTIONS
-from kvlingo.run.paths import TRANSLATORS, add_run_args, run_paths, writable
+from kvlingo.run.paths import TRANSLATORS, add_run_args, check_outputs, run_paths, writable
 from kvlingo.run.profiles import PROFILES
-from kvlingo.run.stage import refusals_exit, stage_parser
 
 
 def parse_args(argv=None):
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     paths = run_paths(args)
     out = args.out or paths.art / "export"
     maps, config, evidence = gather(paths, args.translator, evidence=not args.no_evidence)
+    check_outputs([out / name for name in EXPORT_FILES], flag="--out", need_bytes=len(maps))
     writable(out, "--out")
     verdict = write_export(out, maps, config, evidence)
     print(f"wrote {out} ({config['family']} {config['direction']}, {args.translator} maps of run {paths.run}; "

@@ -28,20 +28,23 @@ from pathlib import Path
 
 import torch
 
+from kvlingo.bench import timing
+from kvlingo.bench.packing import packed
+from kvlingo.bench.shapes import real_pair_configs, translator_at
+from kvlingo.core.folder import MANIFEST_FILE, MAPS_FILE, read_manifest
 from kvlingo.core.refresh import Refresh, refresh_flops
-from kvlingo.eval import timing
-from kvlingo.eval.shapes import real_pair_configs, translator_at
+from kvlingo.drive import cells as K
+from kvlingo.drive.stage import (add_task_data_args, generative_tasks, lock_run, refresh_setting, refusals_exit,
+                               stage_parser)
+from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.stats import ratio_of_medians_interval
-from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
-from kvlingo.run import recipe as K
+from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_file
 from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig, pair_config_from_args
-from kvlingo.run.paths import RunPaths, default_data, run_paths
+from kvlingo.run.paths import RunPaths, check_outputs, default_data, run_paths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_pm, fmt_table
+from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_pm, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import (REFUSALS, add_task_data_args, generative_tasks, lock_run, refresh_setting,
-                               refuse, refusals_exit, stage_parser)
 
 ROOT = Path(__file__).resolve().parent
 SETTINGS = ("none", "tail:10%", "tail:25%", "tail:50%", "layers:25%", "layers:50%", "layers:75%",
@@ -88,7 +91,8 @@ class FrontierResults:
 def parse_args(argv=None):
     p = stage_parser(__doc__, ["python frontier.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
                                "--device cpu --dtype float32 --data-root data/toy-eval",
-                               "python frontier.py --profile demo ... --runs demo-l2s-ablate/crosshead --resume"],
+                               "python frontier.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+                               "--device cpu --dtype float32 --data-root data/toy-eval --runs demo-l2s-ablate/crosshead --resume"],
                      common=True, data=True)
     p.add_argument("--runs", nargs="*", default=[], help="other trained runs to put on the frontier (other families)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), type=lambda text: str(refresh_setting(text)),
@@ -121,8 +125,7 @@ class Plan:
         """The run's distilled translator, copied under the setting's own run folder (each cell is the real stage)."""
         src = RunPaths(run, self.cfg.artifacts, self.cfg.results).translator("distilled")
         dst = self.sub(run, setting).translator("distilled")
-        if not (dst / "manifest.json").is_file() or sha256_file(dst / "maps.safetensors") != \
-                sha256_file(src / "maps.safetensors"):
+        if not (dst / MANIFEST_FILE).is_file() or sha256_file(dst / MAPS_FILE) != sha256_file(src / MAPS_FILE):
             tmp = dst.with_name(".distilled.copy")
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(src, tmp)
@@ -133,7 +136,7 @@ class Plan:
         script = str(ROOT / SCRIPTS[stage])
         sub = self.sub(run, setting)
         src = RunPaths(run, self.cfg.artifacts, self.cfg.results).translator("distilled")
-        inputs = {**self.inputs, "code_sha256": code_hash(script), "translator": sha256_file(src / "maps.safetensors")}
+        inputs = {**self.inputs, "code_sha256": code_hash(script), "translator": sha256_file(src / MAPS_FILE)}
         return K.Cell(f"{stage}/{run}/{slug(setting)}", stage, script,
                       {**self.flags, "--run": sub.run, "--refresh": setting, **flags}, str(sub.report(report)),
                       inputs, **kw)
@@ -182,9 +185,9 @@ class Plan:
 def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: int) -> dict:
     """Re-prefill and each (run, setting)'s handoff at the real shapes with random weights (seconds), every
     trial interleaved round by round with the others (timing.time_handoffs)."""
-    from kvlingo.eval.perf import random_ids
-    from kvlingo.eval.shapes import real_settings
-    from kvlingo.toy.random import random_pair, random_translator
+    from kvlingo.bench.random_pair import random_pair, random_translator
+    from kvlingo.bench.shapes import real_settings
+    from kvlingo.bench.speed import random_ids
 
     device = cfg.pair.device
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -197,8 +200,10 @@ def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: 
         tr = random_translator(pair.source, pair.target, spec["key_space"], family=spec["family"],
                                settings=real_settings(spec["settings"], width / toy_width))
         handoffs.update({f"{run}|{setting}": (tr, Refresh.parse(setting)) for setting in cfg.settings})
-    timed = timing.time_handoffs(pair.source, pair.target, handoffs, ids[:, :T], ids[:, T:], cfg.timing_warmups,
-                                 cfg.timing_repeats)
+    mode = timing.mode_for(cfg.pair.cache)
+    with packed(pair.target, on=mode == "optimised"):
+        timed = timing.time_handoffs(pair.source, pair.target, handoffs, ids[:, :T], ids[:, T:],
+                                     timing.Trials(cfg.timing_warmups, cfg.timing_repeats), mode)
     return {"tokens": T, "new_turn_tokens": k, "threads": timing.threads(), "dtype": str(dtype).removeprefix("torch."),
             "interleaved": True, **timed}
 
@@ -287,12 +292,7 @@ def _frac(x):
 
 
 def plot(rows: list[dict], title: str, sweep: dict) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4.2))
+    fig, axes = figure((16 if sweep else 11, 4.2), 3 if sweep else 2)
     for run in dict.fromkeys(r["run"] for r in rows):
         rs = sorted((r for r in rows if r["run"] == run), key=lambda r: r["fraction_of_reprefill"])
         xs = [100 * r["fraction_of_reprefill"] for r in rs]
@@ -334,7 +334,7 @@ def main(argv=None) -> dict:
     profile = get_profile(args.profile)
     pair, _ = pair_config_from_args(args, refresh=args.settings)
     settings = tuple(str(Refresh.parse(s)) for s in args.settings)
-    tasks = generative_tasks("frontier", args)
+    tasks = generative_tasks(args)
     run = run_paths(args).run
     cfg = FrontierConfig(run=run, runs=(run, *args.runs), profile=profile.name,
                          data=str(args.data or default_data(profile.name)), settings=settings, eval_root=args.data_root,
@@ -344,13 +344,15 @@ def main(argv=None) -> dict:
     specs = {}
     for r in cfg.runs:
         folder = RunPaths(r, cfg.artifacts, cfg.results).translator("distilled")
-        if not (folder / "manifest.json").is_file():
-            refuse("frontier", f"no trained translator at {folder}: train the run first (make train RUN={r})")
-        m = read_json(folder / "manifest.json")
+        if not (folder / MANIFEST_FILE).is_file():
+            raise Refusal(f"no trained translator at {folder}: train the run first (make train RUN={r})")
+        m = read_manifest(folder)  # refuses a damaged or edited manifest, or maps that do not match it
         specs[r] = {"family": m["family"], "key_space": m["key_space"], "settings": m["settings"]}
     toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
     n_layers = pair.geometry["target_layers"]
     plan = Plan(cfg)
+    check_outputs([plan.paths.report("frontier"), plan.paths.report("frontier-timing"),
+                   *(plan.paths.beside("frontier", x) for x in (".md", ".png")), plan.paths.res / K.LEDGER_FILE])
     lock_run(plan.paths.res, "frontier")
     ledger = K.Ledger(plan.paths.res / "frontier-state.json", asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
@@ -386,10 +388,10 @@ def main(argv=None) -> dict:
 
             t = cells.ensure_here(plan.timing(specs), timed)
             add_times(rows, t)
-    except REFUSALS:
+    except Refusal:
         raise
     except K.StageFailed as e:
-        raise SystemExit(f"frontier: {e}. Fix the cause, then re-run with --resume") from None
+        raise Failure(f"{e}. Fix the cause, then re-run with --resume") from None
 
     best = {}
     for r in cfg.runs:

@@ -12,8 +12,10 @@ Generation is greedy, capped by --max-new-tokens; answers that hit the cap are c
 Outputs under RESULTS/RUN/: ifeval.json (translated) or ifeval-native.json (--native),
 each with .rows.jsonl (one checksummed row per answer, appended as it finishes) and .md
 (the summary table) beside it. --resume skips answers whose input hash matches and
-refuses a changed setting, input or code. --max-accuracy-loss POINTS exits 1 when the
-translated strict prompt-level accuracy is more than POINTS below the native target's.
+refuses a changed setting, input or code. A report made under the same settings, inputs,
+models and code, its rows log unchanged, is up to date: nothing runs (--force runs it
+again). --max-accuracy-loss POINTS exits 1 when the translated strict prompt-level
+accuracy is more than POINTS below the native target's.
 """
 
 from __future__ import annotations
@@ -25,27 +27,29 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from kvlingo.drive.session import Session, add_eval_args, control_paths, prepare_and_exit
+from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
+from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import paired_accuracy
 from kvlingo.eval.tasks import grader
 from kvlingo.eval.tasks.data import IFEVAL, load_data
 from kvlingo.eval.tasks.generate import answer_text, control_partner, generate
 from kvlingo.eval.tasks.prompts import user_prompt_ids
-from kvlingo.eval.tasks.session import Session, add_eval_args, control_paths, prepare_and_exit
 from kvlingo.io import atomic_write_text, sha256_json
 from kvlingo.run import resume
 from kvlingo.run.models import PairConfig
-from kvlingo.run.paths import run_paths
+from kvlingo.run.paths import check_outputs, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table
-from kvlingo.run.stage import lock_run, refusals_exit
 
 SCRIPT = Path(__file__).resolve()
 EPILOG = """examples:
   python ifeval.py --install-punkt
   python ifeval.py --native --large Qwen/Qwen3-1.7B --small Qwen/Qwen3-0.6B --device cuda --run pilot-l2s
   python ifeval.py --run pilot-l2s --translator distilled --max-accuracy-loss 5
-  python ifeval.py --profile demo --source ifeval_local.jsonl --large L --small S --dtype float32 --resume
+  python ifeval.py --profile demo --source artifacts/toy/corpus/ifeval.jsonl --large artifacts/toy/large \
+      --small artifacts/toy/small --device cpu --dtype float32 --resume
 """
 
 
@@ -102,7 +106,7 @@ def compare(a: list[dict], b: list[dict]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG,
+    ap = StageParser(description=__doc__.split("\n")[0], epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_eval_args(ap, "prompts scored, the first N", f"{IFEVAL.repo_id} ({IFEVAL.split}, revision {IFEVAL.revision})",
                   IFEVAL.name)
@@ -123,15 +127,15 @@ def main(argv: list[str] | None = None) -> None:
         try:
             prov = grader.install_punkt(args.install_punkt or None)
         except (ValueError, PermissionError, grader.PunktMissing) as e:
-            raise SystemExit(f"ifeval: could not install punkt_tab: {e}") from None
+            raise Refusal(f"could not install punkt_tab: {e}") from None
         print(f"punkt_tab installed and verified at {prov['path']} (sha256 {prov['sha256']})")
         if args.install_punkt and Path(args.install_punkt).resolve() != grader.default_punkt_dir().resolve():
             print(f"other processes find it with NLTK_DATA={Path(args.install_punkt).resolve()}")
         return
     if args.prepare:
-        return prepare_and_exit(IFEVAL, args, "ifeval")
+        return prepare_and_exit(IFEVAL, args)
     if args.native and args.max_accuracy_loss is not None:
-        raise SystemExit("ifeval: --max-accuracy-loss gates a translated run against the native target; drop --native")
+        raise Refusal("--max-accuracy-loss gates a translated run against the native target; drop --native")
 
     # ---------------------------------------------------------------- inputs
     t_start = time.time()
@@ -140,25 +144,34 @@ def main(argv: list[str] | None = None) -> None:
     limit = args.limit if args.limit is not None else profile.ifeval_prompts
     cap = args.max_new_tokens if args.max_new_tokens is not None else profile.max_new_tokens
     if limit < 1 or cap < 1:
-        raise SystemExit("ifeval: --limit and --max-new-tokens must be at least 1")
+        raise Refusal("--limit and --max-new-tokens must be at least 1")
     try:
         docs, data_info = load_data(IFEVAL, args.data_root, args.source)
         punkt = grader.ensure_punkt()  # before lm-eval is imported, which would try a download
         grader.check_docs(docs)
     except (ValueError, grader.PunktMissing) as e:
-        raise SystemExit(f"ifeval: {e}") from None
+        raise Refusal(str(e)) from None
     if limit > len(docs):
         print(f"note: --limit {limit} but the data holds {len(docs)} prompts; scoring all of them")
     docs = docs[:limit]
     name = "ifeval-native" if args.native else "ifeval"
     sibling = "ifeval" if args.native else "ifeval-native"
-    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
-    session = Session(args, paths)
-    pair, tok = session.pair, session.pair.tokenizer
+    check_outputs([paths.report(name), paths.beside(name, ".rows.jsonl"), paths.beside(name, ".md")])
+    session = Session(args, paths)  # the pair and the translator folder, checked; no weights yet
     controls = control_paths(args, len(docs))
     config = IFEvalConfig(profile.name, paths.run, "native" if args.native else "translated",
                           None if args.native else args.translator, len(docs), cap, args.thinking,
                           args.max_accuracy_loss, controls, str(args.refresh), session.pair_cfg)
+    inputs = {"data": data_info, **session.translator_inputs}
+    ident = session.identity(config, inputs, resume.code_hash(SCRIPT))
+    if not args.force and session.up_to_date(paths.report(name), ident) is not None:
+        md = paths.beside(name, ".md")
+        print(f"{paths.report(name)} is up to date (same settings, inputs, models and code); --force re-runs it\n"
+              + (md.read_text() if md.is_file() else ""), end="")
+        return
+    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
+    session.load()
+    pair, tok = session.pair, session.pair.tokenizer
 
     # ---------------------------------------------------------------- rows
     models = pair.identities()
@@ -174,9 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     path_inputs["control"] = path_inputs["translated"]
     all_prompt_ids = [user_prompt_ids(tok, doc["prompt"], args.thinking) for doc in docs]
-    inputs = {"data": data_info, **session.translator_inputs}
-    log = session.open_rows(paths.beside(name, ".rows.jsonl"), config, inputs, resume.code_hash(SCRIPT), args.resume,
-                            paths.beside(sibling, ".rows.jsonl"))
+    log = session.open_rows(paths.beside(name, ".rows.jsonl"), ident, args.resume, paths.beside(sibling, ".rows.jsonl"))
 
     by_path: dict[str, list[dict]] = {p: [] for p in paths_scored}
     bar = tqdm(total=len(docs) * len(paths_scored), desc=f"ifeval {config.mode}", unit="answer")
@@ -218,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         n_samples={"prompts": len(docs), "instructions": results.paths[b]["n_instructions"]},
         inputs={**inputs, "prompts_sha256": sha256_json(docs), "translator": session.translator_info, "punkt": punkt,
                 "code_sha256": resume.code_hash(SCRIPT), "rows": session.rows_input()},
-        resume_key=resume.resume_key(log.settings),
+        resume_key=resume.resume_key(log.settings), files={log.path.name: session.rows_input()["sha256"]},
     ).write(paths.report(name))
     headers = ["path", "prompts", "prompt strict", "prompt loose", "inst strict", "inst loose", "hit cap"]
     pct = lambda m: fmt_pm(m, 100.0, ".1f", missing="-")  # noqa: E731
@@ -241,8 +252,8 @@ def main(argv: list[str] | None = None) -> None:
           f"reused from {sibling}.rows.jsonl; report {paths.report(name)}")
     print(f"punkt_tab: {punkt['path']} (sha256 {punkt['sha256'][:16]}…)")
     if gate and not gate["passed"]:
-        raise SystemExit(f"ifeval: gate failed: translated strict prompt accuracy is {gate['loss_points']:.1f} points "
-                         f"below the native target (allowed {args.max_accuracy_loss:g})")
+        raise Failure(f"gate failed: translated strict prompt accuracy is {gate['loss_points']:.1f} points "
+                      f"below the native target (allowed {args.max_accuracy_loss:g})")
 
 
 if __name__ == "__main__":

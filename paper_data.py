@@ -1,32 +1,33 @@
 """Prepare chat data: natural and packed train/validation/test splits in the target's chat template.
 
 Usage:
-    python paper_data.py --profile demo --source data/toy/chats.jsonl --tokenizer artifacts/toy/tokenizer
+    python paper_data.py --profile demo --source artifacts/toy/corpus/chats.jsonl --tokenizer artifacts/toy/tokenizer
     python paper_data.py --profile pilot                  # streams Nemotron chat rows from the Hub
 
 Writes <out>/<profile>/{train,validation,test}.{natural,packed}.jsonl and, last, manifest.json
 (counts, token-length statistics, input hashes and the sha256 of every file). Re-running with
 the same source, tokenizer, profile, seed and code does nothing. The rules (split assignment,
-cropping, tokenization) are documented in kvlingo/data.py.
+cropping, tokenization) are documented in kvlingo/run/data.py.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
+from kvlingo.errors import Refusal
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import NEMOTRON, HubSource, load_tokenizer, prepare
 from kvlingo.run.profiles import PROFILES, get_profile
 from kvlingo.run.report import fmt_table
-from kvlingo.run.stage import lock_run, refusals_exit, refuse
 
 EPILOG = """examples:
   # offline, from a local JSONL in Nemotron chat format
-  python paper_data.py --profile demo --source data/toy/chats.jsonl --tokenizer artifacts/toy/tokenizer
+  python paper_data.py --profile demo --source artifacts/toy/corpus/chats.jsonl --tokenizer artifacts/toy/tokenizer
   # the real data, streamed at a pinned dataset commit, with Qwen3's tokenizer
   python paper_data.py --profile pilot --revision <commit-sha> --tokenizer Qwen/Qwen3-0.6B
   # rebuild even though nothing changed
-  python paper_data.py --profile tiny --source data/toy/chats.jsonl --tokenizer artifacts/toy/tokenizer --force
+  python paper_data.py --profile tiny --source artifacts/toy/corpus/chats.jsonl --tokenizer artifacts/toy/tokenizer --force
 """
 
 
@@ -44,7 +45,7 @@ def summary(manifest: dict) -> str:
 
 @refusals_exit("paper_data")
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
+    ap = StageParser(
         description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--profile", default="demo", choices=sorted(PROFILES), help="run profile: split sizes and token caps")
@@ -69,8 +70,10 @@ def main(argv: list[str] | None = None) -> None:
             tok, profile, source=args.source, out_root=args.out, seed=args.seed, tokenizer_name=args.tokenizer,
             force=args.force, hub=hub, max_rows=args.max_rows, progress=True,
         )
+    except Refusal:
+        raise
     except ValueError as e:  # a bad source or tokenizer: one line, exit status 2, nothing replaced
-        refuse("paper_data", str(e))
+        raise Refusal(str(e)) from None
 
     data_dir = f"{args.out}/{profile.name}"
     manifest = result.manifest

@@ -1,13 +1,13 @@
 """Handoff speed at real model shapes with random weights, as transformers ships and optimised, against the physical limit.
 
 Timing does not depend on weight values, so architecture-exact random Qwen3-1.7B / 0.6B
-(kvlingo/eval/shapes.py; --large/--small pick other preset shapes: Qwen3-4B/8B, Llama-3.2-1B/3B)
+(kvlingo/bench/shapes.py; --large/--small pick other preset shapes: Qwen3-4B/8B, Llama-3.2-1B/3B)
 and random maps of a translator family (--family, built through the family registry; --refresh
 for a handoff that recomputes part of the context natively) measure the real shapes without any
 download. First, from parameter counts alone, the FLOP ceilings (re-prefill FLOPs ÷ translation
 FLOPs) of every registered family at its default settings, with the reason of each family that
 cannot map the pair; --flops-only stops there (seconds, nothing built). Then, for each context
-length and each mode (kvlingo/eval/timing.py: "shipped" = transformers' DynamicCache and sdpa
+length and each mode (kvlingo/bench/timing.py: "shipped" = transformers' DynamicCache and sdpa
 attention, FP32 translation maths, eager; "optimised" = a preallocated cache the translation
 writes into, grouped-query attention without repeated K/V, the keys' norm and RoPE compiled into
 one kernel on a CPU (--fuse-keys on: on CUDA too), with head-wise maps the values left deferred on
@@ -16,7 +16,7 @@ on: on CUDA too), the maps in the run dtype and CUDA graphs on a GPU): re-prefil
 handoff from an existing source cache (translate, build the cache, run a k-token new turn), the
 handoff with the source's prefill, and the target
 continuing its own cache (raw trials, median, CV); where the handoff's time goes; the physical
-limit of the speedup from FLOPs and bytes at the device's peaks (kvlingo/eval/roofline.py:
+limit of the speedup from FLOPs and bytes at the device's peaks (kvlingo/bench/roofline.py:
 given with --peak-tflops/--peak-gbps, or measured here by a probe and then raised to the best
 rate any timed step reached, so that every floor is a lower bound on what this run timed).
 
@@ -35,26 +35,29 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlingo.eval import stats, timing
-from kvlingo.eval.perf import perf_at_length, reached, set_limit
+from kvlingo.bench import timing
+from kvlingo.bench.random_pair import random_pair, random_translator
+from kvlingo.bench.roofline import Peaks, measure_peaks, raise_to_reached
+from kvlingo.bench.shapes import RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, translator_at
+from kvlingo.bench.speed import perf_at_length, reached, set_limit
 from kvlingo.core import linear
-from kvlingo.core.translator import FAMILIES, Geometry, TranslatorError
-from kvlingo.eval.roofline import Peaks, measure_peaks, raise_to_reached
-from kvlingo.eval.shapes import RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, translator_at
+from kvlingo.core.families import FAMILIES
+from kvlingo.core.translator import Geometry, TranslatorError
+from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
+from kvlingo.errors import Refusal
+from kvlingo.eval import stats
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
 from kvlingo.run.argtypes import number, whole
 from kvlingo.run.models import DIRECTIONS, resolve_device, resolve_dtype
 from kvlingo.run.paths import RunPaths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, huge_pages, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refuse, refusals_exit, stage_parser
-from kvlingo.toy.random import random_pair, random_translator
+from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_table, huge_pages, publish
 
 SCRIPT = Path(__file__).resolve()
 SWITCH = {"auto": None, "on": True, "off": False}  # --fuse-keys, --defer-values → None (the device's default) or a bool
 # On a CPU a noisy timing gets extra trials up to 30 of them or 20 s in all: the handoff's steps
-# (about a second at 4,096 tokens) get many, a 45-second re-prefill no more than --timing-repeats.
+# get many, a long re-prefill no more than --timing-repeats.
 CPU_MAX_REPEATS, CPU_MAX_SECONDS = 30, 20.0
 
 
@@ -249,7 +252,7 @@ def deferred_note(points: list[dict]) -> str:
 
 
 def packed_note(points: list[dict]) -> str:
-    """What the optimised rows did with the target's projections on a CPU (kvlingo.core.linear.pack)."""
+    """What the optimised rows did with the target's projections on a CPU (kvlingo.bench.packing)."""
     state = points[-1]["modes"].get("optimised", {}).get("packed_linear") if points else None
     if not state:
         return ""
@@ -293,25 +296,30 @@ def flops_markdown(cfg: PerfConfig, geometry: Geometry, rows: list[dict], refuse
 def pair_names(args) -> tuple[str, str]:
     """(large, small) preset names from --large/--small or --arch; a refusal names what is missing."""
     if (args.large is None) != (args.small is None):
-        refuse("perf", "give both --large and --small (preset shapes), or neither")
+        raise Refusal("give both --large and --small (preset shapes), or neither")
     if args.large is not None:
         if args.arch is not None:
-            refuse("perf", f"--arch {args.arch} and --large/--small both name the pair; give one of them")
+            raise Refusal(f"--arch {args.arch} and --large/--small both name the pair; give one of them")
         for name in (args.large, args.small):
             try:
                 arch_config(name)
             except KeyError as e:
-                refuse("perf", f"{e.args[0]}; add its published config to kvlingo/eval/shapes.py")
+                raise Refusal(f"{e.args[0]}; add its published config to kvlingo/bench/shapes.py")
         return args.large, args.small
     return RANDOM_PAIRS[args.arch or "qwen3"]
 
 
 def perf_plot(points: list[dict], modes: tuple[str, ...], title: str) -> bytes:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    """Median time against context length per path and mode; at a single length, one bar per path and mode."""
+    fig, ax = figure((6.4, 4.2))
+    if len(points) == 1:
+        bars = [(f"{name} ({mode})", s["median_s"]) for mode in timing.MODES if mode in modes
+                for name, s in points[0]["modes"][mode]["paths"].items()]
+        ax.barh([b[0] for b in bars][::-1], [b[1] for b in bars][::-1], color="C0")
+        ax.set_xlabel(f"median seconds to first-token logits, {points[0]['context_tokens']}-token context")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_title(title, fontsize=9)
+        return figure_png(fig)
     xs = [p["context_tokens"] for p in points]
     for mode, style in zip(timing.MODES, ("--", "-")):
         if mode not in modes:
@@ -344,7 +352,7 @@ def main(argv=None) -> None:
     source, target = (large, small) if args.direction == "l2s" else (small, large)
     repeats = args.timing_repeats if args.timing_repeats is not None else (3 if on_cpu else profile.timing_repeats)
     if not {"target_reprefill", "source_cache_handoff"} <= set(args.paths):
-        refuse("perf", "--paths must include target_reprefill and source_cache_handoff (the speedup's two ends)")
+        raise Refusal("--paths must include target_reprefill and source_cache_handoff (the speedup's two ends)")
     cfg = PerfConfig(
         arch=args.arch or ("preset" if args.large else "qwen3"), source=source, target=target, family=args.family,
         refresh=str(args.refresh), flops_only=args.flops_only, direction=args.direction, device=device, dtype=dtype,
@@ -363,7 +371,7 @@ def main(argv=None) -> None:
     geometry = Geometry.of(arch_config(source), arch_config(target))
     limit = arch_config(target).max_position_embeddings
     if max(cfg.lengths) + k > limit:
-        refuse("perf", f"--lengths up to {max(cfg.lengths)} + {k} exceed max_position_embeddings {limit}")
+        raise Refusal(f"--lengths up to {max(cfg.lengths)} + {k} exceed max_position_embeddings {limit}")
     lock_run(paths.res, "perf")  # before the FLOP table and the timings (two timing runs would time each other)
     ceilings, refused = family_ceilings(source, target, args.key_space, cfg.lengths, k)
     flops_md = flops_markdown(cfg, geometry, ceilings, refused)
@@ -377,7 +385,7 @@ def main(argv=None) -> None:
         return
     print(flops_md + "\n", flush=True)
     if args.family in refused:  # before the models are built
-        refuse("perf", refused[args.family])
+        raise Refusal(refused[args.family])
     if args.peak_tflops and args.peak_gbps:
         peaks = Peaks(args.peak_tflops * 1e12, args.peak_gbps * 1e9, "given (--peak-tflops, --peak-gbps)")
     else:
@@ -392,11 +400,11 @@ def main(argv=None) -> None:
     try:  # resolved once (--defer-values on with maps or a refresh that cannot: refused before anything is timed)
         defer = timing.defer_values_here(translator, device, args.refresh, SWITCH[cfg.defer_values])
     except ValueError as e:
-        refuse("perf", f"--defer-values on: {e}")
-    points = [perf_at_length(pair.source, pair.target, translator, n, k, cfg.warmups, cfg.repeats, cfg.cv_limit,
-                             modes=cfg.modes, max_repeats=cfg.max_repeats, cuda_graphs=cfg.cuda_graphs, peaks=peaks,
-                             names=cfg.paths, refresh=args.refresh, fuse_keys=SWITCH[cfg.fuse_keys],
-                             defer_values=defer, max_seconds=cfg.max_seconds)
+        raise Refusal(f"--defer-values on: {e}")
+    trials = timing.Trials(cfg.warmups, cfg.repeats, cfg.cv_limit, cfg.max_repeats, cfg.max_seconds)
+    options = timing.PathOptions(cuda_graphs=cfg.cuda_graphs, fuse_keys=SWITCH[cfg.fuse_keys], defer_values=defer,
+                                 refresh=args.refresh)
+    points = [perf_at_length(pair.source, pair.target, translator, n, k, trials, options, cfg.modes, cfg.paths, peaks)
               for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)]
     # measured peaks never stay below a rate this run's own steps reached (given ones are kept as given)
     peaks = raise_to_reached(probe, reached(points), flops=not args.peak_tflops, memory=not args.peak_gbps)
@@ -419,7 +427,9 @@ def main(argv=None) -> None:
                     metrics=PerfResults.METRICS, n_samples={"lengths": len(points), "trials_per_path": cfg.repeats},
                     seeds=[0], wall_time_s=time.time() - t_start, device=device, dtype=dtype,
                     files={plot.name: sha256_file(plot)})
-    publish(report, paths.report("perf"), None, md, checks=checks)
+    print(md[len(flops_md):].lstrip("\n"))  # the FLOP table was printed before the timings
+    publish(report, paths.report("perf"), None, md, echo=False, checks=checks)
+    print(f"wrote {paths.report('perf')}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The recipe: native rows, one closed-form fit, a learning-rate search on validation KL, then seeds.
 
-Steps, each one or more resumable cells (see kvlingo/run/recipe.py); every cell is a subprocess
+Steps, each one or more resumable cells (see kvlingo/drive/cells.py); every cell is a subprocess
 of its stage script with the pair flags, --profile, --data and the run folders passed through,
 and its own run name RUN/<cell>:
   1. native rows: benchmark.py on no maps (native source, native target, no-context arms) and
@@ -17,8 +17,11 @@ and its own run name RUN/<cell>:
 
 Cells that do not depend on each other run together through a launcher (--launcher local: up to
 --max-parallel processes on this machine, one GPU group each; --launcher slurm: one SLURM job
-array per level, through submitit); see kvlingo/run/launch.py. The summary is written once
+array per level, through submitit); see kvlingo/drive/launch.py. The summary is written once
 every cell has finished; a level with failed cells stops the recipe, naming them and their logs.
+A cell that finished with the same key (its stage, flags and input hashes) and whose report is
+unchanged is up to date and does not run again; --resume also continues an interrupted cell,
+--force runs every cell again.
 
 Outputs under RESULTS/RUN/: recipe.json (the report, written last), recipe.md (summary),
 recipe.png (validation KL against learning rate), recipe-state.json (the cell ledger), logs/
@@ -36,15 +39,18 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from kvlingo.core.folder import MAPS_FILE
+from kvlingo.drive import cells as K
+from kvlingo.drive import lrsearch
+from kvlingo.drive.launch import add_launch_args, launcher_from_args
+from kvlingo.drive.stage import check_passthrough, lock_run, refusals_exit, stage_parser
+from kvlingo.errors import Failure, Refusal
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_file
-from kvlingo.run import recipe as K
-from kvlingo.run.launch import add_launch_args, launcher_from_args
 from kvlingo.run.models import PairConfig, PairError, pair_config_from_args, resolve_pair
-from kvlingo.run.paths import RunPaths, default_data, run_paths
+from kvlingo.run.paths import RunPaths, check_outputs, default_data, run_paths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_table
+from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_table
 from kvlingo.run.resume import code_hash
-from kvlingo.run.stage import REFUSALS, check_passthrough, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": ROOT / "train_translator.py", "benchmark": ROOT / "benchmark.py", "ifeval": ROOT / "ifeval.py"}
@@ -52,10 +58,11 @@ EVALS = ("benchmark", "ifeval")  # evaluation stages run on the native models an
 PAIR_FLAGS = ("--large", "--small", "--direction", "--device", "--dtype")
 RUN_FLAGS = ("--profile", "--run", "--artifacts", "--results", *PAIR_FLAGS)
 RESERVED = {  # flags the recipe sets itself; a pass-through string may not override them
-    "train": ("--data", "--lr", "--seed", "--updates", "--init-from", "--closed-form-only", "--resume", *RUN_FLAGS),
+    "train": ("--data", "--lr", "--seed", "--updates", "--init-from", "--closed-form-only", "--resume", "--force",
+              *RUN_FLAGS),
     "benchmark": ("--data", "--skip-missing", "--force", *RUN_FLAGS),
-    "ifeval": ("--data-root", "--source", "--native", "--translator", "--resume", "--prepare", "--install-punkt",
-               *RUN_FLAGS),
+    "ifeval": ("--data-root", "--source", "--native", "--translator", "--resume", "--force", "--prepare",
+               "--install-punkt", *RUN_FLAGS),
 }
 
 
@@ -104,7 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = stage_parser(__doc__, [
         "python recipe.py --profile pilot --run pilot-l2s --device cuda",
         "python recipe.py --profile pilot --run pilot-l2s --device cuda --resume",
-        "python recipe.py --profile demo --large runs/large --small runs/small --dtype float32 --run demo-recipe",
+        "python recipe.py --profile demo --large artifacts/toy/large --small artifacts/toy/small --device cpu "
+        "--dtype float32 --ifeval-source artifacts/toy/corpus/ifeval.jsonl --run demo-l2s-recipe",
         "python recipe.py --profile paper-budget --run qwen --device cuda --max-parallel 8",
         "python recipe.py --profile paper-budget --run qwen --device cuda --launcher slurm --partition gpu "
         "--account proj --gpus-per-cell 8 --time-limit 1440 --max-parallel 5"], common=True, data=True)
@@ -130,6 +138,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ifeval-args", default="", help="extra ifeval.py flags, e.g. --ifeval-args='--max-new-tokens 64'")
     p.add_argument("--resume", action="store_true",
                    help="keep finished cells whose key matches, continue an interrupted one, refuse changed settings")
+    p.add_argument("--force", action="store_true",
+                   help="run every cell again, even those that finished with the same key (up to date)")
     add_launch_args(p)
     args = p.parse_args(argv)
     for stage in RESERVED:  # each --STAGE-args string becomes its tokens, refused here before anything else runs
@@ -149,16 +159,16 @@ def passthrough(stage: str, text: str) -> tuple[str, ...]:
     try:
         tokens = tuple(shlex.split(text))
     except ValueError as err:
-        raise SystemExit(f"recipe: --{stage}-args {text!r} does not split into flags: {err}") from None
+        raise Refusal(f"--{stage}-args {text!r} does not split into flags: {err}") from None
     for t in tokens:
         if t.split("=")[0] in RESERVED[stage]:
-            raise SystemExit(f"recipe: --{stage}-args may not set {t.split('=')[0]}: the recipe sets it "
-                             "(use the recipe's own flag, e.g. --updates, --seeds, --lr-center, --data)")
+            raise Refusal(f"--{stage}-args may not set {t.split('=')[0]}: the recipe sets it "
+                          "(use the recipe's own flag, e.g. --updates, --seeds, --lr-center, --data)")
     try:
         parser, script = stage_parser_of(stage)
         check_passthrough(parser, tokens, script)
     except ValueError as err:
-        raise SystemExit(f"recipe: --{stage}-args: {err}") from None
+        raise Refusal(f"--{stage}-args: {err}") from None
     return tokens
 
 
@@ -173,10 +183,10 @@ def make_config(args, pair: PairConfig) -> RecipeConfig:
                                                                 profile.lr_for(pair.direction))
     updates = args.updates if args.updates is not None else (profile.recipe_updates or profile.updates)
     if grid < 1 or ext < 0 or not center > 0 or updates < 1:
-        raise SystemExit("recipe: --grid-size, --updates must be ≥ 1 (with no updates every rate gives the closed-form "
-                         "maps: nothing to choose), --max-extensions ≥ 0 and --lr-center > 0")
+        raise Refusal("--grid-size, --updates must be ≥ 1 (with no updates every rate gives the closed-form "
+                      "maps: nothing to choose), --max-extensions ≥ 0 and --lr-center > 0")
     if len(set(seeds)) != len(seeds):
-        raise SystemExit(f"recipe: --seeds {' '.join(map(str, seeds))} repeats a seed")
+        raise Refusal(f"--seeds {' '.join(map(str, seeds))} repeats a seed")
     return RecipeConfig(
         run=run_paths(args).run, profile=profile.name, data=str(args.data or default_data(profile.name)),
         lr_center=center, grid_size=grid, max_extensions=ext, seeds=seeds, updates=updates,
@@ -200,22 +210,22 @@ class Plan:
         try:
             self.common = {"data": K.data_hash(cfg.data), "models": p.identities()}
         except ValueError as e:
-            raise SystemExit(f"recipe: {e}") from e
+            raise Refusal(str(e)) from None
         self.ifeval_data = self._ifeval_data() if "ifeval" in cfg.evals else None
 
     def _ifeval_data(self) -> dict:
         if self.cfg.ifeval_source:
             if not Path(self.cfg.ifeval_source).is_file():
-                raise SystemExit(f"recipe: --ifeval-source {self.cfg.ifeval_source} not found")
+                raise Refusal(f"--ifeval-source {self.cfg.ifeval_source} not found")
             return {"source_sha256": sha256_file(self.cfg.ifeval_source)}
         manifest = Path(self.cfg.ifeval_data_root) / "ifeval" / "manifest.json"
         if not manifest.is_file():
-            raise SystemExit(f"recipe: no IFEval data at {manifest.parent}: run `python ifeval.py --prepare` "
-                             "(needs the Hub), pass --ifeval-source PATH, or --skip ifeval")
+            raise Refusal(f"no IFEval data at {manifest.parent}: run `python ifeval.py --prepare` "
+                          "(needs the Hub), pass --ifeval-source PATH, or --skip ifeval")
         return {"manifest_sha256": sha256_file(manifest)}
 
     def maps_sha(self, sub: str, kind: str) -> str:
-        return sha256_file(self.paths.nested(sub).translator(kind) / "maps.safetensors")
+        return sha256_file(self.paths.nested(sub).translator(kind) / MAPS_FILE)
 
     def cell(self, stage: str, sub: str, flags: dict, inputs: dict, report: str, **kw) -> K.Cell:
         script = SCRIPTS[stage]
@@ -235,8 +245,8 @@ class Plan:
             inputs["closed_form_sha256"] = self.maps_sha("closed", "closed_form")
         kind = "closed_form" if closed else "distilled"
         return self.cell("train", sub, flags, inputs, "train",
-                         outputs=(str(self.paths.nested(sub).translator(kind) / "maps.safetensors"),),
-                         extra=self.cfg.train_args, resume_flag="--resume")
+                         outputs=(str(self.paths.nested(sub).translator(kind) / MAPS_FILE),),
+                         extra=self.cfg.train_args, resume_flag="--resume", fresh_flag="--force")
 
     def benchmark(self, sub: str, trained: bool) -> K.Cell:
         inputs = {} if not trained else {"closed_form_sha256": self.maps_sha(sub, "closed_form"),
@@ -255,7 +265,7 @@ class Plan:
             here = self.paths.nested(sub).beside("ifeval-native", ".rows.jsonl")
             before = lambda: K.copy_file(native_rows, here)  # noqa: E731
         return self.cell("ifeval", sub, flags, inputs, "ifeval" if trained else "ifeval-native",
-                         extra=self.cfg.ifeval_args, resume_flag="--resume", before=before)
+                         extra=self.cfg.ifeval_args, resume_flag="--resume", fresh_flag="--force", before=before)
 
     def evaluation(self, stage: str, sub: str, trained: bool) -> K.Cell:
         return {"benchmark": self.benchmark, "ifeval": self.ifeval}[stage](sub, trained)
@@ -273,20 +283,15 @@ def cells_pair(args) -> PairConfig:
     if args.device in (None, "", "auto"):
         raise PairError("--launcher slurm needs an explicit --device (cuda): the cells run on the cluster's nodes, "
                         "whose devices this machine cannot see")
-    pair = resolve_pair(args.large, args.small, args.direction, "cpu", args.dtype)[0]
+    pair = resolve_pair(args.large, args.small, args.direction, "cpu", args.dtype, args.cache)[0]
     return replace(pair, device=args.device)
 
 
 # --------------------------------------------------------------------------- outputs
 def plot_lr(path: Path, search: dict, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cells = sorted(search["cells"], key=lambda c: c["lr"])
     ok = [c for c in cells if isinstance(c["val_kl"], (int, float)) and math.isfinite(c["val_kl"])]  # diverged: left out
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = figure((6.5, 4))
     ax.plot([c["lr"] for c in ok], [c["val_kl"] for c in ok], "o-", label="distilled (final validation KL)")
     best = next(c for c in cells if c["lr"] == search["chosen_lr"])
     ax.plot([best["lr"]], [best["val_kl"]], "o", ms=12, mfc="none", mec="red", label=f"chosen lr {best['lr']:g}")
@@ -307,8 +312,12 @@ def main(argv=None, runner=K.run_stage) -> dict:
     pair = cells_pair(args)  # refuses a bad pair before any cell runs
     cfg = make_config(args, pair)
     plan = Plan(cfg)
+    check_outputs([plan.paths.report("recipe"), *(plan.paths.beside("recipe", x) for x in (".md", ".png")),
+                   plan.res / K.LEDGER_FILE])
     lock_run(plan.res, "recipe")  # the ledger serialises cells; this keeps a second recipe off the same run
-    ledger = K.Ledger(plan.res / K.LEDGER_FILE, asdict(cfg), args.resume)
+    if args.force and args.resume:
+        raise Refusal("--force runs every cell again and --resume keeps finished ones: give one of them")
+    ledger = K.Ledger(plan.res / K.LEDGER_FILE, asdict(cfg), args.resume, reuse=not args.force)
     cells = K.Cells(ledger, args.resume, runner, launcher=launcher_from_args(args, plan.res))
     seed0 = cfg.seeds[0]
 
@@ -321,33 +330,33 @@ def main(argv=None, runner=K.run_stage) -> dict:
         train_reports: dict[int, dict] = {}
 
         def evaluate(steps: list[int]) -> list:
-            lrs = [K.lr_for_step(cfg.lr_center, k) for k in steps]
+            lrs = [lrsearch.lr_for_step(cfg.lr_center, k) for k in steps]
             reports = cells.ensure_all([plan.train(cell_sub(lr, seed0), seed0, lr) for lr in lrs])
             train_reports.update(zip(steps, reports))
-            return [r["results"][K.SELECTION_METRIC] for r in reports]
+            return [r["results"][lrsearch.SELECTION_METRIC] for r in reports]
 
-        search = K.search_lr(evaluate, cfg.grid_size, cfg.max_extensions)
-        chosen = K.lr_for_step(cfg.lr_center, search["winner"])
+        search = lrsearch.search_lr(evaluate, cfg.grid_size, cfg.max_extensions)
+        chosen = lrsearch.lr_for_step(cfg.lr_center, search["winner"])
         print(f"[recipe] chosen learning rate {chosen:g} (validation KL {search['val_kl'][search['winner']]:.5g})"
               + ("; WARNING: still at an edge of the grid, the extension cap was hit" if search["cap_hit"] else ""))
         # ----------------------------------------------------------------------- 4. seeds at the chosen rate
         trained = cells.ensure_all([plan.train(cell_sub(chosen, seed), seed, chosen) for seed in cfg.seeds])
-        per_seed = {str(seed): {"train": K.train_metrics(r)} for seed, r in zip(cfg.seeds, trained)}
+        per_seed = {str(seed): {"train": lrsearch.train_metrics(r)} for seed, r in zip(cfg.seeds, trained)}
         item_level = {}
         evals = [(seed, stage) for seed in cfg.seeds for stage in cfg.evals]
         reports = cells.ensure_all([plan.evaluation(stage, cell_sub(chosen, seed), trained=True) for seed, stage in evals])
         for (seed, stage), report in zip(evals, reports):
             if stage == "ifeval":
-                per_seed[str(seed)]["ifeval"], item_level[str(seed)] = K.ifeval_metrics(report)
+                per_seed[str(seed)]["ifeval"], item_level[str(seed)] = lrsearch.ifeval_metrics(report)
             else:
-                per_seed[str(seed)]["benchmark"] = K.benchmark_metrics(report)
-    except REFUSALS:
+                per_seed[str(seed)]["benchmark"] = lrsearch.benchmark_metrics(report)
+    except Refusal:
         raise
     except K.StageFailed as e:
-        raise SystemExit(f"recipe: {e}. The ledger marks the failed cells; fix the cause, then re-run with "
-                         "--resume (finished cells are kept)") from e
-    except ValueError as e:
-        raise SystemExit(f"recipe: {e}") from e
+        raise Failure(f"{e}. The ledger marks the failed cells; fix the cause, then re-run with "
+                      "--resume (finished cells are kept)") from None
+    except ValueError as e:  # no rate of the grid to choose (every one diverged)
+        raise Failure(str(e)) from None
 
     # --------------------------------------------------------------------------- report
     actions = {}
@@ -356,14 +365,14 @@ def main(argv=None, runner=K.run_stage) -> dict:
     cell_rows = [{"cell": name, "stage": e["stage"], "action": actions.get(name, "not needed"), "key": e["key"],
                   "runs": e.get("runs"), "wall_time_s": e.get("wall_time_s"), "report": e["report"],
                   "report_sha256": e.get("report_sha256")} for name, e in ledger.cells.items()]
-    search_cells = [{"step": k, "lr": K.lr_for_step(cfg.lr_center, k), "val_kl": search["val_kl"][k],
+    search_cells = [{"step": k, "lr": lrsearch.lr_for_step(cfg.lr_center, k), "val_kl": search["val_kl"][k],
                      "closed_form_val_kl": train_reports[k]["results"].get("closed_form_val_kl"),
-                     "cell": f"train/{cell_sub(K.lr_for_step(cfg.lr_center, k), seed0)}"} for k in search["order"]]
+                     "cell": f"train/{cell_sub(lrsearch.lr_for_step(cfg.lr_center, k), seed0)}"} for k in search["order"]]
     results = RecipeResults(
         pair=f"large {cfg.pair.large}, small {cfg.pair.small}", direction=cfg.pair.direction, profile=cfg.profile,
         seeds=list(cfg.seeds),
         lr_search={"center": cfg.lr_center, "grid_size": cfg.grid_size, "search_seed": seed0,
-                      "metric": f"train.json results.{K.SELECTION_METRIC}: final validation-split KL; "
+                      "metric": f"train.json results.{lrsearch.SELECTION_METRIC}: final validation-split KL; "
                                 "the test split takes no part in the choice",
                       "cells": search_cells, "order": search["order"], "chosen_step": search["winner"],
                       "chosen_lr": chosen, "extensions": search["extensions"], "max_extensions": cfg.max_extensions,
@@ -372,11 +381,11 @@ def main(argv=None, runner=K.run_stage) -> dict:
                      "maps_sha256": plan.maps_sha("closed", "closed_form")},
         native={**({"benchmark": native["benchmark"]["results"]["quality"]["arms"]} if "benchmark" in native else {}),
                 **({"ifeval": native["ifeval"]["results"]["paths"]} if "ifeval" in native else {})},
-        per_seed=per_seed, ifeval_item_level=item_level, across_seeds=K.across_seeds(per_seed), cells=cell_rows,
+        per_seed=per_seed, ifeval_item_level=item_level, across_seeds=lrsearch.across_seeds(per_seed), cells=cell_rows,
     )
     plot = plan.paths.beside("recipe", ".png")
     plot_lr(plot, results.lr_search, f"{cfg.run}: {cfg.pair.direction}, {cfg.profile}")
-    atomic_write_text(plan.paths.beside("recipe", ".md"), K.summary_markdown(cfg.run, asdict(results), cell_rows,
+    atomic_write_text(plan.paths.beside("recipe", ".md"), lrsearch.summary_markdown(cfg.run, asdict(results), cell_rows,
                                                                             "recipe.png"))
     report = Report(
         "recipe", config=cfg, metrics=RecipeResults.METRICS,

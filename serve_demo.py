@@ -22,7 +22,12 @@ import sys
 import time
 from pathlib import Path
 
+from kvlingo.core.engine import PRECISIONS
+from kvlingo.core.families import FAMILIES
+from kvlingo.drive.stage import StageParser, refusals_exit
+from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_json
+from kvlingo.run.argtypes import whole
 
 # A word problem and a note, two more notes, then the problem's question: the last turn needs numbers only the first
 # turn's context holds, after three switches of model (toy-world style tasks, not a corpus item).
@@ -109,9 +114,8 @@ def run_real(args) -> int:
     from kvlingo.serve.store import STORE
 
     if not args.allow_unproven:
-        print("real: the random maps carry no evidence, so the gate refuses them and every request would be "
-              "prefilled; pass --allow-unproven for this timing-only run", file=sys.stderr)
-        return 2
+        raise Refusal("the random maps carry no evidence, so the gate refuses them and every request would be "
+                      "prefilled; pass --allow-unproven for this timing-only run")
     root = Path(args.root)
     t0 = time.time()
     export = root / f"export-l2s-{args.family}"
@@ -162,8 +166,9 @@ def run_real(args) -> int:
 
 
 # --------------------------------------------------------------------------- main
+@refusals_exit("serve_demo")
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = StageParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="examples:\n"
                                        "  .venv-serve/bin/python serve_demo.py toy --l2s artifacts/serve-l2s/export "
                                        "--s2l artifacts/serve-s2l/export\n"
@@ -177,26 +182,28 @@ def main(argv=None) -> int:
     toy.add_argument("--l2s", required=True, help="exported translator large → small (cache key space)")
     toy.add_argument("--s2l", required=True, help="exported translator small → large (cache key space)")
     toy.add_argument("--dtype", default="float32", help="the engines' dtype")
-    toy.add_argument("--trials", type=int, default=5, help="timed TTFT trials per path at each switch")
-    toy.add_argument("--warmups", type=int, default=1, help="untimed rounds before them")
-    toy.add_argument("--max-tokens", type=int, default=48, help="reply length cap")
+    toy.add_argument("--trials", type=whole(1), default=5, help="timed TTFT trials per path at each switch")
+    toy.add_argument("--warmups", type=whole(0), default=1, help="untimed rounds before them")
+    toy.add_argument("--max-tokens", type=whole(1), default=48, help="reply length cap")
     toy.add_argument("--allow-unproven", action="store_true", help="waive the evidence gate (timing only)")
     toy.add_argument("--out", default="results/serve", help="folder of demo.json")
     prep = sub.add_parser("prepare-real", help="random real-shape model folders and maps (suite environment)")
     prep.add_argument("--root", default="artifacts/serve-real", help="folder of large/, small/, export-l2s/")
     prep.add_argument("--tokenizer", default="artifacts/toy/small", help="tokenizer saved with the models")
     prep.add_argument("--dtype", default="bfloat16", help="weights dtype")
-    prep.add_argument("--family", default="crosshead", help="translator family of the random maps")
+    prep.add_argument("--family", default="crosshead", choices=sorted(FAMILIES),
+                      help="translator family of the random maps")
     real = sub.add_parser("real", help="TTFT at real shapes (random weights)")
     real.add_argument("--root", default="artifacts/serve-real", help="folder prepare-real wrote")
-    real.add_argument("--family", default="crosshead", help="translator family of the random maps (prepare-real's)")
-    real.add_argument("--tokens", type=int, default=4096, help="context length")
+    real.add_argument("--family", default="crosshead", choices=sorted(FAMILIES),
+                      help="translator family of the random maps (prepare-real's)")
+    real.add_argument("--tokens", type=whole(2), default=4096, help="context length")
     real.add_argument("--dtype", default="bfloat16", help="the engines' dtype")
-    real.add_argument("--trials", type=int, default=5, help="timed trials per path")
-    real.add_argument("--warmups", type=int, default=1, help="untimed rounds before them")
-    real.add_argument("--precision", default=None, help="the translation's precision (fp32, fast; default: FP32 "
-                      "maths, as kvlingo.Relay translates)")
-    real.add_argument("--kv-gib", type=int, default=2, help="KV cache GiB per engine (VLLM_CPU_KVCACHE_SPACE)")
+    real.add_argument("--trials", type=whole(1), default=5, help="timed trials per path")
+    real.add_argument("--warmups", type=whole(0), default=1, help="untimed rounds before them")
+    real.add_argument("--precision", default=None, choices=PRECISIONS,
+                      help="the translation's precision (default: FP32 maths, as kvlingo.Relay translates)")
+    real.add_argument("--kv-gib", type=whole(1), default=2, help="KV cache GiB per engine (VLLM_CPU_KVCACHE_SPACE)")
     real.add_argument("--allow-unproven", action="store_true", help="waive the gate for the random maps (required)")
     real.add_argument("--out", default="results/serve", help="folder of real.json")
     args = p.parse_args(argv)

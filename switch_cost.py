@@ -27,18 +27,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvlingo.bench import timing
+from kvlingo.bench.packing import packed
+from kvlingo.core.folder import MANIFEST_FILE, load_translator
 from kvlingo.core.handoff import as_ids
-from kvlingo.core.translator import load_translator
-from kvlingo.eval import timing
+from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
+from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_bytes, sha256_file
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split
 from kvlingo.run.models import PairConfig, load_pair, pair_config_from_args
-from kvlingo.run.paths import TRANSLATORS, default_data, run_paths
+from kvlingo.run.paths import TRANSLATORS, check_outputs, default_data, make_command, run_paths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure_png, fmt_interval, fmt_table, publish
-from kvlingo.run.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, refuse, stage_parser
+from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_table, publish
 
 SCRIPT = Path(__file__).resolve()
 PATHS = {"re_reading": "target_reprefill", "switching": "source_cache_handoff"}
@@ -87,13 +89,9 @@ def join_chat(convs: list[dict], n_tokens: int) -> tuple[list[int], dict]:
 
 
 def plot(points: list[dict], title: str) -> bytes:
-    """PNG of median time against history length for both paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    """PNG of median time against history length for both paths; the error bars span the fastest and slowest
+    timed trial (the caption says so, with the trial count)."""
+    fig, ax = figure((6, 4))
     xs = [p["context_tokens"] for p in points]
     for label in PATHS:
         med = [p["paths"][label]["median_s"] for p in points]
@@ -104,7 +102,8 @@ def plot(points: list[dict], title: str) -> bytes:
     ax.set_ylabel("time to first-token logits (s)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    n = sorted({p["paths"][label]["n"] for p in points for label in PATHS})
+    ax.legend(title=f"median of {'/'.join(map(str, n))} timed trials; bars: fastest to slowest trial", title_fontsize=8)
     return figure_png(fig)
 
 
@@ -125,11 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     paths = run_paths(args)
     pair_cfg, tokenizer = pair_config_from_args(args)
     folder = paths.translator(args.translator)
-    if not (folder / "manifest.json").is_file():
+    if not (folder / MANIFEST_FILE).is_file():
         other = "closed_form" if args.translator == "distilled" else "distilled"
-        there = (paths.translator(other) / "manifest.json").is_file()  # suggested only when it exists
-        refuse("switch_cost", f"no trained translator at {folder}: run `make train RUN={paths.run}` first"
-                              + (f" (or pass --translator {other}, which this run has)" if there else ""))
+        there = (paths.translator(other) / MANIFEST_FILE).is_file()  # suggested only when it exists
+        raise Refusal(f"no trained translator at {folder}: run `{make_command('train', paths.run, args.profile, pair_cfg)}` "
+                      "first"
+                      + (f" (or pass --translator {other}, which this run has)" if there else ""))
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)
     convs = read_split(data_dir, "test", "natural")
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         pair=pair_cfg,
     )
     inputs = {"test_split": {"path": str(data_dir / "test.natural.jsonl"), "sha256": manifest["files"]["test.natural.jsonl"]},
-              args.translator: {"path": str(folder), "manifest_sha256": sha256_file(folder / "manifest.json")}}
+              args.translator: {"path": str(folder), "manifest_sha256": sha256_file(folder / MANIFEST_FILE)}}
     identity = resume.identity(cfg, inputs, pair_cfg.identities(), resume.code_hash(SCRIPT))
     key = resume.resume_key(identity)
     old = None if args.force else resume.finished(paths.report("switch"), key)
@@ -155,20 +155,24 @@ def main(argv: list[str] | None = None) -> None:
     if chat["repeated"]:
         print(f"note: the test split holds {chat['split_tokens']} tokens, fewer than {max(cfg.lengths) + k}; "
               f"its conversations were joined {chat['passes']} times over", file=sys.stderr)
+    check_outputs([paths.report("switch"), paths.beside("switch", ".md"), paths.beside("switch", ".png")])
     lock_run(paths.res, "switch")  # before the models load: also refuses a folder it cannot write
     pair = load_pair(pair_cfg, tokenizer)
     limit = min(pair.source.config.max_position_embeddings, pair.target.config.max_position_embeddings)
     if max(cfg.lengths) + k > limit:
-        raise SystemExit(f"switch_cost: --lengths up to {max(cfg.lengths)} plus {k} new tokens exceed the models' "
-                         f"max_position_embeddings {limit}; use shorter lengths")
+        raise Refusal(f"--lengths up to {max(cfg.lengths)} plus {k} new tokens exceed the models' "
+                      f"max_position_embeddings {limit}; use shorter lengths")
     translator = load_translator(folder, pair)[0]
 
     points, noisy = [], []
+    trials = timing.Trials(cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
+    options = timing.PathOptions(timing.mode_for(pair.cache), refresh=args.refresh)
     for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr):
         ids = as_ids(stream[:n + k], pair.device)  # [1, n + k]
-        handoff = timing.HandoffPaths(pair.source, pair.target, translator, ids[:, :n], ids[:, n:],
-                                      need=tuple(PATHS.values()), refresh=args.refresh)
-        timed = timing.time_paths(handoff, list(PATHS.values()), cfg.timing_warmups, cfg.timing_repeats, cfg.cv_limit)
+        with packed(pair.target, on=options.mode == "optimised"):
+            handoff = timing.HandoffPaths(pair.source, pair.target, translator, ids[:, :n], ids[:, n:], options,
+                                          need=tuple(PATHS.values()))
+            timed = timing.time_paths(handoff, list(PATHS.values()), trials)
         summaries = {label: timed[name] for label, name in PATHS.items()}  # trials interleaved round by round
         points.append({"context_tokens": n, "new_turn_tokens": k, "paths": summaries,
                        "speedup": timing.speedups(summaries, "re_reading")["switching"],

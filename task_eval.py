@@ -17,7 +17,9 @@ trace) in place of this one's, and no_context, the target from the prefix's last
 Outputs under RESULTS/RUN/: task-TASK[-trace][-native].json, .rows.jsonl (one checksummed
 row per answer or trace, appended as it finishes) and .md. Accuracy with SE per path, and
 the exact McNemar test between the two paths on the same items. --resume skips rows
-whose input hash matches and refuses a changed setting, input or code.
+whose input hash matches and refuses a changed setting, input or code. A report made under
+the same settings, inputs, models and code, its rows log unchanged, is up to date: nothing
+runs (--force runs it again).
 """
 
 from __future__ import annotations
@@ -29,28 +31,30 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from kvlingo.drive.session import Session, add_eval_args, control_paths, prepare_and_exit
+from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
+from kvlingo.errors import Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import mean_se, paired_accuracy
 from kvlingo.eval.tasks.data import DATASETS, load_data
 from kvlingo.eval.tasks.generate import answer_text, control_partner, generate, reasoning_trace, trace_prefix
 from kvlingo.eval.tasks.parsers import score
 from kvlingo.eval.tasks.prompts import ITEM_BUILDERS, user_prompt_ids
-from kvlingo.eval.tasks.session import Session, add_eval_args, control_paths, prepare_and_exit
 from kvlingo.io import atomic_write_text, sha256_json
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
 from kvlingo.run.models import PairConfig
-from kvlingo.run.paths import run_paths
+from kvlingo.run.paths import check_outputs, run_paths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table
-from kvlingo.run.stage import lock_run, refusals_exit
 
 SCRIPT = Path(__file__).resolve()
 EPILOG = """examples:
   python task_eval.py --task arc --native --device cuda --run pilot-l2s
   python task_eval.py --task gsm8k --run pilot-l2s --translator closed_form --resume
   python task_eval.py --task gsm8k --handoff trace --trace-tokens 512 --run pilot-l2s
-  python task_eval.py --task arc --source arc_local.jsonl --large L --small S --dtype float32 --profile tiny --run t
+  python task_eval.py --task arc --source artifacts/toy/corpus/arc.jsonl --large artifacts/toy/large \
+      --small artifacts/toy/small --device cpu --dtype float32 --profile demo
 """
 
 
@@ -101,7 +105,7 @@ def trace_summary(rows: list[dict]) -> dict:
 
 @refusals_exit("task_eval", resumable=True)
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG,
+    ap = StageParser(description=__doc__.split("\n")[0], epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", required=True, choices=sorted(ITEM_BUILDERS), help="arc (ARC-Challenge) or gsm8k")
     ap.add_argument("--handoff", choices=("prompt", "trace"), default="prompt",
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     data = DATASETS[args.task]
 
     if args.prepare:
-        return prepare_and_exit(data, args, "task_eval")
+        return prepare_and_exit(data, args)
 
     # ---------------------------------------------------------------- inputs
     t_start = time.time()
@@ -125,24 +129,33 @@ def main(argv: list[str] | None = None) -> None:
     trace = args.handoff == "trace"
     trace_cap = (args.trace_tokens if args.trace_tokens is not None else profile.max_new_tokens) if trace else None
     if limit < 1 or cap < 1 or (trace and trace_cap < 1):
-        raise SystemExit("task_eval: --limit, --max-new-tokens and --trace-tokens must be at least 1")
+        raise Refusal("--limit, --max-new-tokens and --trace-tokens must be at least 1")
     thinking = True if trace else args.thinking
     try:
         rows, data_info = load_data(data, args.data_root, args.source)
     except ValueError as e:
-        raise SystemExit(f"task_eval: {e}") from None
+        raise Refusal(str(e)) from None
     if limit > len(rows):
         print(f"note: --limit {limit} but the data holds {len(rows)} items; scoring all of them")
     items = [ITEM_BUILDERS[args.task](r) for r in rows[:limit]]
     base = f"task-{args.task}" + ("-trace" if trace else "")
     name, sibling = (f"{base}-native", base) if args.native else (base, f"{base}-native")
-    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
-    session = Session(args, paths)
-    pair, tok, eos = session.pair, session.pair.tokenizer, session.eos
+    check_outputs([paths.report(name), paths.beside(name, ".rows.jsonl"), paths.beside(name, ".md")])
+    session = Session(args, paths)  # the pair and the translator folder, checked; no weights yet
     controls = control_paths(args, len(items))
     config = TaskConfig(profile.name, paths.run, args.task, args.handoff, "native" if args.native else "translated",
                         None if args.native else args.translator, len(items), cap, trace_cap, thinking, controls,
                         str(args.refresh), session.pair_cfg)
+    inputs = {"data": data_info, **session.translator_inputs}
+    ident = session.identity(config, inputs, resume.code_hash(SCRIPT))
+    if not args.force and session.up_to_date(paths.report(name), ident) is not None:
+        md = paths.beside(name, ".md")
+        print(f"{paths.report(name)} is up to date (same settings, inputs, models and code); --force re-runs it\n"
+              + (md.read_text() if md.is_file() else ""), end="")
+        return
+    lock_run(paths.res, name)  # before the models load: also refuses a folder it cannot write
+    session.load()
+    pair, tok, eos = session.pair, session.pair.tokenizer, session.eos
 
     # ---------------------------------------------------------------- rows
     models = pair.identities()
@@ -154,9 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         scored = ("native_source", "native_target")
     else:
         scored = ("translated", "native_target_with_trace" if trace else "native_target", *controls)
-    inputs = {"data": data_info, **session.translator_inputs}
-    log = session.open_rows(paths.beside(name, ".rows.jsonl"), config, inputs, resume.code_hash(SCRIPT), args.resume,
-                            paths.beside(sibling, ".rows.jsonl"))
+    log = session.open_rows(paths.beside(name, ".rows.jsonl"), ident, args.resume, paths.beside(sibling, ".rows.jsonl"))
 
     def answer(path: str, prefix: list[int], item, extra: dict | None = None, other: list[int] | None = None) -> dict:
         gen = generate("native_target" if path == "native_target_with_trace" else path, pair, session.translator,
@@ -168,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                 "hit_cap": gen.hit_cap, "seconds": gen.seconds, **(extra or {})}
 
     def own_trace(model, path: str, prompt_ids: list[int]) -> dict:
-        tr = reasoning_trace(model, tok, prompt_ids, trace_cap, eos)
+        tr = reasoning_trace(model, tok, prompt_ids, trace_cap, eos, pair.cache)
         return {"path": path, "trace_ids": tr.trace_ids, "trace_hit_cap": tr.hit_cap, "trace_seconds": tr.seconds,
                 "trace_text": tok.decode(tr.trace_ids, skip_special_tokens=False)}
 
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         wall_time_s=time.time() - t_start, device=pair.device, dtype=config.pair.dtype, n_samples={"items": len(items)},
         inputs={**inputs, "items_sha256": sha256_json([asdict(i) for i in items]), "translator": session.translator_info,
                 "code_sha256": resume.code_hash(SCRIPT), "rows": session.rows_input()},
-        resume_key=resume.resume_key(log.settings),
+        resume_key=resume.resume_key(log.settings), files={log.path.name: session.rows_input()["sha256"]},
     ).write(paths.report(name))
     pct = lambda m: fmt_pm(m, 100.0, ".1f", missing="-")  # noqa: E731
     table = fmt_table(["path", "items", "accuracy", "no answer", "hit cap", "new tokens"], [

@@ -22,14 +22,17 @@ import argparse
 import os
 from pathlib import Path
 
+from kvlingo.drive.stage import StageParser, refusals_exit
+from kvlingo.errors import Refusal
 from kvlingo.run.argtypes import number
 from kvlingo.run.paths import writable
 from kvlingo.toy.deep import PACKAGED_DEEP, build_deep, export_deep, install_deep
 from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
+@refusals_exit("toy_world")
+def main(argv=None) -> None:
+    parser = StageParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
@@ -55,17 +58,16 @@ def main() -> None:
                         help="after --train-deep on a full world, copy the deep model into DIR (e.g. kvlingo/toy/deep)")
     parser.add_argument("--mini", action="store_true", help="tiny corpus and models for tests (seconds)")
     parser.add_argument("--force", action="store_true", help="with --train/--mini: retrain even if the manifest matches")
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     training = args.train or args.mini
     if not training and (args.seed != 0 or args.minutes_per_model is not None or (args.force and not args.train_deep)):
-        raise SystemExit("--seed, --minutes-per-model and --force change a training run; add --train "
-                         "(the packaged pair is seed 0 with the default budgets)")
+        raise Refusal("--seed, --minutes-per-model and --force change a training run; add --train "
+                      "(the packaged pair is seed 0 with the default budgets)")
     if args.export is not None and (args.mini or not args.train):
-        raise SystemExit("--export needs a full --train build (not --mini)")
+        raise Refusal("--export needs a full --train build (not --mini)")
     if args.export_deep is not None and (args.mini or not args.train_deep):
-        raise SystemExit("--export-deep needs --train-deep on a full world (not --mini)")
+        raise Refusal("--export-deep needs --train-deep on a full world (not --mini)")
     if os.environ.get("HF_HUB_OFFLINE") != "1":
         print("note: HF_HUB_OFFLINE is not set; the toy world never needs the Hub (set HF_HUB_OFFLINE=1)")
     try:
@@ -74,21 +76,22 @@ def main() -> None:
                 writable(folder, flag)  # before any training: a folder that cannot be written is named now
         if training:
             manifest = build_toy_world(args.out, seed=args.seed, mini=args.mini,
-                                       minutes_per_model=args.minutes_per_model, force=args.force,
-                                       progress=not args.no_progress)
+                                       minutes_per_model=args.minutes_per_model, force=args.force)
             if args.export is not None:
                 export_pair(args.out, args.export)
         else:
             manifest = install_pair(args.out)
         deep = None
         if args.train_deep:
-            deep = build_deep(args.out, force=args.force, progress=not args.no_progress)
+            deep = build_deep(args.out, force=args.force)
             if args.export_deep is not None:
                 export_deep(args.out, args.export_deep)
         elif not training:
             deep = install_deep(args.out)
-    except ValueError as err:
-        raise SystemExit(f"toy world failed: {err}") from err
+    except Refusal:
+        raise
+    except ValueError as err:  # a regenerated corpus or a build that does not match its recorded hashes
+        raise Refusal(f"toy world not built: {err}") from None
 
     # --- summary
     print()
@@ -97,7 +100,9 @@ def main() -> None:
     for name, info in models.items():
         print(f"{name}: {info['n_params']:,} parameters, {info['train_steps']} steps, "
               f"train {info['train_wall_s']:.0f}s, final loss {info['final_loss']:.3f}")
-    print(f"manifest: {args.out / 'manifest.json'} (build wall time {manifest['wall_time_s']:.0f}s)")
+    built = (f"built in {manifest['wall_time_s']:.0f}s" if training else
+             f"the packaged pair, installed; its training build took {manifest['wall_time_s']:.0f}s")
+    print(f"manifest: {args.out / 'manifest.json'} ({built})")
     if deep is not None:
         print()
         print(summary_table(deep))

@@ -8,7 +8,9 @@ file's sha256 and its tokenizer are checked) and writes
   RESULTS/RUN/train.json       the report (+ train.md summary and train.png curves beside it)
 
 Every check (pair, data, tokenizer, --init-from, resume) runs before anything is written, so
-a refused run leaves a finished one exactly as it was.
+a refused run leaves a finished one exactly as it was. A run that finished under the same config,
+data, models, code and --init-from maps, its translators intact, is up to date: nothing runs
+(--force trains again).
 """
 
 from __future__ import annotations
@@ -22,24 +24,25 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvlingo.core.translator import (FAMILIES, MANIFEST_FILE, check_expected, load_state, read_manifest,
-                                     save_translator, state_bytes)
-from kvlingo.core.translator import build as build_translator
+from kvlingo.core.families import FAMILIES
+from kvlingo.core.folder import MANIFEST_FILE, MAPS_FILE, check_expected, load_state, read_manifest, save_translator, state_bytes
+from kvlingo.core.folder import build as build_translator
+from kvlingo.drive.stage import lock_run, refusals_exit, stage_parser
+from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_bytes, sha256_file, sha256_json
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split, split_path
 from kvlingo.run.models import load_pair, pair_config_from_args
-from kvlingo.run.paths import default_data, run_paths, writable
+from kvlingo.run.paths import check_outputs, default_data, run_paths
 from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Report, figure_png, fmt_table
-from kvlingo.run.stage import lock_run, refusals_exit, refuse, stage_parser
+from kvlingo.run.report import Report, figure, figure_png, fmt_table
 from kvlingo.train import checkpoints as ckpt
 from kvlingo.train import distributed
 from kvlingo.train.closed_form import fit_closed_form
 from kvlingo.train.config import RESUME_SAFE, TrainConfig, TrainResults, resolve_family
 from kvlingo.train.distill import distill_step, make_optimizer, validation_kl
-from kvlingo.train.estimate import add_estimate_args, before_training
+from kvlingo.train.footprint import add_estimate_args, before_training
 from kvlingo.train.frozen import FrozenWeightsChanged, check_frozen, fingerprints, verify_frozen
 from kvlingo.train.rng import rng_state, seed_everything, set_rng_state
 from kvlingo.train.rows import data_order, fit_selection
@@ -51,7 +54,8 @@ SCRIPT = Path(__file__).resolve()
 
 def build_parser() -> argparse.ArgumentParser:
     p = stage_parser(__doc__, [
-        "python train_translator.py --profile demo --large PATH --small PATH --device cpu --dtype float32",
+        "python train_translator.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+        "--device cpu --dtype float32",
         "python train_translator.py --profile pilot --run pilot-l2s --device cuda --resume",
         "python train_translator.py --profile pilot --run lr3e-4 --init-from artifacts/pilot-l2s/closed_form --lr 3e-4"], common=True, data=True)
     p.add_argument("--family", choices=sorted(FAMILIES), default=None,
@@ -82,15 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-every", type=int, default=None, help="validation KL every N updates (default: the profile's)")
     p.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint every N updates (default: the profile's)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint of --run")
+    p.add_argument("--force", action="store_true",
+                   help="train again even when train.json is up to date (same config, data, models and code)")
     p.add_argument("--init-from", default=None, help="start from an existing closed-form translator folder instead of fitting")
     p.add_argument("--closed-form-only", action="store_true", help="stop after the closed-form fit and its validation")
-    p.add_argument("--code-salt", default="", help=argparse.SUPPRESS)  # tests: stands in for a code edit
     add_estimate_args(p)
     return p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    return build_parser().parse_args(distributed.script_args(argv))  # under torchrun the flags follow a `--`
 
 
 def given(value, default):
@@ -103,7 +108,7 @@ def ridge_value(text):
     try:
         return positive("ridge", float(text), allow_zero=True)
     except ValueError:
-        refuse("train_translator", f"--ridge {text} is invalid: give a number ≥ 0, or auto")
+        raise Refusal(f"--ridge {text} is invalid: give a number ≥ 0, or auto")
 
 
 def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
@@ -113,23 +118,50 @@ def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
     try:
         return resolve_family(profile, direction, args.family, flags)
     except (TypeError, ValueError) as e:
-        refuse("train_translator", f"--family {args.family or profile.family_for(direction)[0]}: {e}")
+        raise Refusal(f"--family {args.family or profile.family_for(direction)[0]}: {e}")
 
 
 def positive(name: str, value, allow_zero: bool = False):
     if value is None or (value < 0 if allow_zero else value <= 0) or (isinstance(value, float) and not math.isfinite(value)):
-        refuse("train_translator", f"--{name} {value} is invalid: it must be a finite number "
-                                   f"{'≥ 0' if allow_zero else '> 0'}")
+        raise Refusal(f"--{name} {value} is invalid: it must be a finite number {'≥ 0' if allow_zero else '> 0'}")
     return value
 
 
+def artifact_bytes(empty, cfg: TrainConfig, args, state: dict | None, ckpt_dir: Path) -> int:
+    """About what the run writes under --artifacts: the closed-form and distilled maps, and each checkpoint
+    still to come (the maps and AdamW's two moments), less the old checkpoints a fresh run removes first."""
+    maps = sum(v.numel() * v.element_size() for v in empty.state_dict().values())
+    if args.closed_form_only:
+        return maps
+    start = state["update"] if state is not None else 0
+    checkpoints = sum(1 for u in range(start + 1, cfg.updates + 1) if u % cfg.checkpoint_every == 0 or u == cfg.updates)
+    removed = 0 if args.resume else sum(p.stat().st_size for p in ckpt_dir.glob("ckpt_*.pt") if p.is_file())
+    return max(0, 2 * maps + checkpoints * 3 * maps - removed)
+
+
+def finished_training(paths, key: str, args) -> dict | None:
+    """The run's train.json when this training already finished: made under resume key `key` (config, data,
+    models, code), the same kind of run (--closed-form-only or not, from --init-from maps with the same
+    sha256), and its translators still there holding the maps it records."""
+    old = resume.up_to_date(paths.report("train"), key)
+    if old is None:
+        return None
+    art, init = old["results"].get("artifacts") or {}, old["inputs"].get("init_from")
+    if (art.get("distilled") is None) != args.closed_form_only or bool(init) != bool(args.init_from):
+        return None
+
+    def maps_sha(folder: Path) -> str | None:
+        maps = folder / MAPS_FILE
+        return sha256_file(maps) if maps.is_file() and (folder / MANIFEST_FILE).is_file() else None
+
+    if args.init_from and maps_sha(Path(args.init_from)) != init.get("maps_sha256"):
+        return None
+    kinds = ("closed_form",) if args.closed_form_only else ("closed_form", "distilled")
+    return old if all(maps_sha(paths.translator(k)) == art.get(f"{k}_sha256") for k in kinds) else None
+
+
 def plot_curves(path: Path, loss: list, val: list, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = figure((7, 4))
     if loss:
         ax.plot([u for u, _ in loss], [x for _, x in loss], label="train loss (batch KL)", lw=1)
     ax.plot([u for u, _ in val], [x for _, x in val], "o-", label="validation KL")
@@ -152,8 +184,9 @@ def closed_form_start(init_from: str | None, init: dict | None, pair, cfg: Train
             "fit_key": init.get("fit_key"), "fit": init.get("fit"), "copied_from": str(init_from)}
     if (cf_dir / MANIFEST_FILE).is_file():
         try:
-            old = read_manifest(cf_dir)
-        except ValueError:  # damaged: fit again
+            old = read_manifest(cf_dir)  # its maps against their hash, and itself against its content hash
+        except ValueError as e:  # damaged or edited: fit again (the fit replaces it)
+            print(f"closed-form fit not reused: {e} (this run fits it again)")
             old = {}
         if old.get("fit_key") == fit_key:
             print(f"closed-form fit up to date (same data, code, models and fit settings): {cf_dir}")
@@ -161,7 +194,7 @@ def closed_form_start(init_from: str | None, init: dict | None, pair, cfg: Train
     translator = empty.to(pair.device).bind(pair.source, pair.target)
     bar = lambda rows: tqdm(rows, desc="closed-form fit", unit="conv", disable=not world.main)  # noqa: E731
     stats = fit_closed_form(pair.source, pair.target, translator, fit_rows, cfg.fit_weighting, cfg.ridge, progress=bar,
-                            world=world)
+                            world=world, kind=pair.cache)
     return translator, stats, {"fit_key": fit_key, "fit": stats}
 
 
@@ -197,12 +230,18 @@ def main(argv=None) -> dict:
     )
     n_train = manifest.get("n_samples", {}).get("train.natural")
     if isinstance(n_train, int) and cfg.batch > n_train:
-        refuse("train_translator", f"--batch {cfg.batch} is more than the {n_train} training conversations in "
-                                   f"{data_dir}: every one would repeat within each update; give --batch {n_train} or less")
+        raise Refusal(f"--batch {cfg.batch} is more than the {n_train} training conversations in {data_dir}: "
+                      f"every one would repeat within each update; give --batch {n_train} or less")
     code_sha = resume.code_hash(SCRIPT)
-    if args.code_salt:
-        code_sha = sha256_json({"code": code_sha, "salt": args.code_salt})
     identity = resume.identity(cfg, {"data": data_hashes}, pair_cfg.identities(), code_sha)
+    done = None if args.force else finished_training(paths, resume.resume_key(identity), args)
+    if done is not None:
+        if world.main:
+            md = paths.beside("train", ".md")
+            print(f"{paths.report('train')} is up to date (same config, inputs and code); --force re-trains\n"
+                  + (md.read_text() if md.is_file() else ""), end="")
+        distributed.close(world)
+        return done
     state = None
     if args.resume:
         state = ckpt.newest_checkpoint(ckpt_dir, warn=lambda m: tqdm.write(m))
@@ -216,11 +255,19 @@ def main(argv=None) -> dict:
         init = read_manifest(args.init_from)  # refuses a missing or damaged folder before anything is written
         check_expected(init, family=cfg.family, key_space=cfg.key_space, direction=pair_cfg.direction,
                        models=pair_cfg.identities())
-    before_training(pair_cfg, empty, cfg, profile, world, args)  # peak memory and time per update; refuses a misfit
-
-    writable(paths.art, "--artifacts")  # before the models load, not after the fit
+    estimate: list[str] = []  # peak memory and time per update: printed once the outputs and the run lock are sure
+    try:
+        before_training(pair_cfg, empty, cfg, profile, world, args, say=estimate.append)
+    except Refusal:  # a misfit: the estimate is its reason
+        print("\n".join(estimate))
+        raise
+    check_outputs([paths.report("train"), paths.beside("train", ".md"), paths.beside("train", ".png")])
+    check_outputs([d / f for d in (cf_dir, dist_dir) for f in (MAPS_FILE, MANIFEST_FILE)], [ckpt_dir], "--artifacts",
+                  artifact_bytes(empty, cfg, args, state, ckpt_dir))
     lock_run(paths.res, "train")  # one training per run: checkpoints and translators are its alone
     lock_run(paths.art, "train", root_flag="--artifacts")  # two --results roots still share one run's artifacts
+    if world.main and estimate:
+        print("\n".join(estimate))
     pair = load_pair(pair_cfg, tokenizer)
     models = {"source": pair.source, "target": pair.target}
     check_frozen(models)
@@ -235,7 +282,7 @@ def main(argv=None) -> dict:
                            "code": code_sha})
     translator, fit_stats, to_save = closed_form_start(args.init_from, init, pair, cfg, fit_rows, cf_dir, fit_key, empty,
                                                        world)
-    cf_sha = sha256_bytes(state_bytes(translator)) if to_save is not None else sha256_file(cf_dir / "maps.safetensors")
+    cf_sha = sha256_bytes(state_bytes(translator)) if to_save is not None else sha256_file(cf_dir / MAPS_FILE)
     if state is not None and state["closed_form_sha256"] != cf_sha:
         raise resume.ResumeRefused(
             f"refusing to resume {paths.run}: closed-form start changed: maps sha256 "
@@ -268,10 +315,10 @@ def main(argv=None) -> dict:
 
     def validate() -> float:
         bar = lambda rows: tqdm(rows, desc="validation", unit="conv", leave=False, disable=not world.main)  # noqa: E731
-        return validation_kl(pair.source, pair.target, translator, val_rows, pair.dtype, bar, world)
+        return validation_kl(pair.source, pair.target, translator, val_rows, pair.dtype, bar, world, pair.cache)
 
     if state is None:
-        history = {"loss": [], "val": [[0, validate()]], "wall_time_s": 0.0}
+        history = {"loss": [], "val": [[0, validate()]], "wall_time_s": 0.0, "segments": []}
         start, resumed_from = 0, None
     else:
         translator.load_state_dict(state["translator"])
@@ -282,6 +329,9 @@ def main(argv=None) -> dict:
         set_rng_state(state["rng"])
         history, start, resumed_from = state["history"], state["update"], state["update"]
     cf_kl = history["val"][0][1]
+    segment = {"checkpoint_every": cfg.checkpoint_every, "world_size": world.size}  # what a resume may change
+    if not history["segments"] or {k: history["segments"][-1][k] for k in segment} != segment:
+        history["segments"].append({"from_update": start, **segment})
     segment_t0 = time.time()
 
     def checkpoint(update: int) -> None:
@@ -302,7 +352,7 @@ def main(argv=None) -> dict:
         for u in bar:
             rows = [train_rows[i] for i in order[u * cfg.batch:(u + 1) * cfg.batch]]
             loss = distill_step(pair.source, pair.target, translator, rows, optimizer, pair.dtype, cfg.max_grad_norm,
-                                world=world, aux_weight=cfg.aux_attn_weight)
+                                world=world, aux_weight=cfg.aux_attn_weight, kind=pair.cache)
             done = u + 1
             history["loss"].append([done, loss])
             if done % cfg.val_every == 0 or done == cfg.updates:
@@ -316,8 +366,8 @@ def main(argv=None) -> dict:
     try:
         frozen = verify_frozen(models, weights_before)
     except FrozenWeightsChanged as e:
-        raise SystemExit(f"{e}; the distilled translator was not saved. Nothing may write to the models during "
-                         "training.") from e
+        raise FrozenWeightsChanged(f"{e}; the distilled translator was not saved. Nothing may write to the "
+                                   "models during training.") from None
     if not world.main:  # rank 0 writes the outputs
         distributed.close(world)
         return None
@@ -326,7 +376,7 @@ def main(argv=None) -> dict:
         dist_kl = history["val"][-1][1]
         save_translator(dist_dir, translator, {**provenance, "stage": "distilled", "closed_form_sha256": cf_sha,
                                                "updates": cfg.updates, "val_kl": dist_kl})
-        dist_sha = sha256_file(dist_dir / "maps.safetensors")
+        dist_sha = sha256_file(dist_dir / MAPS_FILE)
     wall = time.time() - t0
     plot = paths.beside("train", ".png")
     plot_curves(plot, history["loss"], history["val"],
@@ -335,7 +385,7 @@ def main(argv=None) -> dict:
         closed_form_val_kl=cf_kl, distilled_val_kl=dist_kl,
         loss_curve=[{"update": u, "loss": x} for u, x in history["loss"]],
         val_kl_curve=[{"update": u, "val_kl": x} for u, x in history["val"]],
-        fit=fit_stats, frozen_weights=frozen, resumed_from_update=resumed_from,
+        fit=fit_stats, frozen_weights=frozen, resumed_from_update=resumed_from, segments=history["segments"],
         wall_time_s_total=history["wall_time_s"] + time.time() - segment_t0,
         translator={"family": cfg.family, "n_params": translator.n_params(),
                     "flops_per_token": translator.flops_per_token()},

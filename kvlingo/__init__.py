@@ -1,14 +1,17 @@
 """KVLRelay: translate one model's KV cache into another's, and measure what it costs and saves.
 
+    kvlingo.io     atomic writes and hashes; kvlingo.errors: refusals and failures
     kvlingo.core   the maths of a handoff: capture and injection, RoPE, key spaces, the translator
-                   interface and its families, the FP64 fit, KL, the handoff path itself
+                   interface and its families, the chunked engine, the FP64 fit, KL, the handoff path itself
+    kvlingo.run    the foundation: the pair and its config, run folders, profiles, reports, resume keys, data
     kvlingo.train  the closed-form fit over data, distillation, checkpoints, frozen-model checks
-    kvlingo.eval   quality arms, native controls, timing and speed at real shapes, tasks, statistics
-    kvlingo.run    the pair and its config, run folders, profiles, reports, resume keys, data, the recipe
+    kvlingo.eval   quality arms, native controls, tasks, statistics
+    kvlingo.bench  speed: timing the paths, the physical limit, real shapes with random weights
+    kvlingo.drive  what the stage scripts share, and cells (the recipe, the ablation, the frontier)
     kvlingo.toy    the offline toy world (a fixture: no real run imports it)
-    kvlingo.io     atomic writes and hashes
     kvlingo.Relay  the public entry point: load an exported translator and hand chats from one model to the other
 
+Each package imports only the ones above it in this list (kvlingo.Relay: core and run).
 The stage scripts at the top of the repository own the loops and the files; this package owns the maths.
 """
 

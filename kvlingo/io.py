@@ -4,18 +4,23 @@ Every file the suite produces goes through `atomic_write_*`: the bytes land in a
 file in the same folder, are fsynced, and replace the target with `os.replace`. A kill
 at any moment leaves either the old file or the new one, never half of either. A kill
 can leave the temp file itself behind (`.NAME.*.tmp`); `remove_stale_temps` clears
-those on the next run.
+those on the next run. A full disk or a read-only folder is a `WriteRefused`: one line
+naming the folder and the space needed, the temp file removed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
+
+from .errors import Refusal
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
 
@@ -23,24 +28,83 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository root
 # --------------------------------------------------------------------------- atomic writes
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # the disk or a quota is full
+CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM)  # a read-only file system, or no permission
+
+
+class WriteRefused(Refusal):
+    """A write the file system refused: no space left, a read-only or forbidden folder, or a folder where the
+    file should be. The temp file is gone and the previous file (if any) untouched."""
+
+
+def mib(n: int | float) -> str:
+    """A byte count in words: bytes, KiB, MiB or GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def _free(folder: Path) -> int | None:
+    try:
+        while not folder.exists():
+            folder = folder.parent
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def write_refusal(path: str | os.PathLike, err: OSError, size: int) -> WriteRefused | None:
+    """The one-line refusal for an OSError that writing `size` bytes to `path` met, or None for another error."""
+    path = Path(path)
+    again = "then run the same command again (with --resume where the stage has it, to keep what was saved)"
+    if err.errno in NO_ROOM:
+        free = _free(path.parent)
+        return WriteRefused(f"no space left in {path.parent} ({err.strerror}): writing {path.name} needs "
+                            f"{mib(size)}{f' and {mib(free)} is free' if free is not None else ''}; free at least "
+                            f"{mib(size)} there, {again}")
+    if err.errno == errno.EFBIG:  # a file size limit (ulimit -f), or the file system's largest file
+        return WriteRefused(f"no room for {path.name} in {path.parent} ({err.strerror}): it needs {mib(size)} more "
+                            f"than the file size limit allows; raise the limit (ulimit -f) or write elsewhere, {again}")
+    if err.errno in CANNOT_WRITE:
+        return WriteRefused(f"cannot write {path.name} in {path.parent} ({err.strerror}): make the folder writable "
+                            f"or write elsewhere, {again}")
+    if err.errno == errno.EISDIR or path.is_dir():
+        return WriteRefused(f"{path} is a folder, not a file: remove it (rmdir {path}), {again}")
+    return None
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """All of `data` to `fd` (os.write may write part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """`data` in `path`, whole or not at all; a full or read-only disk ends in WriteRefused (one line naming the
+    folder and the space needed), leaving no temp file and the previous file as it was."""
+    path, tmp = Path(path), None
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give them the usual permissions
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # The previous file (if any) is untouched; only the temp file is dropped.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give them the usual permissions
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as e:
+        # The previous file (if any) is untouched; only the temp file is dropped.
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        refusal = write_refusal(path, e, len(data)) if isinstance(e, OSError) else None
+        if refusal is not None:
+            raise refusal from None
         raise
     return path
 
@@ -76,7 +140,7 @@ def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> Path:
     return atomic_write_text(path, text)
 
 
-class DamagedFile(ValueError):
+class DamagedFile(Refusal, ValueError):
     """A JSON or JSONL file the suite should be able to read that does not parse (cut short, or edited by
     hand). `problem` names the file and where it breaks; the message adds the usual fix, which a caller
     that knows better can replace."""

@@ -3,7 +3,7 @@
     relay = Relay.load("artifacts/pilot-l2s/export")   # an exported folder, or a Hub repo id with revision=
     print(relay.chat(messages, max_new_tokens=64))      # the source reads the chat, the target answers
 
-A relay is an exported translator folder (`kvlingo.run.export`) bound to its pair. `load` checks,
+A relay is an exported translator folder (`kvlingo.run.exported`) bound to its pair. `load` checks,
 in this order and before any weights load:
 
 1. the maps file against its recorded sha256 (never waived);
@@ -35,9 +35,10 @@ import torch
 from .core.cache import Capture, build_cache
 from .core.handoff import capture_source, greedy_generate, stop_ids, translate
 from .core.refresh import Refresh
-from .core.translator import Geometry, Translator, TranslatorError, check_expected, load_translator, read_manifest
+from .core.folder import MAPS_FILE, check_expected, load_translator, read_manifest
+from .core.translator import Geometry, Translator, TranslatorError
 from .run.evidence import Gate, Verdict, judge
-from .run.export import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_name, read_export
+from .run.exported import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_name, read_export
 from .run.models import Pair, load_pair, render_ids, resolve_pair
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ if TYPE_CHECKING:
 
 Messages = Sequence[dict[str, Any]]  # chat messages: {"role": ..., "content": ...}
 Source = Union[Messages, Sequence[int], torch.Tensor, Capture, "DynamicCache"]  # what a handoff starts from
-HUB_FILES = [CONFIG_FILE, EVIDENCE_FILE, CARD_FILE, "maps.safetensors"]
+HUB_FILES = [CONFIG_FILE, EVIDENCE_FILE, CARD_FILE, MAPS_FILE]
+ROLES = ("system", "user", "assistant", "tool")  # the roles the supported chat templates render
 
 
 class UnprovenTranslator(TranslatorError):
@@ -140,7 +142,7 @@ class Relay:
         ids = self._ids(ids)
         if not ids:
             raise ValueError("a capture needs at least one token id (got none)")
-        return capture_source(self.source, ids, [self.translator])
+        return capture_source(self.source, ids, [self.translator], self.pair.cache)
 
     # ------------------------------------------------------------------ the handoff
     @_serialised
@@ -151,19 +153,21 @@ class Relay:
             if self.refresh.kind != "none":
                 raise ValueError(f"these maps hand over with refresh {self.refresh}, which needs the context's token "
                                  "ids: pass the messages or ids instead of a cache")
-            return translate(self.source, self.translator, out_dtype=self.pair.dtype, cap=self._as_capture(source))
+            return translate(self.source, self.translator, out_dtype=self.pair.dtype, cap=self._as_capture(source),
+                             kind=self.pair.cache)
         ids = self._ids(source)
         if len(ids) < 2:
             raise ValueError(f"a handoff needs a prompt of at least 2 tokens (got {len(ids)})")
         return translate(self.source, self.translator, ids[:-1], self.pair.dtype, refresh=self.refresh,
-                         target=self.target)
+                         target=self.target, kind=self.pair.cache)
 
     @_serialised
     def handoff(self, source: Source) -> "Cache":
         """A fresh target cache of `source` (see `translate`), ready for `target.generate(ids, cache=...)` with the
         whole prompt `ids`: the target then reads only the uncached last token. It is a transformers `Cache`
-        (the suite's `PreallocatedCache` unless `core.cache.set_default_kind` says otherwise), used as a DynamicCache is."""
-        return build_cache(self.target, *self.translate(source))
+        (the suite's `PreallocatedCache`, or a DynamicCache for a pair config whose cache is "dynamic"), used as a
+        DynamicCache is."""
+        return build_cache(self.target, *self.translate(source), kind=self.pair.cache)
 
     @_serialised
     def reply_ids(self, messages: Messages, max_new_tokens: int = 256,
@@ -173,7 +177,7 @@ class Relay:
             raise ValueError(f"max_new_tokens is {max_new_tokens!r}; give a whole number, 0 or more")
         ids = self.prompt_ids(messages, enable_thinking)  # translate(ids) checks them
         return greedy_generate(self.target, ids[-1:], self.translate(ids), max_new_tokens=max_new_tokens,
-                               eos_ids=stop_ids(self.tokenizer))
+                               eos_ids=stop_ids(self.tokenizer), kind=self.pair.cache)
 
     def chat(self, messages: Messages, max_new_tokens: int = 256, enable_thinking: bool = False) -> str:
         """The source reads `messages`, the target answers (greedy); returns the reply's text."""
@@ -258,8 +262,8 @@ def _token_id(i: Any) -> int:
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """Chat messages as a list, each a {"role": str, "content": str} dict; anything else is refused with the
-    message's index and what is wrong (a chat template would fail on it with a template error)."""
+    """Chat messages as a list, each a {"role": one of ROLES, "content": str} dict; anything else is refused with
+    the message's index and what is wrong (a chat template would fail on it, or render it as it likes)."""
     if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Iterable):
         raise ValueError(f"chat messages are a list of {{'role': ..., 'content': ...}} dicts, got "
                          f"{type(messages).__name__}; token ids go to relay.handoff")
@@ -271,6 +275,8 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
                 raise ValueError(f"chat message {i} has {key} {m.get(key)!r}; give it as a string")
+        if m["role"] not in ROLES:  # a chat template renders an unknown role as it likes, or not at all
+            raise ValueError(f"chat message {i} has role {m['role']!r}; give one of {', '.join(ROLES)}")
     return messages
 
 

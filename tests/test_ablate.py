@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlingo.io import read_json
-from kvlingo.run import ablation as A
+from kvlingo.drive import ablation as A
 from tinypair import task_inputs
 
 

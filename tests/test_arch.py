@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from kvlingo.core.headwise import Headwise
+from kvlingo.core.families.headwise import Headwise
 from kvlingo.core.translator import Geometry
-from kvlingo.eval.shapes import QWEN3_ARCH, arch_config, flop_ceiling, meta_model, prefill_flops, qwen3_config
+from kvlingo.bench.shapes import QWEN3_ARCH, arch_config, flop_ceiling, meta_model, prefill_flops, qwen3_config
 
 
 def test_architecture_values_match_published_parameter_counts():

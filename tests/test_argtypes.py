@@ -14,7 +14,7 @@ from kvlingo.run.argtypes import number, whole
 from kvlingo.run.models import PairError, resolve_device
 
 STAGES = ("ablate", "benchmark", "export", "frontier", "ifeval", "paper_data", "perf", "recipe", "switch_cost",
-          "task_eval", "toy_world", "train_translator", "kvlingo.train.estimate")
+          "task_eval", "toy_world", "train_translator", "estimate", "summary")
 
 # Numeric flags left as plain int/float on purpose, with where they are checked instead.
 UNBOUNDED = {
@@ -113,8 +113,8 @@ def test_resolve_device_refuses_a_device_it_does_not_know():
 
 def test_writable_and_lock_run_make_the_folder_and_refuse_one_they_cannot_write(tmp_path):
     from kvlingo.run.paths import writable
-    from kvlingo.run.refusal import RunRefused
-    from kvlingo.run.stage import lock_run
+    from kvlingo.errors import RunRefused
+    from kvlingo.drive.stage import lock_run
 
     made = writable(tmp_path / "a" / "b", "--artifacts")
     assert made.is_dir() and not any(made.iterdir())  # the probe file is gone again
@@ -144,7 +144,7 @@ def test_perf_refuses_an_unwritable_results_folder_before_it_times_anything(tmp_
 def test_a_run_name_stays_inside_the_output_roots():
     """--run names a folder under --artifacts and --results; an absolute name or a '..' part would write elsewhere."""
     from kvlingo.run.paths import RunPaths
-    from kvlingo.run.refusal import RunRefused
+    from kvlingo.errors import RunRefused
 
     assert RunPaths("qwen/lr1e-3", "a", "r").res == Path("r/qwen/lr1e-3")
     for bad in ("/tmp/x", "../x", "a/../../b", "./a", " "):

@@ -16,12 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlingo.eval import quality, timing
+from kvlingo.bench import timing
+from kvlingo.eval import quality
 from kvlingo.eval.controls import native_controls, tolerances_for
 from kvlingo.core.fit import NormalEquations
 from kvlingo.core.handoff import as_ids, prefill
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import Geometry, save_translator
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.folder import save_translator
+from kvlingo.core.translator import Geometry
 from kvlingo.run.models import ModelSpec, load_model, load_tokenizer, render_ids
 from kvlingo.io import read_json, read_jsonl, sha256_file
 from kvlingo.core.cache import capture
@@ -154,17 +156,14 @@ def test_planted_perfect_translator_scores_zero_and_control_does_not(setup):
 
 # --------------------------------------------------------------------------- native controls
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_controls_pass_and_can_fail(setup, dtype, monkeypatch):
-    from kvlingo.core import cache
-
+def test_native_controls_pass_and_can_fail(setup, dtype):
     model = load_model(ModelSpec.parse(str(setup["small_p"])), "cpu", dtype)
     tol = tolerances_for(dtype)
     for conv in setup["test"][:3]:
         r = native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol)
         assert r["reconstruction"]["passed"] and r["identity"]["passed"], r
-        with monkeypatch.context() as m:  # transformers' own cache and attention: same tensors, same kernels
-            m.setattr(cache, "_default_kind", "dynamic")
-            shipped = native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol)
+        # transformers' own cache and attention: same tensors, same kernels
+        shipped = native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol, kind="dynamic")
         assert shipped["reconstruction"]["max_abs_dlogit"] == 0.0
         bad = native_controls(model, conv["prefix_ids"], conv["reply_ids"], tol.scaled(-1.0))
         assert not bad["reconstruction"]["passed"] and not bad["identity"]["passed"]
@@ -186,7 +185,7 @@ def test_timing_paths_agree_and_keep_raw_trials(setup):
     for name in ("keys", "values", "prenorm"):
         assert torch.equal(getattr(ref, name), getattr(lean, name))
     assert torch.allclose(ref.logits[-1:], lean.logits, atol=1e-5)  # one-row vs many-row GEMM rounding
-    summaries = timing.time_paths(paths, timing.PATHS, warmups=1, repeats=4)
+    summaries = timing.time_paths(paths, timing.PATHS, timing.Trials(warmups=1, repeats=4))
     for s in summaries.values():
         assert len(s["trials_s"]) == 4 and all(t > 0 for t in s["trials_s"])
         assert s["median_s"] == statistics.median(s["trials_s"])
@@ -195,7 +194,7 @@ def test_timing_paths_agree_and_keep_raw_trials(setup):
     assert sp["source_cache_handoff"] == summaries["target_reprefill"]["median_s"] / summaries["source_cache_handoff"]["median_s"]
     intervals = timing.speedup_intervals(summaries)
     assert set(intervals) == set(sp) and all(lo <= sp[name] <= hi for name, (lo, hi) in intervals.items())
-    br = timing.time_breakdown(paths, warmups=0, repeats=3)
+    br = timing.time_breakdown(paths, timing.Trials(warmups=0, repeats=3))
     assert list(br) == list(timing.STAGES) and all(len(s["trials_s"]) == 3 for s in br.values())
     assert timing.summarize([1.0, 1.0, 1.3], cv_limit=0.1)["noisy"] and not timing.summarize([1.0, 1.01], 0.1)["noisy"]
 
@@ -273,7 +272,8 @@ def test_failed_checks_exit_nonzero_after_writing(setup, capsys):
                         "--results", str(out), "--dtype", "bfloat16", "--control-dtypes", "bfloat16",
                         "--skip-missing", "--tolerance-scale", "-1", "--cv-limit", "0", "--limit", "3",
                         "--timing-repeats", "2", "--timing-warmups", "0", "--new-turn-tokens", "4", *pair_args(setup)])
-    assert exc.value.code not in (0, None) and "checks failed" in str(exc.value.code)
+    last = capsys.readouterr().err.splitlines()[-1]  # after the progress bars: one line
+    assert exc.value.code == 1 and last.startswith("benchmark: checks failed: "), last
     res = read_json(out / "t" / "benchmark.json")["results"]
     assert not res["checks"]["passed"] and not res["checks"]["controls_passed"] and res["checks"]["noisy_timings"]
     assert any("CV" in f for f in res["checks"]["failed"]) and any("reconstruction" in f for f in res["checks"]["failed"])

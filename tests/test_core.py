@@ -8,9 +8,10 @@ import torch.nn.functional as F
 
 from kvlingo.core.cache import build_cache, capture, continue_from
 from kvlingo.core.cache import Capture
-from kvlingo.core.headwise import Headwise
+from kvlingo.core.families.headwise import Headwise
 from kvlingo.core.keyspace import rms_norm, rms_norm_
-from kvlingo.core.translator import Geometry, TranslatorError, load_state, read_manifest, save_translator
+from kvlingo.core.folder import load_state, read_manifest, save_translator
+from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.run.models import ModelSpec, load_model
 from kvlingo.core.rope import apply_rope, apply_rope_into, rope_tables, strip_rope
 

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 
 from kvlingo.core import attention
 from kvlingo.core.cache import capture, continue_from, run_with_cache
-from kvlingo.core.crosslayer import CrossHead
+from kvlingo.core.families.crosslayer import CrossHead
 from kvlingo.core.handoff import can_defer_values, greedy_generate, translate_to_cache
 from kvlingo.core.preallocated import Deferred
 from kvlingo.core.refresh import Refresh
 from kvlingo.core.translator import Geometry
-from kvlingo.eval import timing
+from kvlingo.bench import timing
 from kvlingo.run.models import ModelSpec, load_model
 from test_fastpath import BF16_EPS, random_maps
 
@@ -212,9 +212,11 @@ def test_timing_paths_defer_on_a_cpu_and_agree_with_transformers(pair):
         handed = continue_from(target, *maps(capture(source, ids[:, :26])), ids[:, 26:], kind="dynamic").logits[0, -1]
         native = target(input_ids=ids).logits[0, -1]
     with torch.inference_mode():
-        on = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:], mode="optimised")
-        off = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:], mode="optimised", defer_values=False)
-        shipped = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:], mode="shipped", defer_values=True)
+        on = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:], timing.PathOptions("optimised"))
+        off = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:],
+                                  timing.PathOptions("optimised", defer_values=False))
+        shipped = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:],
+                                      timing.PathOptions("shipped", defer_values=True))
         assert on.defer_values and not off.defer_values and not shipped.defer_values  # shipped: never
         for paths in (on, off):
             for name in timing.PATHS:

@@ -1,5 +1,6 @@
 """`make demo` in miniature: a mini toy world (seconds), then one pass through every stage in the
-demo's order with the demo's flags, on the tiny profile, ending in the summary table."""
+demo's order with the demo's flags, on the tiny profile, ending in the summary page; then a retrained
+translator, which the page flags in every cell that scored the old maps."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from kvlingo.eval.tasks import grader as ifeval_grader
 from kvlingo.toy import train as toytrain
 from kvlingo.io import read_json
-from kvlingo.eval.summary import ARMS, summary_rows
+from summary import ARMS, LEGEND, summary_rows
 
 
 @pytest.mark.slow
@@ -61,7 +62,7 @@ def test_every_stage_runs_on_a_mini_toy_world(tmp_path, monkeypatch, capsys):
         assert report["env"]["device"] == "cpu", name
     assert read_json(tmp_path / "results" / f"{run}-recipe" / "recipe.json")["results"]["seeds"]
 
-    headers, rows = summary_rows(results)
+    headers, rows = summary_rows(results, tmp_path / "artifacts" / run)
     table = {r[0]: dict(zip(headers, r)) for r in rows}
     assert list(table) == list(ARMS)
     for arm in ARMS:  # every arm has a KL from the benchmark
@@ -73,3 +74,34 @@ def test_every_stage_runs_on_a_mini_toy_world(tmp_path, monkeypatch, capsys):
             assert "(n=" in table[arm][col], (arm, col)
     assert all(table["closed_form"][col] == "—" for col in gen_columns)
     assert table["distilled"]["speedup vs re-prefill"].endswith("×")
+
+    # The page: table, maps, gate, legend and the figure it links; up to date until a report or translator changes.
+    import summary
+
+    summary.main(["--profile", "tiny", "--run", run])
+    md = (results / "summary.md").read_text()
+    page = read_json(results / "summary.json")
+    assert "![KL and task accuracy per arm, ±1 SE](summary.png)" in md and "Evidence gate on the distilled maps" in md
+    assert all(f"- {arm}: " in md for arm in LEGEND) and "±1 standard error" not in md  # said on the figure
+    assert (results / "summary.png").read_bytes()[:4] == b"\x89PNG"
+    distilled = read_json(tmp_path / "artifacts" / run / "distilled" / "manifest.json")["maps_sha256"]
+    assert f"distilled sha256 {distilled}" in md and page["results"]["stale"] == {}
+    assert page["results"]["cells"]["distilled"]["GSM8K %"]["maps"]["maps_sha256"] == distilled
+    assert page["results"]["evidence_gate"]["passed"] in (True, False)
+    capsys.readouterr()
+    summary.main(["--profile", "tiny", "--run", run])
+    assert "summary.md is up to date (same reports and translators)" in capsys.readouterr().out
+
+    train_translator.main([*stage, *data, "--lr", "1e-3", "--fit-weighting", "attention", "--updates", "2"])
+    capsys.readouterr()
+    summary.main(["--profile", "tiny", "--run", run])
+    out = capsys.readouterr()
+    assert "up to date" not in out.out and "cells marked (other maps)" in out.err
+    page = read_json(results / "summary.json")
+    stale = {h for h, c in page["results"]["cells"]["distilled"].items() if c["stale"]}
+    assert stale == {"KL/token", "KL/conv ± SE", "reply ppl", "IFEval strict prompt %", "ARC %", "GSM8K %",
+                     "speedup vs re-prefill"}
+    assert set(page["results"]["stale"]) == {"benchmark", "ifeval", "task-arc", "task-gsm8k"}
+    assert page["results"]["evidence_gate"]["passed"] is None  # not judged on a benchmark of other maps
+    md = (results / "summary.md").read_text()
+    assert "make benchmark PROFILE=tiny RUN=mini-l2s" in md and "(other maps)" in md

@@ -1,5 +1,5 @@
-"""Data-parallel distillation: torchrun with two gloo ranks on the CPU against one process with the
-same global batch, a resume under another rank count, and the estimate printed (or refused) before a run.
+"""Data-parallel distillation: `make train NPROC=2` (torchrun, two gloo ranks on the CPU) against one process
+with the same global batch, a resume under another rank count, and the estimate printed (or refused) before a run.
 
 References: the single-process run (train_translator.main in this process) and the single-process
 FP64 normal equations; the estimate's graph memory against the bytes autograd itself saves.
@@ -17,12 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import Geometry, load_state
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.folder import load_state
+from kvlingo.core.translator import Geometry
 from kvlingo.io import read_json
 from kvlingo.run.data import read_split
 from kvlingo.run.profiles import get_profile
-from kvlingo.train import estimate as E
+from kvlingo.train import footprint as E
 from kvlingo.train.closed_form import normal_equations
 from kvlingo.train.distributed import SINGLE, World, WorldRefused
 from kvlingo.train.rows import fit_selection
@@ -64,19 +65,54 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def make_env() -> dict:
+    """The environment a user's shell gives make: offline, one thread, free of an outer make's flags."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    return {**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_pair_paths, data, tmp_path_factory):
-    """The same run twice: under torchrun with two gloo ranks, and as one process here."""
+    """The same run twice: `make train NPROC=2` (torchrun, two gloo ranks), as the README and docs give it, and
+    one process here; and the FP64 normal equations summed over two ranks (tests/torchrun_worker.py)."""
     root = tmp_path_factory.mktemp("runs")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = {**make_env(), "PYTHONPATH": str(ROOT)}
     worker = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "torchrun_worker.py"),
-              str(root / "fit.pt"), str(tiny_pair_paths[0]), str(tiny_pair_paths[1]), str(data), str(N_FIT), "--",
-              *cli(tiny_pair_paths, data, root, "dist")]
+              str(root / "fit.pt"), str(tiny_pair_paths[0]), str(tiny_pair_paths[1]), str(data), str(N_FIT)]
     proc = subprocess.run(worker, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train_args = ["--data", str(data), "--artifacts", str(root / "artifacts"), "--results", str(root / "results"),
+                  *SETTINGS]
+    make = ["make", "train", "NPROC=2", "PROFILE=tiny", f"LARGE={tiny_pair_paths[0]}", f"SMALL={tiny_pair_paths[1]}",
+            "DEVICE=cpu", "DTYPE=float32", "RUN=dist", f"TRAIN_ARGS={' '.join(train_args)}"]
+    proc = subprocess.run(make, cwd=ROOT, env=make_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "torchrun --standalone --nproc-per-node 2 train_translator.py -- --profile tiny" in proc.stdout
     single = main(cli(tiny_pair_paths, data, root, "single"))
     return SimpleNamespace(root=root, out=proc.stdout, single=single,
                            dist=read_json(root / "results" / "dist" / "train.json"))
+
+
+def test_torchrun_hands_every_stage_flag_to_the_stage():
+    """torchrun's own parser on the commands that start a data-parallel training (`make train NPROC=2`, the
+    recipe's multi-GPU cells): each stage flag reaches the stage, none is taken for an abbreviation of one of
+    torchrun's options (`--run` abbreviates `--run-path`)."""
+    import shlex
+
+    import train_translator
+    from torch.distributed.run import parse_args as torchrun_args
+
+    from kvlingo.drive.launch import stage_command
+
+    dry = subprocess.run(["make", "-n", "train", "NPROC=2", "PROFILE=tiny", "RUN=r", "TRAIN_ARGS=--resume --results R"],
+                         cwd=ROOT, env=make_env(), capture_output=True, text=True, timeout=60)
+    line = next(line for line in dry.stdout.splitlines() if "/torchrun " in line)
+    recipe = stage_command(["train_translator.py", "--run", "q/lr1e-3", "--results", "R", "--resume"], nproc=2)
+    for argv in (shlex.split(line), recipe):
+        launch = torchrun_args(argv[1:])  # exits 2 on a flag it takes for an ambiguous abbreviation of its own
+        assert launch.nproc_per_node == "2" and launch.training_script == "train_translator.py"
+        args = train_translator.parse_args(launch.training_script_args)
+        assert args.run in ("r", "q/lr1e-3") and args.results == "R" and args.resume
 
 
 @pytest.mark.slow
@@ -150,15 +186,21 @@ def test_more_ranks_than_conversations_is_refused(tiny_pair_paths):
     assert one.conversations_per_rank == 2 and est.seconds_per_update < one.seconds_per_update
 
 
-def test_paper_budget_estimate_on_h100():
-    """The planned figures the README quotes: real Qwen3 shapes (kvlingo.eval.shapes), no download."""
-    one = E.main(["--profile", "paper-budget", "--gpu", "H100", "--nproc", "1"])
-    eight = E.main(["--profile", "paper-budget", "--gpu", "H100", "--nproc", "8"])
+def test_paper_budget_estimate_on_h100(capsys):
+    """The planned figures the README quotes (estimate.py): real Qwen3 shapes (kvlingo.bench.shapes), no download."""
+    import estimate
+
+    one = estimate.main(["--profile", "paper-budget", "--gpu", "H100", "--nproc", "1"])
+    eight = estimate.main(["--profile", "paper-budget", "--gpu", "H100", "--nproc", "8"])
     assert one.fits and one.peak_bytes == eight.peak_bytes  # memory per rank does not depend on N
     assert one.conversations_per_rank == 8 and eight.conversations_per_rank == 1
     assert 7.5 < one.seconds_per_update / eight.seconds_per_update < 8.0  # 8× fewer conversations, plus the all-reduce
-    with pytest.raises(E.DoesNotFit, match="a profile with shorter caps that fits: pilot"):
-        E.main(["--profile", "paper-budget", "--gpu", "A10", "--nproc", "1"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        estimate.main(["--profile", "paper-budget", "--gpu", "A10", "--nproc", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("estimate: estimated peak") and err.count("\n") == 1, err
+    assert "a profile with shorter caps that fits: pilot" in err
 
 
 def test_graph_memory_matches_what_autograd_saves(tiny_pair_paths, data):

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from kvlingo.core.cache import Capture
-from kvlingo.core.crosslayer import CrossHead, CrossLayer, proportional_layers
+from kvlingo.core.families.crosslayer import CrossHead, CrossLayer, proportional_layers
 from kvlingo.core.fit import NormalEquations
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.residual import Residual
-from kvlingo.core.translator import Geometry, TranslatorError, load_state, load_translator, read_manifest
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.families.residual import Residual
+from kvlingo.core.folder import load_state, load_translator, read_manifest
+from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.train.closed_form import fit_closed_form
 from kvlingo.train.distill import distill_loss, distill_step, make_optimizer, validation_kl
 from kvlingo.train.ranking import LayerStats
@@ -180,7 +181,7 @@ FAMILY_SPECS = [("headwise", {}), ("crosshead", {"rank": 0}), ("crosslayer", {"k
 
 @pytest.mark.parametrize("name,settings", FAMILY_SPECS)
 def test_distillation_lowers_validation_kl_for_every_family(pair, rows, name, settings):
-    from kvlingo.core.translator import build
+    from kvlingo.core.folder import build
 
     train, val = rows
     tr = build({"family": name, "key_space": "prenorm", "settings": settings,

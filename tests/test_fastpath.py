@@ -8,12 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlingo.core import attention, fused, graphs, linear
+from kvlingo.bench import graphs, packing, timing
+from kvlingo.bench.packing import packed
+from kvlingo.core import attention, engine, fused, linear
 from kvlingo.core.cache import build_cache, capture, continue_from, empty_cache, run_with_cache
 from kvlingo.core.handoff import greedy_generate, translate, translate_to_cache
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import FAST_BF16_TOLERANCE, Geometry
-from kvlingo.eval import timing
+from kvlingo.core.engine import FAST_BF16_TOLERANCE
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.translator import Geometry
 from kvlingo.run.models import ModelSpec, load_model
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits
@@ -161,23 +163,22 @@ def test_packed_linear_equals_f_linear_at_any_row_count(bias, monkeypatch, few_r
     with torch.no_grad():
         layer.weight.normal_(generator=g)
     holder = torch.nn.Sequential(layer)
-    assert linear.pack(holder) == 96 * 200 * 4 and linear.status(holder)["packed_layers"] == 1
     real, ran = torch.ops.mkldnn._linear_pointwise, []
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: ran.append(a[0].shape[0]) or real(*a))
-    try:
+    with packed(holder):
+        assert packing.status(holder) == {"packed_layers": 1, "packed_bytes": 96 * 200 * 4, "failure": None}
         for rows in (1, 3, 16, 300):  # a decode step, inside and outside ROWS, a prefill
             x = torch.randn(1, rows, 96, generator=g)
-            with torch.no_grad(), linear.few_rows(holder, rows):
-                assert "forward" in vars(layer)  # packed layers are switched at every row count
+            with torch.no_grad(), linear.few_rows(holder, rows):  # few_rows leaves a packed layer to its pack
+                assert vars(layer)["forward"].__func__ is packing.packed_linear
                 got = holder(x)
             ref = F.linear(x, layer.weight, layer.bias)
             assert got.shape == ref.shape and got.is_contiguous()
             assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-    finally:
-        linear.unpack(holder)
     assert ran == [1, 3, 16, 300]  # oneDNN's linear ran every time
-    assert linear.status(holder)["packed_layers"] == 0 and linear.packed_weight(layer) is None
-    with linear.few_rows(holder, 1):  # unpacked again: a decode step's row count switches nothing
+    assert packing.status(holder)["packed_layers"] == 0 and packing.packed_weight(layer) is None
+    assert "forward" not in vars(layer)  # the block's end switched the layer back
+    with linear.few_rows(holder, 1):  # a decode step's row count switches nothing
         assert "forward" not in vars(layer)
 
 
@@ -185,27 +186,29 @@ def test_a_pack_goes_stale_when_its_weight_changes_and_is_never_used_with_gradie
     g = torch.Generator().manual_seed(8)
     layer = torch.nn.Linear(64, 80, bias=False)
     holder = torch.nn.Sequential(layer)
-    linear.pack(holder)
     x = torch.randn(5, 64, generator=g)
-    with torch.no_grad():
-        layer.weight.add_(1.0)  # an optimizer step's in-place update
-    assert linear.packed_weight(layer) is None  # stale: the layer runs as if unpacked
-    with torch.no_grad():
-        assert torch.equal(linear.few_rows_linear(layer, x), F.linear(x, layer.weight))  # 5 rows: F.linear itself
-    linear.pack(holder)  # packed again, for the new weight
-    assert linear.packed_weight(layer) is not None
-    xg = x.clone().requires_grad_(True)
-    out = linear.few_rows_linear(layer, xg)  # gradients wanted: never the packed op
-    assert torch.equal(out, F.linear(xg, layer.weight))
-    out.sum().backward()
-    assert xg.grad is not None and layer.weight.grad is not None
-    linear.unpack(holder)
+    with packed(holder):
+        with torch.no_grad():
+            layer.weight.add_(1.0)  # an optimizer step's in-place update
+        assert packing.packed_weight(layer) is None  # stale: the layer runs as if unpacked
+        with torch.no_grad():
+            assert torch.equal(holder(x), F.linear(x, layer.weight))
+    with packed(holder):  # packed again, for the new weight
+        assert packing.packed_weight(layer) is not None
+        xg = x.clone().requires_grad_(True)
+        out = holder(xg)  # gradients wanted: never the packed op
+        assert torch.equal(out, F.linear(xg, layer.weight))
+        out.sum().backward()
+        assert xg.grad is not None and layer.weight.grad is not None
     off_cpu = torch.nn.Sequential(torch.nn.Linear(64, 80, bias=False, device="meta"))
-    assert linear.pack(off_cpu) == 0 and linear.status(off_cpu) is None  # off a CPU: nothing packed, nothing said
+    with packed(off_cpu):  # off a CPU: nothing packed, nothing said
+        assert packing.status(off_cpu) is None and "forward" not in vars(off_cpu[0])
+    with packed(holder, on=False):
+        assert packing.status(holder)["packed_layers"] == 0
 
 
 def test_packing_that_fails_leaves_every_layer_unpacked_and_says_why(monkeypatch, few_rows_everywhere):
-    monkeypatch.setitem(linear._state, "failure", None)
+    monkeypatch.setitem(packing._state, "failure", None)
     holder = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=False), torch.nn.Linear(48, 16, bias=False))
 
     def no_onednn(weight):
@@ -221,26 +224,23 @@ def test_packing_that_fails_leaves_every_layer_unpacked_and_says_why(monkeypatch
         return first(weight)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", fail_second)
-    assert linear.pack(holder) == 0
-    assert all(linear.packed_weight(m) is None for m in holder)
-    assert linear.status(holder) == {"packed_layers": 0, "packed_bytes": 0,
-                                     "failure": "RuntimeError: this torch was built without oneDNN"}
+    with packed(holder):
+        assert all(packing.packed_weight(m) is None and "forward" not in vars(m) for m in holder)
+        assert packing.status(holder) == {"packed_layers": 0, "packed_bytes": 0,
+                                          "failure": "RuntimeError: this torch was built without oneDNN"}
 
 
-def test_packed_model_logits_equal_transformers_and_timing_packs_optimised_mode_only(models, few_rows_everywhere):
+def test_packed_target_logits_equal_transformers(models, few_rows_everywhere):
     source, target = models["large", torch.float32], models["small", torch.float32]
     ids = _ids(40, target.config.vocab_size, 4)
     prefix, new = ids[:, :24], ids[:, 24:]  # a 16-token turn
     ref = transformers_split(target, prefix, new)
-    try:
-        paths = timing.HandoffPaths(source, target, random_maps(source, target), prefix, new,
-                                    need=("target_reprefill", "source_cache_handoff"), mode="shipped")
-        assert linear.status(target)["packed_layers"] == 0
-        paths = timing.HandoffPaths(source, target, random_maps(source, target), prefix, new, mode="optimised")
+    with packed(target):
+        paths = timing.HandoffPaths(source, target, random_maps(source, target), prefix, new)
         n_linear = sum(type(m) is torch.nn.Linear for m in target.modules())
-        held = linear.status(target)
+        held = packing.status(target)
         assert held["packed_layers"] == n_linear and held["packed_bytes"] > 0
-        assert linear.status(source)["packed_layers"] == 0  # never the source
+        assert packing.status(source)["packed_layers"] == 0  # only the model the block names
         with torch.no_grad():
             cap = capture(target, prefix, kind="preallocated")
             got = continue_from(target, cap.keys, cap.values, new, kind="preallocated").logits[0]
@@ -248,8 +248,7 @@ def test_packed_model_logits_equal_transformers_and_timing_packs_optimised_mode_
         with torch.inference_mode():
             reprefill = paths.target_reprefill()
         assert (reprefill - ref[-1]).abs().max().item() <= 1e-5
-    finally:
-        linear.unpack(target)
+    assert packing.status(target)["packed_layers"] == 0
 
 
 # --------------------------------------------------------------------------- the preallocated cache
@@ -309,7 +308,7 @@ def test_greedy_generation_preallocated_equals_dynamic_on_toy_pair(tmp_path_fact
 
     from kvlingo.core.handoff import capture_source, stop_ids
     from kvlingo.toy import train as toytrain
-    from kvlingo.toy.random import random_translator
+    from kvlingo.bench.random_pair import random_translator
     from tinypair import load_tiny_pair
 
     out = tmp_path_factory.mktemp("toy") / "toy"
@@ -349,7 +348,7 @@ def test_translation_straight_into_cache_equals_translate_then_build(models):
 
 @pytest.mark.parametrize("key_space", ["prenorm", "cache"])
 def test_token_tiles_of_norm_and_rope_give_the_same_bits(models, monkeypatch, key_space):
-    from kvlingo.core import translator as tr
+    from kvlingo.core import engine
 
     source, target = models["large", torch.float32], models["small", torch.float32]
     maps = Headwise(Geometry.of(source, target), key_space).bind(source, target)
@@ -358,8 +357,8 @@ def test_token_tiles_of_norm_and_rope_give_the_same_bits(models, monkeypatch, ke
         cap = capture(source, _ids(23, target.config.vocab_size, 11))
         whole = [maps(cap, dtype, chunk_elements=1) for dtype in (torch.float32, torch.bfloat16)]
         per_token = target.config.num_key_value_heads * target.config.head_dim
-        monkeypatch.setitem(tr.TILE_ELEMENTS, "cpu", 5 * per_token)  # 5-token tiles, the last one of 3
-        assert maps.chunk_tokens(23, "cpu") == 5
+        monkeypatch.setitem(engine.TILE_ELEMENTS, "cpu", 5 * per_token)  # 5-token tiles, the last one of 3
+        assert engine.chunk_tokens(maps, 23, "cpu") == 5
         tiled = [maps(cap, dtype, chunk_elements=1) for dtype in (torch.float32, torch.bfloat16)]
     for a, b in zip(whole, tiled):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -383,13 +382,13 @@ def test_bf16_fast_translation_within_tolerance_of_fp32_maths(models):
             for layer in range(ref.shape[0]):
                 bound = FAST_BF16_TOLERANCE * ref[layer].float().abs().max().item()
                 assert (got[layer].float() - ref[layer].float()).abs().max().item() <= bound
-    assert maps.compute_dtype(torch.float32, "fast") == torch.float32  # FP32 runs keep FP32 inputs (TF32 on CUDA)
+    assert engine.compute_dtype(maps, torch.float32, "fast") == torch.float32  # FP32 runs keep FP32 inputs (TF32 on CUDA)
 
 
 @pytest.mark.parametrize("settings", [{"k": 1, "pairing": "proportional"}, {"k": 2, "rank": 8}])
 def test_bf16_fast_crosslayer_within_tolerance_of_fp32_maths(models, settings):
     """The default families (cross-head, cross-layer at a rank) take the fast path too: within the same bound."""
-    from kvlingo.core.crosslayer import CrossLayer
+    from kvlingo.core.families.crosslayer import CrossLayer
 
     source, target = models["large", torch.bfloat16], models["small", torch.bfloat16]
     ids = _ids(40, target.config.vocab_size, 5)
@@ -402,7 +401,7 @@ def test_bf16_fast_crosslayer_within_tolerance_of_fp32_maths(models, settings):
         exact = maps(cap, torch.bfloat16, precision="fp32")
         cache = empty_cache(target, ids.shape[1], 3, torch.bfloat16)
         fast = maps(cap, precision="fast", out=cache.context(ids.shape[1]))
-    assert maps.compute_dtype(torch.bfloat16, "fast") == torch.bfloat16
+    assert engine.compute_dtype(maps, torch.bfloat16, "fast") == torch.bfloat16
     for ref, got in zip(exact, fast):
         assert got.dtype == torch.bfloat16 and not torch.equal(ref, got)  # the BF16 matmuls really ran
         for layer in range(ref.shape[0]):
@@ -481,7 +480,7 @@ def test_fast_fused_finish_reads_the_narrow_map_output_and_matches_fast(models, 
     """`fast-fused` (BF16 maps, compiled finish): the kernel reads the BF16 key map itself, so no FP32 staging
     chunk is taken; keys within fused.TOLERANCE plus one BF16 rounding of `fast` and within FAST_BF16_TOLERANCE of
     `fp32`; values the same bits as `fast`'s."""
-    from kvlingo.core import translator as T
+    from kvlingo.core import engine as T
 
     source, target = models["large", torch.float32], models["small", torch.float32]
     ids = _ids(40, target.config.vocab_size, 21)
@@ -502,7 +501,7 @@ def test_fast_fused_finish_reads_the_narrow_map_output_and_matches_fast(models, 
         pytest.skip(f"torch.compile cannot build the fused kernel here: {state['failure']}")
     assert state["compiled_shapes"] == 1 and state["skipped_chunks"] == 0  # the compiled kernel ran
     assert "low" in taken and "yk" not in taken  # BF16 map output only: no FP32 staging of the keys
-    assert maps.compute_dtype(torch.bfloat16, "fast-fused") == torch.bfloat16
+    assert engine.compute_dtype(maps, torch.bfloat16, "fast-fused") == torch.bfloat16
     assert torch.equal(got[1], fast[1])
     for layer in range(exact[0].shape[0]):
         ref, eager = exact[0][layer].float(), fast[0][layer].float()
@@ -513,7 +512,7 @@ def test_fast_fused_finish_reads_the_narrow_map_output_and_matches_fast(models, 
 
 
 def test_fast_precision_follows_the_device_and_the_fuse_keys_switch():
-    from kvlingo.core.translator import fast_precision
+    from kvlingo.bench.timing import fast_precision
 
     assert [fast_precision("cuda", f) for f in (None, True, False)] == ["fast", "fast-fused", "fast"]
     assert [fast_precision("cpu", f) for f in (None, True, False)] == ["fused", "fused", "fp32"]
@@ -536,7 +535,7 @@ def test_family_without_fast_paths_keeps_fp32_maths_and_contiguous_scratch(model
         cap = capture(source, _ids(20, target.config.vocab_size, 8))
         cache = empty_cache(target, 20, 4)
         maps(cap, precision="fast", out=cache.context(20))
-        assert maps.compute_dtype(torch.bfloat16, "fast") == torch.float32
+        assert engine.compute_dtype(maps, torch.bfloat16, "fast") == torch.float32
         assert torch.equal(cache.context(20)[1], Headwise.map(maps, 1, cap, slice(None)))
 
 
@@ -547,7 +546,7 @@ def test_timing_modes_agree_with_transformers(models):
     maps = random_maps(source, target, 3)
     out = {}
     for mode in timing.MODES:
-        paths = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:], mode=mode)
+        paths = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:], timing.PathOptions(mode))
         with torch.inference_mode():
             out[mode] = {name: paths.path(name)().clone() for name in timing.PATHS}
             again = paths.source_cache_handoff()  # a reused cache gives the same answer on every call
@@ -614,10 +613,10 @@ def test_breakdown_extra_trials_stop_at_the_time_cap(monkeypatch):
             mark(stage)
 
     paths = SimpleNamespace(target=torch.nn.Linear(1, 1), optimised=False, source_cache_handoff=handoff)
-    out = timing.time_breakdown(paths, warmups=0, repeats=2, cv_limit=0.1, max_repeats=30, max_seconds=10)
+    out = timing.time_breakdown(paths, timing.Trials(warmups=0, repeats=2, cv_limit=0.1, max_repeats=30, max_seconds=10))
     # trials of 2.0 / 3.0 s in turn: 2 + 3 + 2 < 10 ≤ 2 + 3 + 2 + 3, so four trials
     assert out["translate"]["trials_s"] == [1.0, 2.0, 1.0, 2.0] and out["new_turn"]["n"] == 4
-    assert timing.time_breakdown(paths, 0, 2, 0.1, 30)["translate"]["n"] == 30  # no time cap: the count cap
+    assert timing.time_breakdown(paths, timing.Trials(0, 2, 0.1, 30))["translate"]["n"] == 30  # no time cap: the count cap
 
 
 def test_interleaved_trials_take_turns_after_every_warm_up(monkeypatch):
@@ -670,7 +669,7 @@ def test_handoffs_time_interleaved_and_reserve_only_the_caches_their_paths_write
 
     monkeypatch.setattr(timing, "run_interleaved", spy_run)
     handoffs = {"a|none": (a, None), "a|tail:5": (a, Refresh.parse("tail:5")), "b|none": (b, Refresh.parse("none"))}
-    out = timing.time_handoffs(source, target, handoffs, ids[:, :26], ids[:, 26:], warmups=1, repeats=2,
+    out = timing.time_handoffs(source, target, handoffs, ids[:, :26], ids[:, 26:], timing.Trials(warmups=1, repeats=2),
                                mode="optimised")
     assert order == ["target_reprefill", *handoffs]  # one run_interleaved call over all of them
     assert list(out["handoff"]) == list(handoffs) and out["reprefill"]["n"] == 2
@@ -680,7 +679,7 @@ def test_handoffs_time_interleaved_and_reserve_only_the_caches_their_paths_write
     assert [p.handoff_cache is not None for p in made] == [True, False, True]  # the refresh builds its own
     own = real_prefill(target, ids[:, :26])  # the target's own cache given, but no path continues it: not copied
     lean = timing.HandoffPaths(source, target, a, ids[:, :26], ids[:, 26:], need=("target_reprefill",),
-                               mode="optimised", target_kv=(own.keys, own.values))
+                               target_kv=(own.keys, own.values))
     assert lean.own_cache is None and lean.handoff_cache is None and lean.reprefill_cache is not None
     with torch.inference_mode():
         for p in made[1:len(handoffs)]:  # the handoffs after the first (not `lean` below)
@@ -688,11 +687,11 @@ def test_handoffs_time_interleaved_and_reserve_only_the_caches_their_paths_write
                 p.path("target_reprefill")
             with pytest.raises(ValueError, match="not in `need`.*was not made"):
                 p.target_reprefill()
-        full = timing.HandoffPaths(source, target, a, ids[:, :26], ids[:, 26:], mode="optimised")
+        full = timing.HandoffPaths(source, target, a, ids[:, :26], ids[:, 26:])
         assert torch.equal(made[0].source_cache_handoff(), full.source_cache_handoff())
         assert torch.equal(made[0].target_reprefill(), full.target_reprefill())
     with pytest.raises(ValueError, match="at least one handoff"):
-        timing.time_handoffs(source, target, {}, ids[:, :26], ids[:, 26:], 0, 1)
+        timing.time_handoffs(source, target, {}, ids[:, :26], ids[:, 26:], timing.Trials(0, 1))
 
 
 # --------------------------------------------------------------------------- CUDA graphs
@@ -707,9 +706,8 @@ def test_cuda_graph_paths_equal_eager_paths(tiny_pair_paths):
     target = load_model(ModelSpec.parse(str(tiny_pair_paths[1])), "cuda", torch.bfloat16)
     ids = _ids(60, target.config.vocab_size, 10).cuda()
     maps = random_maps(source, target, 4).cuda().bind(source, target)
-    kwargs = dict(mode="optimised")
-    graphed = timing.HandoffPaths(source, target, maps, ids[:, :52], ids[:, 52:], cuda_graphs=True, **kwargs)
-    eager = timing.HandoffPaths(source, target, maps, ids[:, :52], ids[:, 52:], cuda_graphs=False, **kwargs)
+    graphed = timing.HandoffPaths(source, target, maps, ids[:, :52], ids[:, 52:], timing.PathOptions(cuda_graphs=True))
+    eager = timing.HandoffPaths(source, target, maps, ids[:, :52], ids[:, 52:], timing.PathOptions(cuda_graphs=False))
     assert not graphed.graph_errors and "new_turn" in graphed.graphed and not eager.graphed
     with torch.inference_mode():
         for name in timing.PATHS:
@@ -721,7 +719,7 @@ def test_cuda_graph_paths_equal_eager_paths(tiny_pair_paths):
 def test_forward_flops_match_torch_flop_counter(models):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from kvlingo.eval.roofline import Peaks, forward_flops, step_floor
+    from kvlingo.bench.roofline import Peaks, forward_flops, step_floor
 
     model = models["small", torch.float32]
     c = model.config

@@ -50,7 +50,7 @@ def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths
     assert again["results"]["rows"] == rep["results"]["rows"]
 
     # the real-shape timing is a cell too: timed once, then read back by a resume, never timed again
-    from kvlingo.eval import timing
+    from kvlingo.bench import timing
     calls = []
 
     def fake_timings(cfg, specs, toy_width):
@@ -100,7 +100,7 @@ def test_frontier_report_names_the_timings_the_cv_screen_flagged():
 
 def test_frontier_rows_get_each_speedup_with_its_interval():
     import frontier
-    from kvlingo.eval import timing
+    from kvlingo.bench import timing
 
     t = {"reprefill": timing.summarize([40.0, 42.0, 44.0]),
          "handoff": {"run|none": timing.summarize([5.0, 5.5, 6.0]), "run|tail:10%": timing.summarize([15.0, 15.0, 15.0])}}

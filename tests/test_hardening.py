@@ -76,7 +76,9 @@ def test_refused_commands_change_nothing(finished, tiny_pair_paths, tmp_path, ca
     err = refused(train_translator.main, [*train, "--resume", "--init-from", str(tmp_path / "missing")], capsys)
     assert "holds no manifest.json" in err
     assert "settings.lr: 0.001 → 0.003" in refused(train_translator.main, [*train, "--resume", "--lr", "3e-3"], capsys)
-    assert "code changed" in refused(train_translator.main, [*train, "--resume", "--code-salt", "x"], capsys)
+    with monkeypatch.context() as m:  # an edit of the code the stage imports
+        m.setattr(train_translator.resume, "code_hash", lambda *scripts: "e" * 64)
+        assert "code changed" in refused(train_translator.main, [*train, "--resume"], capsys)
 
     # 4. data prepared with another tokenizer: named by both digests, in training and in the benchmark
     other_tok = other_tokenizer_folder(finished["tok"], tmp_path / "other_tok")
@@ -130,7 +132,7 @@ def test_a_damaged_json_file_is_refused_by_name(finished, tmp_path, capsys):
     """A manifest or report cut short (a bad copy, a hand edit) ends the stage with one line that names the
     file, where it breaks and the fix, never a JSONDecodeError traceback; the damaged file is left as it is."""
     import export
-    from kvlingo.eval import summary
+    import summary
     from kvlingo.io import DamagedFile, read_jsonl
 
     root = tmp_path / "copy"
@@ -177,11 +179,11 @@ def test_a_second_run_of_a_stage_on_the_same_run_is_refused_while_the_first_runs
     import subprocess
     import sys
 
-    from kvlingo.run.stage import lock_run, refusals_exit
+    from kvlingo.drive.stage import lock_run, refusals_exit
 
     res = finished["root"] / "results" / "r"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from kvlingo.run.stage import lock_run; "
+        [sys.executable, "-c", "import sys, time; from kvlingo.drive.stage import lock_run; "
          f"lock_run({str(res)!r}, 'train'); lock_run({str(finished['root'] / 'data')!r}, 'prepare-tiny'); "
          "print('held', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
@@ -241,7 +243,7 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
             p.write_bytes(data)
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from kvlingo.run.stage import lock_run; "
+        [sys.executable, "-c", "import sys, time; from kvlingo.drive.stage import lock_run; "
          f"lock_run({str(root / 'artifacts' / 'r')!r}, 'train', root_flag='--artifacts'); print('held', flush=True); "
          "time.sleep(120)"], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     try:
@@ -254,28 +256,25 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
         holder.wait()
     assert snapshot(root) == before
 
-    from kvlingo.core.cache import default_kind, set_default_kind
-    from kvlingo.run import resume
-
     bench = [*run, *pair, "--data", str(finished["data"]), "--allow-cv"]
     benchmark.main(bench)
     report = json.loads((root / "results" / "r" / "benchmark.json").read_text())
-    assert report["env"]["cache"] == "preallocated"
+    assert report["env"]["cache"] == report["config"]["pair"]["cache"] == "preallocated"
     capsys.readouterr()
-    try:
-        benchmark.main([*bench, "--cache", "dynamic"])  # other code on the handoff's path: measured again
-        assert "is up to date" not in capsys.readouterr().out
-        assert json.loads((root / "results" / "r" / "benchmark.json").read_text())["env"]["cache"] == "dynamic"
-        assert resume.identity({}, {}, {}, "c")["cache"] == "dynamic"
-    finally:
-        set_default_kind("preallocated")
-    assert default_kind() == "preallocated"
+    benchmark.main([*bench, "--cache", "dynamic"])  # other code on the handoff's path: measured again
+    assert "is up to date" not in capsys.readouterr().out
+    report = json.loads((root / "results" / "r" / "benchmark.json").read_text())
+    assert report["env"]["cache"] == report["config"]["pair"]["cache"] == "dynamic"
+    assert report["results"]["timing"]["contexts"][0]["paths"]["target_reprefill"]["n"] > 0
+    benchmark.main(bench)  # the flag is this run's setting, not the process's: preallocated again, measured again
+    assert "is up to date" not in capsys.readouterr().out
+    assert json.loads((root / "results" / "r" / "benchmark.json").read_text())["env"]["cache"] == "preallocated"
 
 
 def test_reports_and_ledgers_edited_out_of_shape_are_made_again_or_refused(tmp_path):
     """Valid JSON of the wrong shape once raised AttributeError or KeyError: an up-to-date check now takes such a
     report as unfinished (the stage makes it again), and a recipe ledger is refused with the entry named."""
-    from kvlingo.run.ledger import LEDGER_FORMAT, Ledger
+    from kvlingo.drive.ledger import LEDGER_FORMAT, Ledger
     from kvlingo.run.resume import ResumeRefused, finished
 
     report = tmp_path / "benchmark.json"
@@ -321,7 +320,7 @@ def test_task_data_is_not_prepared_into_a_folder_that_cannot_be_written(tmp_path
     assert blocker.read_text() == "x"
 
 
-def test_toy_world_names_an_out_folder_it_cannot_write_before_building_anything(tmp_path, monkeypatch):
+def test_toy_world_names_an_out_folder_it_cannot_write_before_building_anything(tmp_path, monkeypatch, capsys):
     import sys
 
     import toy_world
@@ -332,13 +331,13 @@ def test_toy_world_names_an_out_folder_it_cannot_write_before_building_anything(
     monkeypatch.setattr(sys, "argv", ["toy_world.py", "--out", str(blocker / "toy")])
     with pytest.raises(SystemExit) as e:
         toy_world.main()
-    message = str(e.value.code)
-    assert message.startswith(f"toy world failed: cannot write to {blocker / 'toy'}"), message
+    message = capsys.readouterr().err
+    assert e.value.code == 2 and message.startswith(f"toy_world: cannot write to {blocker / 'toy'}"), message
     assert "give --out a folder you can write to" in message and blocker.read_text() == "x"
 
 
 def test_ctrl_c_ends_a_stage_in_one_line_and_frees_its_run_lock(tmp_path, capsys):
-    from kvlingo.run.stage import INTERRUPTED_STATUS, lock_run, refusals_exit
+    from kvlingo.drive.stage import INTERRUPTED_STATUS, lock_run, refusals_exit
 
     def stage(resumable: bool):
         @refusals_exit("demo", resumable=resumable)

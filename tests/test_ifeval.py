@@ -12,8 +12,9 @@ import torch
 import ifeval
 from kvlingo.eval.tasks import grader
 from kvlingo.eval.itemrows import read_rows
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import Geometry, save_translator
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.folder import save_translator
+from kvlingo.core.translator import Geometry
 from kvlingo.run.models import ModelSpec, load_model
 from kvlingo.io import read_json
 
@@ -145,7 +146,7 @@ def ifeval_world(tiny_pair_paths, tmp_path_factory, punkt_home):
     return {"root": root, "base": base, "maps": str(root / "artifacts" / "t" / "distilled"), "out": root / "results" / "t"}
 
 
-def test_native_then_translated_then_gate(ifeval_world):
+def test_native_then_translated_then_gate(ifeval_world, capsys):
     w = ifeval_world
     ifeval.main(w["base"] + ["--native"])
     native = read_json(w["out"] / "ifeval-native.json")
@@ -179,7 +180,7 @@ def test_native_then_translated_then_gate(ifeval_world):
     loss = -rep["results"]["comparison"]["translated_vs_native_target"]["prompt_level_strict_acc"]["delta_points"]
     with pytest.raises(SystemExit) as e:
         ifeval.main(translated + ["--resume", f"--max-accuracy-loss={loss - 0.5}"])
-    assert e.value.code not in (0, None) and "gate failed" in str(e.value.code)
+    assert e.value.code == 1 and "ifeval: gate failed" in capsys.readouterr().err
     gated = read_json(w["out"] / "ifeval.json")
     assert gated["results"]["gate"]["passed"] is False and gated["results"]["rows"]["generated"] == 0
     ifeval.main(translated + ["--resume", f"--max-accuracy-loss={loss + 0.5}"])
@@ -188,14 +189,17 @@ def test_native_then_translated_then_gate(ifeval_world):
     with pytest.raises(SystemExit) as e:
         ifeval.main(translated + ["--resume", "--max-new-tokens", "5"])
     assert e.value.code == 2
-    with pytest.raises(SystemExit, match="drop --native"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
         ifeval.main(w["base"] + ["--native", "--max-accuracy-loss", "1"])
+    assert e.value.code == 2 and "drop --native" in capsys.readouterr().err
 
 
-def test_prepare_offline_fails_fast_or_copies_a_local_source(ifeval_world, tmp_path, monkeypatch):
+def test_prepare_offline_fails_fast_or_copies_a_local_source(ifeval_world, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(SystemExit, match="--source PATH"):
+    with pytest.raises(SystemExit) as e:
         ifeval.main(["--prepare", "--data-root", str(tmp_path)])
+    assert e.value.code == 2 and "--source PATH" in capsys.readouterr().err
     ifeval.main(["--prepare", "--data-root", str(tmp_path), "--source", str(ifeval_world["root"] / "ifeval.jsonl")])
     manifest = read_json(tmp_path / "ifeval" / "manifest.json")
     assert manifest["rows"] == 2 and manifest["origin"]["local_source"].endswith("ifeval.jsonl")
@@ -234,3 +238,26 @@ def test_installed_punkt_is_readable_by_others(punkt_home):
     os.umask(mask)
     files = list(Path(punkt_home["path"]).iterdir())
     assert len(files) == 4 and all(p.stat().st_mode & 0o777 == 0o666 & ~mask for p in files)
+
+
+def test_an_ifeval_report_is_up_to_date_unless_its_gate_failed(ifeval_world, monkeypatch, capsys):
+    import kvlingo.drive.session as session
+
+    w = ifeval_world
+    argv = w["base"] + ["--run", "t", "--resume"]
+    ifeval.main(argv)
+    report = read_json(w["out"] / "ifeval.json")
+    loss = -report["results"]["comparison"]["translated_vs_native_target"]["prompt_level_strict_acc"]["delta_points"]
+    monkeypatch.setattr(session, "load_pair", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loaded")))
+    capsys.readouterr()
+    ifeval.main(argv)
+    assert "ifeval.json is up to date" in capsys.readouterr().out
+    assert read_json(w["out"] / "ifeval.json") == report
+    monkeypatch.undo()
+    gate = [f"--max-accuracy-loss={loss - 0.5}"]
+    with pytest.raises(SystemExit) as e:
+        ifeval.main(argv + gate)
+    assert e.value.code == 1
+    monkeypatch.setattr(session, "load_pair", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loaded")))
+    with pytest.raises(RuntimeError, match="loaded"):  # a failed gate is never up to date: it runs (and fails) again
+        ifeval.main(argv + gate)

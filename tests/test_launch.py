@@ -22,9 +22,9 @@ import pytest
 
 import recipe
 from kvlingo.io import atomic_write_json, read_json
-from kvlingo.run import recipe as K
-from kvlingo.run.launch import CellJob, SlurmLauncher, SlurmSettings
-from kvlingo.run.ledger import Ledger
+from kvlingo.drive import cells as K
+from kvlingo.drive.launch import CellJob, SlurmLauncher, SlurmSettings
+from kvlingo.drive.ledger import Ledger
 
 TESTS = Path(__file__).resolve().parent
 STEP_S = 0.25  # seconds per counted update of a fake training cell (tiny profile: 4 updates per cell)
@@ -165,15 +165,15 @@ def test_slurm_launcher_through_submitit_requeues_a_preempted_cell(world):
     assert sum(c["runs"] for c in ledger.values()) == len(ledger) + 1
 
 
-def test_failed_cells_are_named_with_their_logs(world, monkeypatch):
+def test_failed_cells_are_named_with_their_logs(world, monkeypatch, capsys):
     argv, root = world
     # One training cell of the grid cannot read its data; the other cell of its level still finishes.
     monkeypatch.setenv("FAKE_STAGE_FAIL", "/lr1.00e-04-s42")
     with pytest.raises(SystemExit) as e:
         recipe.main(argv("fail", "--max-parallel", "2", "--skip", "ifeval"))
     log = root / "results" / "fail" / "logs" / "train" / "lr1.00e-04-s42.log"
-    message = str(e.value.code)
-    assert "1 of 2 cell(s) failed" in message, message
+    message = capsys.readouterr().err
+    assert e.value.code == 1 and "1 of 2 cell(s) failed" in message, message
     assert "train/lr1.00e-04-s42: train_translator.py exited with status 1" in message and str(log) in message
     assert "cannot read the data" in log.read_text()
     cells = read_json(root / "results" / "fail" / K.LEDGER_FILE)["cells"]
@@ -219,8 +219,8 @@ def test_slurm_needs_the_cells_device_named(world, capsys):
 
 
 def test_local_launcher_refuses_a_gpu_named_twice():
-    from kvlingo.run.launch import LocalLauncher
-    from kvlingo.run.refusal import RunRefused
+    from kvlingo.drive.launch import LocalLauncher
+    from kvlingo.errors import RunRefused
 
     assert [g for group in LocalLauncher(2, ["0", "1", "2", "3"], 2).groups for g in group] == ["0", "1", "2", "3"]
     with pytest.raises(RunRefused, match="--gpus names 1 more than once"):

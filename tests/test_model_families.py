@@ -13,7 +13,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvlingo.core.cache import capture, continue_from
-from kvlingo.core.headwise import Headwise
+from kvlingo.core.families.headwise import Headwise
 from kvlingo.core.translator import Geometry
 from kvlingo.eval.controls import native_controls, tolerances_for
 from kvlingo.run.models import PairError, load_pair, resolve_pair
@@ -173,7 +173,7 @@ def test_closed_form_and_translation_across_depth_kv_heads_and_head_dim(family):
     the FP64 closed form fits (in sample it beats the mean-only map, as least squares must), the translation
     has the target's layout, and the target continues on it."""
     from kvlingo.core.handoff import capture_source, continue_target, translate
-    from kvlingo.core.translator import build
+    from kvlingo.core.folder import build
     from kvlingo.train.closed_form import fit_closed_form
 
     source = tiny_model("llama", "llama3", layers=3, kv_heads=1, seed=1)

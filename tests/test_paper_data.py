@@ -450,7 +450,7 @@ def test_a_killed_rebuild_keeps_the_old_set_and_leftovers_go(world, tmp_path, mo
     def killed(*a, **k):
         calls.append(1)
         if len(calls) == 3:
-            raise KeyboardInterrupt  # a kill after the train files were written
+            raise KeyboardInterrupt  # an interrupt after the train files were written
         return real(*a, **k)
 
     monkeypatch.setattr(data, "build_variant", killed)
@@ -459,8 +459,10 @@ def test_a_killed_rebuild_keeps_the_old_set_and_leftovers_go(world, tmp_path, mo
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # the seed-0 set, whole
     open_prepared(folder)
-    leftovers = [p for p in out.iterdir() if p.name.startswith(".")]
-    assert leftovers  # the staging folder of the killed build
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # an interrupted build removes its staging
+    staging = out / f".{PROFILE.name}.building-999"  # what a SIGKILL (which no code sees) leaves
+    staging.mkdir()
+    (staging / "train.natural.jsonl").write_text("half")
     (folder / ".train.natural.jsonl.abc123.tmp").write_text("half")  # what a killed atomic write leaves
     res = prepare(world["tok"], PROFILE, source=world["source"], out_root=out, seed=1)
     assert res.built and "settings.seed: 0 → 1" in res.reason  # the rebuild names what changed

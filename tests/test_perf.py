@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlingo.eval import timing
+from kvlingo.bench import timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,7 +75,7 @@ def test_flop_ceilings_of_every_family_for_a_preset_pair(tmp_path, capsys):
     """--large/--small name preset shapes; families that cannot map the geometry say why, the others get a row
     per length whose ceiling is re-prefill ÷ translation FLOPs (the same numbers perf's timing rows use)."""
     import perf
-    from kvlingo.core.translator import FAMILIES
+    from kvlingo.core.families import FAMILIES
 
     perf.main(["--large", "Qwen/Qwen3-4B", "--small", "Qwen/Qwen3-0.6B", "--flops-only", "--lengths", "1024", "4096",
                "--results", str(tmp_path)])
@@ -124,7 +124,7 @@ def test_perf_times_a_family_on_another_geometry(tmp_path):
 
 
 def test_below_floor_names_the_steps_faster_than_their_floor():
-    from kvlingo.eval.perf import below_floor
+    from kvlingo.bench.speed import below_floor
 
     vs = {"speedup_fraction_of_limit": 0.5, "translate_over_floor": 0.9, "new_turn_over_floor": 2.1,
           "reprefill_over_floor": 1.0}
@@ -145,13 +145,14 @@ def test_perf_says_when_a_step_beats_its_floor(tmp_path, capsys):
     assert set(row["vs_limit"]["below_floor"]) == {"translate", "new_turn", "reprefill"}
     assert all(r < 1 for r in row["vs_limit"]["below_floor"].values())
     assert "Faster than their floor" in out and "16 optimised translate" in out
+    assert out.count("## FLOP ceilings") == 1  # printed before the timings, not again with them
 
 
 def test_measured_peaks_are_raised_to_the_rates_the_timed_steps_reached():
     """A step that did F FLOPs and moved B bytes in t s shows the device reaches F / t and B / t: a measured peak
     below either is raised to it (naming the step), so every floor is at most its step's time; peaks already higher,
     or given (not to be raised), stay as they are."""
-    from kvlingo.eval.roofline import Peaks, raise_to_reached, step_floor
+    from kvlingo.bench.roofline import Peaks, raise_to_reached, step_floor
 
     probe = Peaks(1e9, 1e9, "measured (test)")
     steps = [("a", 4e9, 1e8, 2.0), ("b", 1e9, 3e9, 1.0), ("c", 1e9, 1e9, 4.0)]  # 2e9 / 1e9 / 2.5e8 FLOP/s
@@ -172,7 +173,7 @@ def test_perf_raises_a_low_probe_so_no_step_beats_its_floor(tmp_path, capsys, mo
     rate a timed step reached, keeps the probe beside them, and no step is then faster than its floor; the step that
     set the FLOP peak sits exactly on it (one trial: its median is its best trial)."""
     import perf
-    from kvlingo.eval.roofline import Peaks
+    from kvlingo.bench.roofline import Peaks
 
     monkeypatch.setattr(perf, "measure_peaks", lambda device, dtype: Peaks(1.0, 1.0, "measured (stub)"))
     perf.main(["--arch", "tiny", "--lengths", "16", "32", "--new-turn-tokens", "4", "--modes", "optimised",

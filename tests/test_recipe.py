@@ -24,7 +24,9 @@ import pytest
 
 import recipe
 from fakestage import fake_stage, flags_of, val_kl_of
-from kvlingo.run import recipe as K
+from kvlingo.errors import Refusal
+from kvlingo.drive import cells as K
+from kvlingo.drive import lrsearch
 from kvlingo.io import atomic_write_json, atomic_write_text, read_json, sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,11 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # --------------------------------------------------------------------------- the grid
 def test_grid_is_half_decades_around_the_centre():
-    assert [K.lr_for_step(1e-4, k) for k in K.initial_steps(5)] == [1e-5, 3.16e-5, 1e-4, 3.16e-4, 1e-3]
-    assert [K.lr_for_step(1e-3, k) for k in K.initial_steps(3)] == [3.16e-4, 1e-3, 3.16e-3]
-    assert K.initial_steps(2) == [0, 1] and K.initial_steps(1) == [0]
+    assert [lrsearch.lr_for_step(1e-4, k) for k in lrsearch.initial_steps(5)] == [1e-5, 3.16e-5, 1e-4, 3.16e-4, 1e-3]
+    assert [lrsearch.lr_for_step(1e-3, k) for k in lrsearch.initial_steps(3)] == [3.16e-4, 1e-3, 3.16e-3]
+    assert lrsearch.initial_steps(2) == [0, 1] and lrsearch.initial_steps(1) == [0]
     with pytest.raises(ValueError):
-        K.initial_steps(0)
+        lrsearch.initial_steps(0)
 
 
 def brute_force(f, steps):
@@ -60,7 +62,7 @@ def test_search_extends_past_an_edge_winner_until_interior(f, size, cap, order, 
         calls.extend(ks)
         return [f(k) for k in ks]
 
-    out = K.search_lr(evaluate, size, cap)
+    out = lrsearch.search_lr(evaluate, size, cap)
     assert calls == order and out["order"] == order  # each rate trained once, in this order
     assert out["winner"] == brute_force(f, order)
     assert out["extensions"] == extensions and out["cap_hit"] is cap_hit
@@ -70,10 +72,10 @@ def test_search_extends_past_an_edge_winner_until_interior(f, size, cap, order, 
 
 def test_diverged_rates_lose_and_all_diverged_is_an_error():
     kls = {-2: 3.0, -1: 2.0, 0: 1.0, 1: float("nan"), 2: None}
-    assert K.select_step(kls) == 0 and K.extension_steps(kls, 0) == []
-    assert K.select_step({0: 1.0, 1: 1.0, -1: 1.0}) == 0  # ties go to the centre
+    assert lrsearch.select_step(kls) == 0 and lrsearch.extension_steps(kls, 0) == []
+    assert lrsearch.select_step({0: 1.0, 1: 1.0, -1: 1.0}) == 0  # ties go to the centre
     with pytest.raises(ValueError, match="diverged"):
-        K.select_step({0: float("inf"), 1: float("nan")})
+        lrsearch.select_step({0: float("inf"), 1: float("nan")})
 
 
 # --------------------------------------------------------------------------- fake stages
@@ -147,8 +149,7 @@ def test_recipe_selects_on_validation_kl_and_aggregates_seeds(world):
             assert f["--data"] == [str(world["data"])]
         if Path(argv[0]).name == "train_translator.py" and "--closed-form-only" not in f:
             assert f["--init-from"] == [str(world["root"] / "artifacts" / "r" / "closed" / "closed_form")]
-        assert "--resume" not in f  # a fresh recipe starts every stage fresh ...
-        assert ("--force" in f) == (Path(argv[0]).name == "benchmark.py")  # ... and recomputes the benchmark
+        assert "--resume" not in f and "--force" in f  # a fresh recipe starts every stage it runs afresh
     assert fake.donor_seen == {42: True, 43: True}  # the native IFEval rows were put beside each seed's run
 
     res = rep["results"]
@@ -195,6 +196,27 @@ def test_resume_skips_finished_cells_and_continues_the_interrupted_one(world):
     assert ledger(world)["cells"] == {**after}  # same entries, same timestamps
 
 
+def test_a_second_recipe_keeps_its_up_to_date_cells_and_runs_the_rest_afresh(world, capsys):
+    """Without --resume, a recipe under the same settings reruns only what is not up to date (a changed report
+    here); --force reruns every cell; other settings start a fresh ledger."""
+    recipe.main(world["argv"], runner=FakeStages())
+    capsys.readouterr()
+    rep = recipe.main(world["argv"], runner=FakeStages(forbid=True))
+    assert {c["action"] for c in rep["results"]["cells"]} == {"skipped (finished)"}
+    assert capsys.readouterr().out.count(": up to date (finished with the same key") == len(EXPECTED) + 1  # seed 42 reads its search cell
+    report = Path(ledger(world)["cells"]["benchmark/lr3.16e-04-s43"]["report"])
+    report.write_text(report.read_text().replace("0.3", "0.9"))
+    fake = FakeStages()
+    recipe.main(world["argv"], runner=fake)
+    assert names(fake.calls) == ["benchmark:lr3.16e-04-s43"] and "--force" in fake.calls[0]
+    fake = FakeStages()
+    recipe.main(world["argv"] + ["--force"], runner=fake)
+    assert names(fake.calls) == EXPECTED and all("--force" in a for a in fake.calls)
+    fake = FakeStages()
+    recipe.main(world["argv"] + ["--seeds", "42"], runner=fake)
+    assert names(fake.calls) == [n for n in EXPECTED if not n.endswith("-s43")]
+
+
 def test_resume_reruns_a_cell_whose_report_was_changed(world):
     recipe.main(world["argv"], runner=FakeStages())
     report = Path(ledger(world)["cells"]["benchmark/lr3.16e-04-s43"]["report"])
@@ -228,12 +250,12 @@ def test_ctrl_c_inside_an_in_process_cell_stops_the_driver_not_only_the_cell(tmp
     """ablate and frontier run their cells' stages in this process: a cell's Ctrl-C passes to the driver, which
     ends in its own one line and status 130 (not a failed cell while the rest of its level runs on); another
     failure of a cell stays that cell's."""
-    from kvlingo.run.launch import StageFailed
-    from kvlingo.run.stage import INTERRUPTED_STATUS, refusals_exit
+    from kvlingo.drive.launch import StageFailed
+    from kvlingo.drive.stage import INTERRUPTED_STATUS, refusals_exit
 
     for name, body in (("stage_ctrl_c", "raise KeyboardInterrupt"), ("stage_fails", "raise SystemExit(1)")):
         (tmp_path / f"{name}.py").write_text(
-            "from kvlingo.run.stage import refusals_exit\n\n\n"
+            "from kvlingo.drive.stage import refusals_exit\n\n\n"
             f"@refusals_exit({name!r}, resumable=True)\ndef main(argv):\n    {body}\n")
     ran = []
 
@@ -305,17 +327,27 @@ def test_cell_key_covers_flags_and_inputs_but_not_the_hook():
     assert K.Cell(**{**base.__dict__, "before": lambda: None}).key == base.key
 
 
-def test_passthrough_may_not_override_what_the_recipe_sets(world):
-    with pytest.raises(SystemExit, match="may not set --lr"):
-        recipe.main(world["argv"] + ["--train-args=--lr 1e-3"], runner=FakeStages(forbid=True))
-    with pytest.raises(SystemExit, match="may not set --force"):
-        recipe.main(world["argv"] + ["--benchmark-args=--force"], runner=FakeStages(forbid=True))
+def test_cells_run_on_the_cache_kind_their_driver_was_given():
+    """--cache is a field of the pair config, not a process setting: every cell's stage gets the driver's."""
+    from kvlingo.run.models import PairConfig
+
+    pair = PairConfig("L", "S", "l2s", "cpu", "float32", {}, {}, "t", "c", {}, cache="dynamic")
+    flags = K.stage_flags("tiny", pair, "art", "res")
+    assert flags["--cache"] == "dynamic" and flags["--large"] == "L" and flags["--results"] == "res"
+    assert recipe.parse_args(["--cache", "dynamic"]).cache == "dynamic" and recipe.parse_args([]).cache == "preallocated"
+
+
+def test_passthrough_may_not_override_what_the_recipe_sets(world, capsys):
+    for flag, what in (("--train-args=--lr 1e-3", "--lr"), ("--benchmark-args=--force", "--force")):
+        with pytest.raises(SystemExit) as e:
+            recipe.main(world["argv"] + [flag], runner=FakeStages(forbid=True))
+        assert e.value.code == 2 and f"may not set {what}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag, text, message", [
-    ("--train-args", "--batch 2 --bogus 3", r"--train-args: train_translator.py has no flag '--bogus'"),
+    ("--train-args", "--batch 2 --bogus 3", r"--train-args: train_translator.py: no flag --bogus"),
     ("--train-args", "--batch two", r"--train-args: argument --batch: .*'two'"),
-    ("--train-args", "--upd 3", r"has no flag '--upd' \(flags are spelled out in full\)"),  # not --updates
+    ("--train-args", "--upd 3", r"no flag --upd \(flags are spelled out in full, never abbreviated\); did you mean --updates\?"),  # not --updates
     ("--benchmark-args", "--variant bent", r"--benchmark-args: argument --variant: invalid choice: 'bent'"),
     ("--ifeval-args", "--max-new-tokens", r"--ifeval-args: argument --max-new-tokens: expected one argument"),
     ("--ifeval-args", "--help", r"--help passed through to ifeval.py would print its help"),
@@ -324,9 +356,10 @@ def test_passthrough_may_not_override_what_the_recipe_sets(world):
 def test_passthrough_is_parsed_by_the_stage_before_any_cell_runs(world, flag, text, message, capsys):
     with pytest.raises(SystemExit) as refused:
         recipe.main(world["argv"] + [f"{flag}={text}"], runner=FakeStages(forbid=True))  # forbid: no cell may run
-    assert re.search(message, str(refused.value.code)), refused.value.code
-    assert "see python" in str(refused.value.code) or "split" in message
-    assert capsys.readouterr().out == ""  # the stage's parser printed no help or usage on the way
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and err.startswith("recipe: ") and re.search(message, err), err
+    assert "see python" in err or "split" in message
+    assert out == ""  # the stage's parser printed no help or usage on the way
     assert not (world["res"] / K.LEDGER_FILE).exists()  # refused before the ledger was written
 
 
@@ -459,7 +492,7 @@ def test_tiny_recipe_killed_mid_cell_then_resumed(tiny_pair_paths, tmp_path, mon
 def test_a_recipe_without_distillation_updates_is_refused():
     """With --updates 0 every rate of the search gives the closed-form maps, so a "chosen" rate would mean nothing."""
     args = recipe.parse_args(["--profile", "tiny", "--lr-center", "1e-3", "--updates", "0"])
-    with pytest.raises(SystemExit, match="--updates must be ≥ 1 .*nothing to choose"):
+    with pytest.raises(Refusal, match="--updates must be ≥ 1 .*nothing to choose"):
         recipe.make_config(args, pair=None)
     assert recipe.make_config(recipe.parse_args(["--profile", "tiny", "--lr-center", "1e-3", "--updates", "1"]),
                               pair=None).updates == 1

@@ -8,7 +8,7 @@ import torch
 
 from kvlingo.core.cache import build_cache, capture
 from kvlingo.core.handoff import translate
-from kvlingo.core.headwise import Headwise
+from kvlingo.core.families.headwise import Headwise
 from kvlingo.core.refresh import (Refresh, RefreshError, forward_flops, native_prefix_layers, refresh_flops,
                                   refreshed_kv, selection_mask)
 from kvlingo.core.translator import Geometry

@@ -11,6 +11,7 @@ Two runs are made with the real stages (benchmark.py, ifeval.py, export.py) on c
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,8 @@ import ifeval
 from kvlingo import Relay
 from kvlingo.core.handoff import stop_ids
 from kvlingo.core.refresh import Refresh
-from kvlingo.core.translator import Geometry, TranslatorError, build, load_state, load_translator, save_translator
+from kvlingo.core.folder import build, load_state, load_translator, save_translator, sealed
+from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.eval.itemrows import read_rows
 from kvlingo.eval.tasks import grader
 from kvlingo.eval.tasks.generate import generate
@@ -34,7 +36,7 @@ from kvlingo.io import read_json, read_jsonl, sha256_file
 from kvlingo.relay import UnprovenTranslator
 from kvlingo.run.data import prepare, read_split
 from kvlingo.run.evidence import Gate, judge
-from kvlingo.run.export import CONFIG_FILE, EVIDENCE_FILE
+from kvlingo.run.exported import CONFIG_FILE, EVIDENCE_FILE
 from kvlingo.run.models import load_pair, render_ids, resolve_pair
 from kvlingo.run.profiles import get_profile
 from kvlingo.train.closed_form import fit_closed_form
@@ -236,9 +238,7 @@ def test_deliberately_failing_evidence_names_every_figure(proven, tmp_path):
     (folder / EVIDENCE_FILE).write_text(json.dumps(ev))
     with pytest.raises(UnprovenTranslator, match="does not match the hash recorded"):  # edited, not re-exported
         Relay.load(folder, device="cpu")
-    cfg = read_json(folder / CONFIG_FILE)
-    cfg["evidence_sha256"] = sha256_file(folder / EVIDENCE_FILE)
-    (folder / CONFIG_FILE).write_text(json.dumps(cfg))
+    rewrite_config(folder, lambda c: {**c, "evidence_sha256": sha256_file(folder / EVIDENCE_FILE)})  # re-exported
     with pytest.raises(UnprovenTranslator) as err:
         Relay.load(folder, device="cpu")
     assert "0.500 < 0.80" in str(err.value) and "0.600 nats/token > 0.25" in str(err.value)
@@ -307,7 +307,9 @@ def test_export_refuses_a_benchmark_of_other_maps(toy, tmp_path, capsys):
     (root / "results" / "toy" / "benchmark.json").unlink()
     with pytest.raises(SystemExit) as err:
         export.main(run_flags(root, "toy"))
-    assert err.value.code == 2 and "run `make benchmark RUN=toy` first" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the command runs as given: the run's profile and pair (from its IFEval report)
+    assert re.search(r"run `make benchmark PROFILE=tiny RUN=toy LARGE=\S+/large SMALL=\S+/small DEVICE=cpu "
+                     r"DTYPE=float32` first", err), err
 
 
 def test_a_hub_repo_that_cannot_be_fetched_is_named(monkeypatch):
@@ -348,7 +350,7 @@ def test_bad_prompt_ids_are_refused_before_any_model_runs(proven, monkeypatch):
 def test_an_export_never_writes_into_a_folder_of_other_files(tmp_path):
     """`--out` naming a model folder would have replaced its config.json: a folder holding anything but an
     export's files (or a config.json of another format) is refused before a byte is written."""
-    from kvlingo.run.export import FORMAT, check_export_folder
+    from kvlingo.run.exported import FORMAT, check_export_folder
 
     model = tmp_path / "model"
     model.mkdir()
@@ -378,9 +380,10 @@ def test_an_export_never_writes_into_a_folder_of_other_files(tmp_path):
 
 # --------------------------------------------------------------------------- damaged folders and bad inputs
 def rewrite_config(folder: Path, edit) -> Path:
-    cfg = read_json(folder / CONFIG_FILE)
-    cfg = edit(cfg)
-    (folder / CONFIG_FILE).write_text(json.dumps(cfg))
+    """config.json as `edit` makes it, sealed with its content hash as an export writes it: what other code (or
+    a re-export) would leave, not a hand edit (test_an_edited_config_is_refused_whatever_the_field)."""
+    cfg = edit(read_json(folder / CONFIG_FILE))
+    (folder / CONFIG_FILE).write_text(json.dumps(sealed(cfg) if isinstance(cfg, dict) else cfg))
     return folder
 
 
@@ -447,6 +450,30 @@ def test_a_damaged_config_is_refused_by_field_before_any_weights_load(proven, tm
     with pytest.raises(TranslatorError, match=why) as err:
         Relay.load(folder, device="cpu", allow_unproven=True)
     assert "again" in str(err.value)  # the fix: export (or train) it again
+
+
+@pytest.mark.parametrize("edit", [
+    lambda c: {**c, "key_space": "cache" if c["key_space"] == "prenorm" else "prenorm"},  # other answers
+    lambda c: {**c, "pair": {**c["pair"], "dtype": "bfloat16"}},  # the evidence was measured in float32
+    lambda c: {**c, "refresh": "tail:4"},  # the evidence was measured without it
+    lambda c: {**c, "n_params": c["n_params"] + 1},
+    lambda c: {**c, "training": {**c["training"], "stage": "closed_form"}},  # provenance
+    lambda c: {**c, "origin": {**c["origin"], "run": "elsewhere"}},
+])
+def test_an_edited_config_is_refused_whatever_the_field(proven, tmp_path, monkeypatch, edit):
+    """A folder's identity is all of its config.json: an edit of any field, not only the hashed maps and
+    evidence, is refused before any weights load (its content hash no longer matches)."""
+    folder = copy_export(proven["export"], tmp_path / "edited")
+    (folder / CONFIG_FILE).write_text(json.dumps(edit(read_json(folder / CONFIG_FILE)), indent=2))
+    monkeypatch.setattr("kvlingo.relay.load_pair", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(TranslatorError, match="config.json: it was edited after it was written .*export it again"):
+        Relay.load(folder, device="cpu", allow_unproven=True)
+
+
+def test_an_unknown_chat_role_is_refused(proven):
+    relay = Relay.load(proven["export"], device="cpu")
+    with pytest.raises(ValueError, match="chat message 1 has role 'wizard'; give one of system, user, assistant, tool"):
+        relay.chat([{"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"}])
 
 
 def test_maps_of_another_layout_or_not_finite_are_refused(proven, tmp_path, monkeypatch):

@@ -88,7 +88,11 @@ def test_source_model_capture_is_the_suites(exports):
 
 
 # --------------------------------------------------------------------------- refusals, one line each
-def edited(src: Path, dst: Path, **config_changes) -> Path:
+def edited(src: Path, dst: Path, reseal: bool = True, **config_changes) -> Path:
+    """A copy of an export whose config.json has `config_changes` (dotted keys), sealed again as an export made
+    that way would be (`reseal`), or left with its old seal, as a hand edit leaves it."""
+    from kvlingo.core.folder import sealed
+
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     for key, value in config_changes.items():
@@ -97,7 +101,7 @@ def edited(src: Path, dst: Path, **config_changes) -> Path:
         for part in [node, *path][:-1]:
             target = target[part]
         target[[node, *path][-1]] = value
-    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "config.json").write_text(json.dumps(sealed(cfg) if reseal else cfg))
     return dst
 
 
@@ -140,6 +144,8 @@ def test_contract_refuses_refresh_a_connector_cannot_run_and_damaged_maps(export
     data[-1] ^= 1
     (damaged / "maps.safetensors").write_bytes(bytes(data))
     assert "does not match its manifest hash" in refusal(damaged, small)
+    by_hand = edited(exports["cache"], tmp_path / "by-hand", reseal=False, refresh="tail:4")
+    assert "was edited after it was written" in refusal(by_hand, small)
 
 
 def test_admit_checks_the_source_cache_and_its_key_space(exports):
@@ -228,3 +234,56 @@ def test_reused_buffers_strip_rope_bit_for_bit(exports, dtype, precision):
         finally:
             contract.translator.space = plain
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# --------------------------------------------------------------------------- where serving sits
+ROOT = Path(__file__).resolve().parents[1]
+SERVE_IMPORTS = ("kvlingo.errors", "kvlingo.io", "kvlingo.core", "kvlingo.run", "kvlingo.bench", "kvlingo.serve")
+
+
+def imported(path: Path) -> set[str]:
+    """The absolute module names a file imports (relative imports resolved against its package)."""
+    import ast
+
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names.update([base] + [f"{base}.{a.name}" for a in node.names])
+    return names
+
+
+def test_serving_is_a_leaf_and_nothing_the_suite_runs_imports_vllm():
+    """kvlingo/serve imports the foundation only (errors, io, core, run, bench); no other package, stage script or
+    main-suite test imports it or vLLM, so `make test` and the stages run without the serving environment."""
+    serve = sorted((ROOT / "kvlingo" / "serve").glob("*.py"))
+    for path in serve:
+        inside = {n for n in imported(path) if n.startswith("kvlingo")}
+        assert all(n.startswith(SERVE_IMPORTS) for n in inside), (path.name, sorted(inside))
+    rest = [p for p in [*(ROOT / "kvlingo").rglob("*.py"), *ROOT.glob("*.py"), *(ROOT / "examples").glob("*.py")]
+            if "serve" not in p.relative_to(ROOT).parts and p.name != "serve_demo.py"]
+    assert len(rest) > 50
+    for path in rest:
+        names = imported(path)
+        assert not any(n == "vllm" or n.startswith(("vllm.", "kvlingo.serve")) for n in names), path
+    for path in (ROOT / "tests").glob("*.py"):  # the main suite's tests may use the contract, never vLLM
+        assert not any(n == "vllm" or n.startswith(("vllm.", "kvlingo.serve.connector")) for n in imported(path)), path
+
+
+def test_the_contract_store_and_demo_parser_load_without_vllm():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, kvlingo.serve.contract, kvlingo.serve.store, kvlingo.serve.paged, kvlingo.serve.bench, "
+            "serve_demo; print('vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

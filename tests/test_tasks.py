@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import task_eval
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import Geometry, TranslatorError, load_translator, save_translator
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.folder import load_translator, save_translator
+from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.eval.itemrows import ItemRows, RowsError, read_rows
 from kvlingo.eval.tasks.parsers import parse_choice, parse_gold_number, parse_number, score
 from kvlingo.eval.tasks.prompts import arc_item, gsm8k_item, plain_ids, user_prompt_ids
@@ -216,6 +217,20 @@ def test_resume_after_kill_regenerates_nothing_finished(world, tmp_path):
     assert e.value.code == 2
 
 
+def test_thinking_renders_the_prompt_with_its_think_block(world, tmp_path):
+    """--thinking renders each prompt with enable_thinking=True (no empty think block), and says so in the config."""
+    from transformers import AutoTokenizer
+
+    task_eval.main(_args(world, tmp_path, "--limit", "1", "--native", "--thinking", "--max-new-tokens", "2"))
+    report = read_json(tmp_path / "t" / "task-gsm8k-native.json")
+    rows = read_rows(tmp_path / "t" / "task-gsm8k-native.rows.jsonl")[1]
+    tok = AutoTokenizer.from_pretrained(world["small"])
+    item = gsm8k_item(json.loads(Path(world["gsm8k"]).read_text().splitlines()[0]))
+    thinking, plain = user_prompt_ids(tok, item.prompt, True), user_prompt_ids(tok, item.prompt, False)
+    assert thinking != plain and report["config"]["enable_thinking"] is True
+    assert {r["prompt_tokens"] for r in rows} == {len(thinking)}
+
+
 def test_trace_handoff_against_transformers_generate(world, tmp_path):
     task_eval.main(_args(world, tmp_path, "--limit", "2", "--handoff", "trace", "--trace-tokens", "5"))
     report = read_json(tmp_path / "t" / "task-gsm8k-trace.json")
@@ -288,3 +303,41 @@ def test_resume_after_a_code_edit_is_refused_and_mixes_nothing(world, tmp_path, 
         task_eval.main(_args(world, tmp_path, "--limit", "2", "--no-controls", "--resume"))
     assert e.value.code == 2 and "code changed" in capsys.readouterr().err
     assert rows.read_bytes() == before
+
+
+def test_a_finished_evaluation_is_up_to_date_until_its_maps_or_rows_change(world, tmp_path, monkeypatch, capsys):
+    """The same settings, inputs, models and code: nothing loads, nothing is rewritten; --force, other maps or a
+    changed rows log run it again."""
+    import kvlingo.drive.session as session
+
+    task_eval.main(_args(world, tmp_path, "--limit", "2"))
+    report = tmp_path / "t" / "task-gsm8k.json"
+    first = report.read_bytes()
+
+    def loads(*_a, **_k):
+        raise RuntimeError("the pair was loaded")
+
+    monkeypatch.setattr(session, "load_pair", loads)
+    capsys.readouterr()
+    for extra in ((), ("--resume",)):
+        task_eval.main(_args(world, tmp_path, "--limit", "2", *extra))
+        assert f"{report} is up to date (same settings, inputs, models and code)" in capsys.readouterr().out
+    assert report.read_bytes() == first
+    for extra in (("--force",), ("--limit", "3"), ("--no-controls",)):
+        with pytest.raises(RuntimeError, match="was loaded"):
+            task_eval.main(_args(world, tmp_path, "--limit", "2", *extra) if extra[0] != "--limit" else
+                           _args(world, tmp_path, *extra))
+    rows = tmp_path / "t" / "task-gsm8k.rows.jsonl"
+    rows.write_bytes(rows.read_bytes() + b"\n")
+    with pytest.raises(RuntimeError, match="was loaded"):
+        task_eval.main(_args(world, tmp_path, "--limit", "2"))
+    manifest = Path(world["maps"]) / "manifest.json"
+    saved = manifest.read_bytes()
+    rows.write_bytes(rows.read_bytes()[:-1])
+    task_eval.main(_args(world, tmp_path, "--limit", "2"))  # up to date again
+    try:
+        manifest.write_bytes(saved.replace(b'"direction"', b'"note": "retrained", "direction"', 1))
+        with pytest.raises(RuntimeError, match="was loaded"):
+            task_eval.main(_args(world, tmp_path, "--limit", "2"))  # another translator: evaluated again
+    finally:
+        manifest.write_bytes(saved)

@@ -423,7 +423,8 @@ def test_build_export_install_and_pair(world, tmp_path):
     installed into another world, refused on tampering or another tokenizer; it pairs with the packaged models."""
     from transformers import AutoModelForCausalLM
 
-    from kvlingo.core.translator import FAMILIES, Geometry, TranslatorError
+    from kvlingo.core.families import FAMILIES
+    from kvlingo.core.translator import Geometry, TranslatorError
     from kvlingo.run.models import resolve_pair
 
     cfg = toydeep.mini_deep_config()

@@ -92,7 +92,7 @@ def test_install_refuses_a_changed_corpus_or_tampered_weights(tmp_path, installe
 def test_full_pair_reproduces_its_scores_and_a_fit_carries_the_context(installed, tmp_path):
     """The installed pair scores exactly what its manifest says, and a closed-form translator
     fitted on 64 chats beats the wrong-document control and the no-context floor on 24 more."""
-    from kvlingo.core.headwise import Headwise
+    from kvlingo.core.families.headwise import Headwise
     from kvlingo.core.translator import Geometry
     from kvlingo.eval.quality import control_contexts, score_conversation
     from kvlingo.run.data import prepare, read_split

@@ -23,9 +23,11 @@ import torch
 
 from kvlingo.core.cache import capture
 from kvlingo.core.handoff import as_ids
-from kvlingo.core.headwise import Headwise
-from kvlingo.core.translator import Geometry, load_state, load_translator, read_manifest
+from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.folder import load_state, load_translator, read_manifest
+from kvlingo.core.translator import Geometry
 from kvlingo.core.rope import RopeCache
+from kvlingo.run import resume
 from kvlingo.run.models import ModelSpec, load_model
 from kvlingo.train import checkpoints as C
 from kvlingo.train import distill as D
@@ -253,7 +255,7 @@ def test_init_from_reuses_the_closed_form(tiny_pair_paths, data, trained, tmp_pa
 
 
 # --------------------------------------------------------------------------- resume guards and checkpoints
-def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trained, tmp_path, capsys):
+def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trained, tmp_path, capsys, monkeypatch):
     root, args, _ = trained
     ckpts = root / "artifacts" / "base" / "checkpoints"
     before = {p.name: p.read_bytes() for p in ckpts.iterdir()}
@@ -267,7 +269,10 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
         assert re.search(pattern, err), err
 
     refused([*args, "--resume", "--lr", "1e-3"], r"refusing to resume base.*settings changed: settings\.lr: 0\.003 → 0\.001;.*drop --resume")
-    refused([*args, "--resume", "--code-salt", "an edit"], r"refusing to resume.*code changed: code: \w+… → \w+…")
+    refused([*args, "--resume", "--val-every", "3"], r"settings changed: settings\.val_every: 4 → 3;")  # where the curve is measured
+    with monkeypatch.context() as m:  # an edit of the code the stage imports
+        m.setattr(resume, "code_hash", lambda *scripts: "e" * 64)
+        refused([*args, "--resume"], r"refusing to resume.*code changed: code: \w+… → eeeeeeeeeeee…")
     # data: same folder layout elsewhere, one reply token changed
     rows = [json.loads(line) for line in (data[0] / "train.natural.jsonl").read_text().splitlines()]
     rows[3]["reply_ids"][0] = (rows[3]["reply_ids"][0] + 1) % 300
@@ -285,11 +290,13 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
     refused([*args, "--resume", "--small", str(small)], r"models changed: pair\.target\.")
     assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before  # a refusal touches nothing
 
-    # Unchanged inputs (and a resume-safe setting) resume from the last checkpoint and change nothing.
+    # Unchanged inputs (and a resume-safe setting, recorded as it ran) resume from the last checkpoint and change nothing.
     dist = root / "artifacts" / "base" / "distilled" / "maps.safetensors"
     old = dist.read_bytes()
-    rep = main([*args, "--resume", "--val-every", "3"])
+    rep = main([*args, "--resume", "--checkpoint-every", "3"])
     assert rep["results"]["resumed_from_update"] == 8 and dist.read_bytes() == old
+    assert rep["results"]["segments"] == [{"from_update": 0, "checkpoint_every": 2, "world_size": 1},
+                                          {"from_update": 8, "checkpoint_every": 3, "world_size": 1}]
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -359,7 +366,43 @@ def test_resume_after_truncated_checkpoint_falls_back_and_matches(tiny_pair_path
     assert maps_equal(root / "artifacts" / "base" / "distilled", tmp_path / "artifacts" / "base" / "distilled")
 
 
-def test_frozen_weights_are_verified(tiny_pair_paths, data, tmp_path, monkeypatch):
+def test_a_finished_training_is_up_to_date_until_an_input_or_output_changes(trained, tmp_path, capsys, monkeypatch):
+    import train_translator
+
+    root, args, _ = trained
+    shutil.copytree(root, tmp_path / "run")
+    args = [str(tmp_path / "run") + a.removeprefix(str(root)) if a.startswith(str(root)) else a for a in args]
+    report = tmp_path / "run" / "results" / "base" / "train.json"
+    maps = tmp_path / "run" / "artifacts" / "base" / "distilled" / "maps.safetensors"
+    main(args)  # trains once more if an earlier test left another training's report in this run
+    first = json.loads(report.read_text())
+
+    def loads_nothing(*_a, **_k):
+        raise AssertionError("an up-to-date training loaded the models")
+
+    with monkeypatch.context() as m:
+        m.setattr(train_translator, "load_pair", loads_nothing)
+        capsys.readouterr()
+        assert main(args) == first  # same config, data, models and code: nothing runs, nothing is rewritten
+        assert f"{report} is up to date (same config, inputs and code); --force re-trains" in capsys.readouterr().out
+        assert main([*args, "--resume"]) == first and json.loads(report.read_text()) == first
+        with pytest.raises(AssertionError, match="loaded the models"):
+            main([*args, "--force"])  # --force trains again
+        with pytest.raises(AssertionError, match="loaded the models"):
+            main([*args, "--updates", "9"])  # a changed setting trains again
+        with pytest.raises(AssertionError, match="loaded the models"):
+            main([*args, "--closed-form-only"])  # another kind of run trains again
+        saved = maps.read_bytes()
+        maps.write_bytes(saved[:-1] + bytes([saved[-1] ^ 1]))
+        with pytest.raises(AssertionError, match="loaded the models"):
+            main(args)  # maps that are not the ones the report records: trained again
+        maps.write_bytes(saved)
+        assert main(args) == first
+    rep = main([*args, "--force"])
+    assert rep["created_unix"] > first["created_unix"] and maps.read_bytes() == saved  # retrained bit for bit
+
+
+def test_frozen_weights_are_verified(tiny_pair_paths, data, tmp_path, monkeypatch, capsys):
     import train_translator
 
     real = train_translator.distill_step
@@ -371,8 +414,9 @@ def test_frozen_weights_are_verified(tiny_pair_paths, data, tmp_path, monkeypatc
         return out
 
     monkeypatch.setattr(train_translator, "distill_step", tampering_step)
-    with pytest.raises(SystemExit, match="frozen model weights changed during training: target"):
+    with pytest.raises(SystemExit) as e:
         main(cli(tiny_pair_paths, data[0], tmp_path, "tamper", "--updates", "1"))
+    assert e.value.code == 1 and "frozen model weights changed during training: target" in capsys.readouterr().err
     assert not (tmp_path / "artifacts" / "tamper" / "distilled").exists()
 
     model = load_model(ModelSpec.parse(str(tiny_pair_paths[1])), "cpu", torch.float32)

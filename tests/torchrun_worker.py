@@ -1,10 +1,10 @@
 """Run by tests/test_distributed.py under `torchrun --nproc-per-node 2` (gloo, CPU).
 
 On every rank: the closed form's FP64 normal equations over this rank's share of the fit rows,
-summed across the ranks and solved (rank 0 saves the FP64 solution), then train_translator.main
-on the same ranks with the remaining arguments.
+summed across the ranks and solved (rank 0 saves the FP64 solution). The training itself runs
+as users start it, through `make train NPROC=2`.
 
-    torchrun --nproc-per-node 2 tests/torchrun_worker.py OUT.pt LARGE SMALL DATA N_FIT -- TRAIN_ARGS...
+    torchrun --nproc-per-node 2 tests/torchrun_worker.py OUT.pt LARGE SMALL DATA N_FIT
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
-from kvlingo.core.headwise import Headwise  # noqa: E402
+from kvlingo.core.families.headwise import Headwise  # noqa: E402
 from kvlingo.core.translator import Geometry  # noqa: E402
 from kvlingo.run.data import read_split  # noqa: E402
 from kvlingo.train import distributed  # noqa: E402
@@ -27,8 +27,7 @@ from tinypair import load_tiny_pair  # noqa: E402
 
 def main() -> None:
     torch.set_num_threads(1)
-    split = sys.argv.index("--")
-    out, large, small, data, n_fit = sys.argv[1:split]
+    out, large, small, data, n_fit = sys.argv[1:]
     world = distributed.init("cpu")
     pair = load_tiny_pair((large, small))
     rows = read_split(data, "train", "natural", pair.target.config.vocab_size)
@@ -39,10 +38,7 @@ def main() -> None:
     weight, bias = ne.solve()
     if world.main:
         torch.save({"weight": weight, "bias": bias, "n_tokens": ne.n_tokens, "world_size": world.size}, out)
-
-    import train_translator
-
-    train_translator.main(sys.argv[split + 1:])
+    distributed.close(world)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,7 @@ Two kinds of cache (`CACHE_KINDS`), both on transformers' public cache interface
   capacity, head_dim] hold the context and leave room for what follows. A translator writes
   the context straight into them, a new turn's K/V go in place after it, and attention reads
   views of the filled part with grouped-query attention that never repeats K/V
-  (kvlingo.core.attention); on a CPU a few rows' projections are split across threads, and
-  a model given oneDNN-packed weights (`linear.pack`) runs every projection on them
+  (kvlingo.core.attention); on a CPU a few rows' projections are split across threads
   (kvlingo.core.linear). Logits equal DynamicCache's to rounding. A translation may leave
   the context's values deferred (the source's values plus the head-wise value maps, which
   attention applies to a few query rows instead of every context token).
@@ -32,20 +31,7 @@ import torch
 from . import attention, linear
 from .arch import head_dim
 
-CACHE_KINDS = ("preallocated", "dynamic")
-_default_kind = "preallocated"
-
-
-def default_kind() -> str:
-    return _default_kind
-
-
-def set_default_kind(kind: str) -> None:
-    """The cache kind used wherever none is given (a stage's --cache flag)."""
-    global _default_kind
-    if kind not in CACHE_KINDS:
-        raise ValueError(f"cache kind {kind!r} is not one of {CACHE_KINDS}")
-    _default_kind = kind
+CACHE_KINDS = ("preallocated", "dynamic")  # the first is the default; a stage's is its pair config's (--cache)
 
 
 @dataclass
@@ -73,17 +59,17 @@ def _kv_shape(model) -> tuple[int, int]:
 
 
 def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: bool = False,
-                   kind: str | None = None, room: int = 0, **kwargs):
+                   kind: str = "preallocated", room: int = 0, **kwargs):
     """Forward `input_ids` [1, tokens]; return (output, prenorm list or None).
 
-    Without a `cache` the forward fills a fresh one of `kind` (None: the default kind), with
+    Without a `cache` the forward fills a fresh one of `kind`, with
     `room` free token slots after the input on a preallocated one. The attention follows the
     cache: grouped-query attention on a preallocated cache, the model's own on any other.
     """
     from .preallocated import PreallocatedCache
 
     check_batch(input_ids)
-    if cache is None and (kind or _default_kind) == "preallocated":
+    if cache is None and kind == "preallocated":
         cache = PreallocatedCache.empty(model, input_ids.shape[1] + room)
     hooks, prenorm = [], []
     if want_prenorm:
@@ -103,7 +89,7 @@ def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: boo
 
 
 def capture(model, input_ids: torch.Tensor, want_prenorm: bool = True, logits_to_keep: int = 0,
-            kind: str | None = None) -> Capture:
+            kind: str = "preallocated") -> Capture:
     """Prefill `input_ids` [1, tokens] and return the stacked cache and pre-norm keys.
 
     `logits_to_keep=k` keeps only the last k positions' logits (0 keeps all): at long
@@ -128,8 +114,8 @@ def capture(model, input_ids: torch.Tensor, want_prenorm: bool = True, logits_to
     return Capture(keys, values, prenorm, out.logits[0])
 
 
-def build_cache(model, keys: torch.Tensor, values: torch.Tensor, kind: str | None = None, room: int = 0):
-    """A fresh cache of `kind` (None: the default) holding keys/values [layers, kv_heads, tokens, head_dim].
+def build_cache(model, keys: torch.Tensor, values: torch.Tensor, kind: str = "preallocated", room: int = 0):
+    """A fresh cache of `kind` holding keys/values [layers, kv_heads, tokens, head_dim].
 
     `preallocated`: the K/V copied once into buffers with `room` free token slots after them
     (a translation writes into `empty_cache(...).context` instead and skips the copy).
@@ -144,7 +130,6 @@ def build_cache(model, keys: torch.Tensor, values: torch.Tensor, kind: str | Non
             f"keys {tuple(keys.shape)} / values {tuple(values.shape)} must both be "
             f"[layers={n_layers}, kv_heads, tokens, head_dim]"
         )
-    kind = kind or _default_kind
     if kind not in CACHE_KINDS:
         raise ValueError(f"cache kind {kind!r} is not one of {CACHE_KINDS}")
     differentiable = torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad)
@@ -170,7 +155,7 @@ def empty_cache(model, n_context: int, room: int = 0, dtype: torch.dtype | None 
 
 
 def continue_from(model, keys: torch.Tensor, values: torch.Tensor, new_ids: torch.Tensor,
-                  kind: str | None = None, **kwargs):
+                  kind: str = "preallocated", **kwargs):
     """Run `new_ids` [1, new] on top of an injected cache; positions continue after the cache."""
     cache = build_cache(model, keys, values, kind, room=new_ids.shape[1])
     out, _ = run_with_cache(model, new_ids, cache=cache, **kwargs)

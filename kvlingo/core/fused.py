@@ -1,29 +1,20 @@
 """The translated keys' finish (the target's k_norm, then its RoPE) as one compiled kernel.
 
 The `fp32` path (`KeySpace.finish_keys_into`) runs the norm and RoPE in the target model's own
-operations and order, about a dozen elementwise passes per 256-token tile, so a translation of
-a model's own keys comes back bit for bit. The `fused` precision runs the same maths as one
-torch.compile (inductor) kernel that reads the maps' output once and writes the cache once.
-Measured on the 2-core machine (2 threads, FP32, Qwen3-1.7B → 0.6B shapes, random maps, 8 KV
-heads × head_dim 128 per layer): the whole translation 477–485 → 423–424 ms at 4,096 tokens and
-117–120 → 102–107 ms at 1,024.
-
-It is not the same bits: inductor sums the squares of the norm in its own order. Against the
-`fp32` path the keys differ by at most 2.8e-7 of a layer's largest |key| there (`TOLERANCE`
-allows 2^-20 ≈ 9.5e-7); values are not touched.
+operations and order, about a dozen elementwise passes per token tile, so a translation of a
+model's own keys comes back bit for bit. The `fused` precision (kvlingo.core.engine) runs the
+same maths as one torch.compile (inductor) kernel that reads the maps' output once and writes
+the cache once. It is not the same bits: inductor sums the squares of the norm in its own
+order; `TOLERANCE` bounds the difference. Values are not touched.
 
 The kernel also takes the key map's output in a narrower dtype (the `fast-fused` precision: BF16
-or FP16 matmuls), widening it inside the kernel, so the FP32 staging copy is never written. That
-is how it would run on CUDA, where torch.compile builds it with Triton; a CUDA run takes it only
-when asked (`translator.fast_precision(device, fuse_keys=True)`), because no GPU run of this suite
-has timed it yet.
+or FP16 matmuls), widening it inside the kernel, so the FP32 staging copy is never written; on
+CUDA torch.compile builds it with Triton.
 
-Each shape compiles once (`dynamic=False`: a kernel compiled for dynamic shapes ran two to
-three times as slowly here), in about 3 s, so the kernel only takes chunks of `MIN_ELEMENTS` or
-more (a smaller one costs about a millisecond unfused) and at most `MAX_SHAPES` shapes per
-process (torch's own recompile limit is 8). Compiling needs a C++ compiler; where it fails, or
-past those limits, `finish_keys` returns False, the caller runs the `fp32` finish, and
-`status()` says why.
+Each shape compiles once (`dynamic=False`: dynamic-shape kernels ran slower), so the kernel only
+takes chunks of `MIN_ELEMENTS` or more and at most `MAX_SHAPES` shapes per process (torch's own
+recompile limit is 8). Compiling needs a C++ compiler; where it fails, or past those limits,
+`finish_keys` returns False, the caller runs the `fp32` finish, and `status()` says why.
 """
 
 from __future__ import annotations
@@ -33,11 +24,11 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from .keyspace import rms_norm
+from .norm import rms_norm
 
 MIN_ELEMENTS = 1 << 20  # elements per chunk below which the eager finish runs (no compile for small chunks)
 MAX_SHAPES = 6  # distinct shapes compiled per process (torch's recompile limit is 8)
-TOLERANCE = 2.0**-20  # max |fused - fp32| / max |fp32 key| per chunk
+TOLERANCE = 2.0**-20  # max |fused - fp32| / max |fp32 key| per chunk (measured at most 2.8e-7 at the real shapes)
 DEVICES = ("cpu", "cuda")  # inductor's C++ and Triton back ends
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the key map may write (widened in the kernel)
 
@@ -50,9 +41,8 @@ def _finish(yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torc
     [tokens, d] → out (any dtype).
 
     The norm is `keyspace.rms_norm` itself. RoPE is written half by half, as `rope.apply_rope_into`
-    computes it (k1·cos1 - k2·sin1, k2·cos2 + k1·sin2; the same values as `apply_rope`): traced through
-    `apply_rope`'s rotate_half (a concatenation of a negated half), the kernel took 2.6 ms per layer
-    at 4,096 tokens against 1.9 ms this way, with the same bits."""
+    computes it (k1·cos1 - k2·sin1, k2·cos2 + k1·sin2; the same values as `apply_rope`), which compiles
+    to a faster kernel than `apply_rope`'s rotate_half with the same bits."""
     yk = yk.float()
     y = yk if weight is None else rms_norm(yk, weight, eps)
     h = y.shape[-1] // 2

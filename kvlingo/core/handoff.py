@@ -10,7 +10,7 @@
     greedy_generate the target (or any model) decodes greedily on top of an injected cache
 
 The cache kind (`cache.CACHE_KINDS`: preallocated by default, or transformers' DynamicCache
-as shipped) is one argument of each, defaulting to `cache.default_kind()`.
+as shipped) is one argument of each; a stage passes its pair config's (`PairConfig.cache`).
 
 Every stage that scores, times, trains or generates after a handoff (benchmark, controls,
 timing, distillation, IFEval, tasks) calls these; none re-assembles the steps itself.
@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .cache import Capture, build_cache, capture, continue_from, default_kind, empty_cache, run_with_cache
+from .cache import Capture, build_cache, capture, continue_from, empty_cache, run_with_cache
 
 
 def as_ids(ids, device) -> torch.Tensor:
@@ -33,37 +33,38 @@ def device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def prefill(model, ids: torch.Tensor, want_prenorm: bool = False, kind: str | None = None) -> Capture:
+def prefill(model, ids: torch.Tensor, want_prenorm: bool = False, kind: str = "preallocated") -> Capture:
     """A prefill as a real handoff runs it: `cache.capture` of ids [1, T], keeping the last position's logits only."""
     return capture(model, ids, want_prenorm=want_prenorm, logits_to_keep=1, kind=kind)
 
 
-def capture_source(source, context_ids, translators: Iterable = ()) -> Capture:
+def capture_source(source, context_ids, translators: Iterable = (), kind: str = "preallocated") -> Capture:
     """The source's capture of `context_ids` (a sequence or a [1, T] tensor), with pre-norm key
     features when any of `translators` needs them."""
     ids = context_ids if torch.is_tensor(context_ids) else as_ids(context_ids, device_of(source))
     with torch.no_grad():
-        return prefill(source, ids, want_prenorm=any(t.needs_prenorm for t in translators))
+        return prefill(source, ids, want_prenorm=any(t.needs_prenorm for t in translators), kind=kind)
 
 
 def translate(source, translator, context_ids=None, out_dtype: torch.dtype | None = None,
               cap: Capture | None = None, refresh=None, target=None,
-              precision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              precision: str | None = None, kind: str = "preallocated") -> tuple[torch.Tensor, torch.Tensor]:
     """Target-layout (keys, values) of a context: from an existing source capture `cap`, or a fresh
     prefill of `context_ids`. Differentiable in the translator's parameters when gradients are on.
 
     `refresh` (kvlingo.core.refresh.Refresh) has the `target` recompute part of the context
     natively on top of the translated rest; it needs the context's token ids.
-    `precision`: the translation's (`translator.PRECISIONS`; None: the device's default).
+    `precision`: the translation's (`engine.PRECISIONS`; None: fp32). `kind`: the cache of the
+    source's prefill (and of the target's native part under a refresh).
     """
     if cap is None:
-        cap = capture_source(source, context_ids, [translator])
+        cap = capture_source(source, context_ids, [translator], kind)
     if refreshing(refresh):
         from .refresh import refreshed_kv
 
         if target is None or context_ids is None:
             raise ValueError("a refresh needs the target model and the context's token ids")
-        return refreshed_kv(source, target, translator, context_ids, refresh, out_dtype, cap)
+        return refreshed_kv(source, target, translator, context_ids, refresh, out_dtype, cap, kind)
     return translator(cap, out_dtype, precision=precision)
 
 
@@ -71,15 +72,15 @@ def refreshing(refresh) -> bool:
     return refresh is not None and refresh.kind != "none"
 
 
-def can_defer_values(translator, kind: str | None = None, refresh=None) -> bool:
+def can_defer_values(translator, kind: str = "preallocated", refresh=None) -> bool:
     """Whether a handoff with `translator` can leave the context's values deferred: a family with
     per-head affine value maps (`Translator.value_maps`), a preallocated cache, and no refresh."""
-    return (kind or default_kind()) == "preallocated" and not refreshing(refresh) \
+    return kind == "preallocated" and not refreshing(refresh) \
         and translator.value_maps() is not None
 
 
 def translate_to_cache(source, target, translator, context_ids=None, cap: Capture | None = None, room: int = 0,
-                       kind: str | None = None, out_dtype: torch.dtype | None = None, into=None,
+                       kind: str = "preallocated", out_dtype: torch.dtype | None = None, into=None,
                        precision: str | None = None, refresh=None, defer_values: bool = False):
     """The target's cache of a context translated from the source, with `room` free token slots after it.
 
@@ -96,12 +97,12 @@ def translate_to_cache(source, target, translator, context_ids=None, cap: Captur
         raise ValueError(f"a {translator.family} translator cannot defer values here (it needs per-head affine "
                          "value maps, a preallocated cache and no refresh); leave defer_values off")
     if cap is None:
-        cap = capture_source(source, context_ids, [translator])
+        cap = capture_source(source, context_ids, [translator], kind)
     out_dtype = out_dtype or next(target.parameters()).dtype
     if refreshing(refresh):  # part of the context is the target's own: assembled, then one copy into the cache
-        kv = translate(source, translator, context_ids, out_dtype, cap, refresh, target, precision)
+        kv = translate(source, translator, context_ids, out_dtype, cap, refresh, target, precision, kind)
         return build_cache(target, *kv, kind=kind, room=room)
-    if (kind or default_kind()) != "preallocated":
+    if kind != "preallocated":
         return build_cache(target, *translator(cap, out_dtype, precision=precision), kind="dynamic")
     n = cap.n_tokens
     cache = into if into is not None else empty_cache(target, n, room, out_dtype, cap.values.device)
@@ -114,7 +115,7 @@ def translate_to_cache(source, target, translator, context_ids=None, cap: Captur
     return cache
 
 
-def continue_target(target, kv, new_ids, kind: str | None = None, **kwargs):
+def continue_target(target, kv, new_ids, kind: str = "preallocated", **kwargs):
     """The target's forward of `new_ids` on a fresh cache holding kv = (keys, values), or on a ready cache
     (from `translate_to_cache`); positions continue after it."""
     ids = new_ids if torch.is_tensor(new_ids) else as_ids(new_ids, device_of(target))
@@ -127,7 +128,7 @@ def continue_target(target, kv, new_ids, kind: str | None = None, **kwargs):
 @torch.no_grad()
 def greedy_generate(model, new_ids: Sequence[int], kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                     max_new_tokens: int = 64, eos_ids: set[int] | None = None,
-                    kind: str | None = None, cache=None) -> tuple[list[int], bool]:
+                    kind: str = "preallocated", cache=None) -> tuple[list[int], bool]:
     """Greedy decoding of up to `max_new_tokens` after `new_ids`, on top of an optional injected cache
     (kv = (keys, values)) or a ready `cache` (from `translate_to_cache`; it grows as it is used).
 

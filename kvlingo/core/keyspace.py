@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from . import arch
+from . import arch, fused
 from .cache import Capture
+from .norm import rms_norm, rms_norm_
 from .rope import RopeCache, apply_rope, apply_rope_into, strip_rope
 
 KEY_SPACES = ("prenorm", "cache")
@@ -34,20 +35,6 @@ def k_norm_params(model) -> tuple[torch.Tensor | None, float]:
         return None, 0.0
     w = torch.stack([arch.k_norm(l).weight.detach().float() for l in layers])
     return w, arch.k_norm(layers[0]).variance_epsilon
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3RMSNorm over head_dim for x [layers, heads, tokens, dim], weight [layers, dim], in FP32."""
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight[:, None, None, :] * x
-
-
-def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, squares: torch.Tensor) -> torch.Tensor:
-    """`rms_norm` in place on FP32 x (same operations, same bits); `squares` is x-sized scratch."""
-    var = torch.pow(x, 2, out=squares).mean(-1, keepdim=True)
-    x.mul_(torch.rsqrt(var.add_(eps)))
-    return x.mul_(weight[:, None, None, :])
 
 
 class KeySpace:
@@ -119,8 +106,6 @@ class KeySpace:
     def finish_keys_fused(self, yk: torch.Tensor, layers: slice, k_out: torch.Tensor) -> bool:
         """`finish_keys_into` for a whole chunk as one compiled kernel (kvlingo.core.fused): the same maths,
         not the same bits. False when the kernel did not run (then the caller's eager finish writes the keys)."""
-        from . import fused  # imported here: it compiles this module's rms_norm
-
         norm = self.name == "prenorm" and self.k_norm_weight is not None
         cos, sin = self.target_rope(yk.shape[2], device=yk.device)
         return fused.finish_keys(yk, self.k_norm_weight[layers] if norm else None, self.k_norm_eps, cos, sin, k_out)

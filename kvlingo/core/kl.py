@@ -5,25 +5,21 @@ from __future__ import annotations
 import torch
 
 
-def _fp32(x: torch.Tensor) -> torch.Tensor:
-    return x.float()
-
-
 def token_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """KL(P || Q) per position. p_logits/q_logits [tokens, vocab] → [tokens].
 
     P is the reference (the native target), Q the arm being judged.
     """
     with torch.autocast(device_type=p_logits.device.type, enabled=False):
-        logp = torch.log_softmax(_fp32(p_logits), dim=-1)
-        logq = torch.log_softmax(_fp32(q_logits), dim=-1)
+        logp = torch.log_softmax(p_logits.float(), dim=-1)
+        logq = torch.log_softmax(q_logits.float(), dim=-1)
         return (logp.exp() * (logp - logq)).sum(-1)
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """-log p(target) per position. logits [tokens, vocab], targets [tokens] → [tokens]."""
     with torch.autocast(device_type=logits.device.type, enabled=False):
-        logp = torch.log_softmax(_fp32(logits), dim=-1)
+        logp = torch.log_softmax(logits.float(), dim=-1)
         return -logp.gather(-1, targets[:, None]).squeeze(-1)
 
 

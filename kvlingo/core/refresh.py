@@ -24,7 +24,7 @@ in position order, so everything after a handoff is unchanged.
 
 Costs (`refresh_flops`): dense FLOPs (2 × parameters touched per token) plus attention
 (4 × query heads × head_dim per query-key pair) of what the target recomputes, and the
-translator's FLOPs for what it translates; `kvlingo.eval.shapes` prices them at the real shapes.
+translator's FLOPs for what it translates; `kvlingo.bench.shapes` prices them at the real shapes.
 """
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import Refusal
 from .arch import head_dim
 from .cache import Capture, build_cache, capture
 
 KINDS = ("none", "tail", "layers", "select", "layer")
 
 
-class RefreshError(ValueError):
+class RefreshError(Refusal, ValueError):
     """A refresh setting that cannot be parsed or applied."""
 
 
@@ -164,18 +165,19 @@ def selection_mask(selected: list[int], kept: list[int], device) -> torch.Tensor
 
 
 def refreshed_kv(source, target, translator, context_ids, refresh: Refresh, out_dtype=None,
-                 cap: Capture | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's cache of `context_ids` under `refresh`: (keys, values) [layers, kv_heads, T, head_dim]."""
+                 cap: Capture | None = None, kind: str = "preallocated") -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's cache of `context_ids` under `refresh`: (keys, values) [layers, kv_heads, T, head_dim].
+    `kind`: the cache of the source's prefill and of a whole-context native prefill."""
     device = next(target.parameters()).device
     ids = context_ids if torch.is_tensor(context_ids) else torch.as_tensor(list(context_ids), device=device)[None]
     T = ids.shape[1]
     if cap is None:
         with torch.no_grad():
-            cap = capture(source, ids, want_prenorm=translator.needs_prenorm, logits_to_keep=1)
+            cap = capture(source, ids, want_prenorm=translator.needs_prenorm, logits_to_keep=1, kind=kind)
     if refresh.kind == "none":
         return translator(cap, out_dtype)
     if refresh.kind == "tail":
-        return _tail(target, translator, cap, ids, refresh.tail_tokens(T), out_dtype)
+        return _tail(target, translator, cap, ids, refresh.tail_tokens(T), out_dtype, kind)
     L = target.config.num_hidden_layers
     if refresh.kind == "layers":
         k = refresh.native_layers(L)
@@ -185,7 +187,7 @@ def refreshed_kv(source, target, translator, context_ids, refresh: Refresh, out_
     if refresh.kind == "layer":
         l = refresh.layer_index(L)
         return _with_native_layers(translator, cap, out_dtype, slice(l, l + 1), native_prefix_cache(target, ids, l + 1))
-    return _select(target, translator, cap, ids, refresh.selected_count(T), out_dtype)
+    return _select(target, translator, cap, ids, refresh.selected_count(T), out_dtype, kind)
 
 
 def _with_native_layers(translator, cap: Capture, out_dtype, native: slice, own):
@@ -206,14 +208,14 @@ def _with_native_layers(translator, cap: Capture, out_dtype, native: slice, own)
     return keys, values
 
 
-def _tail(target, translator, cap: Capture, ids: torch.Tensor, w: int, out_dtype):
+def _tail(target, translator, cap: Capture, ids: torch.Tensor, w: int, out_dtype, kind: str):
     T = ids.shape[1]
     if w == 0:
         return translator(cap, out_dtype)
     head = T - w
     if head == 0:  # everything natively: the target's own prefill
         with torch.no_grad():
-            own = capture(target, ids, want_prenorm=False, logits_to_keep=1)
+            own = capture(target, ids, want_prenorm=False, logits_to_keep=1, kind=kind)
         return own.keys, own.values
     sliced = Capture(cap.keys[:, :, :head], cap.values[:, :, :head],
                      None if cap.prenorm is None else cap.prenorm[:, :, :head], cap.logits)
@@ -223,13 +225,13 @@ def _tail(target, translator, cap: Capture, ids: torch.Tensor, w: int, out_dtype
     return _stack(out.cache)
 
 
-def _select(target, translator, cap: Capture, ids: torch.Tensor, n_sel: int, out_dtype):
+def _select(target, translator, cap: Capture, ids: torch.Tensor, n_sel: int, out_dtype, kind: str):
     keys, values = translator(cap, out_dtype)
     T = ids.shape[1]
     if n_sel == 0:
         return keys, values
     if n_sel == T:  # every token recomputed: the target's own prefill
-        return _tail(target, translator, cap, ids, T, out_dtype)
+        return _tail(target, translator, cap, ids, T, out_dtype, kind)
     nk, nv = native_prefix_layers(target, ids, 1)  # the target's own layer 0: embeddings → K/V
     dev = (nk.float() - keys[:1].float()).pow(2).sum((0, 1, 3)) + (nv.float() - values[:1].float()).pow(2).sum((0, 1, 3))
     selected = sorted(dev.topk(n_sel).indices.tolist())  # [n_sel] positions, by deviation

@@ -7,8 +7,8 @@ attention scaling s (transformers multiplies cos and sin by `attention_scaling`:
 cached key is s·R(θ)k. Applying a target's tables therefore gives exactly what the target
 would cache, and the strip tables are the apply tables divided by s², the inverse of s·R(θ)
 (for s = 1 they are the apply tables themselves, bit for bit). In BF16 the model rotates in
-BF16; we strip and re-apply in FP32 and round once at the end (measured: doing it all in
-BF16 loses up to 0.125 per element).
+BF16; we strip and re-apply in FP32 and round once at the end (doing it all in BF16 loses far
+more than one rounding).
 
 Schedules (`rope_parameters["rope_type"]`): default, linear, llama3 and yarn fix their
 frequencies when the model is built. longrope switches between its short and long factors by
@@ -18,14 +18,8 @@ tokens used (a cache grown by decoding across that length mixes the regimes; the
 caches are single prefills). dynamic (NTK) rescales the frequencies with the longest sequence seen so far, so
 a cached key's rotation depends on the model's history: refused (`schedule_refusal`).
 
-Measured round trips (tests/test_rope_schedules.py; tiny Llama, head_dim 64, 300 positions,
-max |error| / max |key|). FP32, keys rotated by transformers' own apply_rotary_pos_emb and
-stripped here: default 1.1e-7, linear 1.2e-7, llama3 1.2e-7, yarn (s = 1.14) 2.2e-7, longrope
-(s = 1.13) 1.7e-7 short and 1.6e-7 long regime; applying here equals transformers bit for bit.
-BF16, the model's own cached keys stripped in FP32: within 4.5e-3 to 6.1e-3 of its BF16 pre-RoPE
-keys (BF16 rounding of the model's own rotation, ≈ 2^-8); stripped, re-applied and rounded once,
-every nonzero cached key comes back bit for bit; keys cached as exactly 0 (0.008-0.018% of
-elements) come back as FP32 noise of at most 3e-8 × max |key|.
+tests/test_rope_schedules.py holds every schedule's round trip (strip, re-apply) to its bound
+against transformers' own rotation, in FP32 and BF16.
 """
 
 from __future__ import annotations

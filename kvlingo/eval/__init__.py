@@ -1,1 +1,1 @@
-"""Measuring a handoff: reply quality arms, native controls, timing and speed at real shapes, tasks, statistics."""
+"""Measuring a handoff: reply quality arms, native controls, item rows, tasks, statistics."""

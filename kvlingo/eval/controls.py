@@ -23,7 +23,7 @@ import torch
 
 from ..core.cache import handoff_split
 from ..core.handoff import as_ids, capture_source, continue_target, device_of, translate
-from ..core.headwise import Headwise
+from ..core.families.headwise import Headwise
 from ..core.kl import token_kl, top1_agreement
 from ..core.translator import Geometry
 from ..run.models import dtype_name
@@ -88,8 +88,8 @@ def split_execution_logits(model, context: torch.Tensor, new: torch.Tensor) -> t
 
 
 @torch.no_grad()
-def native_controls(model, prefix_ids, reply_ids, tol: Tolerances) -> dict:
-    """Both controls for one conversation: measured values, bounds and pass flags."""
+def native_controls(model, prefix_ids, reply_ids, tol: Tolerances, kind: str = "preallocated") -> dict:
+    """Both controls for one conversation (on caches of `kind`): measured values, bounds and pass flags."""
     device = device_of(model)
     dtype = next(model.parameters()).dtype
     context, new, _ = handoff_split(prefix_ids, reply_ids)
@@ -97,8 +97,8 @@ def native_controls(model, prefix_ids, reply_ids, tol: Tolerances) -> dict:
     ref = split_execution_logits(model, ctx, new_t)  # [new, vocab]
     ref_max = ref.float().abs().max().item()
 
-    cap = capture_source(model, ctx)
-    recon = continue_target(model, (cap.keys, cap.values), new_t).logits[0]
+    cap = capture_source(model, ctx, kind=kind)
+    recon = continue_target(model, (cap.keys, cap.values), new_t, kind).logits[0]
     recon_diff = _max_abs(recon, ref)
     recon_bound = tol.reconstruction_abs + tol.reconstruction_rel * ref_max
 
@@ -106,7 +106,7 @@ def native_controls(model, prefix_ids, reply_ids, tol: Tolerances) -> dict:
     keys, values = translate(model, identity, out_dtype=dtype, cap=cap)
     key_diff = _max_abs(keys, cap.keys)
     key_bound = tol.identity_key_rel * cap.keys.float().abs().max().item()
-    ident = continue_target(model, (keys, values), new_t).logits[0]
+    ident = continue_target(model, (keys, values), new_t, kind).logits[0]
     ident_diff = _max_abs(ident, ref)
     ident_bound = tol.identity_logit_abs + tol.identity_logit_rel * ref_max
     kl = token_kl(ref, ident).mean().item()

@@ -6,11 +6,13 @@ everything that produced it (the *input hash*: prompt, model identities, transla
 generation settings). Each line carries `_sha256`, the hash of its own canonical content.
 
 Why append-only with per-line checksums rather than rewriting the file per row: a row is
-one `write` plus `fsync`, so the cost stays linear in the number of items. A kill during
-that write can leave at most a torn *last* line; opening the log for a resume drops that
-line by rewriting the intact lines atomically (`report.atomic_write_text`) before anything
-is appended, so a torn line can never end up in the middle. A damaged line that is not
-the last one cannot come from a kill and is refused.
+one `write` plus `fsync`, so the cost stays linear in the number of items. A write the
+disk refuses (full, read-only) is cut back to the previous end and refused in one line
+(`io.WriteRefused`), so it leaves no partial line. A kill during that write can leave at
+most a torn *last* line; opening the log for a resume drops that line (saying so) by
+rewriting the intact lines atomically (`io.atomic_write_text`) before anything is
+appended, so a torn line can never end up in the middle. A damaged line that is not the
+last one cannot come from a kill and is refused.
 
 Resume rules:
 - a fresh run (resume=False) replaces any old log with a new header;
@@ -25,18 +27,20 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..io import atomic_write_text, sha256_json, to_jsonable
+from ..errors import Refusal
+from ..io import atomic_write_text, sha256_json, to_jsonable, write_all, write_refusal
 from ..run.resume import check as check_identity
 
 CHECKSUM = "_sha256"
 
 
-class RowsError(ValueError):
+class RowsError(Refusal, ValueError):
     """A rows file that cannot be trusted (damaged before its last line, or no header)."""
 
 
@@ -108,6 +112,8 @@ class ItemRows:
             if good_bytes != self.path.stat().st_size:
                 # Drop the torn tail before appending, so it can never sit between two rows.
                 self.dropped_torn_line = True
+                print(f"note: {self.path}: its last line was cut short (the run was killed while writing it); "
+                      "dropped, and that item is answered again", file=sys.stderr)
                 atomic_write_text(self.path, "".join(_line(r) for r in [header, *rows]))
         else:
             header = {"kind": "header", "settings": self.settings, "settings_sha256": sha256_json(self.settings),
@@ -153,10 +159,21 @@ class ItemRows:
 
     def _write(self, row: dict[str, Any]) -> dict[str, Any]:
         line = _line(row)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        data = line.encode("utf-8")
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        except OSError as e:
+            raise write_refusal(self.path, e, len(data)) or e from None
+        try:
+            end = os.fstat(fd).st_size
+            try:
+                write_all(fd, data)
+                os.fsync(fd)
+            except OSError as e:  # a full disk may take part of the line: cut it off, so no torn line is left
+                os.ftruncate(fd, end)
+                raise write_refusal(self.path, e, len(data)) or e from None
+        finally:
+            os.close(fd)
         stored = json.loads(line)
         stored.pop(CHECKSUM)
         self.rows[stored["key"]] = stored

@@ -95,10 +95,10 @@ def score_logits(ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor)
 @torch.no_grad()
 def score_conversation(source, target, translators: dict[str, Translator], control_translator: str | None,
                        conv: dict, control_context: Sequence[int], out_dtype: torch.dtype,
-                       refresh=None) -> dict[str, dict]:
+                       refresh=None, kind: str = "preallocated") -> dict[str, dict]:
     """Per-arm sums for one conversation. Arms whose maps are absent from `translators` are left out;
     the control arm runs when `control_translator` names one of them. A `refresh` (kvlingo.core.refresh)
-    applies to every translated cache, the control's included."""
+    applies to every translated cache, the control's included; every arm builds caches of `kind`."""
     device = device_of(target)
     context, new, targets = handoff_split(conv["prefix_ids"], conv["reply_ids"])
     new_t, tgt = as_ids(new, device), torch.as_tensor(targets, device=device)
@@ -106,20 +106,21 @@ def score_conversation(source, target, translators: dict[str, Translator], contr
         raise ValueError(f"the control context has {len(control_context)} tokens, not the {len(context)} of the "
                          "context it stands in for (see control_contexts)")
 
-    own_t = capture_source(target, context)
-    ref = continue_target(target, (own_t.keys, own_t.values), new_t).logits[0]  # [reply tokens, vocab]
+    own_t = capture_source(target, context, kind=kind)
+    ref = continue_target(target, (own_t.keys, own_t.values), new_t, kind).logits[0]  # [reply tokens, vocab]
     del own_t
-    src = capture_source(source, context, translators.values())
+    src = capture_source(source, context, translators.values(), kind)
     arms = {"native_target": score_logits(ref, ref, tgt)}
-    arms["native_source"] = score_logits(ref, continue_target(source, (src.keys, src.values), new_t).logits[0], tgt)
+    arms["native_source"] = score_logits(ref, continue_target(source, (src.keys, src.values), new_t, kind).logits[0],
+                                         tgt)
     for name, translator in translators.items():
-        kv = translate(source, translator, context, out_dtype, cap=src, refresh=refresh, target=target)
-        arms[name] = score_logits(ref, continue_target(target, kv, new_t).logits[0], tgt)
+        kv = translate(source, translator, context, out_dtype, cap=src, refresh=refresh, target=target, kind=kind)
+        arms[name] = score_logits(ref, continue_target(target, kv, new_t, kind).logits[0], tgt)
     del src
     if control_translator is not None:
         kv = translate(source, translators[control_translator], control_context, out_dtype, refresh=refresh,
-                       target=target)
-        arms["control"] = score_logits(ref, continue_target(target, kv, new_t).logits[0], tgt)
+                       target=target, kind=kind)
+        arms["control"] = score_logits(ref, continue_target(target, kv, new_t, kind).logits[0], tgt)
     no_ctx = target(input_ids=new_t, use_cache=False).logits[0]
     arms["no_context"] = score_logits(ref, no_ctx, tgt)
     for a in arms.values():

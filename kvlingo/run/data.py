@@ -86,6 +86,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 from ..io import (DamagedFile, atomic_write_jsonl, not_ours, read_json, read_jsonl, remove_stale_temps, sha256_bytes,
                   sha256_file, sha256_json, sha256_tree, to_jsonable)
+from ..errors import Refusal
 from . import models
 from .models import tokenizer_digest
 from .profiles import Profile
@@ -174,7 +175,7 @@ class PrepareResults:
     METRICS = (Metric("examples.train.natural.kept", True, "training conversations written (natural variant)"),)
 
 
-class SplitIntegrityError(ValueError):
+class SplitIntegrityError(Refusal, ValueError):
     """A prepared file is missing or differs from the hash its manifest recorded."""
 
 
@@ -632,7 +633,7 @@ def data_code_hash() -> str:
 def _up_to_date(data_dir: Path, identity: dict) -> tuple[bool, str]:
     """(up to date, why not): the folder's manifest must vouch for intact files made from this identity."""
     if not (data_dir / MANIFEST).is_file():
-        return False, "no manifest"
+        return False, "first build" if not data_dir.exists() else "its manifest is missing"
     try:
         manifest = verify_split(data_dir)
     except (SplitIntegrityError, DamagedFile) as e:
@@ -742,28 +743,31 @@ def prepare(
         raise ValueError(f"the source yields no usable conversations ({row_counts['read']} rows read, skipped by "
                          f"reason: {row_counts['skipped'] or 'none'}){kept}. Check --source (Nemotron chat format)")
     staging = data_dir.with_name(f".{data_dir.name}.building-{os.getpid()}")
-    examples: dict[str, Any] = {}
-    files: dict[str, str] = {}
-    for split in SPLITS:
-        for variant in VARIANTS:
-            built, counts = build_variant(tok, pools[split], cfg, split, variant, progress=progress)
-            target = split_path(staging, split, variant)
-            atomic_write_jsonl(target, built)
-            files[target.name] = sha256_file(target)
-            examples[f"{split}.{variant}"] = _variant_summary(built, counts, cfg.requested(split, variant))
-    empty = [name for name, e in examples.items() if e["requested"] and not e["kept"]
-             and name.endswith(".natural")]
-    if empty:
-        shutil.rmtree(staging, ignore_errors=True)
-        kept = f"; the existing set in {data_dir} is kept" if data_dir.exists() else ""
-        raise ValueError(f"the source yields no examples for {', '.join(empty)} ({row_counts['unique']} usable "
-                         f"conversations){kept}. Use a larger source or a smaller profile")
+    try:
+        examples: dict[str, Any] = {}
+        files: dict[str, str] = {}
+        for split in SPLITS:
+            for variant in VARIANTS:
+                built, counts = build_variant(tok, pools[split], cfg, split, variant, progress=progress)
+                target = split_path(staging, split, variant)
+                atomic_write_jsonl(target, built)
+                files[target.name] = sha256_file(target)
+                examples[f"{split}.{variant}"] = _variant_summary(built, counts, cfg.requested(split, variant))
+        empty = [name for name, e in examples.items() if e["requested"] and not e["kept"]
+                 and name.endswith(".natural")]
+        if empty:
+            kept = f"; the existing set in {data_dir} is kept" if data_dir.exists() else ""
+            raise ValueError(f"the source yields no examples for {', '.join(empty)} ({row_counts['unique']} usable "
+                             f"conversations){kept}. Use a larger source or a smaller profile")
 
-    manifest = Report(
-        "prepare", config=cfg, inputs={"source": src, "tokenizer": tok_info, "code_sha256": code},
-        results=PrepareResults(rows=row_counts, examples=examples, identity=identity),
-        n_samples={name: e["kept"] for name, e in examples.items()}, seeds={"seed": seed},
-        wall_time_s=time.time() - t0, resume_key=resume_key(identity), files=files, metrics=PrepareResults.METRICS,
-    ).write(staging / MANIFEST)
-    _swap_in(staging, data_dir)
+        manifest = Report(
+            "prepare", config=cfg, inputs={"source": src, "tokenizer": tok_info, "code_sha256": code},
+            results=PrepareResults(rows=row_counts, examples=examples, identity=identity),
+            n_samples={name: e["kept"] for name, e in examples.items()}, seeds={"seed": seed},
+            wall_time_s=time.time() - t0, resume_key=resume_key(identity), files=files, metrics=PrepareResults.METRICS,
+        ).write(staging / MANIFEST)
+    except BaseException:  # a refusal (a full disk), an error or an interrupt: no staging folder is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _swap_in(staging, data_dir)  # once staging is complete, a kill here leaves it for the next run (_clear_leftovers)
     return PrepareResult(manifest, True, reason)

@@ -25,6 +25,7 @@ import torch
 
 from ..core.arch import MODEL_TYPES
 from ..core.rope import schedule_refusal
+from ..errors import Refusal
 
 # Pinned Hub revisions (commit shas). Beyond the default pair, each is the snapshot folder
 # (models--ORG--NAME/snapshots/<sha>) that several independent public projects load the model from.
@@ -44,7 +45,7 @@ COMMIT = re.compile(r"[0-9a-f]{40}")
 DIRECTIONS = ("l2s", "s2l")  # l2s: large builds the cache, small continues
 
 
-class PairError(ValueError):
+class PairError(Refusal, ValueError):
     """A source/target pair (or an input) the adapter cannot serve."""
 
 
@@ -309,8 +310,8 @@ def check_pair(src_cfg, tgt_cfg, src_tok=None, tgt_tok=None) -> None:
 class PairConfig:
     """A pair as every stage config records it: resolved values only, never "auto"."""
 
-    large: str  # larger model as given: Hub id[@rev] or local folder
-    small: str  # smaller model as given
+    large: str  # larger model: Hub id[@rev] as given, or a local folder as its absolute path (`as_named`)
+    small: str  # smaller model, the same way
     direction: str  # l2s: large builds the cache, small continues; s2l the reverse
     device: str  # resolved device (cuda, mps or cpu)
     dtype: str  # model dtype name (bfloat16, float32, float16)
@@ -319,6 +320,7 @@ class PairConfig:
     tokenizer_sha256: str  # tokenizer_digest of the shared tokenizer (vocab, merges, special ids)
     chat_template_sha256: str  # sha256 of the target tokenizer's chat template text
     geometry: dict  # cache shapes on both sides (kvlingo.core.translator.Geometry as a dict)
+    cache: str = "preallocated"  # the KV cache every handoff builds: preallocated or dynamic (core.cache.CACHE_KINDS)
 
     def specs(self) -> tuple[ModelSpec, ModelSpec]:
         """(source, target) specs at the commits this pair resolved to (for Hub ids given without one)."""
@@ -328,6 +330,12 @@ class PairConfig:
 
     def identities(self) -> dict[str, Any]:
         return {"source": self.source, "target": self.target}
+
+
+def as_named(model: str) -> str:
+    """A model argument as a setting records it: a local folder by its resolved absolute path (so the same folder
+    named relatively or absolutely is one setting), a Hub id[@rev] as given."""
+    return str(Path(model).resolve()) if Path(model).exists() else model
 
 
 def load_config(spec: ModelSpec):
@@ -340,7 +348,7 @@ def load_config(spec: ModelSpec):
 
 
 def resolve_pair(large: str, small: str, direction: str = "l2s", device: str = "auto",
-                 dtype: str = "bfloat16") -> tuple[PairConfig, Any]:
+                 dtype: str = "bfloat16", cache: str = "preallocated") -> tuple[PairConfig, Any]:
     """Check a pair from its configs and tokenizers alone (no weights), and resolve it.
 
     Returns (PairConfig, the target's tokenizer). Raises PairError before any weights load.
@@ -356,11 +364,11 @@ def resolve_pair(large: str, small: str, direction: str = "l2s", device: str = "
     from ..core.translator import Geometry
     from ..io import sha256_json
 
-    cfg = PairConfig(large=large, small=small, direction=direction, device=device, dtype=dtype_name(dt),
+    cfg = PairConfig(large=as_named(large), small=as_named(small), direction=direction, device=device, dtype=dtype_name(dt),
                      source=src_spec.identity(), target=tgt_spec.identity(),
                      tokenizer_sha256=tokenizer_digest(tgt_tok),
                      chat_template_sha256=sha256_json(getattr(tgt_tok, "chat_template", None)),
-                     geometry=asdict(Geometry.of(src_cfg, tgt_cfg)))
+                     geometry=asdict(Geometry.of(src_cfg, tgt_cfg)), cache=cache)
     return cfg, tgt_tok
 
 
@@ -384,6 +392,11 @@ class Pair:
     @property
     def dtype(self) -> torch.dtype:
         return resolve_dtype(self.config.dtype)
+
+    @property
+    def cache(self) -> str:
+        """The KV cache kind every handoff of this pair builds."""
+        return self.config.cache
 
     @property
     def source_spec(self) -> ModelSpec:
@@ -416,12 +429,13 @@ def add_pair_args(parser, default_dtype: str = "bfloat16") -> None:
 
 
 def pair_config_from_args(args, refresh: Sequence[Any] = ()) -> tuple[PairConfig, Any]:
-    """`resolve_pair` of the --large/--small/--direction/--device/--dtype flags. A stage's --refresh setting, and
+    """`resolve_pair` of the --large/--small/--direction/--device/--dtype (and --cache) flags. A stage's --refresh setting, and
     any other `refresh` settings (the frontier's grid), are checked against the target's depth here, before
     any work."""
     from ..core.refresh import Refresh
 
-    cfg, tok = resolve_pair(args.large, args.small, args.direction, args.device, args.dtype)
+    cfg, tok = resolve_pair(args.large, args.small, args.direction, args.device, args.dtype,
+                            getattr(args, "cache", "preallocated"))
     for setting in (getattr(args, "refresh", None), *refresh):
         if setting is not None:
             Refresh.parse(str(setting)).check_layers(cfg.geometry["target_layers"])

@@ -13,11 +13,15 @@ A run nested in another (the recipe's cells) is just a longer run name, `RUN/cel
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterable
 
-from .refusal import RunRefused
+from ..core.folder import MANIFEST_FILE
+from ..errors import RunRefused
+from ..io import mib
 
 TRANSLATORS = ("closed_form", "distilled")  # the translator folders a training run writes
 
@@ -57,7 +61,7 @@ class RunPaths:
 
     def translators(self, kinds=TRANSLATORS) -> tuple[dict[str, Path], list[str]]:
         """({kind: folder} of the complete translators among `kinds`, [kinds that are missing])."""
-        found = {k: self.translator(k) for k in kinds if (self.translator(k) / "manifest.json").is_file()}
+        found = {k: self.translator(k) for k in kinds if (self.translator(k) / MANIFEST_FILE).is_file()}
         return found, [k for k in kinds if k not in found]
 
     @property
@@ -86,6 +90,68 @@ def writable(folder: str | Path, flag: str) -> Path:
     except OSError as e:
         raise RunRefused(f"cannot write to {folder} ({e.strerror or e}); give {flag} a folder you can write to") from None
     return folder
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """The nearest folder at or above `path` that exists (where its missing folders would be made)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_outputs(files: Iterable[str | Path] = (), folders: Iterable[str | Path] = (), flag: str = "--results",
+                  need_bytes: int = 0) -> None:
+    """Refuse (RunRefused, one line naming the path and `flag`, the flag that chose it) outputs a stage could
+    not write, before any model loads and without making anything: a file path that is a folder, a folder
+    path (or a file's folder) that is a file, a folder that cannot be written (read-only, no permission:
+    checked by making and removing a file in the nearest existing folder), or, given `need_bytes` (what
+    the stage will write there, where it is known), too little free space."""
+    files, folders = [Path(f) for f in files], [Path(f) for f in folders]
+    for f in files:
+        if f.is_dir():
+            raise RunRefused(f"{f} is a folder, but the stage writes a file there: remove it (rmdir {f}) or give "
+                             f"{flag} or --run another name")
+    for d in folders + [f.parent for f in files]:
+        above = next((p for p in [d, *d.parents] if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise RunRefused(f"{above} is a file, but the stage writes into a folder there: move it away or give "
+                             f"{flag} another folder")
+    roots = {_existing_ancestor(d) for d in folders + [f.parent for f in files]}
+    for root in sorted(roots):
+        try:
+            with tempfile.NamedTemporaryFile(dir=root, prefix=".write-check-"):
+                pass
+        except OSError as e:
+            raise RunRefused(f"cannot write to {root} ({e.strerror or e}); give {flag} a folder you can write "
+                             "to") from None
+    if need_bytes > 0:
+        for root in sorted(roots):
+            free = shutil.disk_usage(root).free
+            if free < need_bytes:
+                raise RunRefused(f"{root} has {mib(free)} free, but this stage writes about {mib(need_bytes)} "
+                                 f"there; free some space or give {flag} a folder on a larger disk")
+
+
+# The Makefile's defaults for the pair variables: PROFILE=demo runs on the toy world on the CPU.
+MAKE_DEFAULTS = {"demo": {"LARGE": "artifacts/toy/large", "SMALL": "artifacts/toy/small", "DIRECTION": "l2s",
+                          "DEVICE": "cpu", "DTYPE": "float32"},
+                 None: {"LARGE": "Qwen/Qwen3-1.7B", "SMALL": "Qwen/Qwen3-0.6B", "DIRECTION": "l2s", "DEVICE": "auto",
+                        "DTYPE": "bfloat16"}}
+
+
+def make_command(targets: str, run: str, profile: str | None, pair: Any = None) -> str:
+    """`make TARGETS PROFILE=… RUN=…` as a stage suggests it to the user: with the pair's models (LARGE, SMALL) and
+    whichever of DIRECTION, DEVICE and DTYPE differ from the Makefile's defaults for the profile, so that it runs
+    as given. `pair` is a PairConfig or its dict in a report (None: the profile's defaults)."""
+    words = [f"make {targets}", *([f"PROFILE={profile}"] if profile else []), f"RUN={run}"]
+    if pair is not None:
+        get = pair.get if isinstance(pair, dict) else lambda k: getattr(pair, k)
+        defaults = MAKE_DEFAULTS.get(profile, MAKE_DEFAULTS[None])
+        given = {"LARGE": get("large"), "SMALL": get("small"), "DIRECTION": get("direction"),
+                 "DEVICE": str(get("device")).split(":")[0], "DTYPE": get("dtype")}
+        words += [f"{k}={v}" for k, v in given.items() if k in ("LARGE", "SMALL") or v != defaults[k]]
+    return " ".join(words)
 
 
 def add_run_args(parser, required: bool = False) -> None:

@@ -33,7 +33,7 @@ class Profile:
     lr_grid_size: int  # learning rates in the recipe's first grid (half-decade spaced)
     recipe_seeds: tuple[int, ...]  # seeds trained at the chosen learning rate
     lr: tuple[float, float] = (1e-4, 1e-3)  # AdamW learning rate for (l2s, s2l)
-    # translator family trained by default for (l2s, s2l) (kvlingo.core.translator.FAMILIES), and its flags
+    # translator family trained by default for (l2s, s2l) (kvlingo.core.families), and its flags
     # (k, rank, pairing, base, hidden, as train --family takes them)
     family: tuple[str, str] = ("headwise", "headwise")
     family_args: tuple[dict, dict] = ({}, {})

@@ -10,7 +10,6 @@ finished stage.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import subprocess
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import Failure, Refusal
 from ..io import (ROOT, DamagedFile, atomic_write_json, atomic_write_jsonl, atomic_write_text, read_json, sha256_file,
                   sha256_json, to_jsonable)
 
@@ -65,11 +65,9 @@ def huge_pages(setting: str | os.PathLike = THP_SETTING) -> dict[str, Any]:
     return {"torch_allocator": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1", "kernel": kernel}
 
 
-def environment(device: str | None = None, dtype: str | None = None) -> dict[str, Any]:
+def environment(device: str | None = None, dtype: str | None = None, cache: str | None = None) -> dict[str, Any]:
     import torch
     import transformers
-
-    from ..core.cache import default_kind
 
     env: dict[str, Any] = {
         **git_state(),
@@ -81,7 +79,7 @@ def environment(device: str | None = None, dtype: str | None = None) -> dict[str
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "huge_pages": huge_pages(),
-        "cache": default_kind(),  # the KV cache kind its handoffs built (a stage's --cache)
+        "cache": cache,  # the KV cache kind its handoffs built (its pair config's, --cache; None without a pair)
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),  # data-parallel ranks (torchrun)
     }
     if device and device.startswith("cuda") and torch.cuda.is_available():
@@ -113,7 +111,7 @@ class Report:
             "config": to_jsonable(self.config),
             "config_sha256": sha256_json(self.config),
             "inputs": to_jsonable(self.inputs),
-            "env": environment(self.device, self.dtype),
+            "env": environment(self.device, self.dtype, getattr(getattr(self.config, "pair", None), "cache", None)),
             "seeds": to_jsonable(self.seeds),
             "n_samples": to_jsonable(self.n_samples),
             "wall_time_s": self.wall_time_s,
@@ -153,16 +151,19 @@ def publish(report: Report, path: str | os.PathLike, rows: list | None = None, m
     if echo:
         print(f"wrote {path}")
     if checks is not None and not checks["passed"]:
-        raise SystemExit(f"{report.stage} checks failed: " + "; ".join(checks["failed"]))
+        raise Failure("checks failed: " + "; ".join(checks["failed"]))
     return data
 
 
-class ReportError(ValueError):
+class ReportError(Refusal, ValueError):
     """A report that cannot be read, or is of another stage (one of the stages' refusals)."""
 
 
 def read_report(path: str | os.PathLike, stage: str | None = None) -> dict[str, Any]:
     """A report from disk, refusing one of another stage. ReportError names the file, the problem and the fix."""
+    if Path(path).is_dir():
+        raise ReportError(f"{path} is a folder, not a report: remove it (rmdir {path}) and rerun the stage that "
+                          "writes it")
     try:
         data = read_json(path)
     except DamagedFile as e:
@@ -175,24 +176,26 @@ def read_report(path: str | os.PathLike, stage: str | None = None) -> dict[str, 
     return data
 
 
-def results_of(cls, data: dict[str, Any]):
-    """A stage's results dataclass rebuilt from a report's `results` (unknown keys are refused)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    extra = set(data) - names
-    if extra:
-        raise ValueError(f"{cls.__name__} has no fields {sorted(extra)}; the report was written by other code")
-    return cls(**data)
-
-
 # --------------------------------------------------------------------------- formatting
-def figure_png(fig) -> bytes:
-    """A matplotlib figure as PNG bytes (then closed), ready for `atomic_write_bytes`."""
+def figure(figsize: tuple[float, float] = (6.5, 4.2), ncols: int = 1):
+    """(fig, axes) of a new matplotlib figure drawn off-screen (the Agg backend); `figure_png` writes and closes it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=figsize)
+
+
+def figure_png(fig, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> bytes:
+    """A matplotlib figure as PNG bytes (then closed), ready for `atomic_write_bytes`; its axes are laid out
+    inside `rect` (a figure legend or caption goes outside it)."""
     import io
 
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
     return buf.getvalue()
@@ -229,27 +232,3 @@ def fmt_pm(stat: Any, scale: float = 1.0, fmt: str = ".4g", se_fmt: str | None =
     if not isinstance(se, (int, float)) or se != se:
         return f"{mean:{fmt}}"
     return f"{mean:{fmt}} ± {scale * se:{se_fmt or fmt}}"
-
-
-def fmt_line_plot(series: dict[str, tuple[list[float], list[float]]], *, xlabel: str, ylabel: str, title: str,
-                  logx: bool = False, logy: bool = False, marker: str = "o") -> bytes:
-    """PNG of named (x, y) series on one axis: the suite's curves (KL against updates, time against length)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for label, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker=marker, label=label, lw=1)
-    if logx:
-        ax.set_xscale("log", base=2 if all(float(x).is_integer() for s in series.values() for x in s[0]) else 10)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    return figure_png(fig)
-

@@ -2,7 +2,8 @@
 
 A stage's identity is everything its outputs depend on:
 
-    {"settings": the stage's config (the pair config nested in it),
+    {"settings": the stage's config (the pair config nested in it, with the KV cache kind its
+                 handoffs build: the two kinds run different code on the handoff's path),
      "inputs":   {name: sha256 or {path, sha256, ...}} of every file it reads,
      "pair":     the source and target identities (Hub id + revision, or a weights digest),
      "code":     `code_hash` of the stage script and the kvlingo modules it imports}
@@ -25,12 +26,13 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..errors import Refusal
 from ..io import ROOT, sha256_json, sha256_tree, to_jsonable
 
 PACKAGE = "kvlingo"
 
 
-class ResumeRefused(ValueError):
+class ResumeRefused(Refusal, ValueError):
     """A resume (or an up-to-date check) against outputs made from other settings, inputs, models or code."""
 
 
@@ -100,11 +102,8 @@ def code_hash(*scripts: str | os.PathLike) -> str:
 
 # --------------------------------------------------------------------------- identity and key
 def identity(settings: Any, inputs: dict[str, Any], pair: Any, code: str) -> dict[str, Any]:
-    """What a stage's result depends on; the KV cache kind this process builds (a stage's --cache) among it,
-    since the two kinds run different code on the handoff's path."""
-    from ..core.cache import default_kind
-
-    return to_jsonable({"settings": settings, "cache": default_kind(), "inputs": inputs, "pair": pair, "code": code})
+    """What a stage's result depends on."""
+    return to_jsonable({"settings": settings, "inputs": inputs, "pair": pair, "code": code})
 
 
 def resume_key(ident: dict[str, Any]) -> str:
@@ -112,8 +111,9 @@ def resume_key(ident: dict[str, Any]) -> str:
 
 
 def finished(report_path: str | os.PathLike, key: str) -> dict[str, Any] | None:
-    """The report at `report_path` when it was made under resume key `key` and its checks passed (up to date),
-    else None: also for a report that does not parse or was edited out of shape (it is made again)."""
+    """The report at `report_path` when it was made under resume key `key`, its checks passed and the files it
+    lists beside itself (rows, figures) still hold what it recorded (up to date), else None: also for a report
+    that does not parse or was edited out of shape (it is made again)."""
     from ..io import read_json
 
     try:
@@ -122,8 +122,51 @@ def finished(report_path: str | os.PathLike, key: str) -> dict[str, Any] | None:
         return None
     if not isinstance(old, dict) or old.get("resume_key") != key:
         return None
+    changed = changed_files(report_path, old)
+    if changed:
+        print(f"{changed}: made again")
+        return None
     checks = old.get("results", {}).get("checks") if isinstance(old.get("results"), dict) else None
     return old if isinstance(checks, dict) and checks.get("passed") is True else None
+
+
+def changed_files(report_path: str | os.PathLike, report: dict[str, Any]) -> str | None:
+    """Which file a report lists beside itself (`files`: name → sha256) is missing or no longer holds what it
+    recorded, in words, or None when all are as recorded."""
+    from ..io import sha256_file
+
+    files = report.get("files")
+    for name, sha in (files.items() if isinstance(files, dict) else []):
+        path = Path(report_path).with_name(str(name))
+        if not path.is_file():
+            return f"{path}, which {Path(report_path).name} lists, is missing"
+        if sha256_file(path) != sha:
+            return f"{path} changed since {Path(report_path).name} recorded it"
+    return None
+
+
+def up_to_date(report_path: str | os.PathLike, key: str) -> dict[str, Any] | None:
+    """The report at `report_path` when it was made under resume key `key`, none of its checks or its gate
+    failed, and every file it lists beside itself (`files`: name → sha256) is there unchanged; else None,
+    also for a report that does not parse (the stage runs again). A stage's own outputs elsewhere (maps) are
+    its to check."""
+    from ..io import read_json, sha256_file
+
+    try:
+        old = read_json(report_path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(old, dict) or old.get("resume_key") != key:
+        return None
+    results = old.get("results") if isinstance(old.get("results"), dict) else {}
+    if any(isinstance(v, dict) and v.get("passed") is False for v in (results.get("checks"), results.get("gate"))):
+        return None
+    files = old.get("files") if isinstance(old.get("files"), dict) else {}
+    for name, sha in files.items():
+        path = Path(report_path).parent / name
+        if not path.is_file() or sha256_file(path) != sha:
+            return None
+    return old
 
 
 def _short(v: Any) -> str:

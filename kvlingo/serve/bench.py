@@ -141,12 +141,12 @@ def switch_table(rows: list[dict[str, Any]]) -> str:
 
 # --------------------------------------------------------------------------- random-weight fixtures at real shapes
 def random_model_folder(name: str, out: Path, tokenizer_dir: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
-    """A model folder of preset `name`'s exact shape (kvlingo.eval.shapes) with random weights, saved with the
+    """A model folder of preset `name`'s exact shape (kvlingo.bench.shapes) with random weights, saved with the
     tokenizer of `tokenizer_dir` (its ids are a subset of the model's vocabulary). Kept when complete."""
     from transformers import AutoTokenizer
 
     from ..run.models import resolve_dtype
-    from ..toy.random import random_model
+    from ..bench.random_pair import random_model
 
     out = Path(out)
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
@@ -162,16 +162,22 @@ def random_model_folder(name: str, out: Path, tokenizer_dir: Path, dtype: str = 
 def random_export(large: Path, small: Path, out: Path, direction: str = "l2s", family: str = "crosshead",
                   key_space: str = "cache", dtype: str = "bfloat16", seed: int = 0) -> Path:
     """An exported translator of `family` with random maps N(0, 0.02) for the pair of folders, without evidence
-    (the gate refuses it: a timing-only run must waive it). Kept when complete."""
+    (the gate refuses it: a timing-only run must waive it). Kept while it reads back as these settings."""
     import torch
 
-    from ..core.translator import build, state_bytes
-    from ..run.export import CONFIG_FILE, export_config, write_export
+    from ..core.folder import build, state_bytes
+    from ..core.translator import TranslatorError
+    from ..run.exported import CONFIG_FILE, export_config, read_export, write_export
     from ..run.models import resolve_pair
 
     out = Path(out)
     if (out / CONFIG_FILE).is_file():
-        return out
+        try:
+            config, _, _ = read_export(out)
+            if (config.get("family"), config.get("key_space"), config.get("direction")) == (family, key_space, direction):
+                return out
+        except TranslatorError:  # damaged, edited or of an older format: made again
+            pass
     pair, _ = resolve_pair(str(large), str(small), direction, "cpu", dtype)
     maps = build({"family": family, "key_space": key_space, "settings": {}, "geometry": pair.geometry})
     gen = torch.Generator().manual_seed(seed)

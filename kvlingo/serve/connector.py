@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from . import paged
-from ..core.translator import PRECISIONS
+from ..core.engine import PRECISIONS
 from .contract import Contract, Refused, ServedModel, SourceModel
 from .store import STORE
 
@@ -68,7 +68,7 @@ def engine_args(export: str | None = None, *, source: str = "engine", allow_unpr
     """The `LLM(...)` / `vllm serve` settings of an engine with this connector: prefix caching off (see the
     module docstring), a failed load recomputed rather than failing the request, and the connector's own
     settings (`export`: the translator folder this engine's loads use; None: it only saves and reuses its own
-    exact caches; `precision`: the translation's, `kvlingo.core.translator.PRECISIONS`, None: FP32 maths as
+    exact caches; `precision`: the translation's, `kvlingo.core.engine.PRECISIONS`, None: FP32 maths as
     `kvlingo.Relay` translates; "fast" takes the maps' matmuls in a BF16 engine's dtype)."""
     extra = {"export": export, "source": source, "allow_unproven": allow_unproven, "save": save,
              "whole_blocks": whole_blocks, "min_tokens": min_tokens, "precision": precision, "log_file": log_file}

@@ -38,13 +38,15 @@ from ..core.cache import Capture
 from ..core.keyspace import KeySpace
 from ..core.refresh import Refresh, RefreshError
 from ..core.rope import apply_rope_into
-from ..core.translator import (Geometry, Translator, TranslatorError, load_state, read_manifest, same_model)
+from ..core.folder import load_state, read_manifest, same_model
+from ..core.translator import Geometry, Translator, TranslatorError
+from ..errors import Refusal
 from ..run.evidence import Gate, Verdict, judge
-from ..run.export import CONFIG_FILE, read_export
+from ..run.exported import CONFIG_FILE, read_export
 from ..run.models import ModelSpec, PairError, pair_specs, tokenizer_digest
 
 
-class Refused(Exception):
+class Refused(Refusal):
     """A reason, in one line, to serve a request with an ordinary prefill instead of a translation."""
 
 

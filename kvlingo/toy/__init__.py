@@ -1,4 +1,5 @@
-"""The offline toy world (a fixture, apart from the core): procedural corpus, tokenizer, toy Qwen3 pair, random pairs.
+"""The offline toy world (a fixture, apart from the core): procedural corpus, tokenizer, the toy Qwen3 pair and the
+deep model.
 
-No stage of a real run imports this package, so editing it never changes a real run's code hash.
+Only toy_world.py and the tests import this package, so editing it never changes a real run's code hash.
 """

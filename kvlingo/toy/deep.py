@@ -32,8 +32,8 @@ neither packaged model's, which is what the deep pairs are for.
 task_eval.py scores the native path (`results.toy_arc`), and the exact-reply scores beside the
 pair's. The packaged pair's files are untouched.
 
-Training runs in FP32 on one thread (bf16 autocast is a large speedup only on CPUs with
-AVX-512 BF16; without it BF16 matmuls are ~20× slower), for a fixed step count, so a seed gives
+Training runs in FP32 on one thread (bf16 autocast is a speedup only on CPUs with AVX-512
+BF16; without it BF16 matmuls are far slower), for a fixed step count, so a seed gives
 the same weights on one machine (the defaults: 8,000 + 4,000 steps, about an hour of one core).
 The weights are rounded to BF16 before scoring and stored in BF16 shards of at most 4 MB, like
 the pair's.

@@ -23,10 +23,9 @@ Training puts the loss on assistant tokens only (every assistant turn of a conve
 final reply included): on this data that is what makes the recall skill form within minutes.
 The number of optimiser steps is fixed before training from a minutes budget and a measured
 throughput constant, never by wall-clock stopping, so a seed gives the same weights each run.
-Training and scoring run on one CPU thread: on a 2-core machine shared with other jobs, two
-OpenMP threads spend most of their time waiting for each other at the barriers of these tiny
-ops (measured for the large model: 0.6 s/step on one thread, 1.3-7.9 s/step on two), and one
-thread also makes the weights independent of the machine's core count.
+Training and scoring run on one CPU thread: on a machine shared with other jobs, two OpenMP
+threads spend most of their time waiting for each other at the barriers of these tiny ops, and
+one thread also makes the weights independent of the machine's core count.
 
 Exact-reply accuracy is scored by teacher forcing: greedy decoding reproduces a reference reply
 exactly iff the argmax at every reply position is the reference token, so one batched forward

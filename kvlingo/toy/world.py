@@ -15,7 +15,7 @@ here is built so that its final reply depends on the prefix. Four kinds of item:
 Each item exists as a *context* variant (the facts or rule sit in earlier turns, so dropping them
 must break the reply) and an *inline* variant (everything in the final user turn, the shape of
 the IFEval/ARC/GSM8K evaluation files). ARC and GSM8K questions are asked in exactly the user
-turn that task_eval.py renders for a real ARC/GSM8K row (`kvlingo.tasks.arc_item`/`gsm8k_item`),
+turn that task_eval.py renders for a real ARC/GSM8K row (`kvlingo.eval.tasks.prompts.arc_item`/`gsm8k_item`),
 and their replies end with the "Answer: X" line that prompt asks for, so the toy pair is scored
 by the real evaluation code without a toy-specific format. Every assistant reply is a deterministic function of the
 conversation, so "exact reply" is a well-defined score.

@@ -14,12 +14,13 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import Refusal
 from ..io import atomic_write_bytes, atomic_write_text, sha256_bytes
 
 CHECKPOINT_FORMAT = 2
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Refusal, ValueError):
     """No intact checkpoint to resume from."""
 
 

@@ -33,14 +33,14 @@ import torch
 from ..core.cache import capture
 from ..core.fit import NormalEquations
 from ..core.handoff import as_ids
-from ..core.translator import Translator
+from ..core.translator import LinearFamily
 from .distributed import SINGLE, World
 from .ranking import rank_layers
 from .weighting import FIT_WEIGHTINGS, attention_fit_weights, capture_with_queries, scored_attention
 
 
-def normal_equations(source, target, translator: Translator, rows: list[dict], weighting: str = "uniform",
-                     progress: Callable | None = None) -> NormalEquations:
+def normal_equations(source, target, translator: LinearFamily, rows: list[dict], weighting: str = "uniform",
+                     progress: Callable | None = None, kind: str = "preallocated") -> NormalEquations:
     """The FP64 normal equations of `translator`'s least-squares blocks over all of `rows` (not yet solved).
 
     This is one rank's part of the fit: data-parallel callers pass their share of the rows and
@@ -50,27 +50,27 @@ def normal_equations(source, target, translator: Translator, rows: list[dict], w
         raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
     ne = _equations(translator, source)
     for row in (progress(rows) if progress else rows):
-        _accumulate(ne, source, target, translator, row, weighting)
+        _accumulate(ne, source, target, translator, row, weighting, kind)
     return ne
 
 
-def fit_closed_form(source, target, translator: Translator, rows: list[dict], weighting: str = "uniform",
+def fit_closed_form(source, target, translator: LinearFamily, rows: list[dict], weighting: str = "uniform",
                     ridge: float | str = 0.0, progress: Callable | None = None, held_out_every: int = 5,
-                    world: World = SINGLE) -> dict[str, Any]:
+                    world: World = SINGLE, kind: str = "preallocated") -> dict[str, Any]:
     """FP64 least squares of `translator` (bound to source/target) over `rows`, solved into its parameters.
 
     `ridge` is λ, or "auto" (chosen per block on held-out conversations). With a distributed
     `world`, this rank reads its share of `rows` and the ranks' sums are added before every solve.
-    Returns the fit's statistics.
+    The captures are prefills on caches of `kind`. Returns the fit's statistics.
     """
     if weighting not in FIT_WEIGHTINGS:
         raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
-    if not translator.linear:
+    if not isinstance(translator, LinearFamily):
         raise ValueError(f"the {translator.family} family has no closed form")
     stats: dict[str, Any] = {"n_conversations": len(rows), "family": translator.family,
                              "key_space": translator.key_space, "weighting": weighting, "ridge": ridge}
     if translator.needs_plan:
-        ranked = rank_layers(source, target, translator, rows, held_out_every, progress, world)
+        ranked = rank_layers(source, target, translator, rows, held_out_every, progress, world, kind)
         translator.set_plan(ranked.pop("plan"))
         stats["layer_ranking"] = {**ranked, "plan": translator.plan.tolist()}
     auto = ridge == "auto"
@@ -81,7 +81,7 @@ def fit_closed_form(source, target, translator: Translator, rows: list[dict], we
     mine = [(i, row) for i, row in enumerate(rows) if i % world.size == world.rank]
     for i, row in (progress(mine) if progress else mine):
         part = int(auto and i % held_out_every == held_out_every - 1)
-        _accumulate(parts[part], source, target, translator, row, weighting)
+        _accumulate(parts[part], source, target, translator, row, weighting, kind)
     for part in parts:
         if part is not None:
             world.sum_normal_equations(part)
@@ -95,27 +95,28 @@ def fit_closed_form(source, target, translator: Translator, rows: list[dict], we
     return stats
 
 
-def _equations(translator: Translator, source) -> NormalEquations:
+def _equations(translator: LinearFamily, source) -> NormalEquations:
     L, B, d_in, d_out = translator.fit_blocks()
     device = next(source.parameters()).device
     return NormalEquations(L, B, d_in, d_out, device="cuda" if device.type == "cuda" else "cpu")
 
 
-def _accumulate(ne: NormalEquations, source, target, translator: Translator, row: dict, weighting: str) -> None:
+def _accumulate(ne: NormalEquations, source, target, translator: LinearFamily, row: dict, weighting: str,
+                kind: str) -> None:
     """Add one conversation's tokens (source design, target features, weights) to `ne`."""
     device = next(source.parameters()).device
     space, prenorm = translator.space, translator.needs_prenorm
     prefix, reply = row["prefix_ids"], row["reply_ids"]
     ids = as_ids(prefix + reply, device)  # [1, tokens]
     with torch.no_grad():
-        src = capture(source, ids, want_prenorm=prenorm, logits_to_keep=1)
+        src = capture(source, ids, want_prenorm=prenorm, logits_to_keep=1, kind=kind)
         if weighting == "attention":
             n_ctx = len(prefix) - 1  # handoff_split: the cache holds prefix[:-1], the target scores from prefix[-1]
-            tgt, queries = capture_with_queries(target, ids, prenorm, q_start=n_ctx, n_q=len(reply))
+            tgt, queries = capture_with_queries(target, ids, prenorm, q_start=n_ctx, n_q=len(reply), kind=kind)
             attn = scored_attention(target, tgt.keys, queries, n_ctx, n_ctx, space.target_rope)
             weights = attention_fit_weights(attn, ids.shape[1])  # [layers, kv_heads, tokens]
         else:
-            tgt, weights = capture(target, ids, want_prenorm=prenorm, logits_to_keep=1), None
+            tgt, weights = capture(target, ids, want_prenorm=prenorm, logits_to_keep=1, kind=kind), None
         w = translator.block_weights(weights)
         ne.update(0, translator.design(0, src), translator.block_targets(space.target_keys(tgt)), w)
         ne.update(1, translator.design(1, src), translator.block_targets(tgt.values), w)

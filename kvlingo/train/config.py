@@ -32,14 +32,16 @@ def resolve_family(profile, direction: str, family: str | None, flags: dict) -> 
     return name, family_settings(name, **({**default_args, **flags} if family is None else flags))
 
 
-# Settings that decide only when things are measured or written, never the translator: a resume may change them.
-RESUME_SAFE = ("settings.val_every", "settings.checkpoint_every")
+# Settings that decide only when checkpoints are written, never the translator or a reported figure: a resume may
+# change them, and the report records each stretch of updates with the value it ran under (results.segments).
+# val_every is not among them: it decides where the validation curve was measured.
+RESUME_SAFE = ("settings.checkpoint_every",)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     profile: str  # run profile name (data budget, updates, batch)
-    family: str  # translator family (kvlingo.core.translator.FAMILIES)
+    family: str  # translator family (kvlingo.core.families)
     family_settings: dict = field(default_factory=dict)  # the family's own settings (k, rank, base family ...)
     key_space: str = "prenorm"  # prenorm or cache: what the key maps read and write (kvlingo.core.keyspace)
     fit_weighting: str = "uniform"  # uniform, or attention: context positions weighted by the target's reply-time attention
@@ -52,7 +54,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW decoupled weight decay; 0 so that the maps are not pulled toward zero, away from the fit
     max_grad_norm: float = 1.0  # clip of the translator's gradient norm per update; 0 turns it off
     val_every: int = 1  # validation KL every N updates (and at the end)
-    checkpoint_every: int = 1  # checkpoint every N updates (and at the end)
+    checkpoint_every: int = 1  # checkpoint every N updates (and at the end); a resume may change it (RESUME_SAFE)
     seed: int = 42  # data order and every RNG
     pair: PairConfig | None = None  # the resolved pair: models, direction, device, dtype, tokenizer digest
 
@@ -71,6 +73,7 @@ class TrainResults:
     fit: dict | None  # closed-form fit statistics
     frozen_weights: dict  # fingerprints before/after of both frozen models
     resumed_from_update: int | None
+    segments: list  # [{"from_update", "checkpoint_every", "world_size"}]: how each stretch of updates ran
     wall_time_s_total: float  # across resumed segments
     translator: dict  # family, parameter count, FLOPs per token
     artifacts: dict  # translator folders, their maps sha256, checkpoints, plot

@@ -49,7 +49,7 @@ def attention_outputs(model, last: int, into: list):
 
 
 def distill_loss(source, target, translator: Translator, row: dict, dtype: torch.dtype,
-                 aux_weight: float = 0.0) -> torch.Tensor:
+                 aux_weight: float = 0.0, kind: str = "preallocated") -> torch.Tensor:
     """Mean over reply tokens of KL(native target || target on the translated cache), plus the weighted
     attention-output term when aux_weight > 0; FP32 scalar with grad."""
     context, new, _ = handoff_split(row["prefix_ids"], row["reply_ids"])
@@ -58,9 +58,9 @@ def distill_loss(source, target, translator: Translator, row: dict, dtype: torch
         # The native arm reads the real prefix and the reply; its last len(new) positions predict the reply.
         native = target(input_ids=as_ids(context + new, device_of(target)), use_cache=False,
                         logits_to_keep=len(new)).logits[0]
-    kv = translate(source, translator, context, dtype)  # [layers, kv_heads, context, head_dim] each, differentiable
+    kv = translate(source, translator, context, dtype, kind=kind)  # [layers, kv_heads, context, head_dim], differentiable
     with attention_outputs(target, len(new), ours_attn) if aux_weight else nullcontext():
-        out = continue_target(target, kv, new)
+        out = continue_target(target, kv, new, kind)
     loss = token_kl(native, out.logits[0]).mean()  # [new] → scalar
     if aux_weight:
         rel = [(a.float() - b.float()).pow(2).sum() / b.float().pow(2).sum().clamp_min(1e-12)
@@ -70,14 +70,15 @@ def distill_loss(source, target, translator: Translator, row: dict, dtype: torch
 
 
 def distill_step(source, target, translator: Translator, rows: list[dict], optimizer, dtype: torch.dtype,
-                 max_grad_norm: float = 0.0, world: World = SINGLE, aux_weight: float = 0.0) -> float:
+                 max_grad_norm: float = 0.0, world: World = SINGLE, aux_weight: float = 0.0,
+                 kind: str = "preallocated") -> float:
     """One optimiser update over the batch `rows` (gradient accumulation); returns the batch's mean loss.
 
     With a distributed `world`, this rank runs its share of `rows` and the gradients are summed over the ranks."""
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for row in world.share(rows):
-        loss = distill_loss(source, target, translator, row, dtype, aux_weight) / len(rows)
+        loss = distill_loss(source, target, translator, row, dtype, aux_weight, kind) / len(rows)
         loss.backward()
         total += loss.item()
     world.sum_grads(translator)
@@ -89,11 +90,12 @@ def distill_step(source, target, translator: Translator, rows: list[dict], optim
 
 
 def validation_kl(source, target, translator: Translator, rows: list[dict], dtype: torch.dtype,
-                  progress: Callable | None = None, world: World = SINGLE) -> float:
+                  progress: Callable | None = None, world: World = SINGLE, kind: str = "preallocated") -> float:
     """Mean over conversations of the per-conversation mean reply-token KL. Leaves every RNG as it found it."""
     mine = world.share(rows)
     with preserved_rng(), torch.no_grad():
-        kls = [distill_loss(source, target, translator, r, dtype).item() for r in (progress(mine) if progress else mine)]
+        kls = [distill_loss(source, target, translator, r, dtype, kind=kind).item()
+               for r in (progress(mine) if progress else mine)]
     return world.sum_float(sum(kls)) / len(rows)
 
 

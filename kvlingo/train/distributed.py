@@ -1,7 +1,9 @@
 """Data-parallel training under torchrun: ranks, the process group, and the few collectives training needs.
 
-`torchrun --nproc-per-node N train_translator.py ...` starts N processes with RANK, LOCAL_RANK and
-WORLD_SIZE in their environment. Without them (or with WORLD_SIZE 1) training is one process and
+`torchrun --nproc-per-node N train_translator.py -- FLAGS` starts N processes with RANK, LOCAL_RANK and
+WORLD_SIZE in their environment. The `--` keeps torchrun's parser off the stage's flags: it matches
+every option-like argument against abbreviations of its own options, and `--run` abbreviates its
+`--run-path`; the stage drops that `--` (`script_args`). Without them (or with WORLD_SIZE 1) training is one process and
 every method here is a no-op. NCCL joins CUDA ranks (rank r on cuda:LOCAL_RANK), gloo joins CPU ranks.
 
 The split is exact, not an approximation: the global batch and the data order are a single
@@ -25,7 +27,7 @@ from typing import Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..run.refusal import RunRefused
+from ..errors import RunRefused
 
 T = TypeVar("T")
 
@@ -99,6 +101,19 @@ class World:
 
 
 SINGLE = World()  # one process: no collective, every row is this process's
+
+
+def script_args(argv: Sequence[str] | None = None) -> list[str]:
+    """A stage's own arguments (`sys.argv[1:]` when None), less a leading `--` that kept torchrun's parser off
+    them (some Python versions pass it on to the script, others drop it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return argv[1:] if argv[:1] == ["--"] else argv
+
+
+def torchrun_command(torchrun: str, nproc: int, argv: Sequence[str]) -> list[str]:
+    """torchrun's command line for stage `argv` (script, flags) on `nproc` ranks of this machine: the flags
+    after `--`, so torchrun's parser cannot take one for its own."""
+    return [torchrun, "--standalone", "--nproc-per-node", str(nproc), argv[0], "--", *argv[1:]]
 
 
 def env_world_size() -> int:

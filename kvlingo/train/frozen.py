@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import Failure
 from ..run.models import weights_fingerprint
 
 
-class FrozenWeightsChanged(RuntimeError):
+class FrozenWeightsChanged(Failure, RuntimeError):
     """A frozen model's weights changed during training."""
 
 

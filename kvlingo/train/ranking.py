@@ -64,7 +64,7 @@ class LayerStats:
 
 
 def rank_layers(source, target, translator, rows: list[dict], held_out_every: int = 5,
-                progress: Callable | None = None, world=None) -> dict:
+                progress: Callable | None = None, world=None, kind: str = "preallocated") -> dict:
     """Rank source layers per target layer by held-out R²; returns {"plan": [2, L_t, k], "r2": [2, L_s, L_t], ...}.
 
     With a distributed `world` (kvlingo.train.distributed), each rank reads every N-th conversation and
@@ -82,8 +82,8 @@ def rank_layers(source, target, translator, rows: list[dict], held_out_every: in
     for i, row in (progress(mine) if progress else mine):
         ids = as_ids(row["prefix_ids"] + row["reply_ids"], device)
         with torch.no_grad():
-            src = capture(source, ids, want_prenorm=translator.needs_prenorm, logits_to_keep=1)
-            tgt = capture(target, ids, want_prenorm=translator.needs_prenorm, logits_to_keep=1)
+            src = capture(source, ids, want_prenorm=translator.needs_prenorm, logits_to_keep=1, kind=kind)
+            tgt = capture(target, ids, want_prenorm=translator.needs_prenorm, logits_to_keep=1, kind=kind)
             part = int(i % held_out_every == held_out_every - 1)
             for which, (x, y) in enumerate(((space.source_keys(src), space.target_keys(tgt)),
                                             (src.values.float(), tgt.values.float()))):

@@ -29,8 +29,8 @@ from ..core.rope import RopeCache, apply_rope
 FIT_WEIGHTINGS = ("uniform", "attention")
 
 
-def capture_with_queries(model, ids: torch.Tensor, want_prenorm: bool, q_start: int, n_q: int
-                         ) -> tuple[Capture, torch.Tensor]:
+def capture_with_queries(model, ids: torch.Tensor, want_prenorm: bool, q_start: int, n_q: int,
+                         kind: str = "preallocated") -> tuple[Capture, torch.Tensor]:
     """`cache.capture` plus each layer's pre-RoPE queries (post q_norm where the family has one) at
     positions q_start..q_start+n_q-1.
 
@@ -43,7 +43,7 @@ def capture_with_queries(model, ids: torch.Tensor, want_prenorm: bool, q_start: 
         lambda _m, _i, out: rows.append(out[0, q_start:q_start + n_q].reshape(n_q, -1, d)))
         for layer in model.model.layers]
     try:
-        cap = capture(model, ids, want_prenorm=want_prenorm, logits_to_keep=1)
+        cap = capture(model, ids, want_prenorm=want_prenorm, logits_to_keep=1, kind=kind)
     finally:
         for h in hooks:
             h.remove()

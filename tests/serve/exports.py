@@ -18,7 +18,8 @@ def export_run(root: Path, run: str, large: Path, small: Path, train: list[dict]
     the export folder (its gate verdict is whatever the figures say)."""
     import benchmark
     import export
-    from kvlingo.core.translator import Geometry, build, save_translator
+    from kvlingo.core.folder import build, save_translator
+    from kvlingo.core.translator import Geometry
     from kvlingo.run.models import load_pair, resolve_pair
     from kvlingo.train.closed_form import fit_closed_form
 

@@ -64,7 +64,7 @@ def generate(path: str, pair, translator, prompt_ids: Sequence[int], max_new_tok
     """Greedy answer of one path (see the module docstring) to a prompt of token ids.
 
     `other_ids` is the control's stand-in prefix (another item's); `translator` (and `refresh`,
-    kvlingo.core.refresh) are used by the translated and control paths only.
+    kvlingo.core.refresh) are used by the translated and control paths only. Caches are the pair's kind.
     """
     if path not in PATHS:
         raise ValueError(f"unknown answering path {path!r}; one of {PATHS}")
@@ -77,11 +77,12 @@ def generate(path: str, pair, translator, prompt_ids: Sequence[int], max_new_tok
         cached = prompt_ids if path == "translated" else list(other_ids or [])
         if len(cached) < 2:
             raise ValueError(f"the {path} path needs a prefix of at least 2 tokens to hand over")
-        kv = translate(pair.source, translator, cached[:-1], pair.dtype, refresh=refresh, target=pair.target)
+        kv = translate(pair.source, translator, cached[:-1], pair.dtype, refresh=refresh, target=pair.target,
+                       kind=pair.cache)
         start = prompt_ids[-1:]
     elif path == "no_context":
         start = prompt_ids[-1:]
-    ids, hit = greedy_generate(model, start, kv, max_new_tokens=max_new_tokens, eos_ids=eos)
+    ids, hit = greedy_generate(model, start, kv, max_new_tokens=max_new_tokens, eos_ids=eos, kind=pair.cache)
     return Generated(ids, hit, time.perf_counter() - t0)
 
 
@@ -93,12 +94,13 @@ class Trace:
     seconds: float
 
 
-def reasoning_trace(model, tok, prompt_ids: Sequence[int], trace_tokens: int, eos: set[int]) -> Trace:
-    """Greedy reasoning inside a think block, closed by us; see the module docstring."""
+def reasoning_trace(model, tok, prompt_ids: Sequence[int], trace_tokens: int, eos: set[int],
+                    kind: str = "preallocated") -> Trace:
+    """Greedy reasoning inside a think block (on a cache of `kind`), closed by us; see the module docstring."""
     close = tok.convert_tokens_to_ids(THINK_CLOSE)
     start = list(prompt_ids) + plain_ids(tok, THINK_OPEN + "\n")
     t0 = time.perf_counter()
-    ids, hit = greedy_generate(model, start, None, max_new_tokens=trace_tokens, eos_ids=set(eos) | {close})
+    ids, hit = greedy_generate(model, start, None, max_new_tokens=trace_tokens, eos_ids=set(eos) | {close}, kind=kind)
     return Trace(trace_prefix(tok, prompt_ids, ids, hit), ids, hit, time.perf_counter() - t0)
 
 

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ...errors import Refusal
 from ..stats import mean_se
 
 PUNKT_LANGUAGE = "english"
@@ -55,7 +56,7 @@ PUNKT_REFERENCE = (
 )
 
 
-class PunktMissing(RuntimeError):
+class PunktMissing(Refusal, RuntimeError):
     """nltk's punkt_tab (English) is not on nltk's data path."""
 
 

@@ -39,8 +39,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import RunRefused
 from ..run.argtypes import number, whole
-from ..run.refusal import RunRefused
 
 GIB = 1024 ** 3
 RESERVE = {"cuda": 1.0 * GIB, "mps": 1.0 * GIB, "cpu": 1.0 * GIB}  # runtime outside the tensors, per process
@@ -324,64 +324,3 @@ def before_training(pair_cfg, translator, cfg, profile, world, args, say=print) 
                      dtype_bytes=resolve_dtype(pair_cfg.dtype).itemsize, device_kind=pair_cfg.device.split(":")[0],
                      nproc=world.size, local_rank=world.local_rank, memory_limit_gib=args.memory_limit_gib,
                      assume_tflops=args.assume_tflops, memory_check=not args.no_memory_check, say=say)
-
-
-# --------------------------------------------------------------------------- for a planned run
-def main(argv=None) -> Estimate:
-    """`python -m kvlingo.train.estimate`: the estimate for a device you do not have at hand."""
-    import argparse
-
-    from dataclasses import asdict
-
-    from ..core.translator import FAMILIES, Geometry, build
-    from ..eval.shapes import QWEN3_ARCH
-    from ..run.models import LARGE_ID, SMALL_ID, ModelSpec, pair_specs, resolve_device, resolve_dtype
-    from ..run.profiles import PROFILES, get_profile
-    from .config import resolve_family
-
-    p = argparse.ArgumentParser(description="Estimated peak memory per rank and time per update of distillation.",
-                                epilog="examples:\n  python -m kvlingo.train.estimate --profile paper-budget --gpu H100 "
-                                "--nproc 8\n  python -m kvlingo.train.estimate --profile pilot --device cpu",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", default="paper-budget", choices=sorted(PROFILES), help="run profile (caps, batch, updates)")
-    p.add_argument("--large", default=LARGE_ID, help="larger model: a Hub id with known shapes, or a local folder")
-    p.add_argument("--small", default=SMALL_ID, help="smaller model, the same way")
-    p.add_argument("--direction", choices=("l2s", "s2l"), default="l2s", help="which model builds the cache")
-    p.add_argument("--dtype", default="bfloat16", help="model dtype")
-    p.add_argument("--family", choices=sorted(FAMILIES), default=None,
-                   help="translator family at its default settings (default: the profile's for the direction, with its flags)")
-    p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="translator key space")
-    p.add_argument("--batch", type=whole(1), default=None, help="conversations per update (default: the profile's)")
-    p.add_argument("--nproc", type=whole(1), default=1, help="data-parallel ranks (torchrun --nproc-per-node)")
-    p.add_argument("--device", default="auto", help="cuda, mps, cpu or auto (this machine's)")
-    p.add_argument("--gpu", default=None, help=f"a planned CUDA GPU by name ({', '.join(DEVICES)}) instead of this machine's")
-    add_estimate_args(p)
-    args = p.parse_args(argv)
-
-    def shape(name: str) -> Shape:
-        spec = ModelSpec.parse(name)
-        if spec.name_or_path in QWEN3_ARCH:
-            return Shape.of(QWEN3_ARCH[spec.name_or_path])
-        from ..run.models import load_config
-
-        return Shape.of(load_config(spec))
-
-    src_spec, tgt_spec = pair_specs(args.direction, ModelSpec.parse(args.large), ModelSpec.parse(args.small))
-    source, target = shape(src_spec.name_or_path), shape(tgt_spec.name_or_path)
-    geometry = Geometry(source.layers, source.kv_heads, source.head_dim, target.layers, target.kv_heads, target.head_dim)
-    profile = get_profile(args.profile)
-    family, settings = resolve_family(profile, args.direction, args.family, {})
-    translator = build({"family": family, "key_space": args.key_space, "geometry": asdict(geometry),
-                        "settings": settings})
-    return check_run(source, target, translator, profile=profile, batch=args.batch or profile.batch,
-                     updates=profile.updates, val_every=profile.val_every, n_validation=profile.n_validation,
-                     dtype_bytes=resolve_dtype(args.dtype).itemsize,
-                     device_kind="cuda" if args.gpu else resolve_device(args.device).split(":")[0],
-                     nproc=args.nproc, memory_limit_gib=args.memory_limit_gib, assume_tflops=args.assume_tflops,
-                     device_name=args.gpu, memory_check=not args.no_memory_check)
-
-
-if __name__ == "__main__":
-    from ..run.stage import refusals_exit
-
-    refusals_exit("estimate")(main)()

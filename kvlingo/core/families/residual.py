@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import Capture
-from .translator import FAMILIES, Geometry, Translator, TranslatorError, family
+from ..cache import Capture
+from ..translator import FAMILIES, Geometry, LinearFamily, TranslatorError, family
 
 
 @family
-class Residual(Translator):
+class Residual(LinearFamily):
     family = "residual"
 
     def __init__(self, geometry: Geometry, key_space: str = "prenorm", base: dict | None = None, hidden: int = 64,
@@ -34,7 +34,7 @@ class Residual(Translator):
             raise TranslatorError(f"the residual family needs a linear base family, not {base.get('family')!r}; "
                                   "pass --base headwise, crosshead or crosslayer")
         self.base = FAMILIES[base["family"]].from_spec(geometry, key_space, base.get("settings", {}))
-        if not self.base.linear:
+        if not isinstance(self.base, LinearFamily):
             raise TranslatorError(f"the residual family's base must have a closed form; {base['family']} has none")
         self.hidden, self.init_seed = hidden, init_seed
         L, d = geometry.target_layers, geometry.target_head_dim

@@ -6,9 +6,10 @@
     config.json       written last, so its presence marks a complete export: the translator's spec
                       (family, key space, settings, geometry), its direction, the pair (ids with
                       revisions or local weights digests, tokenizer digest, the dtype it was measured
-                      in), its training provenance, and the sha256 of maps.safetensors and evidence.json
+                      in), its training provenance, the sha256 of maps.safetensors and evidence.json,
+                      and its own content hash over all of that (an edit of any field is refused)
 
-config.json carries every field the one loader (`core.translator.load_translator`) reads from a
+config.json carries every field the one loader (`core.folder.load_translator`) reads from a
 manifest, so an exported folder loads through it unchanged. A re-export first removes config.json:
 a folder caught half-written is never taken for a complete one.
 """
@@ -19,18 +20,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..core.translator import MANIFEST_FILE, MAPS_FILE, TranslatorError, read_manifest, same_model
+from ..core.folder import CONTENT_HASH, MANIFEST_FILE, MAPS_FILE, read_manifest, same_model, seal_problem, sealed
+from ..core.translator import TranslatorError
 from ..io import (DamagedFile, atomic_write_bytes, atomic_write_json, atomic_write_text, not_ours, read_json,
                   sha256_bytes, sha256_file)
 from .evidence import EvidenceError, Verdict, collect, judge
-from .paths import RunPaths
+from .paths import RunPaths, make_command
 from .report import fmt_pm, fmt_table, read_report
 
 CONFIG_FILE = "config.json"
 EVIDENCE_FILE = "evidence.json"
 CARD_FILE = "README.md"
 FORMAT = "kvlingo-translator"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: config.json is sealed by its content hash
 SPEC_KEYS = ("family", "key_space", "settings", "geometry", "n_params", "maps_sha256", "direction", "models")
 
 
@@ -47,28 +49,29 @@ def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> t
     if sha256_bytes(maps) != manifest["maps_sha256"]:
         raise EvidenceError(f"{folder / MAPS_FILE} changed while it was read; export again")
     bench_path, ifeval_path, train_path = (paths.report(name) for name in ("benchmark", "ifeval", "train"))
+    rerun = lambda target: make_command(target, paths.run, *run_settings(paths, manifest))  # noqa: E731
     found = None
     if not evidence:  # the pair from whichever report the run has
-        pair_from = next((p for p in (bench_path, train_path) if p.is_file()), None)
+        pair_from = next((p for p in (bench_path, train_path) if p.exists()), None)
         if pair_from is None:
             raise EvidenceError(f"neither {bench_path} nor {train_path} exists: the pair is read from the run's reports")
         pair = read_report(pair_from)["config"]["pair"]
-    elif not bench_path.is_file():
+    elif not bench_path.exists():
         raise EvidenceError(f"{bench_path} does not exist: a translator is exported with its benchmark figures; "
-                            f"run `make benchmark RUN={paths.run}` first (or export it unproven with --no-evidence)")
+                            f"run `{rerun('benchmark')}` first (or export it unproven with --no-evidence)")
     else:
         bench = read_report(bench_path, "benchmark")
         scored = bench["inputs"].get(kind, {}).get("manifest_sha256")
         if scored != manifest_sha:
             what = (f"another {kind} translator (manifest {scored[:12]}…, this one {manifest_sha[:12]}…)" if scored
                     else f"no {kind} translator")
-            raise EvidenceError(f"{bench_path} scored {what}; re-run `make benchmark RUN={paths.run}`")
+            raise EvidenceError(f"{bench_path} scored {what}; re-run `{rerun('benchmark')}`")
         ifeval = read_report(ifeval_path, "ifeval") if ifeval_path.is_file() else None
         if ifeval is not None:
             used = (ifeval["inputs"].get("translator") or {}).get("maps_sha256")
             if ifeval["config"].get("translator") != kind or used != manifest["maps_sha256"]:
                 raise EvidenceError(f"{ifeval_path} answered with other maps than {folder}; re-run "
-                                    f"`make ifeval RUN={paths.run}` (IFEval is part of the evidence when it exists)")
+                                    f"`{rerun('ifeval')}` (IFEval is part of the evidence when it exists)")
         found = collect(bench, kind, ifeval)
         pair = bench["config"]["pair"]
     refresh = found["refresh"] if found is not None else "none"
@@ -82,6 +85,21 @@ def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> t
     config = export_config(manifest, pair, {"run": paths.run, "translator": kind, "manifest_sha256": manifest_sha},
                            refresh)
     return maps, config, found
+
+
+def run_settings(paths: RunPaths, manifest: dict[str, Any]) -> tuple[str | None, dict | None]:
+    """(profile, pair) a run's stages ran with, for a command to suggest: from the translator's training config,
+    else from the first of the run's reports that records them; (None, None) when none does."""
+    candidates = [manifest.get("config")]
+    for name in ("train", "benchmark", "ifeval", "ifeval-native"):
+        try:
+            candidates.append(read_report(paths.report(name)).get("config") if paths.report(name).is_file() else None)
+        except ValueError:  # a damaged report names nothing
+            continue
+    for cfg in candidates:
+        if isinstance(cfg, dict) and cfg.get("profile") and isinstance(cfg.get("pair"), dict):
+            return cfg["profile"], cfg["pair"]
+    return None, None
 
 
 def export_config(manifest: dict[str, Any], pair: dict[str, Any], origin: dict[str, Any],
@@ -101,7 +119,7 @@ def export_config(manifest: dict[str, Any], pair: dict[str, Any], origin: dict[s
                  "geometry": pair["geometry"]},
         "refresh": refresh,  # what the target recomputes on top of the translation (kvlingo/core/refresh.py)
         "origin": origin,  # the run and translator folder it was exported from
-        "training": {k: v for k, v in manifest.items() if k not in SPEC_KEYS},
+        "training": {k: v for k, v in manifest.items() if k not in (*SPEC_KEYS, CONTENT_HASH)},
     }
 
 
@@ -138,7 +156,7 @@ def write_export(out: str | Path, maps: bytes, config: dict[str, Any], evidence:
     config = {**config, "maps_sha256": sha256_bytes(maps),
               "evidence_sha256": sha256_file(out / EVIDENCE_FILE) if evidence is not None else None}
     atomic_write_text(out / CARD_FILE, model_card(config, evidence, verdict))
-    atomic_write_json(out / CONFIG_FILE, config)
+    atomic_write_json(out / CONFIG_FILE, sealed(config))
     return verdict
 
 
@@ -164,6 +182,9 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any] | No
     if version > FORMAT_VERSION:
         raise TranslatorError(f"{folder} is export format {version}, newer than this kvlingo "
                               f"reads ({FORMAT_VERSION}); update kvlingo")
+    sealed_wrong = seal_problem(config)
+    if sealed_wrong:  # every field counts: the key space, the dtype and refresh the evidence was measured in, ...
+        raise TranslatorError(f"{folder / CONFIG_FILE}: {sealed_wrong}; export it again (make export RUN=...)")
     wrong = config_problems(config)
     if wrong:
         raise TranslatorError(f"{folder / CONFIG_FILE}: {'; '.join(wrong)}; the export is damaged or edited: export it "

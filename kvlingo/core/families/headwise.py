@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cache import Capture
-from .translator import Geometry, Translator, TranslatorError, family
+from ..cache import Capture
+from ..translator import Geometry, LinearFamily, TranslatorError, family
 
 
 @family
-class Headwise(Translator):
+class Headwise(LinearFamily):
     family = "headwise"
     fast_paths = True  # _affine casts its maps, and writes strided outputs through view + baddbmm(out=)
 
@@ -70,13 +70,11 @@ class Headwise(Translator):
 
     # ------------------------------------------------------------------ closed form
     def fit_blocks(self) -> tuple[int, int, int, int]:
-        """(layers, blocks per layer, d_in, d_out) of the least-squares blocks."""
         g = self.geometry
         return g.target_layers, g.target_kv_heads, g.source_head_dim, g.target_head_dim
 
     def design(self, which: int, cap: Capture) -> torch.Tensor:
-        """Regression inputs per block: [layers, heads, tokens, d_in]."""
-        return self.source(which, cap)
+        return self.source(which, cap)  # [layers, heads, tokens, d_in]: one block per head
 
     @staticmethod
     def block_targets(y: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,7 @@ def real_cost(setting: Setting, direction: str, toy_target_width: int) -> dict[s
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from ..eval.shapes import prefill_flops, real_pair_configs, real_settings, translator_at
+    from ..bench.shapes import prefill_flops, real_pair_configs, real_settings, translator_at
     from ..train.config import family_settings
 
     src_cfg, tgt_cfg = real_pair_configs(direction)

@@ -1,8 +1,12 @@
 """The recipe's cell ledger, `recipe-state.json`, shared by cells that run at the same time.
 
-One entry per cell: its key, status (running, done, failed), flags, inputs, report and the
-report's sha256 once done, how many times it was started, and where it last ran. The recipe's
-settings sit beside them, so a resume under other settings is refused.
+One entry per cell: its key, status (running, done, failed), flags, inputs, report, and once done
+the sha256 of the report and of every output it vouches for (declared maps, the rows and figures
+the report lists), how many times it was started, and where it last ran. A finished cell is
+skipped only while all of those hashes still match. The recipe's settings sit beside them, so a
+resume under other settings is refused. A run without --resume keeps the finished cells of a
+ledger made under the same settings (`reuse`): a cell whose key and hashes still match is up to
+date, any other runs afresh.
 
 Concurrent cells (threads of the local launcher, SLURM jobs on other nodes) each record their
 own entry. Every change is read → change one entry → atomic replace, under an exclusive
@@ -23,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..io import DamagedFile, atomic_write_json, read_json, sha256_file, to_jsonable
-from .resume import ResumeRefused, diff
+from ..run.resume import ResumeRefused, diff
 
 LEDGER_FILE = "recipe-state.json"
 LEDGER_FORMAT = 1
@@ -42,8 +46,20 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def outputs_sha256(report: str | os.PathLike, outputs) -> dict[str, str]:
+    """{path: sha256} of what a finished cell leaves beside its report: its declared outputs (maps) and the files
+    the report lists beside itself (`files`: rows, figures). A resume checks them all (`Ledger.check`)."""
+    paths = [Path(o) for o in outputs]
+    try:
+        listed = read_json(report).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    paths += [Path(report).with_name(str(n)) for n in (listed if isinstance(listed, dict) else {})]
+    return {str(p): sha256_file(p) for p in paths if p.is_file()}
+
+
 def entry_of(cell) -> dict[str, Any]:
-    """The ledger fields a cell (kvlingo.run.recipe.Cell) is recorded with when it starts."""
+    """The ledger fields a cell (kvlingo.drive.cells.Cell) is recorded with when it starts."""
     return {"stage": cell.stage, "key": cell.key, "flags": cell.flags, "extra": list(cell.extra),
             "inputs": cell.inputs, "report": str(cell.report), "outputs": list(cell.outputs)}
 
@@ -51,12 +67,15 @@ def entry_of(cell) -> dict[str, Any]:
 class Ledger:
     """recipe-state.json: the recipe's settings and one entry per cell, changed under a file lock."""
 
-    def __init__(self, path: str | os.PathLike, config: dict[str, Any], resume: bool):
+    def __init__(self, path: str | os.PathLike, config: dict[str, Any], resume: bool, reuse: bool = False):
         self.path = Path(path)
+        self.resume = resume
         config = to_jsonable(config)
         with file_lock(self.lock_path):
             old = None
-            if resume and self.path.is_file():
+            if reuse and not resume:
+                old = self._finished_cells(config)
+            elif resume and self.path.is_file():
                 try:
                     old = read_json(self.path)
                 except DamagedFile as e:
@@ -81,11 +100,25 @@ class Ledger:
             self.state.setdefault("invocations", []).append({"started_unix": time.time(), "resume": resume})
             atomic_write_json(self.path, self.state)
 
+    def _finished_cells(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """The ledger on disk with its finished cells only, when it is intact and was made under `config`;
+        else None (a fresh ledger)."""
+        try:
+            old = read_json(self.path) if self.path.is_file() else None
+        except DamagedFile:
+            return None
+        if not isinstance(old, dict) or old.get("format") != LEDGER_FORMAT or diff(old.get("config"), config) \
+                or not isinstance(old.get("cells"), dict):
+            return None
+        cells = {n: e for n, e in old["cells"].items()
+                 if isinstance(e, dict) and e.get("status") == "done" and {"key", "report"} <= set(e)}
+        return {**old, "cells": cells}
+
     @classmethod
     def attach(cls, path: str | os.PathLike) -> "Ledger":
         """The ledger a running recipe keeps, for a cell's job to record itself in (no settings check)."""
         self = cls.__new__(cls)
-        self.path = Path(path)
+        self.path, self.resume = Path(path), True
         self.refresh()
         return self
 
@@ -116,6 +149,8 @@ class Ledger:
         entry = self.cells.get(cell.name)
         if entry is None:
             return "run", "new"
+        if entry["key"] != cell.key and not self.resume:
+            return "run", "its inputs or settings changed since it finished"
         if entry["key"] != cell.key:
             changed = diff({"flags": entry.get("flags"), "extra": entry.get("extra"), "inputs": entry.get("inputs")},
                            {"flags": cell.flags, "extra": list(cell.extra), "inputs": cell.inputs})
@@ -129,9 +164,14 @@ class Ledger:
             return "run", f"its report {report} is missing"
         if sha256_file(report) != entry.get("report_sha256"):
             return "run", f"its report {report} changed since the cell finished"
-        missing = [o for o in cell.outputs if not Path(o).is_file()]
-        if missing:
-            return "run", f"its output {missing[0]} is missing"
+        recorded = entry.get("outputs_sha256")
+        if not isinstance(recorded, dict) or not set(map(str, cell.outputs)) <= set(recorded):
+            return "run", "the ledger records no hashes of its outputs"
+        for path, sha in recorded.items():
+            if not Path(path).is_file():
+                return "run", f"its output {path} is missing"
+            if sha256_file(path) != sha:
+                return "run", f"its output {path} changed since the cell finished"
         return "done", "finished with the same key"
 
     def start(self, name: str, entry: dict[str, Any], where: dict[str, Any] | None = None) -> None:
@@ -149,7 +189,7 @@ class Ledger:
     def finish(self, name: str, report: str | os.PathLike, wall_time_s: float) -> None:
         def update(old):
             new = {**old, "status": "done", "report_sha256": sha256_file(report), "finished_unix": time.time(),
-                   "wall_time_s": wall_time_s}
+                   "outputs_sha256": outputs_sha256(report, old.get("outputs", [])), "wall_time_s": wall_time_s}
             new.pop("error", None)
             return new
         self.change(name, update)

@@ -1,7 +1,7 @@
 """Real model shapes (architecture-exact configs) and FLOP counts at those shapes.
 
 Timing does not depend on weight values, so `make perf` measures speed at the real models'
-shapes with random weights (kvlingo.toy.random) without downloading anything. The values
+shapes with random weights (kvlingo.bench.random_pair) without downloading anything. The values
 below are the published config.json files of the pinned checkpoints
 (kvlingo.run.models.PINNED_REVISIONS); tests/test_arch.py checks each against its model
 card's parameter count. Llama 3.2 uses the llama3 RoPE schedule (factor 32 over 8,192
@@ -114,7 +114,8 @@ def translator_at(family: str, settings: dict, source_cfg, target_cfg, key_space
     carried over from a target of width `from_width` (kv_heads · head_dim) when given."""
     from dataclasses import asdict
 
-    from ..core.translator import Geometry, build
+    from ..core.folder import build
+    from ..core.translator import Geometry
 
     geometry = Geometry.of(source_cfg, target_cfg)
     width = geometry.target_kv_heads * geometry.target_head_dim

@@ -1,14 +1,16 @@
 """What the stage scripts share: the common flags, and refusals that end a run with one clear line.
 
-A refusal is an input the stage will not work on: a pair no translator can join, a resume
-against other settings, a translator or data folder made for something else. It is raised as
-one of `REFUSALS` before anything on disk is touched, and `refusals_exit` turns it into one
-line on stderr ("stage: why, and the fix") and exit status 2, never a traceback.
+A refusal (`kvlingo.errors.Refusal`) is an input the stage will not work on: a pair no translator
+can join, a resume against other settings, a translator or data folder made for something else.
+It is raised before anything on disk is touched; `refusals_exit` turns it, and a `Failure` after
+the work (checks or a gate that did not pass), into one line on stderr ("stage: why, and the fix")
+and the exit status the error carries (2 and 1), never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import fcntl
 import functools
 import os
@@ -16,57 +18,48 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..core.cache import CACHE_KINDS, set_default_kind
-from ..core.refresh import RefreshError
-from ..core.translator import TranslatorError
-from ..eval.itemrows import RowsError
-from ..eval.timing import CV_LIMIT
-from ..io import DamagedFile
-from ..train.checkpoints import CheckpointError
-from .argtypes import number, whole
-from .data import SplitIntegrityError
-from .models import PairError, add_pair_args
-from .paths import add_run_args
-from .profiles import PROFILES
-from .refusal import RunRefused
-from .report import ReportError
-from .resume import ResumeRefused
+from ..bench.timing import CV_LIMIT
+from ..core.cache import CACHE_KINDS
+from ..errors import Failure, Refusal, RunRefused
+from ..progress import quiet_in_logs
+from ..run.argtypes import number, whole
+from ..run.models import add_pair_args
+from ..run.paths import add_run_args
+from ..run.profiles import PROFILES
 
-REFUSALS = (PairError, ResumeRefused, TranslatorError, SplitIntegrityError, RowsError, RunRefused, DamagedFile,
-            ReportError, RefreshError, CheckpointError)
-REFUSED_STATUS = 2
 INTERRUPTED_STATUS = 130  # a stage ended by Ctrl-C exits with the shell's status for it (128 + SIGINT)
 
 
-def refuse(stage: str, message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank refuses alike; one line is enough
+def say(stage: str, message: str) -> None:
+    """One line on stderr, from one process: under torchrun every rank ends alike."""
+    if os.environ.get("RANK", "0") == "0":
         print(f"{stage}: {message}", file=sys.stderr)
-    raise SystemExit(REFUSED_STATUS)
 
 
 def refusals_exit(stage: str, resumable: bool = False) -> Callable:
-    """Decorator for a stage's main(): a refusal becomes one line and exit status 2, Ctrl-C one line
-    and status 130 (saying that --resume goes on, for a `resumable` stage), and the run locks the
+    """Decorator for a stage's main(): a `Refusal` (exit 2) or a `Failure` (exit 1) becomes one line, Ctrl-C one
+    line and status 130 (saying that --resume goes on, for a `resumable` stage), and the run locks the
     stage took (`lock_run`) are released when it returns or fails. A stage run inside another
-    (ablate's and frontier's cells) passes Ctrl-C on to the outer one, which stops as a whole."""
+    (ablate's and frontier's cells) passes Ctrl-C on to the outer one, which stops as a whole. Progress bars
+    are throttled when stderr is not a terminal (`kvlingo.progress`)."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def main(*args, **kwargs):
             global _depth
             held = len(_run_locks)
+            quiet_in_logs()  # a log (stderr not a terminal) gets a bar's line at most every 30 s, not every redraw
             _depth += 1
             try:
                 return fn(*args, **kwargs)
-            except REFUSALS as e:
-                refuse(stage, str(e))
+            except (Refusal, Failure) as e:
+                say(stage, str(e))
+                raise SystemExit(e.status) from None
             except KeyboardInterrupt:
                 if _depth > 1:  # an inner stage: the interrupt belongs to the stage that runs it
                     raise
-                if os.environ.get("RANK", "0") == "0":
-                    print(f"{stage}: interrupted; every file it wrote is whole (writes are atomic)"
-                          + ("; run the same command with --resume to go on from where it stopped" if resumable
-                             else ""), file=sys.stderr)
+                say(stage, "interrupted; every file it wrote is whole (writes are atomic)"
+                    + ("; run the same command with --resume to go on from where it stopped" if resumable else ""))
                 raise SystemExit(INTERRUPTED_STATUS) from None
             finally:
                 _depth -= 1
@@ -112,12 +105,49 @@ def lock_run(folder: str | Path, name: str, elsewhere: str = "--run", root_flag:
     _run_locks.append(handle)
 
 
+class StageParser(argparse.ArgumentParser):
+    """argparse as every stage uses it: a flag must be spelled out in full (argparse would take `--update 10` as
+    `--updates 10` and run), and a parse error is one line, "script: what is wrong (see script --help)", exit 2;
+    an unknown flag names the nearest real one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        self.unknown = list(extras)  # parse_args reports them through error(), as one joined string
+        return namespace, extras
+
+    def error(self, message: str):
+        unknown = getattr(self, "unknown", None)
+        if unknown and message.startswith(_UNRECOGNIZED):
+            message = unknown_flag(unknown, self)
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+_UNRECOGNIZED = argparse._("unrecognized arguments: %s").split("%s")[0]
+
+
+def unknown_flag(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """'no flag --update; did you mean --updates?' for the first token a parser did not take."""
+    flags = [t for t in extras if t.startswith("-")]
+    if not flags:
+        return f"unexpected argument {extras[0]!r}"
+    given = flags[0].split("=")[0]
+    options = sorted({o for a in parser._actions for o in a.option_strings if o.startswith("--")})
+    longer = [o for o in options if o.startswith(given)]
+    if longer:  # an abbreviation, which argparse would otherwise have expanded
+        return f"no flag {given} (flags are spelled out in full, never abbreviated); did you mean {' or '.join(longer)}?"
+    near = difflib.get_close_matches(given, options, n=1, cutoff=0.6)
+    return f"no flag {given}" + (f"; did you mean {near[0]}?" if near else "")
+
+
 def stage_parser(doc: str, examples: list[str], common: bool = False, data: bool = False) -> argparse.ArgumentParser:
-    """A stage's parser: the first paragraph of its docstring, `--help` ending with examples, and (with
-    `common`) the flags every stage shares (`add_common_args`)."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="examples:\n" + "".join(f"  {e}\n" for e in examples))
+    """A stage's parser (`StageParser`): the first paragraph of its docstring, `--help` ending with examples,
+    and (with `common`) the flags every stage shares (`add_common_args`)."""
+    parser = StageParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog="examples:\n" + "".join(f"  {e}\n" for e in examples))
     if common:
         add_common_args(parser, data)
     return parser
@@ -138,7 +168,7 @@ def check_passthrough(parser: argparse.ArgumentParser, tokens: Sequence[str], sc
     parser.exit = lambda status=0, message=None: fail(message or f"{script} would exit")
     _, unknown = parser.parse_known_args(list(tokens))
     if unknown:
-        fail(f"{script} has no flag {unknown[0]!r} (flags are spelled out in full)")
+        fail(f"{script}: {unknown_flag(unknown, parser)}")
 
 
 def add_timing_args(parser, warmups: str = "the profile's", repeats: str = "the profile's") -> None:
@@ -178,30 +208,22 @@ def add_task_data_args(parser) -> None:
     parser.add_argument("--resume", action="store_true", help="keep finished cells whose key matches; refuse changed ones")
 
 
-def generative_tasks(stage: str, args) -> tuple[str, ...]:
+def generative_tasks(args) -> tuple[str, ...]:
     """The tasks not skipped, each refused unless its prepared data exists (the message names how to prepare it)."""
     tasks = tuple(t for t in GENERATIVE_TASKS if t not in args.skip_tasks)
     for t in tasks:
         if not (Path(args.data_root) / t / "manifest.json").is_file():
             how = "ifeval.py --prepare" if t == "ifeval" else "task_eval.py --task gsm8k --prepare"
-            raise SystemExit(f"{stage}: no prepared {t} data under {args.data_root}/{t}: prepare it ({how}) "
-                             f"or pass --skip-tasks {t}")
+            raise Refusal(f"no prepared {t} data under {args.data_root}/{t}: prepare it ({how}) "
+                          f"or pass --skip-tasks {t}")
     return tasks
-
-
-class _CacheKind(argparse.Action):
-    """--cache: the KV cache every handoff in this process builds (kvlingo.core.cache.CACHE_KINDS)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        set_default_kind(values)
-        setattr(namespace, self.dest, values)
 
 
 def add_common_args(parser, data: bool = False, default_profile: str = "pilot") -> None:
     """--profile, the pair flags, the run-folder flags and --cache (and --data for stages that read prepared chats)."""
     parser.add_argument("--profile", default=default_profile, choices=sorted(PROFILES),
                         help=f"run profile: budgets and settings (default {default_profile})")
-    parser.add_argument("--cache", choices=CACHE_KINDS, default=CACHE_KINDS[0], action=_CacheKind,
+    parser.add_argument("--cache", choices=CACHE_KINDS, default=CACHE_KINDS[0],
                         help="preallocated: the translation writes the target's cache, no copies, attention without "
                              "repeated K/V; dynamic: transformers' DynamicCache and sdpa as shipped (default preallocated)")
     add_pair_args(parser)

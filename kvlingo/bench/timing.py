@@ -14,43 +14,80 @@ Each path runs in one of two modes (`MODES`), the same for every path, so baseli
 every optimisation the handoff gets:
 
     shipped    transformers' DynamicCache and sdpa attention as shipped, the translation in
-               FP32 maths, eager: a cache is built around the translator's output, and every
-               step concatenates the cache and repeats K/V for each query head
+               FP32 maths, eager
     optimised  a preallocated cache with room for the new turn, reserved once per context and
-               reused by every call (as a serving engine reserves its KV memory), which the
-               translation writes straight into; grouped-query attention without repeated K/V
-               (kvlingo.core.attention); on a CPU, the target's projections on weights packed
-               for oneDNN, a second copy held on the model (kvlingo.core.linear.pack),
-               and the translated keys' norm and RoPE as one compiled kernel (kvlingo.core.fused),
-               and, with head-wise maps, the values left deferred (only the keys are translated;
-               attention maps the source's values per query row: kvlingo.core.preallocated);
-               the maps' matmuls in the run dtype on CUDA (translator.fast_precision); on CUDA each path (and the translation and new turn apart)
-               replayed as a CUDA graph (`cuda_graphs`, kvlingo.core.graphs)
+               reused by every call, which the translation writes straight into; grouped-query
+               attention without repeated K/V (kvlingo.core.attention); with head-wise maps on a
+               CPU, the values left deferred (kvlingo.core.preallocated); the keys' norm and RoPE
+               compiled on a CPU and the maps' matmuls in the run dtype on CUDA (`fast_precision`);
+               on CUDA each path replayed as a CUDA graph (kvlingo.bench.graphs). On a CPU the
+               caller also packs the target's projections for oneDNN (`packing.packed`).
 
-The paths take models, a translator and token ids only, never data files, so the same code
-times real checkpoints and architecture-exact random models alike. Models must be built
-outside `torch.inference_mode` (CPU BF16 kernels run far slower for models built inside it);
-only the trials run inside it. Whatever "already exists" in a path (captures, the target's
-cache) is computed once, before any trial, so it stays out of the timed region.
+How the paths run is one `PathOptions`; how they are timed is one `Trials`. The paths take
+models, a translator and token ids only, so the same code times real checkpoints and
+architecture-exact random models alike. Models must be built outside `torch.inference_mode`
+(CPU BF16 kernels run far slower for models built inside it); only the trials run inside it.
+Whatever "already exists" in a path is computed once, before any trial.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..core import graphs, linear
-from ..core.cache import Capture, build_cache, default_kind, empty_cache, run_with_cache
+from ..core.cache import Capture, build_cache, empty_cache, run_with_cache
 from ..core.handoff import can_defer_values, device_of, prefill, refreshing, translate, translate_to_cache
-from ..core.translator import Translator, fast_precision
-from .stats import cv, median, ratio_of_medians_interval
+from ..core.translator import Translator
+from ..eval.stats import cv, median, ratio_of_medians_interval
+from . import graphs
 
 PATHS = ("target_reprefill", "source_cache_handoff", "source_prefill_handoff", "target_cache_continue")
 STAGES = ("translate", "build_cache", "new_turn")  # the pieces of source_cache_handoff, timed apart
 MODES = ("shipped", "optimised")
 CV_LIMIT = 0.10  # a timing whose trials vary more than this (SD / mean) is flagged as noisy
+
+
+@dataclass(frozen=True)
+class Trials:
+    """How a timing takes its trials."""
+
+    warmups: int = 5  # untimed calls of each path first
+    repeats: int = 30  # timed trials, at least
+    cv_limit: float = CV_LIMIT  # a timing whose CV exceeds this is flagged (and, under max_repeats, timed again)
+    max_repeats: int | None = None  # trials go on past `repeats` while the CV exceeds the limit, up to this many
+    max_seconds: float | None = None  # ... and while the timing's trials add up to less than this
+
+
+@dataclass(frozen=True)
+class PathOptions:
+    """How the paths run: one mode for all four, and what the optimised mode may use."""
+
+    mode: str = "optimised"  # shipped or optimised (`MODES`)
+    cuda_graphs: bool | None = None  # optimised on CUDA: each path replayed as a CUDA graph (None: yes)
+    fuse_keys: bool | None = None  # optimised: the keys' norm and RoPE compiled or not (None: `fast_precision`)
+    defer_values: bool | None = None  # optimised: the context's values deferred or not (None: `defer_values_here`)
+    refresh: object = None  # the part of the context the target recomputes in a handoff (kvlingo.core.refresh)
+
+
+def mode_for(cache_kind: str) -> str:
+    """The timing mode of a pair's KV cache kind (`PairConfig.cache`): optimised on a preallocated cache."""
+    return "optimised" if cache_kind == "preallocated" else "shipped"
+
+
+def fast_precision(device, fuse_keys: bool | None = None) -> str:
+    """The precision an optimised handoff translates in (kvlingo.core.engine): `fast` on CUDA (tensor cores),
+    `fused` on a CPU (FP32 maths, the keys' finish compiled: a CPU run's re-prefill baseline is FP32 too),
+    `fp32` elsewhere. `fuse_keys` True or False asks for the compiled finish or not (CUDA: `fast-fused` or
+    `fast`; CPU: `fused` or `fp32`); None takes the default."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "fast-fused" if fuse_keys else "fast"
+    if kind == "cpu":
+        return "fp32" if fuse_keys is False else "fused"
+    return "fp32"
 
 
 # --------------------------------------------------------------------------- primitives
@@ -159,45 +196,31 @@ class HandoffPaths:
     paths in `need` take as already existing (the source capture, with pre-norm features when
     the maps need them; the target's own cache) is made here, once, outside any timed region,
     unless given (`source_capture`, `target_kv`: the same for both modes, so one set-up serves
-    both). `mode` None follows the process's cache kind (`cache.default_kind`, a stage's --cache).
-    `cuda_graphs` (optimised mode on CUDA only; None: on there) replays each path as a
-    CUDA graph captured here after warm-ups; a path whose capture fails runs eagerly, and
-    `graph_errors` says why. The optimised mode reserves only the caches that the paths in
-    `need` write, and `path` refuses a path outside `need`. `fuse_keys` (optimised mode): the
-    translated keys' finish as one compiled kernel or not (`translator.fast_precision`; None: the
-    device's default). `defer_values` (optimised mode): the context's values left deferred or not
-    (`defer_values_here`; None: where the translator can, on a CPU).
+    both). The optimised mode reserves only the caches that the paths in `need` write, and
+    `path` refuses a path outside `need`. A path whose CUDA graph capture fails runs eagerly,
+    and `graph_errors` says why.
     """
 
     def __init__(self, source, target, translator: Translator, context_ids: torch.Tensor, new_ids: torch.Tensor,
-                 out_dtype: torch.dtype | None = None, need: tuple[str, ...] = PATHS, mode: str | None = None,
-                 cuda_graphs: bool | None = None, source_capture: Capture | None = None,
-                 target_kv: tuple[torch.Tensor, torch.Tensor] | None = None, refresh=None,
-                 fuse_keys: bool | None = None, defer_values: bool | None = None):
-        mode = mode or ("optimised" if default_kind() == "preallocated" else "shipped")
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
-        self.source, self.target, self.translator, self.mode = source, target, translator, mode
+                 options: PathOptions = PathOptions(), need: tuple[str, ...] = PATHS,
+                 out_dtype: torch.dtype | None = None, source_capture: Capture | None = None,
+                 target_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        if options.mode not in MODES:
+            raise ValueError(f"unknown mode {options.mode!r}; choose from {MODES}")
+        self.source, self.target, self.translator, self.mode = source, target, translator, options.mode
         self.context_ids, self.new_ids = context_ids, new_ids
-        self.refresh = refresh  # the part of the context the target recomputes in a handoff (kvlingo.core.refresh)
+        self.refresh = options.refresh
         self.full_ids = torch.cat([context_ids, new_ids], dim=1)  # [1, T + k]: tokenisation is not timed
         self.out_dtype = out_dtype or next(target.parameters()).dtype
         self.want_prenorm = translator.needs_prenorm
-        self.optimised = mode == "optimised"
+        self.optimised = options.mode == "optimised"
         self.kind = "preallocated" if self.optimised else "dynamic"
-        # Optimised on a CPU: the target's projections on oneDNN-packed weights, for the re-prefill, the new turn
-        # and the target's own continuation alike (the packs stay on the model, so the next length or mode
-        # reuses them; `linear.unpack` drops them; off a CPU `pack` does nothing). Not the source's: a second copy of the larger model's
-        # weights would not fit beside the rest on a 24 GiB machine at 4,096 tokens (peak RSS 15.8 GiB with
-        # the target's packs), so the source's prefill in `source_prefill_handoff` runs unpacked, which can
-        # only slow that handoff path.
-        if self.optimised:
-            linear.pack(target)
         device = context_ids.device
-        self.precision = fast_precision(device, fuse_keys) if self.optimised else "fp32"
-        self.defer_values = self.optimised and defer_values_here(translator, device, refresh, defer_values)
+        self.precision = fast_precision(device, options.fuse_keys) if self.optimised else "fp32"
+        self.defer_values = self.optimised and defer_values_here(translator, device, self.refresh, options.defer_values)
         # a refresh runs the target inside the translation and assembles a cache per call: not graphed
-        self.graphs_on = self.optimised and device.type == "cuda" and cuda_graphs is not False and not refreshing(refresh)
+        self.graphs_on = (self.optimised and device.type == "cuda" and options.cuda_graphs is not False
+                          and not refreshing(self.refresh))
         self.graph_errors: dict[str, str] = {}
         n, k = context_ids.shape[1], new_ids.shape[1]
         self.n_context = n
@@ -215,7 +238,7 @@ class HandoffPaths:
         self.handoff_cache = self.reprefill_cache = self.own_cache = None
         if self.optimised:  # reserved once, reused by every call (ordinary tensors: writable in any mode)
             with torch.no_grad():  # only what the paths in `need` write (a refresh assembles its own cache)
-                if {"source_cache_handoff", "source_prefill_handoff"} & set(need) and not refreshing(refresh):
+                if {"source_cache_handoff", "source_prefill_handoff"} & set(need) and not refreshing(self.refresh):
                     self.handoff_cache = empty_cache(target, n, k, self.out_dtype, device)
                 if "target_reprefill" in need:
                     self.reprefill_cache = empty_cache(target, n + k, 0, self.out_dtype, device)
@@ -225,7 +248,6 @@ class HandoffPaths:
         if self.graphs_on:
             with torch.inference_mode():
                 self._capture_graphs(need, device)
-
     # ------------------------------------------------------------------ steps
     def _translate_into_cache(self, cap: Capture):
         """Optimised: the translation written straight into the reserved handoff cache."""
@@ -344,23 +366,20 @@ def defer_values_here(translator: Translator, device, refresh=None, wanted: bool
     return able and (bool(wanted) or torch.device(device).type == "cpu")
 
 
-def time_paths(paths: HandoffPaths, names=PATHS, warmups: int | dict[str, int] = 5, repeats: int = 30,
-               cv_limit: float = CV_LIMIT, max_repeats: int | None = None, max_seconds: float | None = None) -> dict:
+def time_paths(paths: HandoffPaths, names=PATHS, trials: Trials = Trials(),
+               warmups: dict[str, int] | None = None) -> dict:
     """Time the named paths, their trials interleaved round by round after every warm-up
-    (`run_interleaved`; `warmups` one count or one per path); with `max_repeats`, a noisy path
-    gets more trials (while its trials add up to less than `max_seconds`, when given).
-
-    Returns {path: summary}; speedups are `speedups(...)` of the result.
-    """
+    (`run_interleaved`; `warmups` per path, in place of `trials.warmups`). Returns {path: summary};
+    speedups are `speedups(...)` of the result."""
     device = device_of(paths.target)
-    trials = run_interleaved({name: paths.path(name) for name in names}, device, warmups, repeats, cv_limit,
-                             max_repeats, max_seconds)
-    return {name: summarize(t, cv_limit) for name, t in trials.items()}
+    timed = run_interleaved({name: paths.path(name) for name in names}, device,
+                            trials.warmups if warmups is None else warmups, trials.repeats, trials.cv_limit,
+                            trials.max_repeats, trials.max_seconds)
+    return {name: summarize(t, trials.cv_limit) for name, t in timed.items()}
 
 
 def time_handoffs(source, target, handoffs: dict[str, tuple[Translator, object]], context_ids: torch.Tensor,
-                  new_ids: torch.Tensor, warmups: int, repeats: int, cv_limit: float = CV_LIMIT,
-                  max_repeats: int | None = None, mode: str | None = None) -> dict:
+                  new_ids: torch.Tensor, trials: Trials = Trials(), mode: str = "optimised") -> dict:
     """Re-prefill and several handoffs from an existing source cache on one context, every trial interleaved
     round by round (`run_interleaved`), so that the handoffs' speedups share one slow spell or none.
 
@@ -375,25 +394,24 @@ def time_handoffs(source, target, handoffs: dict[str, tuple[Translator, object]]
     captures: dict[int, Capture] = {}
     for name, (translator, refresh) in handoffs.items():
         need = ("source_cache_handoff",) if fns else ("target_reprefill", "source_cache_handoff")
-        paths = HandoffPaths(source, target, translator, context_ids, new_ids, need=need, mode=mode,
-                             source_capture=captures.get(id(translator)), refresh=refresh)
+        paths = HandoffPaths(source, target, translator, context_ids, new_ids, PathOptions(mode, refresh=refresh),
+                             need=need, source_capture=captures.get(id(translator)))
         captures[id(translator)] = paths.source_capture
         if not fns:
             fns["target_reprefill"] = paths.path("target_reprefill")
         fns[name] = paths.path("source_cache_handoff")
-    trials = run_interleaved(fns, device, warmups, repeats, cv_limit, max_repeats)
-    return {"reprefill": summarize(trials.pop("target_reprefill"), cv_limit),
-            "handoff": {name: summarize(t, cv_limit) for name, t in trials.items()}}
+    timed = run_interleaved(fns, device, trials.warmups, trials.repeats, trials.cv_limit, trials.max_repeats,
+                            trials.max_seconds)
+    return {"reprefill": summarize(timed.pop("target_reprefill"), trials.cv_limit),
+            "handoff": {name: summarize(t, trials.cv_limit) for name, t in timed.items()}}
 
 
-def time_breakdown(paths: HandoffPaths, warmups: int = 5, repeats: int = 30, cv_limit: float = CV_LIMIT,
-                   max_repeats: int | None = None, max_seconds: float | None = None) -> dict:
+def time_breakdown(paths: HandoffPaths, trials: Trials = Trials()) -> dict:
     """Where the time of `source_cache_handoff` goes: translate, cache build, new-turn step.
 
     Separate trials from the path's own, with a synchronisation between stages (which the
     end-to-end trials do not pay), so each stage's clock covers its own device work only.
-    With `max_repeats`, trials go on while a stage's CV exceeds the limit (and, with `max_seconds`,
-    while the trials add up to less than that), as in `run_trials`.
+    Extra trials go on while a stage's CV exceeds the limit, as in `run_trials`.
     """
     device = device_of(paths.target)
     per_stage: dict[str, list[float]] = {s: [] for s in STAGES}
@@ -412,19 +430,17 @@ def time_breakdown(paths: HandoffPaths, warmups: int = 5, repeats: int = 30, cv_
 
     screened = [per_stage["translate"], per_stage["new_turn"]]  # the build's microseconds say nothing
     with torch.inference_mode():
-        for _ in range(warmups):
+        for _ in range(trials.warmups):
             trial()
         for s in STAGES:
             per_stage[s].clear()
-        while wants_trial(screened, repeats, cv_limit, max_repeats, max_seconds,
+        while wants_trial(screened, trials.repeats, trials.cv_limit, trials.max_repeats, trials.max_seconds,
                           spent=sum(sum(per_stage[s]) for s in STAGES)):
             trial()
-    out = {s: summarize(per_stage[s], cv_limit) for s in STAGES}
+    out = {s: summarize(per_stage[s], trials.cv_limit) for s in STAGES}
     if paths.optimised:  # microseconds of bookkeeping: their CV says nothing about the machine
         out["build_cache"].update(noisy=False, note="nothing to build: the translation wrote the cache")
     return out
-
-
 def speedups(summaries: dict, baseline: str = "target_reprefill") -> dict[str, float]:
     """median(baseline) / median(path) for every other path: > 1 means faster than re-reading."""
     base = summaries[baseline]["median_s"]
@@ -448,7 +464,11 @@ def cv_checks(noisy: list[str], cv_limit: float, allow_cv: bool, failed: list[st
 
 
 def checks_line(checks: dict) -> str:
-    return f"\nChecks: {'PASSED' if checks['passed'] else 'FAILED: ' + '; '.join(checks['failed'])}\n"
+    """The checks' verdict, saying why timings flagged NOISY did not fail it (the CV screen was waived)."""
+    noisy = checks.get("noisy_timings") or []
+    waived = (f" ({len(noisy)} timing(s) flagged NOISY: the CV of their trials exceeds --cv-limit; waived by "
+              "--allow-cv or the profile, so their medians are less certain)") if noisy and checks.get("cv_allowed") else ""
+    return f"\nChecks: {'PASSED' if checks['passed'] else 'FAILED: ' + '; '.join(checks['failed'])}{waived}\n"
 
 
 def noisy_timings(summaries: dict, prefix: str = "") -> list[str]:

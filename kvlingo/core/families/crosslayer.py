@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cache import Capture
-from .fit import NormalEquations, reduced_rank
-from .translator import Geometry, Translator, TranslatorError, family
+from ..cache import Capture
+from ..fit import NormalEquations, reduced_rank
+from ..translator import Geometry, LinearFamily, TranslatorError, family
 
 PAIRINGS = ("ranked", "proportional")
 
@@ -45,7 +45,7 @@ def proportional_layers(l_target: int, n_target: int, n_source: int, k: int = 1)
 
 
 @family
-class CrossLayer(Translator):
+class CrossLayer(LinearFamily):
     family = "crosslayer"
     fast_paths = True  # map casts its parameters; map_into (the base's) copies into strided outputs
 

@@ -1,8 +1,8 @@
 """Running the recipe's cells: in turn, as concurrent local processes, or as SLURM job arrays (submitit).
 
-A cell (kvlingo.run.recipe.Cell) is run as a `CellJob`: picklable and self-contained (its two
+A cell (kvlingo.drive.cells.Cell) is run as a `CellJob`: picklable and self-contained (its two
 command lines, report, ledger entry and log), executed wherever it lands, a thread of the
-recipe's process or a SLURM job. The job records itself in the ledger (kvlingo.run.ledger, under
+recipe's process or a SLURM job. The job records itself in the ledger (kvlingo.drive.ledger, under
 its file lock): running, then done or failed. A launcher runs one dependency level's cells (the
 recipe builds the next level from their reports) and returns one `Outcome` per cell.
 
@@ -32,15 +32,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..errors import Failure, RunRefused
 from ..io import ROOT, read_json
-from .argtypes import number, whole
+from ..run.argtypes import number, whole
 from .ledger import Ledger
-from .refusal import RunRefused
 
 PREEMPT_SIGNAL = signal.SIGUSR2  # what submitit (and SLURM's --signal) send before a preemption or the time limit
 
 
-class StageFailed(RuntimeError):
+class StageFailed(Failure, RuntimeError):
     """A stage process that exited nonzero or wrote no report."""
 
 
@@ -53,8 +53,10 @@ def stage_command(argv: Sequence[str], nproc: int = 1) -> list[str]:
     """The command of a stage: this interpreter, or torchrun (from the same environment) with `nproc` ranks."""
     if nproc <= 1:
         return [sys.executable, *argv]
+    from ..train.distributed import torchrun_command
+
     torchrun = Path(sys.executable).with_name("torchrun")
-    return [str(torchrun) if torchrun.is_file() else "torchrun", "--standalone", "--nproc-per-node", str(nproc), *argv]
+    return torchrun_command(str(torchrun) if torchrun.is_file() else "torchrun", nproc, argv)
 
 
 def run_stage(argv: Sequence[str], report: str | os.PathLike, log: str | os.PathLike | None = None,
@@ -123,7 +125,7 @@ def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
 @dataclass
 class CellJob:
     name: str  # the cell's ledger entry
-    entry: dict[str, Any]  # what the ledger records when it starts (kvlingo.run.ledger.entry_of)
+    entry: dict[str, Any]  # what the ledger records when it starts (kvlingo.drive.ledger.entry_of)
     argv: tuple[str, ...]  # script and flags of a first run
     resume_argv: tuple[str, ...]  # the same with the stage's resume flag (a requeue, or a resumed recipe)
     report: str  # the report the stage writes last

@@ -1,19 +1,22 @@
 """Handoff speed at one context length, in both timing modes: the four paths, where the time goes,
 the translation's achieved GFLOP/s and memory, and the physical limit from FLOPs and bytes.
 
-Used by perf.py (`make perf`) on architecture-exact random models: timing does not depend
-on weight values, so this measures the real shapes offline. The two modes (timing.MODES)
-share one set-up (the existing source capture and target cache), so they time the same work.
+Used by perf.py (`make perf`) on architecture-exact random models (kvlingo.bench.random_pair):
+timing does not depend on weight values, so this measures the real shapes offline. The two
+modes (timing.MODES) share one set-up (the existing source capture and target cache), so they
+time the same work; the optimised mode runs with the target's projections packed (`packing`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..core import fused, linear
+from dataclasses import replace
+
+from ..core import engine, fused
 from ..core.handoff import prefill
-from ..core.translator import FUSED, Translator, fast_precision
-from . import timing
+from ..core.translator import Translator
+from . import packing, timing
 from .roofline import Peaks, handoff_work, limits_at, translation_flops
 
 
@@ -51,9 +54,9 @@ def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, prec
         held.clear()
         return {"measured": True, "peak_extra_bytes": peak, "target_cache_bytes": cache_bytes,
                 "ratio_to_cache": peak / cache_bytes}
-    step = translator.chunk_layers(T, device)
-    tile = translator.chunk_tokens(T, device, step)
-    n_chunks = translator.scratch_chunks(out_dtype, precision, tile / T)  # scratch reused by every chunk
+    step = engine.chunk_layers(translator, T, device)
+    tile = engine.chunk_tokens(translator, T, device, step)
+    n_chunks = engine.scratch_chunks(translator, out_dtype, precision, tile / T)  # scratch reused by every chunk
     temps = int(n_chunks * step * H * T * d_out * 4)
     output = "the keys of one target cache" if defer_values else "one target cache"
     return {"measured": False, "bound_extra_bytes": output_bytes + temps, "target_cache_bytes": cache_bytes,
@@ -61,20 +64,19 @@ def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, prec
             "note": f"not measured off CUDA: output ({output}) + {n_chunks:.3g} layer chunks of FP32 scratch"}
 
 
-def time_mode(paths: timing.HandoffPaths, warmups: int, repeats: int, cv_limit: float,
-              max_repeats: int | None, names=timing.PATHS, max_seconds: float | None = None) -> dict:
+def time_mode(paths: timing.HandoffPaths, trials: timing.Trials, names=timing.PATHS) -> dict:
     """One row set: the paths, the existing-source handoff's stages, speedups and CV flags."""
-    prefill_warmups = max(0, warmups - 1)  # the shared set-up prefills stood in for their first warm-up
-    per_path = {name: prefill_warmups if name in ("target_reprefill", "source_prefill_handoff") else warmups
+    prefill_warmups = max(0, trials.warmups - 1)  # the shared set-up prefills stood in for their first warm-up
+    per_path = {name: prefill_warmups if name in ("target_reprefill", "source_prefill_handoff") else trials.warmups
                 for name in names}
-    summaries = timing.time_paths(paths, names, per_path, repeats, cv_limit, max_repeats, max_seconds)
-    breakdown = timing.time_breakdown(paths, warmups, repeats, cv_limit, max_repeats, max_seconds)
+    summaries = timing.time_paths(paths, names, trials, per_path)
+    breakdown = timing.time_breakdown(paths, trials)
     return {"paths": summaries, "speedup": timing.speedups(summaries),
             "speedup_interval": timing.speedup_intervals(summaries), "breakdown": breakdown,
             "precision": paths.precision, "cache": paths.kind, "cuda_graphs": paths.graphed,
             "graph_errors": paths.graph_errors,
-            "fused_keys": fused.status() if paths.precision in FUSED else None,
-            "packed_linear": linear.status(paths.target) if paths.optimised else None,  # None off a CPU
+            "fused_keys": fused.status() if paths.precision in engine.FUSED else None,
+            "packed_linear": packing.status(paths.target) if paths.optimised else None,  # None off a CPU
             "noisy": timing.noisy_timings(summaries) + timing.noisy_timings(breakdown, "source_cache_handoff/")}
 
 
@@ -124,20 +126,13 @@ def reached(points: list[dict]) -> list[tuple[str, float, float, float]]:
     return out
 
 
-def perf_at_length(source, target, translator: Translator, n: int, k: int, warmups: int, repeats: int,
-                   cv_limit: float = timing.CV_LIMIT, seed: int = 0, modes=timing.MODES,
-                   max_repeats: int | None = None, cuda_graphs: bool | None = None,
-                   peaks: Peaks | None = None, names=timing.PATHS, refresh=None, fuse_keys: bool | None = None,
-                   max_seconds: float | None = None, defer_values: bool | None = None) -> dict:
-    """Time the paths `names` (re-prefill and the existing-source handoff at least) in each mode for a
-    random context of n tokens and a new turn of k tokens (the handoffs under `refresh`, when given;
-    the physical limit stays that of pure translation). `fuse_keys`: the optimised mode's compiled key
-    finish on or off (None: the device's default; `translator.fast_precision`). `defer_values`: the
-    optimised handoff leaves the context's values deferred or not (`timing.defer_values_here`;
-    None: where the translator can, on a CPU); the physical limit counts the work of the handoff
-    the optimised rows run. `max_repeats` and
-    `max_seconds`: a noisy timing's extra trials stop at that many trials, or once they add up to
-    that many seconds.
+def perf_at_length(source, target, translator: Translator, n: int, k: int, trials: timing.Trials,
+                   options: timing.PathOptions = timing.PathOptions(), modes=timing.MODES, names=timing.PATHS,
+                   peaks: Peaks | None = None, seed: int = 0) -> dict:
+    """Time the paths `names` (re-prefill and the existing-source handoff at least) in each of `modes` for a
+    random context of n tokens and a new turn of k tokens, the paths running as `options` say (its mode
+    aside). The physical limit (at `peaks`) counts the work of the handoff the optimised rows run, and
+    stays that of pure translation under a refresh.
 
     The set-up prefills (the existing source capture, the target's own cache) do the same
     work as one run of the source-prefill and re-prefill paths at this length, so they
@@ -155,18 +150,19 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, warmu
         own = prefill(target, context) if "target_cache_continue" in names else None
     rows = {}
     for mode in modes:
-        paths = timing.HandoffPaths(source, target, translator, context, new, need=tuple(names), mode=mode,
-                                    cuda_graphs=cuda_graphs, source_capture=cap,
-                                    target_kv=None if own is None else (own.keys, own.values), refresh=refresh,
-                                    fuse_keys=fuse_keys, defer_values=defer_values)
-        rows[mode] = time_mode(paths, warmups, repeats, cv_limit, max_repeats, names, max_seconds)
+        with packing.packed(target, on=mode == "optimised"):
+            paths = timing.HandoffPaths(source, target, translator, context, new, replace(options, mode=mode),
+                                        need=tuple(names), source_capture=cap,
+                                        target_kv=None if own is None else (own.keys, own.values))
+            rows[mode] = time_mode(paths, trials, names)
         rows[mode]["deferred_values"] = paths.defer_values
         rows[mode]["translation_gflops_per_s"] = (translation_flops(translator, n, paths.defer_values)
                                                   / rows[mode]["breakdown"]["translate"]["median_s"] / 1e9)
         del paths
     deferred = any(row["deferred_values"] for row in rows.values())
+    precision = timing.fast_precision(device, options.fuse_keys)
     point = {"context_tokens": n, "new_turn_tokens": k, "modes": rows,
-             "memory": translation_memory(translator, cap, dtype, fast_precision(device, fuse_keys), deferred),
+             "memory": translation_memory(translator, cap, dtype, precision, deferred),
              "noisy": [f"{mode}/{name}" for mode, row in rows.items() for name in row["noisy"]]}
     if peaks is not None:
         set_limit(point, peaks, handoff_work(source, target, translator, n, k, dtype, cap.values.dtype, deferred))

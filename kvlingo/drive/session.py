@@ -2,7 +2,9 @@
 they answer with, and the checksummed rows log they resume from.
 
 Order of work: the pair is resolved from configs and tokenizers and the translator folder is
-checked first; weights load only after every refusal had its chance (`open_session`).
+checked first (`Session`), which is all a stage needs to know whether its report is up to date
+(`Session.up_to_date`); weights load only after that, and after every refusal had its chance
+(`Session.load`).
 """
 
 from __future__ import annotations
@@ -10,17 +12,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from ...core.handoff import stop_ids
-from ...core.translator import load_translator, read_manifest
-from ...io import sha256_file
-from ...run import resume
-from ...run.models import load_pair, pair_config_from_args
-from ...run.paths import TRANSLATORS, RunPaths, writable
-from ...run.argtypes import whole
-from ...run.stage import add_common_args, add_refresh_arg
-from ..itemrows import ItemRows
-from .data import HubData, prepare_data
-from .generate import CONTROL_PATHS
+from ..core.folder import MANIFEST_FILE, load_translator, read_manifest
+from ..core.handoff import stop_ids
+from ..errors import Refusal
+from ..eval.itemrows import ItemRows
+from ..eval.tasks.data import HubData, prepare_data
+from ..eval.tasks.generate import CONTROL_PATHS
+from ..io import sha256_file
+from ..run import resume
+from ..run.argtypes import whole
+from ..run.models import load_pair, pair_config_from_args
+from ..run.paths import TRANSLATORS, RunPaths, writable
+from .stage import add_common_args, add_refresh_arg
 
 # Stage settings a resume may change: they pick which rows are reported, never what a row holds.
 ROW_SAFE = ("settings.limit", "settings.controls", "settings.max_accuracy_loss")
@@ -39,6 +42,8 @@ def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None
                     help="render the prompt with enable_thinking=True (default False: an empty think block)")
     ap.add_argument("--resume", action="store_true",
                     help="keep finished rows whose input hash matches; refuse if a setting, input or the code changed")
+    ap.add_argument("--force", action="store_true",
+                    help="run again even when the report is up to date (same settings, inputs, models and code)")
     ap.add_argument("--source", default=None, metavar="PATH",
                     help="local JSONL of the data set's rows (offline); with --prepare, copied into the data root")
     ap.add_argument("--data-root", default="data", help=f"prepared data root: DATA_ROOT/{data_folder}/")
@@ -50,13 +55,13 @@ def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None
                     "(target from the last prompt token alone) paths, which double the generation work")
 
 
-def prepare_and_exit(data: HubData, args, stage: str) -> None:
+def prepare_and_exit(data: HubData, args) -> None:
     """`--prepare`: copy or fetch the data set into DATA_ROOT/<name>/, say so, and stop."""
     writable(Path(args.data_root) / data.name, "--data-root")  # before the data is read or fetched
     try:
         manifest = prepare_data(data, args.data_root, args.source)
     except ValueError as e:
-        raise SystemExit(f"{stage}: {e}") from None
+        raise Refusal(str(e)) from None
     print(f"wrote {manifest['rows']} {data.name} rows to {Path(args.data_root) / data.name} ({manifest['origin']})")
 
 
@@ -71,32 +76,49 @@ def control_paths(args, n_items: int) -> tuple[str, ...]:
 
 
 class Session:
-    """A checked, loaded pair (and translator) plus the run's rows log and what happened to each row."""
+    """A checked pair (and translator folder), loaded by `load`, plus the run's rows log and what happened to
+    each row."""
 
     def __init__(self, args, paths: RunPaths):
-        self.pair_cfg, tokenizer = pair_config_from_args(args)  # refuses a bad pair before any weights load
+        self.pair_cfg, self._tokenizer = pair_config_from_args(args)  # refuses a bad pair before any weights load
         self.translator_dir: Path | None = None
         self.translator_info: dict[str, Any] | None = None
+        self._manifest_sha: str | None = None
         if not args.native:
             self.translator_dir = paths.translator(args.translator)
             read_manifest(self.translator_dir)  # refuses a missing or damaged translator before any weights load
-        self.pair = load_pair(self.pair_cfg, tokenizer)
-        self.translator = None
+            self._manifest_sha = sha256_file(self.translator_dir / MANIFEST_FILE)
+        self.pair = self.translator = self.eos = None
+        self.log: ItemRows | None = None
+        self.counts = {"generated": 0, "resumed": 0, "reused_from_sibling": 0}
+
+    def load(self) -> None:
+        """Load the pair's weights and the translator."""
+        self.pair = load_pair(self.pair_cfg, self._tokenizer)
         if self.translator_dir is not None:
             self.translator, info = load_translator(self.translator_dir, self.pair)
             self.translator_info = {k: info[k] for k in ("path", "family", "key_space", "maps_sha256", "manifest_sha256")}
         self.eos = stop_ids(self.pair.tokenizer)
-        self.log: ItemRows | None = None
-        self.counts = {"generated": 0, "resumed": 0, "reused_from_sibling": 0}
 
     @property
     def translator_inputs(self) -> dict[str, Any]:
-        return {"translator_manifest_sha256": self.translator_info["manifest_sha256"] if self.translator_info else None}
+        return {"translator_manifest_sha256": self._manifest_sha}
 
-    def open_rows(self, path: Path, settings: Any, inputs: dict[str, Any], code: str, resume_: bool,
-                  sibling: Path) -> ItemRows:
-        """The rows log, whose header holds this run's resume identity (settings, inputs, pair, code)."""
-        ident = resume.identity(settings, inputs, self.pair_cfg.identities(), code)
+    def identity(self, settings: Any, inputs: dict[str, Any], code: str) -> dict[str, Any]:
+        """The run's resume identity (settings, inputs, pair, code): its rows log's header and its report's key."""
+        return resume.identity(settings, inputs, self.pair_cfg.identities(), code)
+
+    @staticmethod
+    def up_to_date(report: Path, ident: dict[str, Any]) -> dict[str, Any] | None:
+        """The report when it was made under this identity (`resume.up_to_date`) and its rows log is the one it
+        records, unchanged; else None."""
+        old = resume.up_to_date(report, resume.resume_key(ident))
+        rows = (old or {}).get("inputs", {}).get("rows") or {}
+        path = Path(rows.get("path") or "")
+        return old if old is not None and path.is_file() and sha256_file(path) == rows.get("sha256") else None
+
+    def open_rows(self, path: Path, ident: dict[str, Any], resume_: bool, sibling: Path) -> ItemRows:
+        """The rows log, whose header holds this run's resume identity (`identity`)."""
         self.log = ItemRows(path, ident, resume_, donors=[sibling], ignore=ROW_SAFE)
         return self.log
 

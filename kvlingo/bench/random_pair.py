@@ -1,8 +1,8 @@
-"""Random-weight models at real or tiny shapes, and random translators for them: timing fixtures.
+"""Random-weight models at real or tiny shapes, and random translators for them: what speed is timed on.
 
 Weights are drawn N(0, 0.02) directly in the run dtype (no denormals, no NaNs: those would
 distort CPU timings). Values are irrelevant to timing, so these measure speed at the exact
-shapes of kvlingo.eval.shapes without any download.
+shapes of kvlingo.bench.shapes without any download.
 """
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ from dataclasses import asdict
 
 import torch
 
-from ..core.headwise import Headwise
-from ..core.translator import Geometry, build
-from ..eval.shapes import RANDOM_PAIRS, arch_config, meta_model
+from ..core.families.headwise import Headwise
+from ..core.folder import build
+from ..core.translator import Geometry
+from ..run.models import ModelSpec, Pair, PairConfig, check_pair, dtype_name, pair_specs
+from .shapes import RANDOM_PAIRS, arch_config, meta_model
 
 
 def random_model(name: str, device: str, dtype: torch.dtype, seed: int = 0):
     """A frozen, eval-mode model (Qwen3 or Llama) of preset `name`'s exact shape with small random weights.
 
-    Weights are drawn N(0, 0.02) directly in the run dtype (no denormals, no NaNs: those
-    would distort CPU timings). Built outside inference_mode (CPU BF16 matmuls
-    of a model built inside it ran about 10× slower).
+    Built outside inference_mode: CPU BF16 matmuls of a model built inside it run far slower.
     """
     cfg = arch_config(name)
     model = meta_model(name)
@@ -64,8 +64,6 @@ def random_pair(arch: str = "qwen3", direction: str = "l2s", device: str = "cpu"
                 names: tuple[str, str] | None = None):
     """A `Pair` of random-weight models (no tokenizer): the large/small of `arch` (or the preset shapes
     `names` = (large, small)) in `direction`."""
-    from ..run.models import ModelSpec, Pair, PairConfig, check_pair, dtype_name, pair_specs
-
     large, small = names or RANDOM_PAIRS[arch]
     src, tgt = pair_specs(direction, ModelSpec(large, "random-weights"), ModelSpec(small, "random-weights"))
     source = random_model(src.name_or_path, device, dtype, seed=1)
