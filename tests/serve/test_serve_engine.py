@@ -178,25 +178,33 @@ def claim(conn, ids) -> tuple[int, bool, str]:
 
 def test_engines_the_contract_refuses_load_nothing_and_say_why(fx, engines, tmp_path):
     """An unproven translator (gate not waived), another tokenizer, another target model, a refresh a connector
-    cannot run, prefix caching on, and prenorm maps given an engine's cache: each claims 0 matched tokens (vLLM
-    then prefills), with the reason logged. Maps measured with a tail refresh, and whole blocks, leave the tail
-    of the context to vLLM."""
+    cannot run, a config edited by hand, prefix caching on, and prenorm maps given an engine's cache: each claims
+    0 matched tokens (vLLM then prefills), with the reason logged. Maps measured with a tail refresh, and whole
+    blocks, leave the tail of the context to vLLM."""
     import shutil
+
+    from kvlingo.core.folder import sealed
+
+    def refreshed(name: str, setting: str, seal: bool = True) -> str:
+        """The cache export with another refresh setting: exported so (sealed), or edited by hand."""
+        folder = shutil.copytree(exports["cache"], tmp_path / name)
+        cfg = {**json.loads((folder / "config.json").read_text()), "refresh": setting}
+        (folder / "config.json").write_text(json.dumps(sealed(cfg) if seal else cfg))
+        return str(folder)
 
     ids = fx["prompts"][1]
     STORE.clear()
     bench.first_token(engines["large"], ids)  # a source cache the maps would read
     exports, small, large = fx["exports"], engines["small"], engines["large"]
     assert not fx["gate_passed"]["cache"]  # six conversations of closed-form fit do not pass the default gate
-    layers = shutil.copytree(exports["cache"], tmp_path / "layers")
-    cfg = json.loads((layers / "config.json").read_text())
-    (layers / "config.json").write_text(json.dumps({**cfg, "refresh": "layers:1"}))
     cases = {
         "unproven": (connector(small, exports["cache"]), "is unproven"),
         "tokenizer": (connector(small, exports["cache"], tokenizer=fx["other_tokenizer"], allow_unproven=True),
                       "served tokenizer"),
         "target": (connector(large, exports["cache"], allow_unproven=True), "is not the translator's target"),
-        "refresh": (connector(small, str(layers), allow_unproven=True), "refresh layers:1"),
+        "refresh": (connector(small, refreshed("layers", "layers:1"), allow_unproven=True), "refresh layers:1"),
+        "edited": (connector(small, refreshed("by-hand", "tail:5", seal=False), allow_unproven=True),
+                   "was edited after it was written"),
         "prefix caching": (connector(small, exports["cache"], prefix_caching=True, allow_unproven=True),
                            "prefix caching is on"),
         "prenorm": (connector(small, exports["prenorm"], allow_unproven=True), "pre-norm key features"),
@@ -208,9 +216,7 @@ def test_engines_the_contract_refuses_load_nothing_and_say_why(fx, engines, tmp_
             assert reason in conn.refusal
     n, _, why = claim(connector(small, exports["cache"], allow_unproven=True), ids)
     assert n == len(ids) - 1 and why is None  # the same request, with the checks passing, loads
-    tail = shutil.copytree(exports["cache"], tmp_path / "tail")
-    (tail / "config.json").write_text(json.dumps({**cfg, "refresh": "tail:5"}))
-    n, _, _ = claim(connector(small, str(tail), allow_unproven=True), ids)
+    n, _, _ = claim(connector(small, refreshed("tail", "tail:5"), allow_unproven=True), ids)
     assert n == len(ids) - 1 - 5  # maps measured with refresh tail:5 leave the last 5 context tokens to vLLM
     n, _, _ = claim(connector(small, exports["cache"], allow_unproven=True, whole_blocks=True), ids)
     assert n == (len(ids) - 1) // 32 * 32
