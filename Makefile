@@ -90,7 +90,7 @@ TRAIN_PY = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --npr
 TRAIN_SEP = $(if $(filter-out 1,$(NPROC)),--)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast run demo toy toy-train toy-train-deep toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf recipe summary ablate frontier export
+.PHONY: help venv test test-fast run demo toy toy-train toy-train-deep toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf gpu-check recipe summary ablate frontier export
 
 help: ## list the targets
 	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(or $(RUN),PROFILE-DIRECTION)):"
@@ -200,9 +200,18 @@ task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the nat
 	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(TASK_ARGS)
 
 # LARGE/SMALL given on the command line name preset shapes (kvlingo/bench/shapes.py), e.g. Qwen/Qwen3-4B.
-perf: $(VENV)/.synced ## speed at real shapes (LARGE=Qwen/Qwen3-4B SMALL=Qwen/Qwen3-0.6B ...), random weights: FLOP ceilings of every family, then 4 paths as shipped and optimised, the physical limit, 1k/2k/4k (DIRECTION=s2l too) → results/perf/perf.json
-	$(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) \
-	  --direction $(DIRECTION) --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS)
+# Both directions unless DIRECTION is given: one perf.py line each.
+PERF_DIRECTIONS = $(if $(filter command line environment,$(origin DIRECTION)),$(DIRECTION),l2s s2l)
+PERF_CMD = $(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) \
+  --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS) --direction
+perf: $(VENV)/.synced ## speed at real shapes, random weights: each direction's default family at 4k, the handoff against re-prefill, optimised, what the maps cost, the physical limit (DIRECTION=s2l: one direction; PERF_ARGS=--full: 1k/2k/4k, 4 paths, shipped rows, every family; LARGE=Qwen/Qwen3-4B SMALL=...) → results/perf/perf.json, results/perf-s2l/perf.json
+	$(PERF_CMD) $(firstword $(PERF_DIRECTIONS))
+	$(if $(word 2,$(PERF_DIRECTIONS)),$(PERF_CMD) $(word 2,$(PERF_DIRECTIONS)))
+
+# Needs no .venv: on a machine lent a GPU, PY=python3 with the pinned transformers beside it (gpu_check.py's header).
+GPU_CHECK_ARGS ?=
+gpu-check: ## on one CUDA GPU (PY=python3 there): the GPU tests, perf at 4k/8k/16k both directions (deferred values, CUDA graphs on/off), the toy benchmark → results/gpu-check/gpu-check.md (GPU_CHECK_ARGS=--dry-run: on the CPU)
+	HF_HUB_OFFLINE=1 $(PY) gpu_check.py $(GPU_CHECK_ARGS)
 
 recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL, 3 seeds → results/RUN/recipe.{json,md,png} (RECIPE_ARGS=--resume, RECIPE_LAUNCHER=slurm)
 	$(PY) recipe.py $(PAIR_FLAGS) --ifeval-data-root $(EVAL_ROOT) --launcher $(RECIPE_LAUNCHER) --gpus-per-cell $(NPROC) \

@@ -2,27 +2,38 @@
 
 Timing does not depend on weight values, so architecture-exact random Qwen3-1.7B / 0.6B
 (kvlingo/bench/shapes.py; --large/--small pick other preset shapes: Qwen3-4B/8B, Llama-3.2-1B/3B)
-and random maps of a translator family (--family, built through the family registry; --refresh
-for a handoff that recomputes part of the context natively) measure the real shapes without any
-download. First, from parameter counts alone, the FLOP ceilings (re-prefill FLOPs ÷ translation
-FLOPs) of every registered family at its default settings, with the reason of each family that
-cannot map the pair; --flops-only stops there (seconds, nothing built). Then, for each context
-length and each mode (kvlingo/bench/timing.py: "shipped" = transformers' DynamicCache and sdpa
-attention, FP32 translation maths, eager; "optimised" = a preallocated cache the translation
-writes into, grouped-query attention without repeated K/V, the keys' norm and RoPE compiled into
-one kernel on a CPU (--fuse-keys on: on CUDA too), with head-wise maps the values left deferred on
-a CPU (only the keys translated, attention mapping the source's values per query row; --defer-values
-on: on CUDA too), the maps in the run dtype and CUDA graphs on a GPU): re-prefill, the
-handoff from an existing source cache (translate, build the cache, run a k-token new turn), the
-handoff with the source's prefill, and the target
-continuing its own cache (raw trials, median, CV); where the handoff's time goes; the physical
-limit of the speedup from FLOPs and bytes at the device's peaks (kvlingo/bench/roofline.py:
-given with --peak-tflops/--peak-gbps, or measured here by a probe and then raised to the best
-rate any timed step reached, so that every floor is a lower bound on what this run timed).
+and random maps of a translator family measure the real shapes without any download. The family
+is the pilot profile's default for the direction (kvlingo/run/profiles.py: what `make run` trains
+on the real pair; its ranks carried to other shapes by the ratio of the target widths), or
+--family with its own defaults; --k, --rank and --key-rank set either; --refresh times a handoff
+that recomputes part of the context natively.
 
-Writes RESULTS/RUN/perf.json (default run "perf"), perf.md (the tables, also printed) and
-perf.png; --flops-only writes perf-flops.json and .md instead. On a CPU the CV flags are
-reported without failing the run unless --strict-cv.
+First, from parameter counts alone, the FLOP ceilings (re-prefill FLOPs ÷ translation FLOPs) of
+every registered family at its default settings, with the reason of each family that cannot map
+the pair; --flops-only stops there (seconds, nothing built). Then, at each context length and in
+each mode (kvlingo/bench/timing.py: "shipped" = transformers' DynamicCache and sdpa attention,
+FP32 translation maths, eager; "optimised" = a preallocated cache the translation writes into,
+grouped-query attention without repeated K/V, the keys' norm and RoPE compiled into one kernel on
+a CPU (--fuse-keys on: on CUDA too), the values left deferred on a CPU where the value maps are
+linear in the source's values and that saves FLOPs (only the keys translated, attention mapping
+each query row's mix of the source's values; --defer-values on: always, on CUDA too), the maps in
+the run dtype and CUDA graphs on a GPU): re-prefill and the handoff from an existing source cache
+(translate, build the cache, run a k-token new turn), and with --full or --paths the handoff with
+the source's prefill and the target continuing its own cache (raw trials, median, CV); where the
+handoff's time goes; what the maps cost against a re-prefill (the translation's share of its
+FLOPs and the ceiling that sets, keys only when the values are deferred); the physical limit of
+the speedup from FLOPs and bytes at the device's peaks (kvlingo/bench/roofline.py: given with
+--peak-tflops/--peak-gbps, or measured here by a probe and then raised to the best rate any timed
+step reached, so that every floor is a lower bound on what this run timed).
+
+By default one length (4,096 tokens), the two paths of the speedup, optimised: minutes on a CPU.
+--full sweeps 1,024 / 2,048 / 4,096 tokens, all four paths, both modes, and times every family
+that maps the pair (at its default settings) at the longest length, optimised, each against
+re-prefill (--families names others: `crosshead:key_rank=256`, `default`, ...).
+
+Writes RESULTS/RUN/perf.json (default run "perf", "perf-s2l" for s2l), perf.md (the tables, also
+printed) and perf.png; --flops-only writes perf-flops.json and .md instead. On a CPU the CV flags
+are reported without failing the run unless --strict-cv.
 """
 
 from __future__ import annotations
@@ -38,10 +49,12 @@ from tqdm import tqdm
 from kvlingo.bench import timing
 from kvlingo.bench.random_pair import random_pair, random_translator
 from kvlingo.bench.roofline import Peaks, measure_peaks, raise_to_reached
-from kvlingo.bench.shapes import RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, translator_at
-from kvlingo.bench.speed import perf_at_length, reached, set_limit
+from kvlingo.bench.shapes import (RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, real_pair_configs,
+                                  real_settings, translator_at)
+from kvlingo.bench.speed import context_capture, perf_at_length, reached, set_limit
 from kvlingo.core import linear
 from kvlingo.core.families import FAMILIES
+from kvlingo.core.handoff import can_defer_values
 from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Refusal
@@ -53,12 +66,36 @@ from kvlingo.run.models import DIRECTIONS, resolve_device, resolve_dtype
 from kvlingo.run.paths import RunPaths
 from kvlingo.run.profiles import get_profile
 from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_table, huge_pages, publish
+from kvlingo.train.config import family_settings
 
 SCRIPT = Path(__file__).resolve()
 SWITCH = {"auto": None, "on": True, "off": False}  # --fuse-keys, --defer-values → None (the device's default) or a bool
 # On a CPU a noisy timing gets extra trials up to 30 of them or 20 s in all: the handoff's steps
 # get many, a long re-prefill no more than --timing-repeats.
 CPU_MAX_REPEATS, CPU_MAX_SECONDS = 30, 20.0
+QUICK_LENGTHS, FULL_LENGTHS = (4096,), (1024, 2048, 4096)
+QUICK_PATHS = ("target_reprefill", "source_cache_handoff")  # the speedup's two ends
+SETTING_TYPES = {"k": int, "rank": int, "key_rank": int, "hidden": int, "init_seed": int, "pairing": str, "base": str}
+
+
+def family_spec(text: str) -> dict:
+    """FAMILY or FAMILY:KEY=VALUE,... (a family's settings at the timed shapes), or `default`."""
+    name, _, rest = text.partition(":")
+    if name != "default" and name not in FAMILIES:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a family ({', '.join(sorted(FAMILIES))}) or 'default'")
+    settings = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in SETTING_TYPES or not value:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not KEY=VALUE with KEY one of "
+                                             f"{', '.join(SETTING_TYPES)}")
+        try:
+            settings[key] = SETTING_TYPES[key](value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: {key} takes a whole number") from None
+    if "base" in settings:  # the residual family's base, at its own defaults
+        settings["base"] = {"family": settings["base"], "settings": {}}
+    return {"family": name, "settings": settings}
 
 
 @dataclass(frozen=True)
@@ -66,20 +103,25 @@ class PerfConfig:
     arch: str  # qwen3 (the real shapes) or tiny (a 2-layer stand-in for smoke tests)
     source: str  # the source's shape name
     target: str  # the target's shape name
-    family: str  # translator family of the timed random maps (its default settings)
+    family: str  # translator family of the timed random maps
+    family_settings: dict  # its settings at the timed shapes
+    family_from: str  # where the family comes from: the profile's default for the direction, or --family
     refresh: str  # the handoff's refresh setting (kvlingo/core/refresh.py; none: pure translation)
     flops_only: bool  # FLOP ceilings only: no model built, nothing timed
     direction: str  # l2s or s2l
     device: str  # resolved device
     dtype: str  # model dtype
     key_space: str  # the random maps' key space
+    full: bool  # the full sweep: three lengths, every path, every family
     lengths: tuple[int, ...]  # context lengths in tokens
+    families: tuple[dict, ...]  # the second row set: {family, settings} timed at the longest length, optimised
     new_turn_tokens: int  # k: tokens of the new turn
     modes: tuple[str, ...]  # timing modes: shipped (as transformers ships) and/or optimised
     paths: tuple[str, ...]  # timed paths
     cuda_graphs: bool  # optimised mode on CUDA replays each path as a CUDA graph
     fuse_keys: str  # optimised mode's compiled key finish: auto (on a CPU, not on CUDA), on or off
-    defer_values: str  # optimised mode leaves the values deferred (head-wise, no refresh): auto (on a CPU), on or off
+    defer_values: str  # optimised mode leaves the values deferred (linear value maps, no refresh): auto (on a CPU
+    # where that saves FLOPs), on or off
     warmups: int  # untimed warm-ups per path
     repeats: int  # timed trials per path (at least)
     max_repeats: int  # a path whose CV exceeds the limit gets more trials, up to this many
@@ -96,6 +138,7 @@ class PerfResults:
     switch_cost: list  # re-reading vs switching per length and mode
     checks: dict
     flop_ceilings: list  # per family and length: re-prefill and translation FLOPs and the ceilings they set
+    families: list  # the second row set: per family, a length's point (optimised) as `lengths` holds them
 
     METRICS = (Metric("lengths.*.modes.optimised.speedup.source_cache_handoff", True,
                       "median re-prefill time / median handoff time from an existing source cache, both optimised"),
@@ -106,8 +149,10 @@ class PerfResults:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = stage_parser(__doc__, ["python perf.py --device cuda --lengths 4096 8192 16384",
-                               "python perf.py --device cpu --direction s2l --lengths 1024 2048",
+    p = stage_parser(__doc__, ["python perf.py --device cpu",
+                               "python perf.py --device cpu --direction s2l --full",
+                               "python perf.py --device cuda --lengths 4096 8192 16384",
+                               "python perf.py --device cpu --families default crosshead:key_rank=256 headwise",
                                "python perf.py --device cpu --paths target_reprefill source_cache_handoff "
                                "--peak-tflops 0.2 --peak-gbps 20",
                                "python perf.py --device cpu --family crosshead --refresh tail:5%",
@@ -117,9 +162,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--large", default=None, help=f"larger model's preset shape, with --small instead of --arch "
                    f"(one of: {', '.join(preset_names())})")
     p.add_argument("--small", default=None, help="smaller model's preset shape, with --large")
-    p.add_argument("--family", choices=sorted(FAMILIES), default="headwise",
-                   help="translator family of the random maps (default settings); head-wise maps need equal depth "
-                   "and KV-head counts")
+    p.add_argument("--family", choices=sorted(FAMILIES), default=None,
+                   help="translator family of the random maps, at its own default settings (default: the pilot "
+                   "profile's default for the direction, at its settings); head-wise maps need equal depth and "
+                   "KV-head counts")
+    p.add_argument("--k", type=whole(1), default=None, help="crosslayer: source layers per target layer")
+    p.add_argument("--rank", type=whole(0), default=None, help="crosshead/crosslayer: rank of each map (0: full)")
+    p.add_argument("--key-rank", type=whole(0), default=None,
+                   help="crosshead/crosslayer: rank of the key maps alone (0: full; default: --rank's)")
+    p.add_argument("--full", action="store_true",
+                   help="the full sweep: lengths 1024 2048 4096, all four paths, both modes and every family that maps "
+                        "the pair (--lengths, --paths, --modes, --families given win)")
+    p.add_argument("--families", nargs="+", type=family_spec, default=None, metavar="FAMILY[:KEY=VALUE,...]",
+                   help="a second row set: these families' handoffs timed against re-prefill at the longest length, "
+                        "optimised, one after another ('default': the timed family; settings at the timed shapes, "
+                        "e.g. crosshead:key_rank=256 crosslayer:k=4,rank=512; default: none, every family with --full)")
     add_refresh_arg(p)
     p.add_argument("--flops-only", action="store_true",
                    help="print and write the FLOP ceilings of every family only (no timing)")
@@ -128,7 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="model dtype; auto: float32 on a CPU (BF16 is fast there only with "
                    "AVX512-BF16 or AMX), bfloat16 elsewhere")
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="the random maps' key space")
-    p.add_argument("--lengths", type=whole(1), nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
+    p.add_argument("--lengths", type=whole(1), nargs="+", default=None,
+                   help=f"context lengths (tokens; default {QUICK_LENGTHS[0]}, with --full {' '.join(map(str, FULL_LENGTHS))})")
     add_timing_args(p, "1 on a CPU, else 5", "3 on a CPU, else 30")
     p.add_argument("--max-repeats", type=whole(1), default=None,
                    help="trials go on past --timing-repeats while a path's CV exceeds --cv-limit, up to this many "
@@ -137,24 +195,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="those extra trials also stop once a path's trials add up to this many seconds, so cheap "
                         f"steps get many and a long prefill only --timing-repeats (default: {CPU_MAX_SECONDS:g} on a "
                         "CPU, no limit elsewhere; 0: no limit)")
-    p.add_argument("--modes", nargs="+", choices=timing.MODES, default=list(timing.MODES),
-                   help="row sets: shipped (transformers' DynamicCache and sdpa as shipped) and optimised")
-    p.add_argument("--paths", nargs="+", choices=timing.PATHS, default=list(timing.PATHS),
-                   help="paths to time (target_reprefill and source_cache_handoff at least; default all four)")
+    p.add_argument("--modes", nargs="+", choices=timing.MODES, default=None,
+                   help="row sets: shipped (transformers' DynamicCache and sdpa as shipped) and optimised (default: "
+                        "optimised; with --full both)")
+    p.add_argument("--paths", nargs="+", choices=timing.PATHS, default=None,
+                   help="paths to time (target_reprefill and source_cache_handoff at least, the default; all four "
+                        "with --full)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="optimised mode on CUDA: run eagerly, not as CUDA graphs")
     p.add_argument("--fuse-keys", choices=("auto", "on", "off"), default="auto",
                    help="optimised mode: the translated keys' k_norm and RoPE as one compiled kernel (auto: on a CPU; "
                         "on CUDA only with 'on', the fast-fused precision, not yet timed on a GPU by this suite)")
     p.add_argument("--defer-values", choices=("auto", "on", "off"), default="auto",
-                   help="optimised mode, head-wise maps without a refresh: translate the keys only and let attention "
-                        "map the source's values per query row (auto: on a CPU; on CUDA only with 'on', not yet "
-                        "timed on a GPU by this suite)")
+                   help="optimised mode, value maps linear in the source's values, no refresh: translate the keys only "
+                        "and let attention map each query row's mix of the source's values (auto: on a CPU where that "
+                        "saves FLOPs; 'on' always, on CUDA too)")
     p.add_argument("--peak-tflops", type=number(above=0), default=None,
                    help="the device's dense matmul TFLOP/s in the run dtype for the physical limit (default: measured)")
     p.add_argument("--peak-gbps", type=number(above=0), default=None,
                    help="the device's memory bandwidth in GB/s for the physical limit (default: measured)")
     p.add_argument("--strict-cv", action="store_true", help="on a CPU, fail on CV flags (by default only reported there)")
-    p.add_argument("--run", default="perf", help="results go to RESULTS/RUN/ (default perf)")
+    p.add_argument("--run", default=None, help="results go to RESULTS/RUN/ (default perf; perf-s2l for --direction s2l)")
     p.add_argument("--results", default="results", help="results root")
     return p.parse_args(argv)
 
@@ -180,7 +240,8 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
                            1e3 * lim["new_turn"]["floor_s"], lim["new_turn"]["bound"], lim["speedup_limit"],
                            p["memory"]["ratio_to_cache"]])
     peaks = cfg.peaks
-    text = (f"## Handoff speed: {cfg.source} → {cfg.target} (random {cfg.family} maps, refresh {cfg.refresh}), "
+    text = (f"## Handoff speed: {cfg.source} → {cfg.target} (random {family_label(cfg.family, cfg.family_settings)} "
+            f"maps, {cfg.family_from}; refresh {cfg.refresh}), "
             f"{cfg.dtype}, {cfg.device}, "
             f"{cfg.threads} thread(s){huge_pages_note(cfg.device, huge_pages())}, ≥{cfg.repeats} trials (≤{cfg.max_repeats} while CV > {cfg.cv_limit:g}"
             + (f" and a path's trials total < {cfg.max_seconds:g} s" if cfg.max_seconds else "") + ") "
@@ -339,6 +400,107 @@ def perf_plot(points: list[dict], modes: tuple[str, ...], title: str) -> bytes:
     return figure_png(fig)
 
 
+def family_label(family: str, settings: dict) -> str:
+    """A family and the settings that set its cost, e.g. `crosslayer k=4 rank=512`."""
+    shown = {k: v for k, v in settings.items() if k in ("k", "rank", "key_rank", "hidden")}
+    if isinstance(settings.get("base"), dict):
+        shown["base"] = family_label(settings["base"]["family"], settings["base"].get("settings", {}))
+    return " ".join([family, *(f"{k}={v}" for k, v in shown.items())])
+
+
+def timed_family(args, profile, source: str, target: str) -> tuple[str, dict, str]:
+    """(family, settings at the timed shapes, where they come from): --family at its own defaults, or the
+    profile's default for the direction, its ranks carried from the real pair's target width to the timed
+    target's (and k capped at the source's depth); --k, --rank and --key-rank, at the timed shapes, win."""
+    flags = {name: getattr(args, name) for name in ("k", "rank", "key_rank") if getattr(args, name) is not None}
+    if args.family is not None:
+        return args.family, family_settings(args.family, **flags), "--family"
+    family, defaults = profile.family_for(args.direction)
+    real_target = real_pair_configs(args.direction)[1]
+    src, tgt = arch_config(source), arch_config(target)
+    carried = real_settings(family_settings(family, **defaults),
+                            width(tgt) / width(real_target), source_layers=src.num_hidden_layers)
+    return family, {**carried, **flags}, f"the {profile.name} profile's {args.direction} default"
+
+
+def width(cfg) -> int:
+    return cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def second_row_set(args, cfg: PerfConfig, refused: dict[str, str]) -> tuple[dict, ...]:
+    """The families timed at the longest length: --families as given ('default': the timed family), or with
+    --full every family that maps the pair at its default settings but the timed one's."""
+    if args.families is not None:
+        return tuple({"family": cfg.family, "settings": cfg.family_settings} if f["family"] == "default" else f
+                     for f in args.families)
+    if not args.full:
+        return ()
+    specs = [{"family": f, "settings": family_settings(f)} for f in sorted(FAMILIES) if f not in refused]
+    return tuple(s for s in specs if (s["family"], s["settings"]) != (cfg.family, cfg.family_settings))
+
+
+def time_families(pair, cfg: PerfConfig, families, trials: timing.Trials, options: timing.PathOptions,
+                  peaks: Peaks) -> list[dict]:
+    """Each family's optimised handoff against re-prefill at the longest length, one family after another
+    (their maps and caches do not all fit at once), from one source capture."""
+    if not families:
+        return []
+    n, k = max(cfg.lengths), cfg.new_turn_tokens
+    cap = context_capture(pair.source, pair.target, n, k, cfg.key_space == "prenorm")
+    out = []
+    for spec in tqdm(families, desc="families", file=sys.stderr):
+        maps = random_translator(pair.source, pair.target, cfg.key_space, family=spec["family"],
+                                 settings=spec["settings"])
+        able = can_defer_values(maps, refresh=options.refresh)
+        mine = replace(options, defer_values=options.defer_values if able else False)
+        point = perf_at_length(pair.source, pair.target, maps, n, k, trials, mine, ("optimised",), QUICK_PATHS,
+                               peaks, cap=cap)
+        out.append({**spec, **point})
+        del maps
+    return out
+
+
+def cost_markdown(cfg: PerfConfig, points: list[dict]) -> str:
+    """What the timed maps cost against a re-prefill, per length: the translation's share of its FLOPs, the
+    ceiling that sets (keys only when the values are deferred), and how far the optimised speedup is from it."""
+    rows = []
+    for p in points:
+        c, row = p["cost"], p["modes"].get("optimised")
+        speedup = row["speedup"]["source_cache_handoff"] if row else None
+        rows.append([p["context_tokens"], "keys (values deferred)" if c["deferred"] else "keys and values",
+                     c["timed_translation_flops"] / 1e9, c["translation_flops"] / 1e9, c["key_translation_flops"] / 1e9,
+                     None if c["deferred_new_turn_flops"] is None else c["deferred_new_turn_flops"] / 1e9,
+                     c["reprefill_flops"] / 1e9, 100 * c["share_of_reprefill"], c["ceiling"], c["key_ceiling"],
+                     speedup, None if speedup is None else c["key_ceiling"] / speedup])
+    return (f"\n### What the maps cost: {family_label(cfg.family, cfg.family_settings)} ({cfg.family_from})\n\n"
+            "FLOPs as the physical limit counts them (attention and one row of logits included). The ceiling is "
+            "re-prefill ÷ the translation as timed; the keys-only ceiling, re-prefill ÷ the key maps' FLOPs, is what "
+            "no handoff of these maps can beat; the new turn's extra work on deferred values is on top of it.\n\n"
+            + fmt_table(["context", "translated", "timed GFLOP", "keys + values GFLOP", "keys GFLOP",
+                         "deferred new turn adds GFLOP", "re-prefill GFLOP", "% of re-prefill", "ceiling",
+                         "keys-only ceiling", "optimised speedup", "keys-only ceiling / speedup"], rows,
+                        floatfmt=".4g"))
+
+
+def families_markdown(cfg: PerfConfig, points: list[dict]) -> str:
+    if not points:
+        return ""
+    rows = []
+    for p in points:
+        r, c, v = p["modes"]["optimised"], p["cost"], p["modes"]["optimised"].get("vs_limit", {})
+        rows.append([family_label(p["family"], p["settings"]), "deferred" if r["deferred_values"] else "translated",
+                     1e3 * r["paths"]["target_reprefill"]["median_s"], 1e3 * r["paths"]["source_cache_handoff"]["median_s"],
+                     r["speedup"]["source_cache_handoff"], fmt_interval(r["speedup_interval"]["source_cache_handoff"]),
+                     1e3 * r["breakdown"]["translate"]["median_s"], 1e3 * r["breakdown"]["new_turn"]["median_s"],
+                     100 * c["share_of_reprefill"], c["key_ceiling"], p["limit"]["speedup_limit"],
+                     v.get("translate_over_floor"), v.get("new_turn_over_floor")])
+    return (f"\n\n### Other families at {max(cfg.lengths):,} tokens (optimised, each against its own re-prefill "
+            "trials, interleaved with its handoff's)\n\n"
+            + fmt_table(["family", "values", "re-prefill ms", "handoff ms", "speedup", "95% interval", "translate ms",
+                         "new turn ms", "% of re-prefill", "keys-only ceiling", "limit", "translate / floor",
+                         "new turn / floor"], rows))
+
+
 @refusals_exit("perf")
 def main(argv=None) -> None:
     args = parse_args(argv)
@@ -351,13 +513,19 @@ def main(argv=None) -> None:
     large, small = pair_names(args)
     source, target = (large, small) if args.direction == "l2s" else (small, large)
     repeats = args.timing_repeats if args.timing_repeats is not None else (3 if on_cpu else profile.timing_repeats)
-    if not {"target_reprefill", "source_cache_handoff"} <= set(args.paths):
+    chosen_paths = args.paths or (timing.PATHS if args.full else QUICK_PATHS)
+    if not {"target_reprefill", "source_cache_handoff"} <= set(chosen_paths):
         raise Refusal("--paths must include target_reprefill and source_cache_handoff (the speedup's two ends)")
+    family, settings, family_from = timed_family(args, profile, source, target)
     cfg = PerfConfig(
-        arch=args.arch or ("preset" if args.large else "qwen3"), source=source, target=target, family=args.family,
+        arch=args.arch or ("preset" if args.large else "qwen3"), source=source, target=target, family=family,
+        family_settings=settings, family_from=family_from,
         refresh=str(args.refresh), flops_only=args.flops_only, direction=args.direction, device=device, dtype=dtype,
-        key_space=args.key_space, lengths=tuple(sorted(set(args.lengths))), new_turn_tokens=k,
-        modes=tuple(m for m in timing.MODES if m in args.modes), paths=tuple(n for n in timing.PATHS if n in args.paths),
+        key_space=args.key_space, full=args.full,
+        lengths=tuple(sorted(set(args.lengths or (FULL_LENGTHS if args.full else QUICK_LENGTHS)))),
+        families=(), new_turn_tokens=k,
+        modes=tuple(m for m in timing.MODES if m in (args.modes or (timing.MODES if args.full else ("optimised",)))),
+        paths=tuple(n for n in timing.PATHS if n in chosen_paths),
         cuda_graphs=device == "cuda" and not args.no_cuda_graphs, fuse_keys=args.fuse_keys,
         defer_values=args.defer_values,
         warmups=args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups),
@@ -366,7 +534,8 @@ def main(argv=None) -> None:
         cv_limit=args.cv_limit, allow_cv=args.allow_cv or (on_cpu and not args.strict_cv), threads=timing.threads(),
         peaks={},  # measured below, once the FLOP-only path has returned
     )
-    paths = RunPaths(args.run, results_root=args.results)
+    paths = RunPaths(args.run or ("perf" if args.direction == "l2s" else f"perf-{args.direction}"),
+                     results_root=args.results)
     # FLOP ceilings from parameter counts (meta-device models), before any weights are allocated
     geometry = Geometry.of(arch_config(source), arch_config(target))
     limit = arch_config(target).max_position_embeddings
@@ -378,14 +547,20 @@ def main(argv=None) -> None:
     if args.flops_only:
         report = Report("perf", config=cfg, inputs={"code_sha256": resume.code_hash(SCRIPT)},
                         results=PerfResults(lengths=[], switch_cost=[], checks=timing.cv_checks([], cfg.cv_limit, True),
-                                            flop_ceilings=ceilings),
+                                            flop_ceilings=ceilings, families=[]),
                         metrics=(), n_samples={"lengths": len(cfg.lengths)}, seeds=[0],
                         wall_time_s=time.time() - t_start, device=device, dtype=dtype)
         publish(report, paths.report("perf-flops"), None, flops_md)
         return
     print(flops_md + "\n", flush=True)
-    if args.family in refused:  # before the models are built
-        raise Refusal(refused[args.family])
+    # the families' settings are checked at the timed shapes before any model is built
+    families = second_row_set(args, cfg, refused)
+    for spec in ({"family": family, "settings": settings}, *families):
+        try:
+            translator_at(spec["family"], spec["settings"], arch_config(source), arch_config(target), args.key_space)
+        except TranslatorError as e:
+            raise Refusal(f"{family_label(spec['family'], spec['settings'])}: {e}")
+    cfg = replace(cfg, families=families)
     if args.peak_tflops and args.peak_gbps:
         peaks = Peaks(args.peak_tflops * 1e12, args.peak_gbps * 1e9, "given (--peak-tflops, --peak-gbps)")
     else:
@@ -396,22 +571,27 @@ def main(argv=None) -> None:
     probe = peaks
     print(f"building random {source} → {target} pair ({args.direction}, {dtype}, {device})...", file=sys.stderr)
     pair = random_pair(args.arch or "qwen3", args.direction, device, resolve_dtype(dtype), names=(large, small))
-    translator = random_translator(pair.source, pair.target, args.key_space, family=args.family)
-    try:  # resolved once (--defer-values on with maps or a refresh that cannot: refused before anything is timed)
-        defer = timing.defer_values_here(translator, device, args.refresh, SWITCH[cfg.defer_values])
+    translator = random_translator(pair.source, pair.target, args.key_space, family=family, settings=settings)
+    wanted = SWITCH[cfg.defer_values]
+    try:  # --defer-values on with maps or a refresh that cannot: refused before anything is timed
+        timing.defer_values_here(translator, device, args.refresh, wanted)
     except ValueError as e:
         raise Refusal(f"--defer-values on: {e}")
     trials = timing.Trials(cfg.warmups, cfg.repeats, cfg.cv_limit, cfg.max_repeats, cfg.max_seconds)
-    options = timing.PathOptions(cuda_graphs=cfg.cuda_graphs, fuse_keys=SWITCH[cfg.fuse_keys], defer_values=defer,
+    options = timing.PathOptions(cuda_graphs=cfg.cuda_graphs, fuse_keys=SWITCH[cfg.fuse_keys], defer_values=wanted,
                                  refresh=args.refresh)
     points = [perf_at_length(pair.source, pair.target, translator, n, k, trials, options, cfg.modes, cfg.paths, peaks)
               for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)]
+    del translator
+    family_points = time_families(pair, cfg, families, trials, options, peaks)
     # measured peaks never stay below a rate this run's own steps reached (given ones are kept as given)
-    peaks = raise_to_reached(probe, reached(points), flops=not args.peak_tflops, memory=not args.peak_gbps)
-    for point in points:
+    peaks = raise_to_reached(probe, reached(points + family_points), flops=not args.peak_tflops,
+                             memory=not args.peak_gbps)
+    for point in points + family_points:
         set_limit(point, peaks)
     cfg = replace(cfg, peaks={**asdict(peaks), "probe": asdict(probe)})
     noisy = [f"{p['context_tokens']}/{name}" for p in points for name in p["noisy"]]
+    noisy += [f"{family_label(p['family'], p['settings'])}/{name}" for p in family_points for name in p["noisy"]]
     checks = timing.cv_checks(noisy, cfg.cv_limit, cfg.allow_cv)
     switch = [{"context_tokens": p["context_tokens"], "mode": mode,
                "re_reading_s": p["modes"][mode]["paths"]["target_reprefill"]["median_s"],
@@ -419,8 +599,10 @@ def main(argv=None) -> None:
                "speedup": p["modes"][mode]["speedup"]["source_cache_handoff"],
                "speedup_interval": p["modes"][mode]["speedup_interval"]["source_cache_handoff"]}
               for p in points for mode in cfg.modes]
-    results = PerfResults(lengths=points, switch_cost=switch, checks=checks, flop_ceilings=ceilings)
-    md = flops_md + "\n\n" + perf_markdown(cfg, points) + timing.checks_line(checks)
+    results = PerfResults(lengths=points, switch_cost=switch, checks=checks, flop_ceilings=ceilings,
+                          families=family_points)
+    md = (flops_md + "\n\n" + perf_markdown(cfg, points) + cost_markdown(cfg, points)
+          + families_markdown(cfg, family_points) + timing.checks_line(checks))
     plot = paths.beside("perf", ".png")
     atomic_write_bytes(plot, perf_plot(points, cfg.modes, f"{cfg.source} → {cfg.target}, {dtype}, {device}"))
     report = Report("perf", config=cfg, inputs={"code_sha256": resume.code_hash(SCRIPT)}, results=results,

@@ -25,11 +25,12 @@ import torch
 from tqdm import tqdm
 
 from kvlingo.core.families import FAMILIES
-from kvlingo.core.folder import MANIFEST_FILE, MAPS_FILE, check_expected, load_state, read_manifest, save_translator, state_bytes
+from kvlingo.core.folder import (MANIFEST_FILE, MAPS_FILE, check_expected, load_state, read_manifest, save_translator,
+                                 seal_problem, state_bytes)
 from kvlingo.core.folder import build as build_translator
 from kvlingo.drive.stage import lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Refusal
-from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_bytes, sha256_file, sha256_json
+from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_bytes, sha256_file, sha256_json
 from kvlingo.run import resume
 from kvlingo.run.argtypes import whole
 from kvlingo.run.data import open_prepared, read_split, split_path
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="translator family: headwise, crosshead, crosslayer or residual (default: the profile's)")
     p.add_argument("--k", type=whole(1), default=None, help="crosslayer: source layers per target layer (default 2)")
     p.add_argument("--rank", type=whole(0), default=None, help="crosshead/crosslayer: rank of each layer's map (0: full)")
+    p.add_argument("--key-rank", type=whole(0), default=None,
+                   help="crosshead/crosslayer: rank of the key maps alone (0: full; default: --rank's)")
     p.add_argument("--pairing", choices=("ranked", "proportional"), default=None,
                    help="crosslayer: source layers ranked by held-out R² (default), or nearest by relative depth")
     p.add_argument("--base", choices=("headwise", "crosshead", "crosslayer"), default=None,
@@ -114,7 +117,8 @@ def ridge_value(text):
 def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
     """The family and its settings (`resolve_family`): --family with its own defaults and the flags given, or
     the profile's default for the direction."""
-    flags = {k: getattr(args, k) for k in ("k", "rank", "pairing", "base", "hidden") if getattr(args, k) is not None}
+    flags = {k: getattr(args, k) for k in ("k", "rank", "key_rank", "pairing", "base", "hidden")
+             if getattr(args, k) is not None}
     try:
         return resolve_family(profile, direction, args.family, flags)
     except (TypeError, ValueError) as e:
@@ -151,8 +155,14 @@ def finished_training(paths, key: str, args) -> dict | None:
         return None
 
     def maps_sha(folder: Path) -> str | None:
-        maps = folder / MAPS_FILE
-        return sha256_file(maps) if maps.is_file() and (folder / MANIFEST_FILE).is_file() else None
+        maps, manifest = folder / MAPS_FILE, folder / MANIFEST_FILE
+        if not (maps.is_file() and manifest.is_file()):
+            return None
+        try:
+            sealed = seal_problem(read_json(manifest)) is None
+        except (OSError, ValueError):
+            return None
+        return sha256_file(maps) if sealed else None
 
     if args.init_from and maps_sha(Path(args.init_from)) != init.get("maps_sha256"):
         return None
@@ -234,6 +244,10 @@ def main(argv=None) -> dict:
                       f"every one would repeat within each update; give --batch {n_train} or less")
     code_sha = resume.code_hash(SCRIPT)
     identity = resume.identity(cfg, {"data": data_hashes}, pair_cfg.identities(), code_sha)
+    check_outputs([paths.report("train"), paths.beside("train", ".md"), paths.beside("train", ".png")])
+    lock_run(paths.res, "train")  # one training per run: checkpoints and translators are its alone;
+    # taken before the up-to-date check, so a report another training is rewriting is never called finished
+    lock_run(paths.art, "train", root_flag="--artifacts")  # two --results roots still share one run's artifacts
     done = None if args.force else finished_training(paths, resume.resume_key(identity), args)
     if done is not None:
         if world.main:
@@ -261,11 +275,8 @@ def main(argv=None) -> dict:
     except Refusal:  # a misfit: the estimate is its reason
         print("\n".join(estimate))
         raise
-    check_outputs([paths.report("train"), paths.beside("train", ".md"), paths.beside("train", ".png")])
     check_outputs([d / f for d in (cf_dir, dist_dir) for f in (MAPS_FILE, MANIFEST_FILE)], [ckpt_dir], "--artifacts",
                   artifact_bytes(empty, cfg, args, state, ckpt_dir))
-    lock_run(paths.res, "train")  # one training per run: checkpoints and translators are its alone
-    lock_run(paths.art, "train", root_flag="--artifacts")  # two --results roots still share one run's artifacts
     if world.main and estimate:
         print("\n".join(estimate))
     pair = load_pair(pair_cfg, tokenizer)

@@ -16,6 +16,9 @@ def test_real_cost_counts_flops_at_the_real_shapes():
     assert abs(head["translate_flops_per_token"] - 14.68e6) < 0.01e6  # 2·2·28·8·128²
     cross = A.real_cost(by["crosshead"], "l2s", 64)
     assert cross["translate_flops_per_token"] == pytest.approx(2 * 2 * 28 * 1024 * 1024)
+    keys = A.real_cost(by["crosshead-key-rquarter"], "l2s", 64)
+    assert keys["real_settings"] == {"rank": 0, "key_rank": 256}  # a quarter of the toy width → of the real one
+    assert keys["translate_flops_per_token"] == pytest.approx(2 * 28 * 256 * 2048 + 2 * 28 * 1024 * 1024)
     low = A.real_cost(by["crosslayer-k4-rhalf"], "l2s", 64)
     assert low["real_settings"]["rank"] == 512  # half the toy width (32 of 64) → half the real width (512 of 1024)
     assert head["fraction_of_reprefill"] < cross["fraction_of_reprefill"] < A.real_cost(by["crosslayer-k4"], "l2s", 64)[

@@ -700,6 +700,7 @@ def test_cuda_graph_capture_refuses_a_cpu():
         graphs.capture(lambda: None, "cpu")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_paths_equal_eager_paths(tiny_pair_paths):
     source = load_model(ModelSpec.parse(str(tiny_pair_paths[0])), "cuda", torch.bfloat16)

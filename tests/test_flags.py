@@ -26,6 +26,7 @@ def test_estimate_time_follows_the_assumed_throughput(capsys):
 @pytest.mark.parametrize("flags, family, settings", [
     (["--family", "crosslayer", "--k", "3", "--rank", "4", "--pairing", "proportional"], "crosslayer",
      {"k": 3, "rank": 4, "pairing": "proportional"}),
+    (["--family", "crosshead", "--key-rank", "3"], "crosshead", {"rank": 0, "key_rank": 3}),
     (["--family", "residual", "--base", "crosshead", "--rank", "2", "--hidden", "8"], "residual",
      {"base": {"family": "crosshead", "settings": {"rank": 2}}, "hidden": 8}),
 ])
@@ -40,8 +41,11 @@ def test_family_flags_reach_the_translator_a_training_builds(flags, family, sett
     geometry = {"source_layers": 4, "source_kv_heads": 2, "source_head_dim": 8, "target_layers": 3,
                 "target_kv_heads": 2, "target_head_dim": 8}
     spec = build({"family": family, "key_space": "prenorm", "settings": got, "geometry": geometry}).settings()
-    (spec["base"]["settings"] if family == "residual" else spec).pop("layers")  # the plan, made from the settings
-    assert spec == {**settings, **({"init_seed": 0} if family == "residual" else {})}
+    maps = spec["base"]["settings"] if family == "residual" else spec
+    maps.pop("layers")  # the plan, made from the settings
+    assert maps.pop("key_rank") == got.get("key_rank", maps["rank"])  # recorded: the keys' rank, --rank's unless given
+    got.pop("key_rank", None)
+    assert spec == {**got, **({"init_seed": 0} if family == "residual" else {})}
 
 
 def test_slurm_flags_reach_the_job_settings(tmp_path):

@@ -236,7 +236,7 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
     try:
         for p, data in saved.items():
             p.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-        err = refused(train_translator.main, [*train, "--resume"], capsys)
+        err = refused(train_translator.main, [*train, "--resume", "--force"], capsys)  # finished: --force trains again
         assert "no intact checkpoint" in err and "drop --resume" in err
     finally:
         for p, data in saved.items():

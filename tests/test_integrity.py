@@ -309,7 +309,7 @@ def test_an_edited_closed_form_manifest_is_fitted_again(world, tmp_path, capsys)
     assert (folder / "maps.safetensors").read_bytes() == maps  # the same fit, made again
     capsys.readouterr()
     train_translator.main(argv)
-    assert "closed-form fit up to date" in capsys.readouterr().out
+    assert "train.json is up to date" in capsys.readouterr().out
 
 
 def test_the_same_model_folder_named_by_another_path_resumes(world, tiny_pair_paths, tmp_path, monkeypatch):
@@ -320,6 +320,8 @@ def test_the_same_model_folder_named_by_another_path_resumes(world, tiny_pair_pa
     assert relative != absolute
     first = train_translator.main(relative)
     again = train_translator.main([*absolute, "--resume"])
+    assert again == first  # the same key: up to date, not "settings changed"
+    again = train_translator.main([*absolute, "--resume", "--force"])
     assert again["results"]["resumed_from_update"] == 2
     assert first["config"]["pair"]["large"] == again["config"]["pair"]["large"] == str(tiny_pair_paths[0])
 
@@ -383,4 +385,4 @@ def test_ablate_resume_redoes_cells_whose_maps_or_rows_changed(world, tiny_pair_
     assert again["results"]["rows"][0]["test_kl_token"] == first["results"]["rows"][0]["test_kl_token"]
     capsys.readouterr()
     ablate.main([*argv, "--resume"])
-    assert "finished earlier" in capsys.readouterr().out
+    assert "train/headwise: up to date" in capsys.readouterr().out

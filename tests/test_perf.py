@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_make_perf_smoke(tmp_path):
     out = tmp_path / "perf"
-    args = (f"--arch tiny --lengths 16 32 --new-turn-tokens 4 --timing-warmups 0 --timing-repeats 2 "
+    args = (f"--arch tiny --full --lengths 16 32 --new-turn-tokens 4 --timing-warmups 0 --timing-repeats 2 "
             f"--results {tmp_path}")
     proc = subprocess.run(["make", "-s", "perf", "DEVICE=cpu", f"PERF_ARGS={args}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
@@ -109,11 +109,11 @@ def test_make_perf_passes_a_named_pair():
 @pytest.mark.slow
 def test_perf_times_a_family_on_another_geometry(tmp_path):
     """A Llama stand-in (3 layers, 1 KV head, head_dim 32, llama3 RoPE) → tiny Qwen3 (2 × 2 × 16): head-wise maps
-    refuse it before any model is built; cross-layer maps built through the registry are timed."""
+    (--family headwise) refuse it before any model is built; cross-layer maps built through the registry are timed."""
     base = [sys.executable, "perf.py", "--large", "tiny-llama", "--small", "tiny-small", "--device", "cpu",
             "--lengths", "16", "--new-turn-tokens", "4", "--timing-warmups", "0", "--timing-repeats", "2",
             "--results", str(tmp_path)]
-    refused = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    refused = subprocess.run(base + ["--family", "headwise"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "building random" not in refused.stderr and "--family crosslayer" in refused.stderr
     proc = subprocess.run(base + ["--family", "crosslayer", "--refresh", "tail:4"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
@@ -216,7 +216,7 @@ def test_perf_packs_the_targets_projections_in_the_optimised_rows_only(tmp_path,
     import perf
     from kvlingo.core import linear
 
-    base = ["--arch", "tiny", "--lengths", "16", "--new-turn-tokens", "4", "--paths", "target_reprefill",
+    base = ["--arch", "tiny", "--lengths", "16", "--new-turn-tokens", "4", "--modes", "shipped", "optimised", "--paths", "target_reprefill",
             "source_cache_handoff", "--timing-warmups", "0", "--timing-repeats", "1", "--peak-tflops", "1",
             "--peak-gbps", "1", "--device", "cpu"]
     perf.main([*base, "--results", str(tmp_path / "small")])

@@ -6,10 +6,11 @@ that run one after another add up. So, for a context of n tokens and a new turn 
     re-prefill   the target reads n + k tokens: every weight once, K/V written for n + k
                  tokens; dense FLOPs for n + k tokens, causal attention, one row of logits
     translation  the source's key features and values read, the maps read, the target's
-                 K/V written; `flops_per_token` · n (values deferred: the keys' half of each)
+                 K/V written; `flops_per_token` · n (values deferred: the keys' maps alone)
     new turn     the target reads k tokens: every weight once, the n-token cache read, k
                  tokens' K/V written; dense FLOPs for k tokens, attention of k queries over
-                 n + k keys, one row of logits
+                 n + k keys, one row of logits (values deferred: each query row mixes every
+                 source value its head reads, then the value map maps the mix: `deferred_work`)
 
 and the limit of the speedup is floor(re-prefill) / (floor(translation) + floor(new turn)).
 The same floors tell how far each measured stage is from its own limit.
@@ -37,6 +38,15 @@ import torch
 from ..core.arch import head_dim
 
 
+def synchronize(device: str | torch.device) -> None:
+    """Wait for queued device work so that a host clock reading covers it (a no-op on CPU)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
+
+
 @dataclass(frozen=True)
 class Peaks:
     flops_per_s: float  # dense matmul FLOP/s in the run dtype
@@ -45,8 +55,6 @@ class Peaks:
 
 
 def _best_seconds(fn, device, repeats: int = 3) -> float:
-    from .timing import synchronize
-
     fn()
     synchronize(device)
     best = float("inf")
@@ -115,9 +123,42 @@ def step_floor(flops: float, nbytes: float, peaks: Peaks) -> dict:
 
 
 def translation_flops(translator, n: int, defer_values: bool = False) -> float:
-    """FLOPs of translating n context tokens; with the values deferred, the keys' half (only head-wise
-    maps defer, and their key and value maps are the same size)."""
-    return translator.flops_per_token() * n / (2 if defer_values else 1)
+    """FLOPs of translating n context tokens; with the values deferred, the key maps' alone."""
+    return translator.flops_per_token(0 if defer_values else None) * n
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def deferred_work(translator, target, n: int, k: int, dtype: torch.dtype,
+                  feature_dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """(FLOPs, bytes) a new turn of k tokens adds on a cache of n deferred context tokens, against one
+    whose values are translated (`Translator.value_maps`; kvlingo.core.attention.deferred_attention).
+
+    Per target layer, each of the q_heads · k query rows mixes the source values its KV head reads
+    (the mix width: k_s source layers × (1 or every) source head × d_s) over the n context tokens
+    instead of the target's d_t-wide values, then maps the mix (mix width × d_t, or through a rank r:
+    mix width × r + r × d_t). The turn reads the source values of every layer each target layer reads
+    instead of the target's context values, and the value maps. `dtype`: the target cache's;
+    `feature_dtype`: the source values' (default `dtype`).
+    """
+    maps = translator.value_maps()
+    c, g = target.config, translator.geometry
+    rows = c.num_attention_heads * k  # query rows of one layer
+    mix = maps.weight.shape[2] if maps.down is None else maps.down.shape[1]
+    mapped = mix * maps.weight.shape[3] if maps.down is None else maps.down.shape[2] * (mix + maps.weight.shape[3])
+    flops = 2.0 * c.num_hidden_layers * rows * (n * (mix - g.target_head_dim) + mapped)
+    read = len(maps.layers) * len(maps.layers[0]) * g.source_kv_heads * n * g.source_head_dim
+    nbytes = (read * _element_size(feature_dtype or dtype) - kv_bytes(target, n, dtype) / 2
+              + _bytes((maps.weight, maps.bias, maps.down)))
+    return flops, nbytes
+
+
+def deferral_saves(translator, target, n: int, k: int) -> bool:
+    """Whether deferring the values does fewer FLOPs than translating them, for a new turn of k tokens
+    on n context tokens: the value maps' translation against what the turn's attention adds."""
+    return translator.flops_per_token(1) * n > deferred_work(translator, target, n, k, torch.float32)[0]
 
 
 def handoff_work(source, target, translator, n: int, k: int, dtype: torch.dtype,
@@ -125,26 +166,25 @@ def handoff_work(source, target, translator, n: int, k: int, dtype: torch.dtype,
     """(FLOPs, bytes) of re-prefill, translation and the new turn for a context of n tokens and a new turn of k.
 
     `dtype`: the models' (and caches') dtype; `feature_dtype`: what the translation reads (the
-    capture's dtype; default `dtype`). `defer_values` (head-wise maps, whose key and value maps
-    are the same size): the translation maps keys only, and the new turn reads the source's
-    values instead of translated ones, and maps each query row's mix of them (d_in × d_out per
-    query head and token).
+    capture's dtype; default `dtype`). `defer_values`: the translation maps keys only, and the new
+    turn does `deferred_work` on top of its own.
     """
     g = translator.geometry
     feature_dtype = feature_dtype or dtype
-    source_values = g.source_layers * g.source_kv_heads * n * g.source_head_dim * _element_size(feature_dtype)
-    maps = sum(p.numel() * p.element_size() for p in translator.parameters())
-    flops = translation_flops(translator, n, defer_values)
+    maps = translator.value_maps()
+    reads = len(maps.layers[0]) if maps is not None else 1  # source layers each target layer's maps read
+    source_features = g.target_layers * reads * g.source_kv_heads * n * g.source_head_dim * _element_size(feature_dtype)
+    all_maps = _bytes(translator.parameters())
     new_turn_flops = forward_flops(target, k, n)
     new_turn_bytes = weight_bytes(target) + kv_bytes(target, n, dtype) + kv_bytes(target, k, dtype)
     if not defer_values:
-        translation = (flops, 2 * source_values + maps + kv_bytes(target, n, dtype))
+        translation = (translation_flops(translator, n), 2 * source_features + all_maps + kv_bytes(target, n, dtype))
     else:
-        translation = (flops, source_values + maps / 2 + kv_bytes(target, n, dtype) / 2)
-        c = target.config
-        rows = c.num_hidden_layers * c.num_attention_heads * k  # query rows, every layer
-        new_turn_flops += 2.0 * rows * (n * (g.source_head_dim - g.target_head_dim) + g.source_head_dim * g.target_head_dim)
-        new_turn_bytes += source_values + maps / 2 - kv_bytes(target, n, dtype) / 2
+        key_maps = all_maps - _bytes((maps.weight, maps.bias, maps.down))
+        translation = (translation_flops(translator, n, True), source_features + key_maps + kv_bytes(target, n, dtype) / 2)
+        extra_flops, extra_bytes = deferred_work(translator, target, n, k, dtype, feature_dtype)
+        new_turn_flops += extra_flops
+        new_turn_bytes += extra_bytes
     return {
         "reprefill": (forward_flops(target, n + k, 0), weight_bytes(target) + kv_bytes(target, n + k, dtype)),
         "translation": translation,

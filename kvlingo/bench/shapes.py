@@ -97,14 +97,19 @@ def prefill_flops(model, tokens: int) -> float:
     return 2.0 * n * tokens
 
 
-def real_settings(settings: dict, width_ratio: float) -> dict:
-    """A family's settings carried to other shapes: the layer plan dropped (re-derived there), the rank
-    scaled by the ratio of the target widths (so a rank that is half the width stays half)."""
+def real_settings(settings: dict, width_ratio: float, source_layers: int | None = None) -> dict:
+    """A family's settings carried to other shapes: the layer plan dropped (re-derived there), the ranks
+    scaled by the ratio of the target widths (so a rank that is half the width stays half), and k capped
+    at `source_layers` when given."""
     out = {k: v for k, v in settings.items() if k != "layers"}
-    if out.get("rank"):
-        out["rank"] = max(1, round(out["rank"] * width_ratio))
+    if source_layers is not None and out.get("k", 0) > source_layers:
+        out["k"] = source_layers
+    for name in ("rank", "key_rank"):
+        if out.get(name):
+            out[name] = max(1, round(out[name] * width_ratio))
     if isinstance(out.get("base"), dict):
-        out["base"] = {**out["base"], "settings": real_settings(out["base"].get("settings", {}), width_ratio)}
+        out["base"] = {**out["base"], "settings": real_settings(out["base"].get("settings", {}), width_ratio,
+                                                                 source_layers)}
     return out
 
 

@@ -14,15 +14,27 @@ import torch
 from dataclasses import replace
 
 from ..core import engine, fused
-from ..core.handoff import prefill
+from ..core.handoff import can_defer_values, prefill
 from ..core.translator import Translator
 from . import packing, timing
-from .roofline import Peaks, handoff_work, limits_at, translation_flops
+from .roofline import Peaks, deferred_work, forward_flops, handoff_work, limits_at, translation_flops
 
 
 def random_ids(vocab: int, n: int, seed: int, device) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (1, n), generator=g).to(device)  # [1, n]
+
+
+def context_ids(target, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random context [1, n] and new turn [1, k] `perf_at_length` times at length n."""
+    ids = random_ids(target.config.vocab_size, n + k, seed + n, next(target.parameters()).device)
+    return ids[:, :n], ids[:, n:]
+
+
+def context_capture(source, target, n: int, k: int, prenorm: bool = True, seed: int = 0):
+    """The source's capture of `context_ids`' context: what several translators' timings at length n share."""
+    with torch.inference_mode():
+        return prefill(source, context_ids(target, n, k, seed)[0], prenorm)
 
 
 def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, precision: str = "fp32",
@@ -126,9 +138,23 @@ def reached(points: list[dict]) -> list[tuple[str, float, float, float]]:
     return out
 
 
+def translation_cost(source, target, translator: Translator, n: int, k: int, deferred: bool) -> dict:
+    """What the family's maps cost against a re-prefill (FLOPs as the physical limit counts them: attention
+    and one row of logits included): the translation of keys and values, of the keys alone, the work a
+    new turn adds on deferred values, and the ceilings re-prefill ÷ translation (keys only, and as timed)."""
+    reprefill = forward_flops(target, n + k, 0)
+    both, keys = translation_flops(translator, n), translation_flops(translator, n, True)
+    dtype = next(target.parameters()).dtype
+    mix = deferred_work(translator, target, n, k, dtype)[0] if can_defer_values(translator) else None
+    timed = keys if deferred else both
+    return {"reprefill_flops": reprefill, "translation_flops": both, "key_translation_flops": keys,
+            "deferred_new_turn_flops": mix, "deferred": deferred, "timed_translation_flops": timed,
+            "share_of_reprefill": timed / reprefill, "ceiling": reprefill / timed, "key_ceiling": reprefill / keys}
+
+
 def perf_at_length(source, target, translator: Translator, n: int, k: int, trials: timing.Trials,
                    options: timing.PathOptions = timing.PathOptions(), modes=timing.MODES, names=timing.PATHS,
-                   peaks: Peaks | None = None, seed: int = 0) -> dict:
+                   peaks: Peaks | None = None, seed: int = 0, cap=None) -> dict:
     """Time the paths `names` (re-prefill and the existing-source handoff at least) in each of `modes` for a
     random context of n tokens and a new turn of k tokens, the paths running as `options` say (its mode
     aside). The physical limit (at `peaks`) counts the work of the handoff the optimised rows run, and
@@ -137,16 +163,17 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, trial
     The set-up prefills (the existing source capture, the target's own cache) do the same
     work as one run of the source-prefill and re-prefill paths at this length, so they
     stand in for those paths' first warm-up: this saves two long prefills per length on a CPU.
+    `cap`: the source's capture of this length's context (`context_capture`), shared by several
+    translators' timings; made here when not given.
     """
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
-    ids = random_ids(target.config.vocab_size, n + k, seed + n, device)
-    context, new = ids[:, :n], ids[:, n:]
+    context, new = context_ids(target, n, k, seed)
     names = [name for name in timing.PATHS if name in names]
     if not {"target_reprefill", "source_cache_handoff"} <= set(names):
         raise ValueError(f"paths {names} must include target_reprefill and source_cache_handoff")
     with torch.inference_mode():
-        cap = prefill(source, context, translator.needs_prenorm)
+        cap = cap if cap is not None else prefill(source, context, translator.needs_prenorm)
         own = prefill(target, context) if "target_cache_continue" in names else None
     rows = {}
     for mode in modes:
@@ -162,6 +189,7 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, trial
     deferred = any(row["deferred_values"] for row in rows.values())
     precision = timing.fast_precision(device, options.fuse_keys)
     point = {"context_tokens": n, "new_turn_tokens": k, "modes": rows,
+             "cost": translation_cost(source, target, translator, n, k, deferred),
              "memory": translation_memory(translator, cap, dtype, precision, deferred),
              "noisy": [f"{mode}/{name}" for mode, row in rows.items() for name in row["noisy"]]}
     if peaks is not None:

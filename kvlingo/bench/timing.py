@@ -17,9 +17,10 @@ every optimisation the handoff gets:
                FP32 maths, eager
     optimised  a preallocated cache with room for the new turn, reserved once per context and
                reused by every call, which the translation writes straight into; grouped-query
-               attention without repeated K/V (kvlingo.core.attention); with head-wise maps on a
-               CPU, the values left deferred (kvlingo.core.preallocated); the keys' norm and RoPE
-               compiled on a CPU and the maps' matmuls in the run dtype on CUDA (`fast_precision`);
+               attention without repeated K/V (kvlingo.core.attention); on a CPU, the values left
+               deferred where the value maps allow it and it saves FLOPs (kvlingo.core.preallocated);
+               the keys' norm and RoPE compiled on a CPU and the maps' matmuls in the run dtype on
+               CUDA (`fast_precision`);
                on CUDA each path replayed as a CUDA graph (kvlingo.bench.graphs). On a CPU the
                caller also packs the target's projections for oneDNN (`packing.packed`).
 
@@ -43,6 +44,7 @@ from ..core.handoff import can_defer_values, device_of, prefill, refreshing, tra
 from ..core.translator import Translator
 from ..eval.stats import cv, median, ratio_of_medians_interval
 from . import graphs
+from .roofline import deferral_saves, synchronize
 
 PATHS = ("target_reprefill", "source_cache_handoff", "source_prefill_handoff", "target_cache_continue")
 STAGES = ("translate", "build_cache", "new_turn")  # the pieces of source_cache_handoff, timed apart
@@ -94,15 +96,6 @@ def fast_precision(device, fuse_keys: bool | None = None) -> str:
 def threads() -> int:
     """Intra-op threads torch runs on: reported with every timing (a shared CPU is far from idle)."""
     return torch.get_num_threads()
-
-
-def synchronize(device: str | torch.device) -> None:
-    """Wait for queued device work so that a host clock reading covers it (a no-op on CPU)."""
-    kind = torch.device(device).type
-    if kind == "cuda":
-        torch.cuda.synchronize(device)
-    elif kind == "mps":
-        torch.mps.synchronize()
 
 
 def run_trials(fn: Callable[[], object], device, warmups: int, repeats: int, cv_limit: float | None = None,
@@ -217,7 +210,8 @@ class HandoffPaths:
         self.kind = "preallocated" if self.optimised else "dynamic"
         device = context_ids.device
         self.precision = fast_precision(device, options.fuse_keys) if self.optimised else "fp32"
-        self.defer_values = self.optimised and defer_values_here(translator, device, self.refresh, options.defer_values)
+        self.defer_values = self.optimised and defer_values_here(translator, device, self.refresh, options.defer_values,
+                                                                 target, context_ids.shape[1], new_ids.shape[1])
         # a refresh runs the target inside the translation and assembles a cache per call: not graphed
         self.graphs_on = (self.optimised and device.type == "cuda" and options.cuda_graphs is not False
                           and not refreshing(self.refresh))
@@ -350,20 +344,25 @@ class HandoffPaths:
         return getattr(self, name)
 
 
-def defer_values_here(translator: Translator, device, refresh=None, wanted: bool | None = None) -> bool:
+def defer_values_here(translator: Translator, device, refresh=None, wanted: bool | None = None, target=None,
+                      n: int = 4096, k: int = 16) -> bool:
     """Whether an optimised handoff leaves the context's values deferred (`handoff.translate_to_cache`).
 
-    None: where the translator can (head-wise maps, no refresh) on a CPU, where it is measured to
-    help; not yet on other devices, where no run of this suite has timed it. True refuses
-    (ValueError) a translator or refresh that cannot; False never defers."""
+    None: where the translator can (value maps linear in the source's values, no refresh), on a CPU,
+    and where deferring does fewer FLOPs than translating the values for a new turn of k tokens on n
+    (`roofline.deferral_saves`, given the `target`); not yet on other devices, where no run of this
+    suite has timed it. True refuses (ValueError) a translator or refresh that cannot; False never defers."""
     if wanted is False:
         return False
     able = can_defer_values(translator, "preallocated", refresh)
     if wanted and not able:
         raise ValueError(f"values cannot be deferred with a {translator.family} translator"
                          + (" under a refresh" if refreshing(refresh) else "")
-                         + ": only head-wise maps without a refresh can; turn deferred values off")
-    return able and (bool(wanted) or torch.device(device).type == "cpu")
+                         + ": only translators whose value maps are linear in the source's values can, without a "
+                           "refresh; turn deferred values off")
+    if not able or wanted:
+        return able
+    return torch.device(device).type == "cpu" and (target is None or deferral_saves(translator, target, n, k))
 
 
 def time_paths(paths: HandoffPaths, names=PATHS, trials: Trials = Trials(),

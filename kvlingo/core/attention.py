@@ -13,14 +13,18 @@ one SDPA call then reads each KV head once, and every output row is the same sof
 the same keys as before. Without a mask (a prefill on `is_causal`, or one query) the call
 goes to transformers' own `sdpa` function, which uses SDPA's `enable_gqa` there already.
 
-On a cache whose context values are deferred (kvlingo.core.preallocated: the source's values
-plus a per-head affine map), `run_with_cache` passes the cache as the attention keyword
-`DEFERRED`, and the layer attends as softmax weights p over [context | own] keys, then
+On a cache whose context values are deferred (kvlingo.core.preallocated: views of the source's
+values plus an affine map per layer, `ValueMaps`), `run_with_cache` passes the cache as the
+attention keyword `DEFERRED`, and the layer attends as softmax weights p over [context | own]
+keys, then, for each query row of target head j,
 
-    out = (p_context · V_source) W + (Σ p_context) b + p_own · V_own
+    out = (Σ p_context · x) W_j + (Σ p_context) b_j + p_own · V_own
 
-with the scores and softmax written out (FP32 softmax, as transformers' eager attention),
-the query rows in chunks of at most `SCORE_ELEMENTS` scores.
+where x concatenates the source values head j reads (`mix_sources`: head j alone for
+head-wise maps, every source head of every source layer read for the others) and a low-rank
+map applies its shared first factor to the mix before W_j. The scores and softmax are written
+out (FP32 softmax, as transformers' eager attention), the query rows in chunks of at most
+`SCORE_ELEMENTS` scores.
 
 The function is registered through transformers' `AttentionInterface` as `NAME`, with
 transformers' own sdpa mask builder under the same name; `using(model, NAME)` switches a
@@ -68,9 +72,9 @@ def gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torc
 def deferred_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                        deferred, scaling: float | None = None) -> torch.Tensor:
     """Attention of query [1, q_heads, q, d] over key [1, kv_heads, n + own, d], whose first n tokens'
-    values are `deferred` (values [1, kv_heads, n, d_in], weight [kv_heads, d_in, d_v], bias [kv_heads, d_v])
-    and the rest's are `value` [1, kv_heads, own, d_v]; mask [B, 1, q, n + own] (bool: attend, or additive)
-    or None (every query sees every key; a new turn of more than one token always has one).
+    values are `deferred` (`preallocated.Deferred`: the source's values of the layers read and the map)
+    and the rest's are `value` [1, kv_heads, own, d_v]; mask [B, 1, q, n + own] (bool: attend, or
+    additive) or None (every query sees every key; a new turn of more than one token always has one).
     Returns [1, q, q_heads, d_v]."""
     if query.shape[0] != 1:
         raise ValueError("deferred values are batch-one")
@@ -82,8 +86,9 @@ def deferred_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     scale = d ** -0.5 if scaling is None else scaling
     packed = query[0].reshape(kv_heads, groups, q, d)  # query head h = kv·groups + j
     keys_t = key[0].transpose(1, 2)  # [kv_heads, d, kv]
-    src_values, own_values = deferred.values[0], value[0]
-    weight, bias = deferred.weight.float(), deferred.bias[:, None].float()  # [kv_heads, d_in, d_v], [kv_heads, 1, d_v]
+    own_values = value[0]
+    weight, bias = deferred.weight.float(), deferred.bias[:, None].float()  # [kv_heads, d_x, d_v], [kv_heads, 1, d_v]
+    down = None if deferred.down is None else deferred.down.float()  # [mix width, rank]
     out = query.new_empty(1, q, q_heads, own_values.shape[-1])
     step = max(1, SCORE_ELEMENTS // (kv_heads * groups * kv))
     for begin in range(0, q, step):  # query rows in chunks, so the scores stay bounded for a long new turn
@@ -106,12 +111,29 @@ def deferred_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         p = torch.softmax(scores, dim=-1)  # [kv_heads, groups·r, kv], FP32
         own = p[:, :, n:]
         context_weight = 1.0 - own.sum(-1, keepdim=True)  # Σ p over the context, from the few own columns
-        context = torch.bmm(p[:, :, :n].to(src_values.dtype), src_values).float()  # [kv_heads, groups·r, d_in]
+        context = mix_sources(p[:, :, :n], deferred)  # [kv_heads, groups·r, mix width], FP32
+        if down is not None:
+            context = context @ down  # [kv_heads, groups·r, rank]
         mixed = torch.baddbmm(bias * context_weight, context, weight)
         if kv > n:
             mixed += torch.bmm(own.to(own_values.dtype), own_values).float()
         out[0, rows] = mixed.view(kv_heads, groups, r, -1).permute(2, 0, 1, 3).reshape(r, q_heads, -1).to(out.dtype)
     return out
+
+
+def mix_sources(p: torch.Tensor, deferred) -> torch.Tensor:
+    """Σ_t p_t x_t for every query row: p [kv_heads, rows, n] (rows of target head j in p[j]) → [kv_heads,
+    rows, mix width] in FP32, x_t the source values target head j reads at token t, source layer by layer and
+    head by head (`preallocated.ValueMaps`), mixed in the source values' dtype."""
+    sources = deferred.sources  # k × [source kv_heads, n, d_s]
+    kv_heads, rows, n = p.shape
+    weights = p.to(sources[0].dtype)
+    if deferred.per_head:  # head j reads source head j: one batched product per source layer
+        return torch.cat([torch.bmm(weights, v) for v in sources], dim=-1).float()
+    heads = sources[0].shape[0]
+    every = weights.reshape(1, kv_heads * rows, n).expand(heads, -1, -1)  # every row against each source head
+    mixed = torch.stack([torch.bmm(every, v) for v in sources])  # [k, source kv_heads, kv_heads·rows, d_s]
+    return mixed.view(len(sources), heads, kv_heads, rows, -1).permute(2, 3, 0, 1, 4).reshape(kv_heads, rows, -1).float()
 
 
 _registered = False

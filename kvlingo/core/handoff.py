@@ -5,7 +5,8 @@
     translate       capture → translator → target-layout (keys, values)
     translate_to_cache  capture → translator → the target's cache, ready for a new turn: on a
                     preallocated cache the translator writes straight into it (no copy), or,
-                    with head-wise maps, writes the keys and leaves the values deferred
+                    with value maps linear in the source's values, writes the keys and leaves
+                    the values deferred
     continue_target the target runs new tokens on top of injected (keys, values) or a cache
     greedy_generate the target (or any model) decodes greedily on top of an injected cache
 
@@ -73,8 +74,9 @@ def refreshing(refresh) -> bool:
 
 
 def can_defer_values(translator, kind: str = "preallocated", refresh=None) -> bool:
-    """Whether a handoff with `translator` can leave the context's values deferred: a family with
-    per-head affine value maps (`Translator.value_maps`), a preallocated cache, and no refresh."""
+    """Whether a handoff with `translator` can leave the context's values deferred: a family whose value
+    maps are affine in the source's values (`Translator.value_maps`: head-wise, cross-head, cross-layer),
+    a preallocated cache, and no refresh."""
     return kind == "preallocated" and not refreshing(refresh) \
         and translator.value_maps() is not None
 
@@ -94,8 +96,8 @@ def translate_to_cache(source, target, translator, context_ids=None, cap: Captur
     them (kvlingo.core.preallocated). The logits are the translated cache's to rounding.
     """
     if defer_values and not can_defer_values(translator, kind, refresh):
-        raise ValueError(f"a {translator.family} translator cannot defer values here (it needs per-head affine "
-                         "value maps, a preallocated cache and no refresh); leave defer_values off")
+        raise ValueError(f"a {translator.family} translator cannot defer values here (it needs value maps affine in "
+                         "the source's values, a preallocated cache and no refresh); leave defer_values off")
     if cap is None:
         cap = capture_source(source, context_ids, [translator], kind)
     out_dtype = out_dtype or next(target.parameters()).dtype
@@ -108,7 +110,7 @@ def translate_to_cache(source, target, translator, context_ids=None, cap: Captur
     cache = into if into is not None else empty_cache(target, n, room, out_dtype, cap.values.device)
     if defer_values:
         translator(cap, out_dtype, out=(cache.context(n)[0], None), precision=precision)  # the keys only
-        cache.defer_values(cap.values, *translator.value_maps())
+        cache.defer_values(cap.values, translator.value_maps())
     else:
         translator(cap, out_dtype, out=cache.context(n), precision=precision)
         cache.fill(n)

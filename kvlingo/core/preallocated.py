@@ -9,19 +9,23 @@ layer at every step), no padded capacity under a mask (what StaticCache attends 
 
 A translator writes a context straight in through `context(n)`, then `set_length(n)`.
 
-Deferred values (`defer_values`): with a per-head affine value map W, b (the head-wise
-family), a context's translated values never need to exist. Attention is linear in the
-values, so for any attention weights p over the context,
+Deferred values (`defer_values`): when every translated value is an affine map of source
+values (`ValueMaps`: head-wise, cross-head, cross-layer and low-rank maps alike), a context's
+translated values never need to exist. For target layer l and KV head j, the value at token
+t is v_t = x_t W + b, where x_t concatenates the source values head j reads (source layers s,
+source heads h). Attention is linear in the values, so for any attention weights p over the
+context,
 
-    Σ_t p_t (v_t W + b) = (Σ_t p_t v_t) W + (Σ_t p_t) b
+    Σ_t p_t (x_t W + b) = (Σ_t p_t x_t) W + (Σ_t p_t) b,    Σ_t p_t x_t = [Σ_t p_t v_src[t, s, h]] over (s, h)
 
-and the target can attend over the source's own values and map each query row's result:
-a new turn's few rows instead of every context token. A layer then holds the context's
-keys (translated) and, for the context, the source's values and the maps; the values of
-tokens after it (the new turn, generation) are the target's own, kept from row 0 of the
-value buffer on. `attention.deferred_attention` reads both. Such a cache only works with
-that attention (`cache.run_with_cache` switches to it): `values` holds the target's own
-rows only, and transformers' attention refuses keys and values of different lengths.
+and the target can attend over the source's own values and map each query row's mix: a new
+turn's few rows instead of every context token (a low-rank W = D U applies D, then U, to the
+mix). A layer then holds the context's keys (translated) and, for the context, views of the
+source's values of the layers it reads and its map; the values of tokens after it (the new
+turn, generation) are the target's own, kept from row 0 of the value buffer on.
+`attention.deferred_attention` reads both. Such a cache only works with that attention
+(`cache.run_with_cache` switches to it): `values` holds the target's own rows only, and
+transformers' attention refuses keys and values of different lengths.
 
 Capacity is a hint: a layer that would overflow moves to buffers twice as large (the first
 overflowing step pays one copy), so generation of unknown length stays correct.
@@ -119,16 +123,35 @@ class PreallocatedLayer(CacheLayerMixin):
         raise NotImplementedError("the preallocated cache stays on its device")
 
 
+@dataclass(frozen=True)
+class ValueMaps:
+    """A translator's values as affine maps of the source's values (`Translator.value_maps`): for target
+    layer l and KV head j,
+
+        v[l, j] = x[l, j] · weight[l, j] + bias[l, j]            (x[l, j] · down[l] · weight[l, j] + bias[l, j])
+
+    where x[l, j] concatenates, over the source layers `layers[l]` in order and, within each, the source
+    heads head j reads (head j alone when `per_head`, else every source head in order), those heads'
+    values: its width, the mix width, is k · d_s (per head) or k · source kv_heads · d_s."""
+    layers: tuple[tuple[int, ...], ...]  # [target layers][k]: the source layers each target layer reads
+    per_head: bool  # target head j reads source head j alone (head-wise maps); else every source head
+    weight: torch.Tensor  # [target layers, target kv_heads, mix width (or down's rank), d_out], FP32
+    bias: torch.Tensor  # [target layers, target kv_heads, d_out], FP32
+    down: torch.Tensor | None = None  # [target layers, mix width, rank], FP32: a low-rank map's first factor
+
+
 @dataclass
 class Deferred:
-    """One layer's context values, deferred: the source's values and the affine map that translates them."""
-    values: torch.Tensor  # [1, kv_heads, tokens, d_in]: the source's
-    weight: torch.Tensor  # [kv_heads, d_in, d_out], FP32
+    """One layer's context values, deferred: views of the source's values it reads and the map that translates them."""
+    sources: tuple[torch.Tensor, ...]  # k × [source kv_heads, tokens, d_s]: the source's values of the layers read
+    per_head: bool  # target head j reads source head j alone (`ValueMaps.per_head`)
+    weight: torch.Tensor  # [kv_heads, mix width or rank, d_out], FP32
     bias: torch.Tensor  # [kv_heads, d_out], FP32
+    down: torch.Tensor | None = None  # [mix width, rank], FP32, or None (a full-rank map)
 
     @property
     def tokens(self) -> int:
-        return self.values.shape[2]
+        return self.sources[0].shape[1]
 
 
 class PreallocatedCache(Cache):
@@ -175,19 +198,35 @@ class PreallocatedCache(Cache):
             layer.defer(None)
             layer.set_length(n)
 
-    def defer_values(self, values: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
-        """The context's values as the source's `values` [layers, kv_heads, tokens, d_in] and the maps
-        `weight` [layers, kv_heads, d_in, d_out], `bias` [layers, kv_heads, d_out]; the context's keys
-        are written through `context(tokens)` first. Marks those tokens filled."""
+    def defer_values(self, values: torch.Tensor, maps: ValueMaps) -> None:
+        """The context's values as the source's `values` [source layers, source kv_heads, tokens, d_s]
+        and `maps` (`ValueMaps`: the layers each target layer reads are kept as views, never copied);
+        the context's keys are written through `context(tokens)` first. Marks those tokens filled."""
         L, H, d = len(self.layers), self.key_buffer.shape[1], self.key_buffer.shape[3]
-        if values.dim() != 4 or values.shape[:2] != (L, H) or weight.shape != (L, H, values.shape[3], d) \
-                or bias.shape != (L, H, d):
-            raise ValueError(f"deferred values {tuple(values.shape)}, maps {tuple(weight.shape)} / {tuple(bias.shape)} "
-                             f"must be [{L}, {H}, tokens, d_in], [{L}, {H}, d_in, {d}] / [{L}, {H}, {d}]")
-        if values.shape[2] > self.capacity:
-            raise ValueError(f"{values.shape[2]} deferred tokens exceed the capacity {self.capacity}")
+        if values.dim() != 4:
+            raise ValueError(f"deferred values {tuple(values.shape)} must be [source layers, kv_heads, tokens, d_in]")
+        S, Hs, n, ds = values.shape
+        k = len(maps.layers[0]) if maps.layers else 0
+        mix = k * ds * (1 if maps.per_head else Hs)
+        width = mix if maps.down is None else maps.down.shape[-1]
+        wrong = []
+        if len(maps.layers) != L or any(len(ls) != k or not all(0 <= s < S for s in ls) for ls in maps.layers):
+            wrong.append(f"the maps read {len(maps.layers)} layer lists, not {L} of {k} source layers below {S}")
+        if maps.per_head and Hs != H:
+            wrong.append(f"per-head maps need {H} source KV heads, not {Hs}")
+        if maps.down is not None and tuple(maps.down.shape[:2]) != (L, mix):
+            wrong.append(f"down {tuple(maps.down.shape)} is not [{L}, {mix}, rank]")
+        if tuple(maps.weight.shape) != (L, H, width, d) or tuple(maps.bias.shape) != (L, H, d):
+            wrong.append(f"maps {tuple(maps.weight.shape)} / {tuple(maps.bias.shape)} are not [{L}, {H}, {width}, {d}] "
+                         f"/ [{L}, {H}, {d}]")
+        if wrong:
+            raise ValueError(f"deferred values {tuple(values.shape)} and their maps do not fit this cache: "
+                             + "; ".join(wrong))
+        if n > self.capacity:
+            raise ValueError(f"{n} deferred tokens exceed the capacity {self.capacity}")
         for i, layer in enumerate(self.layers):
-            layer.defer(Deferred(values[i:i + 1], weight[i], bias[i]))
+            layer.defer(Deferred(tuple(values[s] for s in maps.layers[i]), maps.per_head, maps.weight[i],
+                                 maps.bias[i], None if maps.down is None else maps.down[i]))
 
     def context(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable views of the first n token slots: (keys, values), each [layers, kv_heads, n, head_dim].

@@ -8,7 +8,7 @@ A translator turns a source capture (`cache.Capture`) into the target's K/V, rea
   finished into the target's cached keys), and so whether a capture needs pre-norm features;
 - its state (an `nn.Module`: parameters and buffers, saved as maps.safetensors);
 - its spec (`family`, `key_space` and `settings()`, saved in the manifest);
-- its cost (`flops_per_token`);
+- its cost (`flops_per_token`, of keys and values apart or together);
 - `map(which, cap, layers)`: FP32 target features of keys (0) or values (1) for a run of
   target layers, differentiable; `map_into` the same written into a buffer.
 
@@ -32,6 +32,7 @@ from . import engine
 from .arch import head_dim
 from .cache import Capture
 from .keyspace import KeySpace
+from .preallocated import ValueMaps
 
 FAMILIES: dict[str, type["Translator"]] = {}  # family name → class, filled by @family
 
@@ -96,14 +97,15 @@ class Translator(nn.Module):
     def map_into(self, which: int, cap: Capture, layers: slice, out: torch.Tensor) -> None:
         out.copy_(self.map(which, cap, layers))
 
-    def flops_per_token(self) -> float:
-        """Multiply-adds × 2 per context token for keys and values together (norm and RoPE excluded)."""
+    def flops_per_token(self, which: int | None = None) -> float:
+        """Multiply-adds × 2 per context token of the key (0) or value (1) maps, or of both (None); norm and
+        RoPE excluded."""
         raise NotImplementedError
 
-    def value_maps(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(weight [layers, kv_heads, d_in, d_out], bias [layers, kv_heads, d_out]), FP32 and detached, when
-        every target value is one affine map of the same layer and KV head's source value; then a handoff
-        may leave the values deferred (kvlingo.core.preallocated). None for any other family."""
+    def value_maps(self) -> ValueMaps | None:
+        """Every target value as an affine map of source values (`preallocated.ValueMaps`, FP32 and
+        detached), for a family whose value maps are linear in the source's values; then a handoff may
+        leave the values deferred (kvlingo.core.preallocated). None for any other family."""
         return None
 
     @classmethod

@@ -37,8 +37,8 @@ class Setting:
         """The family flags as train_translator.family_settings takes them."""
         out, it = {}, iter(self.flags)
         for flag in it:
-            if flag in ("--k", "--rank", "--hidden"):
-                out[flag[2:]] = int(next(it))
+            if flag in ("--k", "--rank", "--key-rank", "--hidden"):
+                out[flag[2:].replace("-", "_")] = int(next(it))
             elif flag in ("--pairing", "--base"):
                 out[flag[2:]] = next(it)
         return out
@@ -48,6 +48,8 @@ SETTINGS = (
     Setting("headwise-ridge0", "headwise", ("--ridge", "0"), "the seed design: head-wise maps, plain least squares"),
     Setting("headwise", "headwise", (), "head-wise maps, ridge chosen on held-out positions"),
     Setting("crosshead", "crosshead", (), "all source heads → all target heads, same relative depth"),
+    Setting("crosshead-key-rquarter", "crosshead", ("--key-rank", "16"),
+            "cross-head maps, the keys' through a rank of a quarter of the target width (values full)"),
     Setting("crosslayer-k2", "crosslayer", ("--k", "2"), "cross-head input from the top-2 source layers by R²"),
     Setting("crosslayer-k4", "crosslayer", ("--k", "4"), "cross-head input from the top-4 source layers by R²"),
     Setting("crosslayer-k4-rhalf", "crosslayer", ("--k", "4", "--rank", "32"),

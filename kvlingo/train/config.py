@@ -8,17 +8,19 @@ from ..run.models import PairConfig
 from ..run.report import Metric
 
 def family_settings(family: str, k: int = 2, rank: int = 0, pairing: str = "ranked", base: str = "headwise",
-                    hidden: int = 64) -> dict:
-    """A family's settings from the training flags (--k, --rank, --pairing, --base, --hidden)."""
+                    hidden: int = 64, key_rank: int | None = None) -> dict:
+    """A family's settings from the training flags (--k, --rank, --key-rank, --pairing, --base, --hidden)."""
+    keys = {} if key_rank is None else {"key_rank": key_rank}  # without it the keys take `rank`
     if family == "crosslayer":
-        return {"k": k, "rank": rank, "pairing": pairing}
+        return {"k": k, "rank": rank, **keys, "pairing": pairing}
     if family == "crosshead":
-        return {"rank": rank}
+        return {"rank": rank, **keys}
     if family == "residual":
         if base == "residual":
             raise ValueError("--base residual: the residual family sits on a linear family (headwise, crosshead, "
                              "crosslayer)")
-        return {"base": {"family": base, "settings": family_settings(base, k, rank, pairing)}, "hidden": hidden}
+        return {"base": {"family": base, "settings": family_settings(base, k, rank, pairing, key_rank=key_rank)},
+                "hidden": hidden}
     return {}
 
 

@@ -7,6 +7,10 @@ target KV heads at once, y_l [tokens, H_t·d_t]:
     y_l = x_l W_l + b_l                       (full: W_l [k·H_s·d_s, H_t·d_t])
     y_l = (x_l D_l) U_l + b_l                 (rank r: D_l [k·H_s·d_s, r], U_l [r, H_t·d_t])
 
+`rank` sets the values' map and, unless `key_rank` is given, the keys' (0: full). Keys and
+values that share a rank keep one [2, layers, ...] tensor per factor (index 0 = keys, 1 =
+values); with a `key_rank` of their own, the keys' factors are `key_*` and the values' `value_*`.
+
 so neither the depths, the KV-head counts nor head_dim need to match. The plan (which source
 layers feed each target layer, [2, target layers, k]) is a buffer saved with the state and
 recorded in the manifest's settings.
@@ -18,8 +22,11 @@ recorded in the manifest's settings.
   the k source layers nearest to the same relative depth.
 
 Closed form: one least-squares block per (K/V, target layer), weighted per position by the
-mean of the target layer's per-head weights; `rank` keeps the reduced-rank solution of the
-same normal equations (`fit.reduced_rank`).
+mean of the target layer's per-head weights; a rank keeps the reduced-rank solution of the
+same normal equations (`fit.reduced_rank`), for keys and values apart.
+
+The values are linear in the source's values, so a handoff may leave them deferred
+(`value_maps`, kvlingo.core.preallocated): only the keys are translated.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from torch import nn
 
 from ..cache import Capture
 from ..fit import NormalEquations, reduced_rank
+from ..preallocated import ValueMaps
 from ..translator import Geometry, LinearFamily, TranslatorError, family
 
 PAIRINGS = ("ranked", "proportional")
@@ -50,7 +58,7 @@ class CrossLayer(LinearFamily):
     fast_paths = True  # map casts its parameters; map_into (the base's) copies into strided outputs
 
     def __init__(self, geometry: Geometry, key_space: str = "prenorm", k: int = 2, rank: int = 0,
-                 pairing: str = "ranked", layers: list | None = None):
+                 pairing: str = "ranked", layers: list | None = None, key_rank: int | None = None):
         super().__init__(geometry, key_space)
         g = geometry
         if not 1 <= k <= g.source_layers:
@@ -59,20 +67,42 @@ class CrossLayer(LinearFamily):
         if pairing not in PAIRINGS:
             raise TranslatorError(f"pairing {pairing!r} is not one of {PAIRINGS}")
         self.k, self.rank, self.pairing = k, rank, pairing
+        self.key_rank = rank if key_rank is None else key_rank
+        self.ranks = (self.key_rank, self.rank)  # keys', values'
         self.d_in, self.d_out = k * g.source_kv_heads * g.source_head_dim, g.target_kv_heads * g.target_head_dim
-        if rank < 0 or rank > min(self.d_in, self.d_out):
-            raise TranslatorError(f"rank {rank} must be 0 (full) or at most min(d_in, d_out) = "
-                                  f"{min(self.d_in, self.d_out)}")
+        for name, r in (("rank", rank), ("key rank", self.key_rank)):
+            if r < 0 or r > min(self.d_in, self.d_out):
+                raise TranslatorError(f"{name} {r} must be 0 (full) or at most min(d_in, d_out) = "
+                                      f"{min(self.d_in, self.d_out)}")
         L = g.target_layers
         if layers is None:
             layers = [[proportional_layers(t, L, g.source_layers, k) for t in range(L)]] * 2
         self.register_buffer("plan", torch.tensor(layers, dtype=torch.long).view(2, L, k).clone())
-        if rank:
-            self.down = nn.Parameter(torch.zeros(2, L, self.d_in, rank))
-            self.up = nn.Parameter(torch.zeros(2, L, rank, self.d_out))
+        self._plan_read: tuple | None = None  # (plan's address, version, its layers as Python ints)
+        if self.key_rank == rank:
+            self._add_factors("", rank, 2)
         else:
-            self.weight = nn.Parameter(torch.zeros(2, L, self.d_in, self.d_out))
+            self._add_factors("key_", self.key_rank)
+            self._add_factors("value_", rank)
         self.bias = nn.Parameter(torch.zeros(2, L, self.d_out))
+
+    def _add_factors(self, prefix: str, rank: int, *stack: int) -> None:
+        L = self.geometry.target_layers
+        if rank:
+            setattr(self, prefix + "down", nn.Parameter(torch.zeros(*stack, L, self.d_in, rank)))
+            setattr(self, prefix + "up", nn.Parameter(torch.zeros(*stack, L, rank, self.d_out)))
+        else:
+            setattr(self, prefix + "weight", nn.Parameter(torch.zeros(*stack, L, self.d_in, self.d_out)))
+
+    def factors(self, which: int, cast: bool = False) -> list[torch.Tensor]:
+        """The key (0) or value (1) map's factors, each [target layers, ...]: [W] (full) or [D, U] (a rank);
+        `cast`: in the compute dtype (`Translator.cast`)."""
+        names = ("down", "up") if self.ranks[which] else ("weight",)
+        get = self.cast if cast else (lambda p: p)
+        if self.key_rank == self.rank:
+            return [get(getattr(self, name))[which] for name in names]
+        prefix = ("key_", "value_")[which]
+        return [get(getattr(self, prefix + name)) for name in names]
 
     @property
     def needs_plan(self) -> bool:
@@ -84,14 +114,31 @@ class CrossLayer(LinearFamily):
         with torch.no_grad():
             self.plan.copy_(torch.as_tensor(layers, dtype=torch.long).view_as(self.plan))
 
-    def settings(self) -> dict[str, Any]:
-        return {"k": self.k, "rank": self.rank, "pairing": self.pairing, "layers": self.plan.tolist()}
+    def plan_layers(self, which: int) -> tuple[tuple[int, ...], ...]:
+        """The plan of keys (0) or values (1) as Python ints, read from the device once per change of the
+        plan (so no later call waits for the device, and a CUDA graph capture may call it)."""
+        stamp = (self.plan.data_ptr(), self.plan._version)
+        if self._plan_read is None or self._plan_read[:2] != stamp:
+            self._plan_read = (*stamp, tuple(tuple(map(tuple, p)) for p in self.plan.tolist()))
+        return self._plan_read[2][which]
 
-    def flops_per_token(self) -> float:
+    def settings(self) -> dict[str, Any]:
+        return {"k": self.k, "rank": self.rank, "key_rank": self.key_rank, "pairing": self.pairing,
+                "layers": self.plan.tolist()}
+
+    def flops_per_token(self, which: int | None = None) -> float:
         L = self.geometry.target_layers
-        if self.rank:
-            return 2.0 * 2 * L * self.rank * (self.d_in + self.d_out)
-        return 2.0 * 2 * L * self.d_in * self.d_out
+        per = [2.0 * L * (r * (self.d_in + self.d_out) if r else self.d_in * self.d_out) for r in self.ranks]
+        return sum(per) if which is None else per[which]
+
+    def value_maps(self) -> ValueMaps:
+        """Every target head reads every source head of the layers in the plan: W_l's columns per target head."""
+        g = self.geometry
+        L, H, d = g.target_layers, g.target_kv_heads, g.target_head_dim
+        f = [t.detach() for t in self.factors(1)]
+        weight = f[-1].view(L, f[-1].shape[1], H, d).permute(0, 2, 1, 3)  # [L, H_t, d_in or rank, d_t]
+        return ValueMaps(self.plan_layers(1), per_head=False, weight=weight, bias=self.bias[1].detach().view(L, H, d),
+                         down=f[0] if len(f) == 2 else None)
 
     # ------------------------------------------------------------------ translation
     def inputs(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
@@ -106,10 +153,11 @@ class CrossLayer(LinearFamily):
         """In the compute dtype (the maps cast once per change: `Translator.cast`); FP32 under gradients."""
         x = self.inputs(which, cap, layers)
         b = self.cast(self.bias)[which, layers][:, None, :]  # [n, 1, d_out]
-        if self.rank:
-            y = torch.baddbmm(b, torch.bmm(x, self.cast(self.down)[which, layers]), self.cast(self.up)[which, layers])
+        f = self.factors(which, cast=True)
+        if len(f) == 2:
+            y = torch.baddbmm(b, torch.bmm(x, f[0][layers]), f[1][layers])
         else:
-            y = torch.baddbmm(b, x, self.cast(self.weight)[which, layers])  # [n, T, H_t·d_t]
+            y = torch.baddbmm(b, x, f[0][layers])  # [n, T, H_t·d_t]
         g = self.geometry
         return y.view(y.shape[0], y.shape[1], g.target_kv_heads, g.target_head_dim).transpose(1, 2)
 
@@ -132,22 +180,25 @@ class CrossLayer(LinearFamily):
     def solve_from(self, ne: NormalEquations, ridge) -> None:
         sol = ne.solve_augmented(ridge)[:, :, 0]  # [2, L_t, d_in+1, d_out]
         with torch.no_grad():
-            if self.rank:
-                left, right = reduced_rank(sol, ne.A.cpu()[:, :, 0], self.rank)
-                self.down.copy_(left[..., :-1, :].float())
-                self.up.copy_(right.float())
-                self.bias.copy_((left[..., -1:, :] @ right)[..., 0, :].float())
-            else:
-                self.weight.copy_(sol[..., :-1, :].float())
-                self.bias.copy_(sol[..., -1, :].float())
+            for which, rank in enumerate(self.ranks):
+                f = self.factors(which)  # views of the parameters
+                if rank:
+                    left, right = reduced_rank(sol[which], ne.A.cpu()[which, :, 0], rank)
+                    f[0].copy_(left[..., :-1, :].float())
+                    f[1].copy_(right.float())
+                    self.bias[which].copy_((left[..., -1:, :] @ right)[..., 0, :].float())
+                else:
+                    f[0].copy_(sol[which, :, :-1, :].float())
+                    self.bias[which].copy_(sol[which, :, -1, :].float())
 
 
 @family
 class CrossHead(CrossLayer):
     family = "crosshead"
 
-    def __init__(self, geometry: Geometry, key_space: str = "prenorm", rank: int = 0, layers: list | None = None):
-        super().__init__(geometry, key_space, k=1, rank=rank, pairing="proportional", layers=layers)
+    def __init__(self, geometry: Geometry, key_space: str = "prenorm", rank: int = 0, layers: list | None = None,
+                 key_rank: int | None = None):
+        super().__init__(geometry, key_space, k=1, rank=rank, pairing="proportional", layers=layers, key_rank=key_rank)
 
     def settings(self) -> dict[str, Any]:
-        return {"rank": self.rank, "layers": self.plan.tolist()}
+        return {"rank": self.rank, "key_rank": self.key_rank, "layers": self.plan.tolist()}

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..cache import Capture
+from ..preallocated import ValueMaps
 from ..translator import Geometry, LinearFamily, TranslatorError, family
 
 
@@ -43,12 +44,15 @@ class Headwise(LinearFamily):
             m.weight.copy_(torch.eye(geometry.source_head_dim, geometry.target_head_dim).expand_as(m.weight))
         return m
 
-    def flops_per_token(self) -> float:
+    def flops_per_token(self, which: int | None = None) -> float:
         g = self.geometry
-        return 2.0 * 2 * g.target_layers * g.target_kv_heads * g.source_head_dim * g.target_head_dim
+        one = 2.0 * g.target_layers * g.target_kv_heads * g.source_head_dim * g.target_head_dim  # keys or values
+        return one * (2 if which is None else 1)
 
-    def value_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.weight[1].detach(), self.bias[1].detach()
+    def value_maps(self) -> ValueMaps:
+        """Head j of layer l reads head j of layer l: the per-head case of `ValueMaps`."""
+        layers = tuple((layer,) for layer in range(self.geometry.target_layers))
+        return ValueMaps(layers, per_head=True, weight=self.weight[1].detach(), bias=self.bias[1].detach())
 
     # ------------------------------------------------------------------ translation
     def _affine(self, which: int, x: torch.Tensor, layers: slice, out: torch.Tensor | None) -> torch.Tensor:

@@ -48,9 +48,10 @@ class Residual(LinearFamily):
         return {"base": {"family": self.base.family, "settings": self.base.settings()}, "hidden": self.hidden,
                 "init_seed": self.init_seed}
 
-    def flops_per_token(self) -> float:
+    def flops_per_token(self, which: int | None = None) -> float:
         g = self.geometry
-        return self.base.flops_per_token() + 2.0 * 2 * g.target_layers * g.target_kv_heads * 2 * g.target_head_dim * self.hidden
+        mlp = 2.0 * g.target_layers * g.target_kv_heads * 2 * g.target_head_dim * self.hidden  # keys or values
+        return self.base.flops_per_token(which) + mlp * (2 if which is None else 1)
 
     def bind(self, source, target) -> "Residual":
         super().bind(source, target)
