@@ -244,3 +244,56 @@ frontier: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manif
 	$(MAKE) prepare
 	$(MAKE) train TRAIN_ARGS="--resume $(TRAIN_ARGS)"
 	$(PY) frontier.py $(PAIR_FLAGS) --data-root $(EVAL_ROOT) $(FRONTIER_ARGS)
+
+# ---------------------------------------------------------------- serving (optional: vLLM in its own environment)
+# vLLM's CPU build pins another torch and transformers than the suite, so it lives in .venv-serve, installed
+# without resolution from the exact pins of requirements-serve.txt. torch 2.13.0+cpu comes from the wheel folder
+# in PIP_FIND_LINKS when that is set, else from PyTorch's CPU index. Nothing above depends on it.
+SERVE_VENV   := .venv-serve
+SERVE_PY     := $(SERVE_VENV)/bin/python
+SERVE_PYTHON ?= 3.11
+SERVE_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+SERVE_ARGS   ?=
+# serve-perf: the random maps' family, and the translation's precision (fast-fused: the maps' matmuls in the
+# engine's BF16 with FP32 accumulation, the keys' norm and RoPE compiled; kvlingo/core/engine.py)
+SERVE_FAMILY    ?= crosshead
+SERVE_PRECISION ?= fast-fused
+# The demo's translators: cache key space (the engine's own saved cache is their input), trained until they pass
+# the default gate on the toy pair (l2s cross-head, s2l cross-layer).
+SERVE_L2S_ARGS ?= --key-space cache --updates 1200
+SERVE_S2L_ARGS ?= --key-space cache --updates 3000
+# The engines share one process (one store of source caches); vLLM's own threads follow OMP_NUM_THREADS.
+SERVE_RUN = HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind
+.PHONY: serve-env serve-demo serve-perf test-serve
+
+$(SERVE_VENV)/.synced: requirements-serve.txt
+	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || \
+	  python3 -m pip install --quiet uv || python3 -m pip install --quiet --user --break-system-packages uv
+	rm -rf $(SERVE_VENV)
+	$(UV) venv --quiet --python $(SERVE_PYTHON) $(SERVE_VENV)
+	VIRTUAL_ENV=$(CURDIR)/$(SERVE_VENV) $(UV) pip install --quiet --no-deps \
+	  $(if $(PIP_FIND_LINKS),--find-links "$(PIP_FIND_LINKS)",--extra-index-url $(SERVE_TORCH_INDEX) --index-strategy unsafe-best-match) \
+	  -r requirements-serve.txt
+	echo "$(CURDIR)" > "$$($(SERVE_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvlrelay.pth"
+	HF_HUB_OFFLINE=1 $(SERVE_PY) -c "import vllm, kvlingo.serve.connector; print('vllm', vllm.__version__, 'with kvlingo.serve.connector')"
+	@touch $@
+
+serve-env: $(SERVE_VENV)/.synced ## the optional serving environment .venv-serve: vLLM (CPU build) and kvlingo, exact pins (requirements-serve.txt)
+
+artifacts/serve-l2s/export/config.json: | $(VENV)/.synced
+	$(MAKE) prepare train benchmark export PROFILE=demo DIRECTION=l2s RUN=serve-l2s TRAIN_ARGS="$(SERVE_L2S_ARGS)"
+
+artifacts/serve-s2l/export/config.json: | $(VENV)/.synced
+	$(MAKE) prepare train benchmark export PROFILE=demo DIRECTION=s2l RUN=serve-s2l TRAIN_ARGS="$(SERVE_S2L_ARGS)"
+
+serve-demo: $(SERVE_VENV)/.synced toy artifacts/serve-l2s/export/config.json artifacts/serve-s2l/export/config.json ## a conversation alternating between the toy pair's models served by vLLM, each switch through kvlingo's KV connector, TTFT against vLLM's re-prefill → results/serve/demo.json
+	$(SERVE_RUN) $(SERVE_PY) serve_demo.py toy --large $(TOY)/large --small $(TOY)/small \
+	  --l2s artifacts/serve-l2s/export --s2l artifacts/serve-s2l/export $(SERVE_ARGS)
+
+serve-perf: $(SERVE_VENV)/.synced toy ## TTFT at Qwen3-1.7B → 0.6B shapes (random weights and maps, BF16, 4,096 tokens): vLLM re-prefill against the connector → results/serve/real-*.json (SERVE_FAMILY=headwise)
+	HF_HUB_OFFLINE=1 $(PY) serve_demo.py prepare-real --tokenizer $(TOY)/small --family $(SERVE_FAMILY)
+	$(SERVE_RUN) $(SERVE_PY) serve_demo.py real --allow-unproven --family $(SERVE_FAMILY) --precision $(SERVE_PRECISION) \
+	  $(SERVE_ARGS)
+
+test-serve: $(SERVE_VENV)/.synced $(VENV)/.synced ## the serving tests, in .venv-serve (vLLM engines on the CPU; references from .venv)
+	$(SERVE_RUN) TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(SERVE_PY) -m pytest -q tests/serve $(TEST_ARGS)

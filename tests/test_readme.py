@@ -10,7 +10,8 @@ Every fenced block of README.md is checked, and every bash block of docs/*.md:
     (under torchrun, after torchrun's own parser has read the line).
     That is all `make demo` (minutes), `make test` (this suite), `make run DEVICE=cuda`, `make recipe ...` and
     `make perf ...` (the Hub's models, a GPU or an hour) get here; `tests/test_demo_mini.py` runs every stage of
-    the demo on a mini toy world.
+    the demo on a mini toy world. The serving targets (`SERVING`, vLLM in .venv-serve) may start no stage of
+    the suite's own (`make serve-env`); the stage commands they start in either environment parse.
   * `make toy-export` also runs for real (slow), in a scratch copy of the repository on the tiny profile
     (its *_ARGS pass-throughs), and `examples/relay_toy.py` runs on what it exports; `examples/relay_qwen.py`
     runs on an export that the stages of `make run` build there on the tiny profile, the toy small model on
@@ -44,6 +45,7 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 RUN_AS_WRITTEN = {("make", "help"), ("make", "venv")}  # cheap make lines run for real
+SERVING = {"serve-env", "serve-demo", "serve-perf", "test-serve"}  # targets of the serving environment, .venv-serve
 LANGUAGES = {"bash", "python", "text"}
 
 
@@ -107,11 +109,13 @@ def make_env() -> dict:
 
 # --------------------------------------------------------------------------- stage commands from `make -n`
 def stage_commands(dry_run: str) -> list[list[str]]:
-    """Every python stage command in `make -n` output, as [SCRIPT or -m MODULE, *args], torchrun's own flags
-    dropped."""
+    """Every python stage command in `make -n` output (the suite's .venv or the serving .venv-serve), as
+    [SCRIPT or -m MODULE, *args], torchrun's own flags dropped; `python -c` one-liners are no stage."""
     found = []
     for line in dry_run.replace("\\\n", " ").split("\n"):
-        for m in re.finditer(r"\.venv/bin/(python|torchrun)\b([^;&|>]*)", line):
+        for m in re.finditer(r"\.venv(?:-serve)?/bin/(python|torchrun)\b([^;&|>]*)", line):
+            if m.group(2).split()[:1] == ["-c"]:
+                continue
             argv = shlex.split(m.group(2))
             found.append(torchrun_stage(argv) if m.group(1) == "torchrun" else argv)
     return found
@@ -173,7 +177,7 @@ def check_command(where: str, argv: list[str], capsys) -> str:
             assert out.returncode == 0, f"{where}: {' '.join(argv)} failed:\n{out.stderr[-2000:]}"
             return "ran"
         stages = stage_commands(dry_run(argv))
-        assert stages, f"{where}: make -n {' '.join(argv[1:])} starts no stage"
+        assert stages or argv[1] in SERVING, f"{where}: make -n {' '.join(argv[1:])} starts no stage"
         for stage in stages:
             if stage[:2] == ["-m", "pytest"]:
                 continue  # `make test` is this suite: it is not run again from inside itself

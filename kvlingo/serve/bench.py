@@ -1,0 +1,191 @@
+"""Serving measurements: a conversation whose turns alternate between engines, and time to first token.
+
+Time to first token (TTFT) is the wall time of one engine call that returns one token for a
+prompt: scheduling, the connector's load (translation and the write into the paged cache),
+the forward of what is left of the prompt, and sampling. Each path is timed the same way,
+round by round in alternation (so drift on a shared machine hits both), after untimed warm-ups;
+every trial is kept.
+
+The random-weight fixtures for timing at real shapes live here too (`random_model_folder`,
+`random_export`): model folders saved with a tokenizer, and an exported translator without
+evidence, which the gate therefore refuses unless a run waives it.
+
+Nothing here imports vLLM at module level; the engine calls take `vllm.LLM` objects.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+OFF = {"kv_transfer_params": {"kvlingo": "off"}}  # SamplingParams.extra_args of a request the connector stays out of
+NO_SAVE = {"kv_transfer_params": {"kvlingo": "no-save"}}  # one that loads but leaves the store as it was
+
+
+# --------------------------------------------------------------------------- timing
+def interleaved(paths: dict[str, Callable[[], Any]], trials: int, warmups: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each path: `warmups` untimed rounds, then `trials` timed rounds, the paths in turn."""
+    for _ in range(warmups):
+        for call in paths.values():
+            call()
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(trials):
+        for name, call in paths.items():
+            t = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t)
+            STARTS.append((name, time.time() - times[name][-1], time.time()))
+    return times
+
+
+STARTS: list[tuple[str, float, float]] = []  # (path, wall start, wall end) of every timed call, in order
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    """n, median, min, max and coefficient of variation of a list of trials."""
+    mean = statistics.fmean(xs)
+    cv = statistics.stdev(xs) / mean if len(xs) > 1 and mean else 0.0
+    return {"n": len(xs), "median": statistics.median(xs), "min": min(xs), "max": max(xs), "cv": cv}
+
+
+def ratio(slow: list[float], fast: list[float]) -> dict[str, float]:
+    """Speedup of `fast` over `slow`: the ratio of medians, and the range over every pair of trials."""
+    return {"median": statistics.median(slow) / statistics.median(fast),
+            "low": min(slow) / max(fast), "high": max(slow) / min(fast)}
+
+
+def first_token(llm, ids: list[int], extra: dict | None = None):
+    """One greedy token of `ids` (the engine's output for it)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
+    return llm.generate({"prompt_token_ids": list(ids)}, params, use_tqdm=False)[0].outputs[0]
+
+
+def greedy(llm, ids: list[int], max_tokens: int, extra: dict | None = None, logprobs: int | None = None):
+    """The engine's greedy reply to `ids` (stopping at the tokenizer's end of turn)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra, logprobs=logprobs)
+    return llm.generate({"prompt_token_ids": list(ids)}, params, use_tqdm=False)[0].outputs[0]
+
+
+def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The chat template's ids of `messages` through the generation prompt (thinking off)."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, enable_thinking=False)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+# --------------------------------------------------------------------------- the alternating conversation
+def conversation(engines: dict[str, Any], tokenizer, turns: list[tuple[str, str]], trials: int, warmups: int,
+                 max_tokens: int, decisions: list[dict]) -> list[dict[str, Any]]:
+    """Run `turns` ([(engine name, user message)]) as one conversation, each turn on its engine with the
+    connector; at each switch of engine, time the first token through the connector against the engine's
+    own re-prefill of the same prompt. `decisions` is the connector's record (`connector.DECISIONS`).
+    Returns one row per turn."""
+    messages: list[dict[str, str]] = []
+    rows, previous = [], None
+    for turn, (name, user) in enumerate(turns, 1):
+        llm = engines[name]
+        messages.append({"role": "user", "content": user})
+        ids = render(tokenizer, messages)
+        row: dict[str, Any] = {"turn": turn, "engine": name, "switch": previous is not None and previous != name,
+                               "prompt_tokens": len(ids)}
+        if row["switch"]:
+            mark = len(decisions)
+            times = interleaved({"reprefill": lambda llm=llm, ids=ids: first_token(llm, ids, OFF),
+                                 "connector": lambda llm=llm, ids=ids: first_token(llm, ids, NO_SAVE)}, trials, warmups)
+            row["ttft"] = {path: spread(ts) for path, ts in times.items()}
+            row["ttft_trials"] = times
+            row["speedup"] = ratio(times["reprefill"], times["connector"])
+            loads = [d for d in decisions[mark:] if d.get("event") == "loaded"]
+            row["translate_ms"] = statistics.median(d["translate_s"] for d in loads) * 1e3 if loads else None
+        mark = len(decisions)
+        out = greedy(llm, ids, max_tokens)
+        plan = next((d for d in decisions[mark:] if "mode" in d), {})
+        row.update(mode=plan.get("mode"), loaded=plan.get("matched", 0), own_tokens=plan.get("own_tokens", 0),
+                   reason=plan.get("reason"), reply_ids=list(out.token_ids),
+                   reply=tokenizer.decode(out.token_ids, skip_special_tokens=True).strip())
+        if row["switch"]:
+            native = greedy(llm, ids, max_tokens, OFF)
+            row["reprefill_reply"] = tokenizer.decode(native.token_ids, skip_special_tokens=True).strip()
+            row["same_reply"] = list(native.token_ids) == row["reply_ids"]
+        messages.append({"role": "assistant", "content": row["reply"]})
+        rows.append(row)
+        previous = name
+    return rows
+
+
+def switch_table(rows: list[dict[str, Any]]) -> str:
+    """The per-turn table of `conversation`, as markdown."""
+    head = ("| turn | engine | prompt | own | translated | vLLM prefills | TTFT re-prefill ms | TTFT connector ms "
+            "| speedup (range) | translate ms | reply | = re-prefill reply |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        own, loaded = r.get("own_tokens", 0), r.get("loaded", 0)
+        cells = [r["turn"], r["engine"], r["prompt_tokens"], own, loaded - own, r["prompt_tokens"] - loaded]
+        if r["switch"]:
+            t, s = r["ttft"], r["speedup"]
+            cells += [f"{1e3 * t['reprefill']['median']:.1f}", f"{1e3 * t['connector']['median']:.1f}",
+                      f"{s['median']:.2f}× ({s['low']:.2f}–{s['high']:.2f})",
+                      "–" if r["translate_ms"] is None else f"{r['translate_ms']:.2f}"]
+        else:
+            cells += ["–", "–", "–", "–"]
+        cells += [r["reply"].replace("\n", " ")[:60], {True: "yes", False: "no"}.get(r.get("same_reply"), "–")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- random-weight fixtures at real shapes
+def random_model_folder(name: str, out: Path, tokenizer_dir: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """A model folder of preset `name`'s exact shape (kvlingo.bench.shapes) with random weights, saved with the
+    tokenizer of `tokenizer_dir` (its ids are a subset of the model's vocabulary). Kept when complete."""
+    from transformers import AutoTokenizer
+
+    from ..run.models import resolve_dtype
+    from ..bench.random_pair import random_model
+
+    out = Path(out)
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    model = random_model(name, "cpu", resolve_dtype(dtype), seed=seed)
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def random_export(large: Path, small: Path, out: Path, direction: str = "l2s", family: str = "crosshead",
+                  key_space: str = "cache", dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """An exported translator of `family` with random maps N(0, 0.02) for the pair of folders, without evidence
+    (the gate refuses it: a timing-only run must waive it). Kept while it reads back as these settings."""
+    import torch
+
+    from ..core.folder import build, state_bytes
+    from ..core.translator import TranslatorError
+    from ..run.exported import CONFIG_FILE, export_config, read_export, write_export
+    from ..run.models import resolve_pair
+
+    out = Path(out)
+    if (out / CONFIG_FILE).is_file():
+        try:
+            config, _, _ = read_export(out)
+            if (config.get("family"), config.get("key_space"), config.get("direction")) == (family, key_space, direction):
+                return out
+        except TranslatorError:  # damaged, edited or of an older format: made again
+            pass
+    pair, _ = resolve_pair(str(large), str(small), direction, "cpu", dtype)
+    maps = build({"family": family, "key_space": key_space, "settings": {}, "geometry": pair.geometry})
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in maps.parameters():
+            p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    manifest = {**maps.spec(), "direction": direction, "models": pair.identities(), "n_params": maps.n_params(),
+                "stage": "random-weights"}
+    config = export_config(manifest, asdict(pair), {"run": "random-weights", "translator": "random"})
+    write_export(out, state_bytes(maps), config, None)
+    return out
