@@ -271,11 +271,11 @@ def main(argv=None) -> dict:
                       f"every one would repeat within each update; give --batch {n_train} or less")
     code_sha = resume.code_hash(SCRIPT)
     identity = resume.identity(cfg, {"data": data_hashes}, pair_cfg.identities(), code_sha)
-    check_outputs([paths.report("train"), paths.beside("train", ".md"), paths.beside("train", ".png")])
-    lock_run(paths.res, "train")  # one training per run: checkpoints and translators are its alone;
-    # taken before the up-to-date check, so a report another training is rewriting is never called finished
-    lock_run(paths.art, "train", root_flag="--artifacts")  # two --results roots still share one run's artifacts
     done = None if args.force else finished_training(paths, resume.resume_key(identity), args)
+    if done is not None:  # read again under the run's locks: a training still rewriting it is refused
+        lock_run(paths.res, "train")
+        lock_run(paths.art, "train", root_flag="--artifacts")
+        done = finished_training(paths, resume.resume_key(identity), args)
     if done is not None:
         if world.main:
             md = paths.beside("train", ".md")
@@ -302,8 +302,11 @@ def main(argv=None) -> dict:
     except Refusal:  # a misfit: the estimate is its reason
         print("\n".join(estimate))
         raise
+    check_outputs([paths.report("train"), paths.beside("train", ".md"), paths.beside("train", ".png")])
     check_outputs([d / f for d in (cf_dir, dist_dir) for f in (MAPS_FILE, MANIFEST_FILE)], [ckpt_dir], "--artifacts",
                   artifact_bytes(empty, cfg, args, state, ckpt_dir))
+    lock_run(paths.res, "train")  # one training per run: checkpoints and translators are its alone
+    lock_run(paths.art, "train", root_flag="--artifacts")  # two --results roots still share one run's artifacts
     if world.main and estimate:
         print("\n".join(estimate))
     pair = load_pair(pair_cfg, tokenizer)

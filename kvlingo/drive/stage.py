@@ -90,6 +90,8 @@ def lock_run(folder: str | Path, name: str, elsewhere: str = "--run", root_flag:
         return
     folder = Path(folder)
     path = folder / f".{name}.lock"
+    if any(h.name == str(path) for h in _run_locks):  # this process holds it already
+        return
     try:
         folder.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a")
