@@ -73,13 +73,13 @@ class TokenInput(LinearFamily):
         return {"base": {"family": self.base.family, "settings": self.base.settings()}, "rank": self.rank,
                 "window": self.window}
 
-    def flops_per_token(self) -> float:
+    def flops_per_token(self, which: int | None = None) -> float:
         L = self.geometry.target_layers
         if self.rank:
-            tok = 2.0 * 2 * (self.d_tok * self.rank + L * self.rank * self.d_out)
+            tok = 2.0 * (self.d_tok * self.rank + L * self.rank * self.d_out)  # keys or values
         else:
-            tok = 2.0 * 2 * L * self.d_tok * self.d_out
-        return self.base.flops_per_token() + tok
+            tok = 2.0 * L * self.d_tok * self.d_out
+        return self.base.flops_per_token(which) + tok * (2 if which is None else 1)
 
     def bind(self, source, target) -> "TokenInput":
         from ..layer0 import ContextFree, NotContextFree
