@@ -152,10 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     inputs = {"data": data_info, **session.translator_inputs}
     ident = session.identity(config, inputs, resume.code_hash(SCRIPT))
     lock_run(paths.res, name)  # before the up-to-date check and the models: also refuses a folder it cannot write
-    if not args.force and session.up_to_date(paths.report(name), ident) is not None:
-        md = paths.beside(name, ".md")
-        print(f"{paths.report(name)} is up to date (same settings, inputs, models and code); --force re-runs it\n"
-              + (md.read_text() if md.is_file() else ""), end="")
+    if session.say_if_up_to_date(paths.report(name), ident, args.force):
         return
     session.load()
     pair, tok, eos = session.pair, session.pair.tokenizer, session.eos

@@ -120,6 +120,16 @@ class Session:
         path = Path(rows.get("path") or "")
         return old if old is not None and path.is_file() and sha256_file(path) == rows.get("sha256") else None
 
+    def say_if_up_to_date(self, report: Path, ident: dict[str, Any], force: bool) -> bool:
+        """True, after printing so and the report's table, when the report is up to date (`up_to_date`) and
+        --force was not given: the stage then has nothing to do."""
+        if force or self.up_to_date(report, ident) is None:
+            return False
+        md = report.with_suffix(".md")
+        print(f"{report} is up to date (same settings, inputs, models and code); --force re-runs it\n"
+              + (md.read_text() if md.is_file() else ""), end="")
+        return True
+
     def open_rows(self, path: Path, ident: dict[str, Any], resume_: bool, sibling: Path) -> ItemRows:
         """The rows log, whose header holds this run's resume identity (`identity`)."""
         self.log = ItemRows(path, ident, resume_, donors=[sibling], ignore=ROW_SAFE)

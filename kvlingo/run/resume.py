@@ -137,7 +137,7 @@ def changed_files(report_path: str | os.PathLike, report: dict[str, Any]) -> str
 
     files = report.get("files")
     for name, sha in (files.items() if isinstance(files, dict) else []):
-        path = Path(report_path).with_name(str(name))
+        path = Path(report_path).parent / str(name)
         if not path.is_file():
             return f"{path}, which {Path(report_path).name} lists, is missing"
         if sha256_file(path) != sha:
@@ -150,7 +150,7 @@ def up_to_date(report_path: str | os.PathLike, key: str) -> dict[str, Any] | Non
     failed, and every file it lists beside itself (`files`: name → sha256) is there unchanged; else None,
     also for a report that does not parse (the stage runs again). A stage's own outputs elsewhere (maps) are
     its to check."""
-    from ..io import read_json, sha256_file
+    from ..io import read_json
 
     try:
         old = read_json(report_path)
@@ -161,12 +161,7 @@ def up_to_date(report_path: str | os.PathLike, key: str) -> dict[str, Any] | Non
     results = old.get("results") if isinstance(old.get("results"), dict) else {}
     if any(isinstance(v, dict) and v.get("passed") is False for v in (results.get("checks"), results.get("gate"))):
         return None
-    files = old.get("files") if isinstance(old.get("files"), dict) else {}
-    for name, sha in files.items():
-        path = Path(report_path).parent / name
-        if not path.is_file() or sha256_file(path) != sha:
-            return None
-    return old
+    return None if changed_files(report_path, old) else old
 
 
 def _short(v: Any) -> str:
