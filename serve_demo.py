@@ -90,6 +90,12 @@ def run_toy(args) -> int:
            "wall_s": time.time() - t0}
     atomic_write_json(Path(args.out) / "demo.json", out)
     print(f"wrote {Path(args.out) / 'demo.json'}")
+    if not any(r.get("mode") == "translated" for r in rows):
+        print("serve_demo: no switch was translated (every reason is above): vLLM prefilled each turn itself, so "
+              "this run shows only the fallback. Train the translators until they pass the evidence gate, or "
+              "pass --allow-unproven (make serve-demo SERVE_ARGS=--allow-unproven) for a run that waives it",
+              file=sys.stderr)
+        return 1
     return 0
 
 
