@@ -92,9 +92,10 @@ def run_toy(args) -> int:
     print(f"wrote {Path(args.out) / 'demo.json'}")
     if not any(r.get("mode") == "translated" for r in rows):
         print("serve_demo: no switch was translated (every reason is above): vLLM prefilled each turn itself, so "
-              "this run shows only the fallback. Train the translators until they pass the evidence gate, or "
-              "pass --allow-unproven (make serve-demo SERVE_ARGS=--allow-unproven) for a run that waives it",
-              file=sys.stderr)
+              f"this run shows only the fallback. Retrain {args.l2s} and {args.s2l} until they pass the evidence "
+              "gate (make serve-demo's own: remove artifacts/serve-l2s, artifacts/serve-s2l, results/serve-l2s and "
+              "results/serve-s2l, then run it again), or pass --allow-unproven (make serve-demo "
+              "SERVE_ARGS=--allow-unproven) for a run that waives the gate", file=sys.stderr)
         return 1
     return 0
 
