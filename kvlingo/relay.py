@@ -38,7 +38,7 @@ from .core.refresh import Refresh
 from .core.folder import MAPS_FILE, check_expected, load_translator, read_manifest
 from .core.translator import Geometry, Translator, TranslatorError
 from .run.evidence import Gate, Verdict, judge
-from .run.exported import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_name, read_export
+from .run.exported import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_arg, model_name, read_export
 from .run.models import Pair, load_pair, render_ids, resolve_pair
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class Relay:
         if not verdict.passed and not allow_unproven:
             raise UnprovenTranslator(unproven_message(folder, verdict, why_none))
         rec = config["pair"]
-        pair_cfg, tok = resolve_pair(large or model_arg(rec["large"], "large"), small or model_arg(rec["small"], "small"),
+        pair_cfg, tok = resolve_pair(large or recorded(rec["large"], "large"), small or recorded(rec["small"], "small"),
                                      config["direction"], device, dtype or rec["dtype"])
         if pair_cfg.tokenizer_sha256 != rec["tokenizer_sha256"]:
             raise TranslatorError(
@@ -301,14 +301,9 @@ def locate(path_or_repo: str | Path, revision: str | None = None) -> Path:
             "in the local cache loads") from None
 
 
-def model_arg(identity: dict[str, Any], role: str) -> str:
-    """A recorded model identity as a model argument: 'id@revision' or the local folder."""
-    if "id" in identity:
-        return f"{identity['id']}@{identity['revision']}"
-    if not Path(identity["path"]).is_dir():
-        raise TranslatorError(f"the {role} model was the local folder {identity['path']}, which is not here; pass "
-                              f"{role}= a folder holding the same weights (sha256 {identity['weights_sha256'][:12]}…)")
-    return identity["path"]
+def recorded(identity: dict[str, Any], role: str) -> str:
+    """The recorded `role` model as a model argument (a missing local folder: `TranslatorError`)."""
+    return model_arg(identity, role, f"pass {role}= a folder holding the same weights", TranslatorError)
 
 
 def unproven_message(folder: Path, verdict: Verdict, why_none: str | None) -> str:

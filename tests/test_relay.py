@@ -578,3 +578,23 @@ def test_inputs_a_relay_cannot_take_are_refused_in_words(proven, toy_pair, monke
         Relay.load(proven["export"], device="cpu", gate={"min_top1": 0.5})
     monkeypatch.setenv("HOME", str(Path(proven["export"]).parent))  # "~/export" names the folder
     assert Relay.load(f"~/{Path(proven['export']).name}", device="cpu").folder == Path(proven["export"])
+
+
+def test_a_recorded_model_is_its_id_at_revision_or_its_folder_and_a_missing_folder_is_refused_by_each_caller(tmp_path):
+    from kvlingo import relay as relay_module
+    from kvlingo.core.translator import TranslatorError
+    from kvlingo.serve.contract import Refused, recorded_model
+
+    hub = {"id": "Qwen/Qwen3-0.6B", "revision": "abc123"}
+    here = {"path": str(tmp_path), "weights_sha256": "f" * 64}
+    gone = {"path": str(tmp_path / "gone"), "weights_sha256": "e" * 64}
+    assert relay_module.recorded(hub, "small") == "Qwen/Qwen3-0.6B@abc123"
+    assert relay_module.recorded(here, "small") == str(tmp_path)
+    with pytest.raises(TranslatorError, match=r"small model was the local folder .*gone, which is not here; pass "
+                                              r"small= a folder holding the same weights \(sha256 eeeeeeeeeeee…\)"):
+        relay_module.recorded(gone, "small")
+    config = {"pair": {"direction": "l2s", "large": gone, "small": hub}}
+    assert recorded_model(config, "target") == "Qwen/Qwen3-0.6B@abc123"
+    with pytest.raises(Refused, match=r"source model was the local folder .*gone, which is not here; put the same "
+                                      r"weights there"):
+        recorded_model(config, "source")

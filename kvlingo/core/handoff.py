@@ -9,6 +9,8 @@
                     the values deferred
     continue_target the target runs new tokens on top of injected (keys, values) or a cache
     greedy_generate the target (or any model) decodes greedily on top of an injected cache
+    attention_outputs  each layer's attention-block output at a turn's positions, while active
+                    (distillation's attention term and the benchmark's attention agreement)
 
 The cache kind (`cache.CACHE_KINDS`: preallocated by default, or transformers' DynamicCache
 as shipped) is one argument of each; a stage passes its pair config's (`PairConfig.cache`).
@@ -19,6 +21,7 @@ timing, distillation, IFEval, tasks) calls these; none re-assembles the steps it
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterable, Sequence
 
 import torch
@@ -165,3 +168,16 @@ def stop_ids(tokenizer) -> set[int]:
         if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id:
             ids.add(i)
     return {i for i in ids if i is not None}
+
+
+@contextmanager
+def attention_outputs(model, last: int, into: list):
+    """Collect each layer's attention-block output at the last `last` positions, in FP32, while active
+    ([last, hidden] each, appended to `into` in layer order; differentiable where the forward is)."""
+    hooks = [layer.self_attn.register_forward_hook(lambda _m, _i, out: into.append(out[0][0, -last:].float()))
+             for layer in model.model.layers]
+    try:
+        yield into
+    finally:
+        for h in hooks:
+            h.remove()

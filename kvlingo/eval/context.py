@@ -23,7 +23,6 @@ token-weighted means and per-conversation means ± SE with their n.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -49,18 +48,6 @@ def score(ref: torch.Tensor, logits: torch.Tensor, change: torch.Tensor, thresho
     mask = change > threshold
     return {"ctx_kl_sum": kl[mask].sum().item(), "ctx_top1_sum": top1[mask].sum().item(),
             "ctx_n_tokens": int(mask.sum()), "wkl_sum": (change * kl).sum().item(), "w_sum": change.sum().item()}
-
-
-@contextmanager
-def attention_outputs(model, last: int, into: list):
-    """Collect each layer's attention-block output at the last `last` positions while active ([last, hidden] each)."""
-    hooks = [layer.self_attn.register_forward_hook(lambda _m, _i, out: into.append(out[0][0, -last:].float()))
-             for layer in model.model.layers]
-    try:
-        yield into
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def attention_agreement(native: Sequence[torch.Tensor], arm: Sequence[torch.Tensor]) -> dict:

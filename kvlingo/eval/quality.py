@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from ..core.cache import handoff_split
-from ..core.handoff import as_ids, capture_source, continue_target, device_of, translate
+from ..core.handoff import as_ids, attention_outputs, capture_source, continue_target, device_of, translate
 from ..core.kl import token_kl, token_nll, top1_agreement
 from ..core.translator import Translator
 from . import context as ctx
@@ -112,7 +112,7 @@ def score_conversation(source, target, translators: dict[str, Translator], contr
 
     native_attn: list = []
     own_t = capture_source(target, context, kind=kind)
-    with ctx.attention_outputs(target, len(new), native_attn):
+    with attention_outputs(target, len(new), native_attn):
         ref = continue_target(target, (own_t.keys, own_t.values), new_t, kind).logits[0]  # [reply tokens, vocab]
     del own_t
     no_ctx = target(input_ids=new_t, use_cache=False).logits[0]
@@ -120,7 +120,7 @@ def score_conversation(source, target, translators: dict[str, Translator], contr
 
     def on_target(kv) -> dict:  # an arm whose cache the target continues: the sums, context metrics included
         attn: list = []
-        with ctx.attention_outputs(target, len(new), attn):
+        with attention_outputs(target, len(new), attn):
             logits = continue_target(target, kv, new_t, kind).logits[0]
         return {**score_logits(ref, logits, tgt), **ctx.score(ref, logits, change),
                 **ctx.attention_agreement(native_attn, attn)}

@@ -228,6 +228,17 @@ def config_problems(config: dict[str, Any]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the model card
+def model_arg(identity: dict[str, Any], role: str, fix: str, error: type[Exception]) -> str:
+    """A recorded model identity as a model argument: 'id@revision', or the local folder where it is still here;
+    otherwise `error` naming the folder, then `fix` (what the caller's user does about it)."""
+    if "id" in identity:
+        return f"{identity['id']}@{identity['revision']}"
+    if not Path(identity["path"]).is_dir():
+        raise error(f"the {role} model was the local folder {identity['path']}, which is not here; {fix} "
+                    f"(sha256 {identity['weights_sha256'][:12]}…)")
+    return identity["path"]
+
+
 def model_name(identity: dict[str, Any]) -> str:
     """A model identity in words: 'id @ revision' or the folder name with its weights digest."""
     if "id" in identity:

@@ -42,7 +42,7 @@ from ..core.folder import load_state, read_manifest, same_model
 from ..core.translator import Geometry, Translator, TranslatorError
 from ..errors import Refusal
 from ..run.evidence import Gate, Verdict, judge
-from ..run.exported import CONFIG_FILE, read_export
+from ..run.exported import CONFIG_FILE, model_arg, read_export
 from ..run.models import ModelSpec, PairError, pair_specs, tokenizer_digest
 
 
@@ -213,13 +213,7 @@ def recorded_model(config: dict[str, Any], role: str) -> str:
     """The export's recorded source or target model as a model argument: its folder, or id@revision."""
     pair = config["pair"]
     source, target = pair_specs(pair["direction"], "large", "small")
-    which = pair[source] if role == "source" else pair[target]
-    if "id" in which:
-        return f"{which['id']}@{which['revision']}"
-    if not Path(which["path"]).is_dir():
-        raise Refused(f"the {role} model was the folder {which['path']}, which is not here; put the same weights "
-                      f"there (sha256 {which['weights_sha256'][:12]}…)")
-    return which["path"]
+    return model_arg(pair[source] if role == "source" else pair[target], role, "put the same weights there", Refused)
 
 
 def load_config(name: str):

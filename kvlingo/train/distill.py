@@ -28,30 +28,18 @@ the single process's. Validation sums the ranks' KL sums.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
 
 from ..core.cache import handoff_split
-from ..core.handoff import as_ids, continue_target, device_of, translate
+from ..core.handoff import as_ids, attention_outputs, continue_target, device_of, translate
 from ..core.kl import token_kl
 from ..core.translator import Translator
 from .distributed import SINGLE, World
 from .objectives import context_change, context_weights, onpolicy_at, onpolicy_row
 from .rng import preserved_rng
-
-
-@contextmanager
-def attention_outputs(model, last: int, into: list):
-    """Collect each layer's attention-block output at the last `last` positions while active ([last, hidden] each)."""
-    hooks = [layer.self_attn.register_forward_hook(lambda _m, _i, out: into.append(out[0][0, -last:]))
-             for layer in model.model.layers]
-    try:
-        yield into
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def distill_loss(source, target, translator: Translator, row: dict, dtype: torch.dtype,
@@ -75,7 +63,7 @@ def distill_loss(source, target, translator: Translator, row: dict, dtype: torch
         kl = kl * context_weights(context_change(target, new, native), context_weight)
     loss = kl.mean()
     if aux_weight:
-        rel = [(a.float() - b.float()).pow(2).sum() / b.float().pow(2).sum().clamp_min(1e-12)
+        rel = [(a - b).pow(2).sum() / b.pow(2).sum().clamp_min(1e-12)  # FP32 (attention_outputs)
                for a, b in zip(ours_attn, native_attn)]
         loss = loss + aux_weight * torch.stack(rel).mean()
     return loss
