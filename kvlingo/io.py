@@ -17,8 +17,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .errors import Refusal
 
@@ -60,15 +61,21 @@ def write_refusal(path: str | os.PathLike, err: OSError, size: int) -> WriteRefu
     again = "then run the same command again (with --resume where the stage has it, to keep what was saved)"
     if err.errno in NO_ROOM:
         free = _free(path.parent)
-        return WriteRefused(f"no space left in {path.parent} ({err.strerror}): writing {path.name} needs "
-                            f"{mib(size)}{f' and {mib(free)} is free' if free is not None else ''}; free at least "
-                            f"{mib(size)} there, {again}")
+        return WriteRefused(
+            f"no space left in {path.parent} ({err.strerror}): writing {path.name} needs "
+            f"{mib(size)}{f' and {mib(free)} is free' if free is not None else ''}; free at least "
+            f"{mib(size)} there, {again}"
+        )
     if err.errno == errno.EFBIG:  # a file size limit (ulimit -f), or the file system's largest file
-        return WriteRefused(f"no room for {path.name} in {path.parent} ({err.strerror}): it needs {mib(size)} more "
-                            f"than the file size limit allows; raise the limit (ulimit -f) or write elsewhere, {again}")
+        return WriteRefused(
+            f"no room for {path.name} in {path.parent} ({err.strerror}): it needs {mib(size)} more "
+            f"than the file size limit allows; raise the limit (ulimit -f) or write elsewhere, {again}"
+        )
     if err.errno in CANNOT_WRITE:
-        return WriteRefused(f"cannot write {path.name} in {path.parent} ({err.strerror}): make the folder writable "
-                            f"or write elsewhere, {again}")
+        return WriteRefused(
+            f"cannot write {path.name} in {path.parent} ({err.strerror}): make the folder writable "
+            f"or write elsewhere, {again}"
+        )
     if err.errno == errno.EISDIR or path.is_dir():
         return WriteRefused(f"{path} is a folder, not a file: remove it (rmdir {path}), {again}")
     return None
@@ -78,7 +85,7 @@ def write_all(fd: int, data: bytes) -> None:
     """All of `data` to `fd` (os.write may write part of it)."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -154,8 +161,9 @@ class DamagedFile(Refusal, ValueError):
             where = "its text"
         why = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
         self.path, self.problem = Path(path), f"{path} does not parse as JSON at {where} ({why})"
-        super().__init__(f"{self.problem}: it was cut short or edited; restore it, or remove it and rerun the "
-                         "stage that wrote it")
+        super().__init__(
+            f"{self.problem}: it was cut short or edited; restore it, or remove it and rerun the stage that wrote it"
+        )
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -172,7 +180,7 @@ def read_jsonl(path: str | os.PathLike) -> list[Any]:
     rows = []
     with open(path, encoding="utf-8") as f:
         try:
-            for n, line in enumerate(f, 1):
+            for n, line in enumerate(f, 1):  # noqa: B007  (n names the damaged line below)
                 if line.strip():
                     rows.append(json.loads(line))
         except ValueError as e:
@@ -221,8 +229,9 @@ def other_files(folder: str | os.PathLike, ours: Iterable[str]) -> list[str]:
     return sorted(p.name for p in Path(folder).iterdir() if p.name not in ours and not _is_temp(p))
 
 
-def not_ours(folder: str | os.PathLike, ours: Iterable[str], marker: str, key: str, value: Any,
-             damaged_is_ours: bool = True) -> str | None:
+def not_ours(
+    folder: str | os.PathLike, ours: Iterable[str], marker: str, key: str, value: Any, damaged_is_ours: bool = True
+) -> str | None:
     """What a stage that replaces the contents of the folder `folder` would destroy, as a short listing, or
     None when the folder is the stage's own (or empty): entries besides `ours` and atomic-write temp files,
     or else a `marker` file (the stage's manifest or config) whose `key` is not `value`. A marker that does

@@ -3,11 +3,11 @@
     relay = Relay.load("artifacts/pilot-l2s/export")   # an exported folder, or a Hub repo id with revision=
     print(relay.chat(messages, max_new_tokens=64))      # the source reads the chat, the target answers
 
-A relay is an exported translator folder (`kvlingo.run.exported`) bound to its pair. `load` checks,
+A relay is an exported translator folder (`kvlingo.records.saved`) bound to its pair. `load` checks,
 in this order and before any weights load:
 
 1. the maps file against its recorded sha256 (never waived);
-2. the evidence against the gate (`kvlingo.run.evidence`): a folder without evidence, or whose
+2. the evidence against the gate (`kvlingo.records.saved`): a folder without evidence, or whose
    figures fail the thresholds, is refused unless `allow_unproven=True`;
 3. the pair's tokenizer against the recorded digest (never waived: a cache is indexed by token ids);
 4. the pair's identity, direction and geometry against the translator's (the one loader's checks).
@@ -25,21 +25,33 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
 from .core.cache import Capture, build_cache
 from .core.handoff import capture_source, greedy_generate, stop_ids, translate
 from .core.refresh import Refresh
-from .core.folder import MAPS_FILE, check_expected, load_translator, read_manifest
 from .core.translator import Geometry, Translator, TranslatorError
-from .run.evidence import Gate, Verdict, judge
-from .run.exported import CARD_FILE, CONFIG_FILE, EVIDENCE_FILE, model_arg, model_name, read_export
-from .run.models import Pair, load_pair, render_ids, resolve_pair
+from .inputs.models import Pair, load_pair, render_ids, resolve_pair
+from .records.saved import (
+    CARD_FILE,
+    CONFIG_FILE,
+    EVIDENCE_FILE,
+    MAPS_FILE,
+    Gate,
+    Verdict,
+    check_expected,
+    judge,
+    load_translator,
+    model_arg,
+    model_name,
+    read_export,
+    read_manifest,
+)
 
 if TYPE_CHECKING:
     from transformers import Cache, DynamicCache
@@ -57,18 +69,27 @@ class UnprovenTranslator(TranslatorError):
 def _serialised(method):
     """Run a relay method under the relay's lock: a forward temporarily hooks and switches the shared
     models (`core.cache.run_with_cache`, `core.attention.using`), so two at once would mix their captures."""
+
     @wraps(method)
     def locked(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
+
     return locked
 
 
 class Relay:
     """A translator bound to its source and target models (build one with `Relay.load`)."""
 
-    def __init__(self, pair: Pair, translator: Translator, config: dict[str, Any], evidence: dict[str, Any] | None,
-                 verdict: Verdict, folder: Path):
+    def __init__(
+        self,
+        pair: Pair,
+        translator: Translator,
+        config: dict[str, Any],
+        evidence: dict[str, Any] | None,
+        verdict: Verdict,
+        folder: Path,
+    ):
         self.pair = pair
         self.translator = translator
         self.config = config  # the folder's config.json
@@ -79,9 +100,18 @@ class Relay:
         self._lock = threading.RLock()  # one call at a time (see the module docstring)
 
     @classmethod
-    def load(cls, path_or_repo: str | Path, *, device: str = "auto", dtype: str | None = None,
-             revision: str | None = None, allow_unproven: bool = False, large: str | None = None,
-             small: str | None = None, gate: Gate | None = None) -> "Relay":
+    def load(
+        cls,
+        path_or_repo: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str | None = None,
+        revision: str | None = None,
+        allow_unproven: bool = False,
+        large: str | None = None,
+        small: str | None = None,
+        gate: Gate | None = None,
+    ) -> Relay:
         """Load an exported translator and its pair.
 
         path_or_repo: a local export folder, or a Hub repo id ("owner/name") fetched at `revision`.
@@ -91,7 +121,7 @@ class Relay:
         gate: the thresholds the evidence must meet (default `Gate()`).
         """
         if gate is not None and not isinstance(gate, Gate):
-            raise TypeError(f"gate must be a kvlingo.run.evidence.Gate, got {type(gate).__name__}")
+            raise TypeError(f"gate must be a kvlingo.records.saved.Gate, got {type(gate).__name__}")
         if isinstance(device, torch.device):
             device = str(device)
         folder = locate(path_or_repo, revision)
@@ -101,16 +131,28 @@ class Relay:
         if not verdict.passed and not allow_unproven:
             raise UnprovenTranslator(unproven_message(folder, verdict, why_none))
         rec = config["pair"]
-        pair_cfg, tok = resolve_pair(large or recorded(rec["large"], "large"), small or recorded(rec["small"], "small"),
-                                     config["direction"], device, dtype or rec["dtype"])
+        pair_cfg, tok = resolve_pair(
+            large or recorded(rec["large"], "large"),
+            small or recorded(rec["small"], "small"),
+            config["direction"],
+            device,
+            dtype or rec["dtype"],
+        )
         if pair_cfg.tokenizer_sha256 != rec["tokenizer_sha256"]:
             raise TranslatorError(
-                f"{folder}: pair refused: its tokenizer (sha256 {pair_cfg.tokenizer_sha256[:16]}…) is not the one these "
+                f"{folder}: pair refused: its tokenizer (sha256 {pair_cfg.tokenizer_sha256[:16]}…) is "
+                "not the one these "
                 f"maps were trained with ({rec['tokenizer_sha256'][:16]}…); a cache is indexed by token ids. Load "
-                f"the recorded pair ({model_name(rec['large'])}, {model_name(rec['small'])}) or maps trained for this one")
+                f"the recorded pair ({model_name(rec['large'])}, {model_name(rec['small'])}) or maps "
+                "trained for this one"
+            )
         try:  # the loader checks these again; here they refuse before any weights load
-            check_expected(config, direction=pair_cfg.direction, models=pair_cfg.identities(),
-                           geometry=Geometry(**pair_cfg.geometry))
+            check_expected(
+                config,
+                direction=pair_cfg.direction,
+                models=pair_cfg.identities(),
+                geometry=Geometry(**pair_cfg.geometry),
+            )
         except TranslatorError as err:
             raise TranslatorError(f"{folder}: {err}") from None
         pair = load_pair(pair_cfg, tok)
@@ -151,18 +193,32 @@ class Relay:
         prompt ids (the cache of all but the last token), a `Capture`, or the source's own DynamicCache."""
         if isinstance(source, Capture) or hasattr(source, "layers"):
             if self.refresh.kind != "none":
-                raise ValueError(f"these maps hand over with refresh {self.refresh}, which needs the context's token "
-                                 "ids: pass the messages or ids instead of a cache")
-            return translate(self.source, self.translator, out_dtype=self.pair.dtype, cap=self._as_capture(source),
-                             kind=self.pair.cache)
+                raise ValueError(
+                    f"these maps hand over with refresh {self.refresh}, which needs the context's token "
+                    "ids: pass the messages or ids instead of a cache"
+                )
+            return translate(
+                self.source,
+                self.translator,
+                out_dtype=self.pair.dtype,
+                cap=self._as_capture(source),
+                kind=self.pair.cache,
+            )
         ids = self._ids(source)
         if len(ids) < 2:
             raise ValueError(f"a handoff needs a prompt of at least 2 tokens (got {len(ids)})")
-        return translate(self.source, self.translator, ids[:-1], self.pair.dtype, refresh=self.refresh,
-                         target=self.target, kind=self.pair.cache)
+        return translate(
+            self.source,
+            self.translator,
+            ids[:-1],
+            self.pair.dtype,
+            refresh=self.refresh,
+            target=self.target,
+            kind=self.pair.cache,
+        )
 
     @_serialised
-    def handoff(self, source: Source) -> "Cache":
+    def handoff(self, source: Source) -> Cache:
         """A fresh target cache of `source` (see `translate`), ready for `target.generate(ids, cache=...)` with the
         whole prompt `ids`: the target then reads only the uncached last token. It is a transformers `Cache`
         (the suite's `PreallocatedCache`, or a DynamicCache for a pair config whose cache is "dynamic"), used as a
@@ -170,14 +226,21 @@ class Relay:
         return build_cache(self.target, *self.translate(source), kind=self.pair.cache)
 
     @_serialised
-    def reply_ids(self, messages: Messages, max_new_tokens: int = 256,
-                  enable_thinking: bool = False) -> tuple[list[int], bool]:
+    def reply_ids(
+        self, messages: Messages, max_new_tokens: int = 256, enable_thinking: bool = False
+    ) -> tuple[list[int], bool]:
         """The target's greedy reply to `messages` after the handoff: (ids without the stop token, hit the cap)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens is {max_new_tokens!r}; give a whole number, 0 or more")
         ids = self.prompt_ids(messages, enable_thinking)  # translate(ids) checks them
-        return greedy_generate(self.target, ids[-1:], self.translate(ids), max_new_tokens=max_new_tokens,
-                               eos_ids=stop_ids(self.tokenizer), kind=self.pair.cache)
+        return greedy_generate(
+            self.target,
+            ids[-1:],
+            self.translate(ids),
+            max_new_tokens=max_new_tokens,
+            eos_ids=stop_ids(self.tokenizer),
+            kind=self.pair.cache,
+        )
 
     def chat(self, messages: Messages, max_new_tokens: int = 256, enable_thinking: bool = False) -> str:
         """The source reads `messages`, the target answers (greedy); returns the reply's text."""
@@ -188,15 +251,18 @@ class Relay:
         """Token ids of messages or ids, checked: whole numbers the models embed, no longer than both read."""
         if torch.is_tensor(source):
             if source.dim() > 2 or (source.dim() == 2 and source.shape[0] != 1):
-                raise ValueError(f"prompt ids have shape {tuple(source.shape)}; a relay is batch-one ([tokens] or "
-                                 "[1, tokens])")
+                raise ValueError(
+                    f"prompt ids have shape {tuple(source.shape)}; a relay is batch-one ([tokens] or [1, tokens])"
+                )
             if source.dtype.is_floating_point or source.dtype.is_complex or source.dtype == torch.bool:
                 raise ValueError(f"prompt ids are a {source.dtype} tensor; pass token ids as integers (torch.long)")
             ids = source.reshape(-1).tolist()
         else:
             if isinstance(source, (str, bytes)) or not isinstance(source, Iterable):
-                raise ValueError(f"a handoff starts from chat messages, token ids, a Capture or the source's cache; "
-                                 f"got {type(source).__name__}")
+                raise ValueError(
+                    f"a handoff starts from chat messages, token ids, a Capture or the source's cache; "
+                    f"got {type(source).__name__}"
+                )
             source = list(source)
             if source and isinstance(source[0], dict):
                 return self._in_range(self.prompt_ids(source))
@@ -207,12 +273,16 @@ class Relay:
         vocab = min(m.get_input_embeddings().num_embeddings for m in (self.source, self.target))
         if ids and (min(ids) < 0 or max(ids) >= vocab):  # builtins: no per-token Python on the handoff's path
             bad = next(i for i in ids if not 0 <= i < vocab)
-            raise ValueError(f"token id {bad} is outside the models' vocabulary [0, {vocab}); "
-                             "ids must come from the pair's tokenizer (relay.tokenizer)")
+            raise ValueError(
+                f"token id {bad} is outside the models' vocabulary [0, {vocab}); "
+                "ids must come from the pair's tokenizer (relay.tokenizer)"
+            )
         limit = min(m.config.max_position_embeddings for m in (self.source, self.target))
         if len(ids) > limit:
-            raise ValueError(f"the prompt is {len(ids)} tokens, more than the models read "
-                             f"(max_position_embeddings {limit}); shorten the conversation")
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens, more than the models read "
+                f"(max_position_embeddings {limit}); shorten the conversation"
+            )
         return ids
 
     def _as_capture(self, source: Any) -> Capture:
@@ -220,14 +290,22 @@ class Relay:
             cap = source
         else:  # a transformers cache: [1, kv_heads, tokens, head_dim] per layer
             if not source.layers or any(getattr(layer, "keys", None) is None for layer in source.layers):
-                raise ValueError("the source cache is empty: prefill the source model on the context first, or pass "
-                                 "the messages or ids")
-            cap = Capture(torch.stack([layer.keys[0] for layer in source.layers]),
-                          torch.stack([layer.values[0] for layer in source.layers]), None, torch.empty(0))
+                raise ValueError(
+                    "the source cache is empty: prefill the source model on the context first, or pass "
+                    "the messages or ids"
+                )
+            cap = Capture(
+                torch.stack([layer.keys[0] for layer in source.layers]),
+                torch.stack([layer.values[0] for layer in source.layers]),
+                None,
+                torch.empty(0),
+            )
         self._check_capture(cap)
         if self.translator.needs_prenorm and cap.prenorm is None:
-            raise ValueError(f"these maps read the source's pre-norm key features ({self.translator.key_space} key "
-                             "space), which a plain cache lacks: pass the messages or ids, or relay.capture(ids)")
+            raise ValueError(
+                f"these maps read the source's pre-norm key features ({self.translator.key_space} key "
+                "space), which a plain cache lacks: pass the messages or ids, or relay.capture(ids)"
+            )
         return cap
 
     def _check_capture(self, cap: Capture) -> None:
@@ -235,19 +313,31 @@ class Relay:
         size, or parts of different lengths."""
         g = self.translator.geometry
         want = (g.source_layers, g.source_kv_heads, None, g.source_head_dim)
-        parts = {"keys": cap.keys, "values": cap.values, **({"prenorm": cap.prenorm} if cap.prenorm is not None else {})}
+        parts = {
+            "keys": cap.keys,
+            "values": cap.values,
+            **({"prenorm": cap.prenorm} if cap.prenorm is not None else {}),
+        }
         for name, t in parts.items():
-            if t.dim() != 4 or any(w is not None and s != w for s, w in zip(t.shape, want)) \
-                    or t.shape[2] != cap.keys.shape[2] or t.shape[2] == 0:
-                raise ValueError(f"the source {name} are {list(t.shape)}; this relay's source caches "
-                                 f"[layers={g.source_layers}, kv_heads={g.source_kv_heads}, tokens ≥ 1, "
-                                 f"head_dim={g.source_head_dim}] with the same tokens in keys and values: pass a "
-                                 "Capture or cache of this relay's source model (relay.capture(ids))")
+            if (
+                t.dim() != 4
+                or any(w is not None and s != w for s, w in zip(t.shape, want))
+                or t.shape[2] != cap.keys.shape[2]
+                or t.shape[2] == 0
+            ):
+                raise ValueError(
+                    f"the source {name} are {list(t.shape)}; this relay's source caches "
+                    f"[layers={g.source_layers}, kv_heads={g.source_kv_heads}, tokens ≥ 1, "
+                    f"head_dim={g.source_head_dim}] with the same tokens in keys and values: pass a "
+                    "Capture or cache of this relay's source model (relay.capture(ids))"
+                )
 
     def __repr__(self) -> str:
         rec = self.config["pair"]
-        return (f"Relay({self.config['family']} {self.config['direction']}: {model_name(rec['large'])} ↔ "
-                f"{model_name(rec['small'])}, gate {'passed' if self.verdict.passed else 'FAILED'}, {self.folder})")
+        return (
+            f"Relay({self.config['family']} {self.config['direction']}: {model_name(rec['large'])} ↔ "
+            f"{model_name(rec['small'])}, gate {'passed' if self.verdict.passed else 'FAILED'}, {self.folder})"
+        )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -265,13 +355,17 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     """Chat messages as a list, each a {"role": one of ROLES, "content": str} dict; anything else is refused with
     the message's index and what is wrong (a chat template would fail on it, or render it as it likes)."""
     if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Iterable):
-        raise ValueError(f"chat messages are a list of {{'role': ..., 'content': ...}} dicts, got "
-                         f"{type(messages).__name__}; token ids go to relay.handoff")
+        raise ValueError(
+            f"chat messages are a list of {{'role': ..., 'content': ...}} dicts, got "
+            f"{type(messages).__name__}; token ids go to relay.handoff"
+        )
     messages = list(messages)
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"chat message {i} is {type(m).__name__} {m!r}, not a {{'role': ..., 'content': ...}} dict"
-                             + ("; token ids go to relay.handoff" if isinstance(m, int) else ""))
+            raise ValueError(
+                f"chat message {i} is {type(m).__name__} {m!r}, not a {{'role': ..., 'content': ...}} dict"
+                + ("; token ids go to relay.handoff" if isinstance(m, int) else "")
+            )
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
                 raise ValueError(f"chat message {i} has {key} {m.get(key)!r}; give it as a string")
@@ -298,7 +392,8 @@ def locate(path_or_repo: str | Path, revision: str | None = None) -> Path:
         raise TranslatorError(
             f"{text}: no such local folder, and the Hub repo could not be fetched at revision {revision or 'main'} "
             f"({type(err).__name__}: {err}). Check the id and revision; with HF_HUB_OFFLINE=1 only a repo already "
-            "in the local cache loads") from None
+            "in the local cache loads"
+        ) from None
 
 
 def recorded(identity: dict[str, Any], role: str) -> str:
@@ -308,8 +403,12 @@ def recorded(identity: dict[str, Any], role: str) -> str:
 
 def unproven_message(folder: Path, verdict: Verdict, why_none: str | None) -> str:
     if why_none is not None:
-        return (f"{folder}: refusing maps without evidence ({why_none}). Fix: benchmark the run and export it with "
-                "its figures (`make benchmark export RUN=...`), or pass allow_unproven=True to use it anyway")
-    return (f"{folder}: refusing maps that fail the evidence gate: {'; '.join(verdict.failures)}. Fix: train better "
-            "maps (more data or updates; `make recipe` searches the rate), benchmark and export them again, or pass "
-            "allow_unproven=True to use these anyway")
+        return (
+            f"{folder}: refusing maps without evidence ({why_none}). Fix: benchmark the run and export it with "
+            "its figures (`make benchmark export RUN=...`), or pass allow_unproven=True to use it anyway"
+        )
+    return (
+        f"{folder}: refusing maps that fail the evidence gate: {'; '.join(verdict.failures)}. Fix: train better "
+        "maps (more data or updates; `make recipe` searches the rate), benchmark and export them again, or pass "
+        "allow_unproven=True to use these anyway"
+    )

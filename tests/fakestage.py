@@ -58,7 +58,8 @@ def flags_of(argv) -> dict[str, list[str]]:
 def report_path(argv) -> Path:
     f, script = flags_of(argv), Path(argv[0]).name
     stem = {"train_translator.py": "train", "benchmark.py": "benchmark"}.get(
-        script, "ifeval-native" if "--native" in f else "ifeval")
+        script, "ifeval-native" if "--native" in f else "ifeval"
+    )
     return Path(f["--results"][0]) / f["--run"][0] / f"{stem}.json"
 
 
@@ -89,9 +90,16 @@ def fake_stage(argv, report: Path, step_s: float = 0.0) -> dict:
             results.update(distilled_val_kl=val_kl_of(lr, seed), test_kl=decoy_test_kl(lr), resumed_from_update=resumed)
         rep = {"stage": "train", "results": results}
     elif script == "benchmark.py":
-        arms = {a: {"kl_token_mean": 0.0 if a == "native_target" else 2.0, "perplexity": 9.0, "top1_agreement": 0.5,
-                    "nll_delta_vs_native_target": 0.1, "kl_conversation": {"mean": 2.0, "se": 0.1, "n": 4}}
-                for a in ("native_source", "native_target", "no_context")}
+        arms = {
+            a: {
+                "kl_token_mean": 0.0 if a == "native_target" else 2.0,
+                "perplexity": 9.0,
+                "top1_agreement": 0.5,
+                "nll_delta_vs_native_target": 0.1,
+                "kl_conversation": {"mean": 2.0, "se": 0.1, "n": 4},
+            }
+            for a in ("native_source", "native_target", "no_context")
+        }
         if "--skip-missing" not in f:
             seed = int(run.rsplit("-s", 1)[1])
             arms["distilled"] = {**arms["no_context"], "kl_token_mean": 0.1 * (seed - 40)}
@@ -105,12 +113,26 @@ def fake_stage(argv, report: Path, step_s: float = 0.0) -> dict:
             seed = int(run.rsplit("-s", 1)[1])
             paths = {"translated": 0.1 * (seed - 40), "native_target": 0.5}
             extra["donor_rows_seen"] = (out / "ifeval-native.rows.jsonl").is_file()
-        summary = {p: {m: {"mean": v, "se": 0.05, "n": 4} for m in
-                       ("prompt_level_strict_acc", "prompt_level_loose_acc", "inst_level_strict_acc",
-                        "inst_level_loose_acc")} | {"n_prompts": 4} for p, v in paths.items()}
+        summary = {
+            p: {
+                m: {"mean": v, "se": 0.05, "n": 4}
+                for m in (
+                    "prompt_level_strict_acc",
+                    "prompt_level_loose_acc",
+                    "inst_level_strict_acc",
+                    "inst_level_loose_acc",
+                )
+            }
+            | {"n_prompts": 4}
+            for p, v in paths.items()
+        }
         rep = {"stage": "ifeval", "results": {"paths": summary, "comparison": {}}, **extra}
-    rep["process"] = {"pid": os.getpid(), "started_unix": started, "ended_unix": time.time(),
-                      "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    rep["process"] = {
+        "pid": os.getpid(),
+        "started_unix": started,
+        "ended_unix": time.time(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
     write_json(report, rep)
     return rep
 

@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
+from tinypair import task_inputs
 
 from kvlingo.io import read_json
-from kvlingo.drive import ablation as A
-from tinypair import task_inputs
+from kvlingo.stages import ablation as A
 
 
 def test_real_cost_counts_flops_at_the_real_shapes():
@@ -34,8 +34,11 @@ def test_real_cost_counts_flops_at_the_real_shapes():
     assert tok["real_settings"]["rank"] == 512
     per = 14.68e6 + 2 * 2 * (3 * 2048 * 512 + 28 * 512 * 1024)
     assert tok["translate_flops_per_token"] == pytest.approx(per * 27 / 28, rel=1e-3)
-    assert tok["fraction_of_reprefill"] < A.MAX_COST_FRACTION < A.real_cost(by["token-w3-full"], "l2s", 64)[
-        "fraction_of_reprefill"]
+    assert (
+        tok["fraction_of_reprefill"]
+        < A.MAX_COST_FRACTION
+        < A.real_cost(by["token-w3-full"], "l2s", 64)["fraction_of_reprefill"]
+    )
     s2l = A.real_cost(by["crosshead"], "s2l", 64)
     assert s2l["fraction_of_reprefill"] < cross["fraction_of_reprefill"]  # the 1.7B's re-prefill costs more
 
@@ -54,10 +57,21 @@ def _row(name, cost, **metrics):
 
 def test_the_metric_that_tracks_retention_chooses_the_default_within_the_cap():
     # val KL orders these settings against retention; the context KL orders them as retention does
-    rows = [_row(f"s{i}", 0.05, val_kl=kl, val_context_kl=ctx, val_top1=0.9, val_context_top1=0.5,
-                 val_context_weighted_kl=ctx, val_attention_cosine=0.8,
-                 val_ifeval={"kept": keep}, val_gsm8k={"kept": keep})
-            for i, (kl, ctx, keep) in enumerate([(0.1, 0.9, 0.3), (0.2, 0.5, 0.6), (0.3, 0.2, 0.8), (0.4, 0.1, 0.95)])]
+    rows = [
+        _row(
+            f"s{i}",
+            0.05,
+            val_kl=kl,
+            val_context_kl=ctx,
+            val_top1=0.9,
+            val_context_top1=0.5,
+            val_context_weighted_kl=ctx,
+            val_attention_cosine=0.8,
+            val_ifeval={"kept": keep},
+            val_gsm8k={"kept": keep},
+        )
+        for i, (kl, ctx, keep) in enumerate([(0.1, 0.9, 0.3), (0.2, 0.5, 0.6), (0.3, 0.2, 0.8), (0.4, 0.1, 0.95)])
+    ]
     corr = A.metric_correlations(rows)
     assert corr["val_context_kl"]["rho"] == pytest.approx(-1) and corr["val_context_kl"]["tracking"] == pytest.approx(1)
     assert corr["val_kl"]["tracking"] == pytest.approx(-1) and math.isnan(corr["val_top1"]["rho"])  # constant
@@ -94,10 +108,32 @@ def test_ablate_runs_and_resumes(tiny_pair_paths, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
-    argv = ["--profile", "tiny", "--data", str(data), "--large", str(tiny_pair_paths[0]), "--small",
-            str(tiny_pair_paths[1]), "--device", "cpu", "--dtype", "float32", "--data-root", str(eval_root),
-            "--skip-tasks", "ifeval", "--settings", "headwise-ridge0", "crosshead", "token-w1",
-            "--artifacts", str(tmp_path / "artifacts"), "--results", str(tmp_path / "results")]
+    argv = [
+        "--profile",
+        "tiny",
+        "--data",
+        str(data),
+        "--large",
+        str(tiny_pair_paths[0]),
+        "--small",
+        str(tiny_pair_paths[1]),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--data-root",
+        str(eval_root),
+        "--skip-tasks",
+        "ifeval",
+        "--settings",
+        "headwise-ridge0",
+        "crosshead",
+        "token-w1",
+        "--artifacts",
+        str(tmp_path / "artifacts"),
+        "--results",
+        str(tmp_path / "results"),
+    ]
     rep = ablate.main(argv)
     res = rep["results"]
     rows = res["rows"]

@@ -10,11 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from kvlingo.run.argtypes import number, whole
-from kvlingo.run.models import PairError, resolve_device
+from kvlingo.inputs.argtypes import number, whole
+from kvlingo.inputs.models import PairError, resolve_device
 
-STAGES = ("ablate", "benchmark", "export", "frontier", "ifeval", "paper_data", "perf", "recipe", "switch_cost",
-          "task_eval", "toy_world", "train_translator", "estimate", "summary")
+STAGES = (
+    "ablate",
+    "benchmark",
+    "export",
+    "frontier",
+    "ifeval",
+    "prepare",
+    "perf",
+    "recipe",
+    "switch_cost",
+    "task_eval",
+    "toy_world",
+    "train_translator",
+    "estimate",
+    "summary",
+)
 
 # Numeric flags left as plain int/float on purpose, with where they are checked instead.
 UNBOUNDED = {
@@ -26,9 +40,19 @@ UNBOUNDED = {
     "--grid-size": "recipe.make_config checks it after the profile's default is merged",
     "--max-extensions": "recipe.make_config checks it after the profile's default is merged",
     "--updates": "checked after the profile's default is merged (recipe.make_config, train_translator.positive)",
-    **{flag: "train_translator.positive checks it after the profile's default is merged"
-       for flag in ("--lr", "--batch", "--n-fit", "--val-every", "--checkpoint-every", "--aux-attn-weight",
-                    "--weight-decay", "--max-grad-norm")},
+    **{
+        flag: "train_translator.positive checks it after the profile's default is merged"
+        for flag in (
+            "--lr",
+            "--batch",
+            "--n-fit",
+            "--val-every",
+            "--checkpoint-every",
+            "--aux-attn-weight",
+            "--weight-decay",
+            "--max-grad-norm",
+        )
+    },
 }
 
 
@@ -52,17 +76,20 @@ def test_number_refuses_the_bound_itself_when_exclusive_and_anything_not_finite(
         number()
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--lengths", "0"], "--lengths"),
-    (["--lengths", "1024", "-5"], "--lengths"),
-    (["--new-turn-tokens", "0"], "--new-turn-tokens"),
-    (["--timing-repeats", "0"], "--timing-repeats"),
-    (["--timing-warmups", "-1"], "--timing-warmups"),
-    (["--cv-limit", "-0.1"], "--cv-limit"),
-    (["--max-seconds", "-1"], "--max-seconds"),
-    (["--peak-tflops", "0"], "--peak-tflops"),
-    (["--peak-gbps", "nan"], "--peak-gbps"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--lengths", "0"], "--lengths"),
+        (["--lengths", "1024", "-5"], "--lengths"),
+        (["--new-turn-tokens", "0"], "--new-turn-tokens"),
+        (["--timing-repeats", "0"], "--timing-repeats"),
+        (["--timing-warmups", "-1"], "--timing-warmups"),
+        (["--cv-limit", "-0.1"], "--cv-limit"),
+        (["--max-seconds", "-1"], "--max-seconds"),
+        (["--peak-tflops", "0"], "--peak-tflops"),
+        (["--peak-gbps", "nan"], "--peak-gbps"),
+    ],
+)
 def test_perf_refuses_a_bad_number_at_parse_time(argv, flag, capsys):
     import perf
 
@@ -85,6 +112,7 @@ class _Parsed(Exception):
 
 def _parser_of(name: str, monkeypatch) -> argparse.ArgumentParser:
     """The stage's own parser, caught as it starts parsing (nothing after parse_args runs)."""
+
     def catch(self, args=None, namespace=None):
         raise _Parsed(self)
 
@@ -99,9 +127,10 @@ def _parser_of(name: str, monkeypatch) -> argparse.ArgumentParser:
 @pytest.mark.parametrize("name", STAGES)
 def test_every_count_and_size_flag_is_checked_at_parse_time(name, monkeypatch):
     parser = _parser_of(name, monkeypatch)
-    plain = sorted(opt for a in parser._actions if a.type in (int, float)
-                   for opt in a.option_strings[:1] if opt not in UNBOUNDED)
-    assert not plain, f"{name}: {plain} take any int/float; give them kvlingo.run.argtypes whole()/number()"
+    plain = sorted(
+        opt for a in parser._actions if a.type in (int, float) for opt in a.option_strings[:1] if opt not in UNBOUNDED
+    )
+    assert not plain, f"{name}: {plain} take any int/float; give them kvlingo.inputs.argtypes whole()/number()"
 
 
 def test_resolve_device_refuses_a_device_it_does_not_know():
@@ -112,9 +141,9 @@ def test_resolve_device_refuses_a_device_it_does_not_know():
 
 
 def test_writable_and_lock_run_make_the_folder_and_refuse_one_they_cannot_write(tmp_path):
-    from kvlingo.run.paths import writable
     from kvlingo.errors import RunRefused
-    from kvlingo.drive.stage import lock_run
+    from kvlingo.records.paths import writable
+    from kvlingo.stages.stage import lock_run
 
     made = writable(tmp_path / "a" / "b", "--artifacts")
     assert made.is_dir() and not any(made.iterdir())  # the probe file is gone again
@@ -143,8 +172,8 @@ def test_perf_refuses_an_unwritable_results_folder_before_it_times_anything(tmp_
 
 def test_a_run_name_stays_inside_the_output_roots():
     """--run names a folder under --artifacts and --results; an absolute name or a '..' part would write elsewhere."""
-    from kvlingo.run.paths import RunPaths
     from kvlingo.errors import RunRefused
+    from kvlingo.records.paths import RunPaths
 
     assert RunPaths("qwen/lr1e-3", "a", "r").res == Path("r/qwen/lr1e-3")
     for bad in ("/tmp/x", "../x", "a/../../b", "./a", " "):

@@ -17,19 +17,21 @@ import torch
 import torch.nn.functional as F
 
 from kvlingo.bench import timing
-from kvlingo.eval import quality
-from kvlingo.eval.controls import native_controls, tolerances_for
+from kvlingo.core.cache import capture
+from kvlingo.core.families.headwise import Headwise
 from kvlingo.core.fit import NormalEquations
 from kvlingo.core.handoff import as_ids, prefill
-from kvlingo.core.families.headwise import Headwise
-from kvlingo.core.folder import save_translator
 from kvlingo.core.translator import Geometry
-from kvlingo.run.models import ModelSpec, load_model, load_tokenizer, render_ids
+from kvlingo.eval import quality
+from kvlingo.eval.controls import native_controls, tolerances_for
+from kvlingo.inputs.models import ModelSpec, load_model, load_tokenizer, render_ids
 from kvlingo.io import read_json, read_jsonl, sha256_file
-from kvlingo.core.cache import capture
+from kvlingo.records.saved import save_translator
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS = "the cat sat on a mat while ada wrote code in the lab remember what was said before yes no Paris Rome blue red".split()
+WORDS = (
+    "the cat sat on a mat while ada wrote code in the lab remember what was said before yes no Paris Rome blue red"
+).split()
 
 
 # --------------------------------------------------------------------------- tiny data and maps
@@ -43,8 +45,17 @@ def conversations(tok, n: int, seed: int) -> list[dict]:
         reply_text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7))) + "<|im_end|>"
         reply = tok(reply_text, add_special_tokens=False)["input_ids"]
         cid = hashlib.sha256(json.dumps([seed, i, prefix, reply]).encode()).hexdigest()
-        rows.append({"id": cid, "prefix_ids": prefix, "reply_ids": reply, "prefix_text": tok.decode(prefix),
-                     "reply_text": reply_text, "reasoning": False, "source_ids": [str(i)]})
+        rows.append(
+            {
+                "id": cid,
+                "prefix_ids": prefix,
+                "reply_ids": reply,
+                "prefix_text": tok.decode(prefix),
+                "reply_text": reply_text,
+                "reasoning": False,
+                "source_ids": [str(i)],
+            }
+        )
     return rows
 
 
@@ -85,13 +96,26 @@ def setup(tiny_pair_paths, tmp_path_factory):
     train_rows = conversations(tok, 10, seed=2)
     data = write_split(root / "data" / "tiny", tok, test_rows)
     art = root / "artifacts"
-    cf, stand_in = fit_maps(large, small, train_rows, "prenorm", (1e-3, 1e-1))  # a second ridge stands in for distilled maps
+    cf, stand_in = fit_maps(
+        large, small, train_rows, "prenorm", (1e-3, 1e-1)
+    )  # a second ridge stands in for distilled maps
     save_translator(art / "t" / "closed_form", cf, {"direction": "l2s", "kind": "closed_form"})
     save_translator(art / "t" / "distilled", stand_in, {"direction": "l2s", "kind": "distilled"})
     only_cf = root / "artifacts_cf_only"
     save_translator(only_cf / "t" / "closed_form", cf, {"direction": "l2s", "kind": "closed_form"})
-    return {"root": root, "large": large, "small": small, "large_p": large_p, "small_p": small_p, "tok": tok,
-            "test": test_rows, "data": data, "art": art, "cf_only": only_cf, "cf": cf}
+    return {
+        "root": root,
+        "large": large,
+        "small": small,
+        "large_p": large_p,
+        "small_p": small_p,
+        "tok": tok,
+        "test": test_rows,
+        "data": data,
+        "art": art,
+        "cf_only": only_cf,
+        "cf": cf,
+    }
 
 
 def pair_args(s) -> list[str]:
@@ -111,8 +135,10 @@ def test_control_contexts_come_from_other_conversations():
     assert pairs[1]["ids"] == ["c3"]  # c2 (7 tokens of context) is too short for 11; c3 is next long enough
     longest = pairs[3]  # nobody else is as long: the others are joined, in order from the next one
     assert longest["kind"] == "joined" and longest["ids"] == ["c4", "c0", "c1", "c2"]
-    assert longest["context_ids"] == (list(range(400, 408)) + list(range(0, 4)) + list(range(100, 111))
-                                      + list(range(200, 207)))[:29]
+    assert (
+        longest["context_ids"]
+        == (list(range(400, 408)) + list(range(0, 4)) + list(range(100, 111)) + list(range(200, 207)))[:29]
+    )
     two = quality.control_contexts(convs[:2])  # one short other: it is joined with itself until long enough
     assert two[1] == {"ids": ["c0", "c0", "c0"], "kind": "joined", "context_ids": [0, 1, 2, 3] * 2 + [0, 1, 2]}
 
@@ -127,7 +153,7 @@ def test_arms_follow_handoff_split_against_plain_forwards(setup):
     assert list(got) == ["native_source", "native_target", "closed_form", "control", "no_context"]
     P, R = conv["prefix_ids"], conv["reply_ids"]
     with torch.no_grad():
-        full = large(input_ids=torch.tensor([P + R[:-1]])).logits[0, len(P) - 1:]  # predicts every reply token
+        full = large(input_ids=torch.tensor([P + R[:-1]])).logits[0, len(P) - 1 :]  # predicts every reply token
         alone = small(input_ids=torch.tensor([[P[-1]] + R[:-1]])).logits[0]
     ref_src = F.cross_entropy(full, torch.tensor(R), reduction="sum").item()
     ref_none = F.cross_entropy(alone, torch.tensor(R), reduction="sum").item()
@@ -144,8 +170,14 @@ def test_planted_perfect_translator_scores_zero_and_control_does_not(setup):
     tr = Headwise.identity(Geometry.of(small, small), "prenorm").bind(small, small)
     convs = setup["test"]
     pairing = quality.control_contexts(convs)
-    rows = [{"arms": quality.score_conversation(small, small, {"distilled": tr}, "distilled", c, p["context_ids"], torch.float32)}
-            for c, p in zip(convs, pairing)]
+    rows = [
+        {
+            "arms": quality.score_conversation(
+                small, small, {"distilled": tr}, "distilled", c, p["context_ids"], torch.float32
+            )
+        }
+        for c, p in zip(convs, pairing)
+    ]
     summary = quality.summarize(rows)["arms"]
     assert summary["distilled"]["kl_token_mean"] == 0.0 and summary["native_source"]["kl_token_mean"] == 0.0
     assert summary["control"]["kl_token_mean"] > 1e-2
@@ -191,7 +223,10 @@ def test_timing_paths_agree_and_keep_raw_trials(setup):
         assert s["median_s"] == statistics.median(s["trials_s"])
         assert s["cv"] == pytest.approx(statistics.stdev(s["trials_s"]) / statistics.mean(s["trials_s"]))
     sp = timing.speedups(summaries)
-    assert sp["source_cache_handoff"] == summaries["target_reprefill"]["median_s"] / summaries["source_cache_handoff"]["median_s"]
+    assert (
+        sp["source_cache_handoff"]
+        == summaries["target_reprefill"]["median_s"] / summaries["source_cache_handoff"]["median_s"]
+    )
     intervals = timing.speedup_intervals(summaries)
     assert set(intervals) == set(sp) and all(lo <= sp[name] <= hi for name, (lo, hi) in intervals.items())
     br = timing.time_breakdown(paths, timing.Trials(warmups=0, repeats=3))
@@ -207,9 +242,29 @@ def run_script(args: list[str]) -> subprocess.CompletedProcess:
 
 def test_benchmark_script_writes_every_row(setup):
     out = setup["root"] / "results_ok"
-    proc = run_script(["benchmark.py", "--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["art"]),
-                       "--results", str(out), "--dtype", "float32", "--timing-repeats", "3", "--timing-warmups", "1",
-                       "--new-turn-tokens", "4", "--allow-cv", *pair_args(setup)])
+    proc = run_script(
+        [
+            "benchmark.py",
+            "--data",
+            str(setup["data"]),
+            "--run",
+            "t",
+            "--artifacts",
+            str(setup["art"]),
+            "--results",
+            str(out),
+            "--dtype",
+            "float32",
+            "--timing-repeats",
+            "3",
+            "--timing-warmups",
+            "1",
+            "--new-turn-tokens",
+            "4",
+            "--allow-cv",
+            *pair_args(setup),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = out / "t"
     rep = read_json(out / "benchmark.json")
@@ -218,14 +273,18 @@ def test_benchmark_script_writes_every_row(setup):
     arms = res["quality"]["arms"]
     assert list(arms) == list(quality.ARMS)
     n_tokens = sum(len(c["reply_ids"]) for c in setup["test"])
-    for arm, m in arms.items():
+    for m in arms.values():
         assert m["n_conversations"] == 6 and m["n_tokens"] == n_tokens
         assert m["kl_conversation"]["n"] == 6 and math.isfinite(m["kl_conversation"]["se"])
     assert arms["native_target"]["kl_token_mean"] == 0.0 and arms["native_target"]["nll_delta_vs_native_target"] == 0.0
     # fitted maps carry the conversation: they beat the same maps on another conversation's cache, and the floor
     assert arms["control"]["kl_token_mean"] > arms["closed_form"]["kl_token_mean"]
     assert arms["no_context"]["kl_token_mean"] > arms["closed_form"]["kl_token_mean"]
-    assert set(res["quality"]["paired"]) >= {"distilled_vs_native_target", "closed_form_vs_native_target", "distilled_vs_control"}
+    assert set(res["quality"]["paired"]) >= {
+        "distilled_vs_native_target",
+        "closed_form_vs_native_target",
+        "distilled_vs_control",
+    }
     rows = read_jsonl(out / "benchmark.rows.jsonl")
     assert [r["id"] for r in rows] == [c["id"] for c in setup["test"]]
     assert all(r["id"] not in r["control_pairing"]["ids"] for r in rows)
@@ -249,9 +308,25 @@ def test_finished_report_is_not_redone_unless_inputs_change(setup, monkeypatch, 
     monkeypatch.setattr(benchmark.resume, "code_hash", lambda *a: "pinned")
     results = setup["root"] / "results_resume"
     out = results / "t"
-    args = ["--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["art"]), "--results", str(results),
-            "--dtype", "float32", "--control-dtypes", "float32", "--limit", "2", "--timing-conversations", "0",
-            *pair_args(setup)]
+    args = [
+        "--data",
+        str(setup["data"]),
+        "--run",
+        "t",
+        "--artifacts",
+        str(setup["art"]),
+        "--results",
+        str(results),
+        "--dtype",
+        "float32",
+        "--control-dtypes",
+        "float32",
+        "--limit",
+        "2",
+        "--timing-conversations",
+        "0",
+        *pair_args(setup),
+    ]
     benchmark.main(args)
     first = read_json(out / "benchmark.json")
     assert first["results"]["timing"] is None and first["n_samples"]["conversations"] == 2
@@ -268,21 +343,51 @@ def test_failed_checks_exit_nonzero_after_writing(setup, capsys):
 
     out = setup["root"] / "results_fail"
     with pytest.raises(SystemExit) as exc:
-        benchmark.main(["--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["cf_only"]),
-                        "--results", str(out), "--dtype", "bfloat16", "--control-dtypes", "bfloat16",
-                        "--skip-missing", "--tolerance-scale", "-1", "--cv-limit", "0", "--limit", "3",
-                        "--timing-repeats", "2", "--timing-warmups", "0", "--new-turn-tokens", "4", *pair_args(setup)])
+        benchmark.main(
+            [
+                "--data",
+                str(setup["data"]),
+                "--run",
+                "t",
+                "--artifacts",
+                str(setup["cf_only"]),
+                "--results",
+                str(out),
+                "--dtype",
+                "bfloat16",
+                "--control-dtypes",
+                "bfloat16",
+                "--skip-missing",
+                "--tolerance-scale",
+                "-1",
+                "--cv-limit",
+                "0",
+                "--limit",
+                "3",
+                "--timing-repeats",
+                "2",
+                "--timing-warmups",
+                "0",
+                "--new-turn-tokens",
+                "4",
+                *pair_args(setup),
+            ]
+        )
     last = capsys.readouterr().err.splitlines()[-1]  # after the progress bars: one line
     assert exc.value.code == 1 and last.startswith("benchmark: checks failed: "), last
     res = read_json(out / "t" / "benchmark.json")["results"]
     assert not res["checks"]["passed"] and not res["checks"]["controls_passed"] and res["checks"]["noisy_timings"]
-    assert any("CV" in f for f in res["checks"]["failed"]) and any("reconstruction" in f for f in res["checks"]["failed"])
+    assert any("CV" in f for f in res["checks"]["failed"]) and any(
+        "reconstruction" in f for f in res["checks"]["failed"]
+    )
     assert "distilled" not in res["quality"]["arms"] and res["quality"]["control_translator"] == "closed_form"
     assert res["quality"]["skipped"] == ["distilled"]
     # a missing artifact without --skip-missing: a clear error before any model is loaded
     capsys.readouterr()
     with pytest.raises(SystemExit) as missing:
-        benchmark.main(["--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["cf_only"]), *pair_args(setup)])
+        benchmark.main(
+            ["--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["cf_only"]), *pair_args(setup)]
+        )
     err = capsys.readouterr().err
     assert missing.value.code == 2 and err.count("\n") == 1 and err.startswith("benchmark: no trained translator"), err
     assert "make train" in err and "--skip-missing" in err
@@ -294,13 +399,22 @@ def test_failed_checks_exit_nonzero_after_writing(setup, capsys):
 def test_switch_cost_names_a_missing_translator_and_suggests_only_one_that_exists(setup, capsys):
     import switch_cost
 
-    base = ["--data", str(setup["data"]), "--run", "t", "--results", str(setup["root"] / "results_missing"),
-            *pair_args(setup)]
+    base = [
+        "--data",
+        str(setup["data"]),
+        "--run",
+        "t",
+        "--results",
+        str(setup["root"] / "results_missing"),
+        *pair_args(setup),
+    ]
     distilled_only = setup["root"] / "distilled_only"
     save_translator(distilled_only / "t" / "distilled", setup["cf"], {"direction": "l2s", "kind": "distilled"})
-    for artifacts, translator, suggestion in ((setup["cf_only"], "distilled", "--translator closed_form"),
-                                              (distilled_only, "closed_form", "--translator distilled"),
-                                              (setup["root"] / "nothing", "closed_form", None)):
+    for artifacts, translator, suggestion in (
+        (setup["cf_only"], "distilled", "--translator closed_form"),
+        (distilled_only, "closed_form", "--translator distilled"),
+        (setup["root"] / "nothing", "closed_form", None),
+    ):
         with pytest.raises(SystemExit) as e:
             switch_cost.main([*base, "--artifacts", str(artifacts), "--translator", translator])
         err = capsys.readouterr().err
@@ -314,10 +428,30 @@ def test_switch_cost_script(setup, capsys):
     out = setup["root"] / "results_switch"
     split_tokens = sum(len(c["prefix_ids"]) + len(c["reply_ids"]) for c in setup["test"])
     lengths = [40, split_tokens + 20]  # the longest needs the conversations joined twice over
-    switch_cost.main(["--data", str(setup["data"]), "--run", "t", "--artifacts", str(setup["art"]),
-                      "--results", str(out), "--dtype", "float32", "--lengths", *map(str, lengths),
-                      "--new-turn-tokens", "4", "--timing-repeats", "3", "--timing-warmups", "1", "--allow-cv",
-                      *pair_args(setup)])
+    switch_cost.main(
+        [
+            "--data",
+            str(setup["data"]),
+            "--run",
+            "t",
+            "--artifacts",
+            str(setup["art"]),
+            "--results",
+            str(out),
+            "--dtype",
+            "float32",
+            "--lengths",
+            *map(str, lengths),
+            "--new-turn-tokens",
+            "4",
+            "--timing-repeats",
+            "3",
+            "--timing-warmups",
+            "1",
+            "--allow-cv",
+            *pair_args(setup),
+        ]
+    )
     out = out / "t"
     rep = read_json(out / "switch.json")
     res = rep["results"]

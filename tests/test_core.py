@@ -6,14 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlingo.core.cache import build_cache, capture, continue_from
-from kvlingo.core.cache import Capture
+from kvlingo.core.cache import Capture, build_cache, capture, continue_from
 from kvlingo.core.families.headwise import Headwise
 from kvlingo.core.keyspace import rms_norm, rms_norm_
-from kvlingo.core.folder import load_state, read_manifest, save_translator
-from kvlingo.core.translator import Geometry, TranslatorError
-from kvlingo.run.models import ModelSpec, load_model
 from kvlingo.core.rope import apply_rope, apply_rope_into, rope_tables, strip_rope
+from kvlingo.core.translator import Geometry, TranslatorError
+from kvlingo.inputs.models import ModelSpec, load_model
+from kvlingo.records.saved import load_state, read_manifest, save_translator
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: one rounding is at most half of this, relatively
 
@@ -82,7 +81,10 @@ def test_capture_matches_transformers_cache_and_prenorm_hook(large32):
 # --------------------------------------------------------------------------- RoPE
 def _post_norm_pre_rope_keys(model, ids):
     """Independent reference: hook each layer's k_norm output (post-norm, before RoPE)."""
-    outs, hooks = [], [l.self_attn.k_norm.register_forward_hook(lambda m, i, o: outs.append(o)) for l in model.model.layers]
+    outs, hooks = (
+        [],
+        [l.self_attn.k_norm.register_forward_hook(lambda m, i, o: outs.append(o)) for l in model.model.layers],
+    )
     try:
         with torch.no_grad():
             model(input_ids=ids)
@@ -159,7 +161,9 @@ def test_maps_are_one_batched_op_matching_per_head_loop():
         maps.bias.normal_()
     x = torch.randn(3, 2, 5, 8)
     got = maps.map(1, Capture(x, x, None, torch.empty(0)), slice(None))
-    ref = torch.stack([torch.stack([x[l, h] @ maps.weight[1, l, h] + maps.bias[1, l, h] for h in range(2)]) for l in range(3)])
+    ref = torch.stack(
+        [torch.stack([x[l, h] @ maps.weight[1, l, h] + maps.bias[1, l, h] for h in range(2)]) for l in range(3)]
+    )
     assert (got - ref).abs().max().item() <= 1e-5
 
 

@@ -14,19 +14,19 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.nn.functional as F
+from test_fastpath import BF16_EPS, random_maps
+from tinypair import tiny_model
 
 from kvlingo.bench import timing
 from kvlingo.core import attention
 from kvlingo.core.cache import capture, continue_from, run_with_cache
 from kvlingo.core.families.crosslayer import CrossHead
-from kvlingo.core.folder import build
 from kvlingo.core.handoff import can_defer_values, greedy_generate, translate_to_cache
 from kvlingo.core.preallocated import Deferred, ValueMaps
 from kvlingo.core.refresh import Refresh
 from kvlingo.core.translator import Geometry
-from kvlingo.run.models import ModelSpec, load_model
-from test_fastpath import BF16_EPS, random_maps
-from tinypair import tiny_model
+from kvlingo.inputs.models import ModelSpec, load_model
+from kvlingo.records.saved import build
 
 # BF16: the deferred path rounds in other places than a translated BF16 cache (it never rounds the
 # translated values; it rounds each source value's mix before mapping it in FP32). Against FP32 maths on
@@ -45,8 +45,12 @@ TRANSLATORS = [
     ("crosshead other", "other", "crosshead", {}),
     ("crosslayer k=2", "other", "crosslayer", {"k": 2, "pairing": "proportional"}),
     ("crosslayer k=2 rank 12", "other", "crosslayer", {"k": 2, "rank": 12, "pairing": "proportional"}),
-    ("crosslayer k=2 rank 12, key rank 6", "other", "crosslayer",
-     {"k": 2, "rank": 12, "key_rank": 6, "pairing": "proportional"}),
+    (
+        "crosslayer k=2 rank 12, key rank 6",
+        "other",
+        "crosslayer",
+        {"k": 2, "rank": 12, "key_rank": 6, "pairing": "proportional"},
+    ),
 ]
 NAMES = [t[0] for t in TRANSLATORS]
 
@@ -57,15 +61,25 @@ def _ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def pair(tiny_pair_paths):
-    return {dtype: tuple(load_model(ModelSpec.parse(str(path)), "cpu", dtype) for path in tiny_pair_paths)
-            for dtype in (torch.float32, torch.bfloat16)}
+    return {
+        dtype: tuple(load_model(ModelSpec.parse(str(path)), "cpu", dtype) for path in tiny_pair_paths)
+        for dtype in (torch.float32, torch.bfloat16)
+    }
 
 
 @pytest.fixture(scope="module")
 def pairs(pair):
     """{(pair name, dtype): (source, target)}: the tiny pair, and a source of another geometry into its target."""
-    other = tiny_model("qwen3", layers=3, kv_heads=1, head_dim=32, heads=4, hidden=64, seed=7,
-                       vocab=pair[torch.float32][1].config.vocab_size)
+    other = tiny_model(
+        "qwen3",
+        layers=3,
+        kv_heads=1,
+        head_dim=32,
+        heads=4,
+        hidden=64,
+        seed=7,
+        vocab=pair[torch.float32][1].config.vocab_size,
+    )
     out = {("tiny", dtype): models for dtype, models in pair.items()}
     for dtype in (torch.float32, torch.bfloat16):
         out["other", dtype] = (copy.deepcopy(other).to(dtype), pair[dtype][1])
@@ -76,8 +90,14 @@ def random_family(family: str, source, target, seed: int = 0, **settings):
     """Random maps of a family, bound to the pair: weights N(0, 1/fan-in) (N(0, 0.3) head-wise), biases N(0, 0.1)."""
     if family == "headwise":
         return random_maps(source, target, seed)
-    maps = build({"family": family, "key_space": "prenorm", "settings": settings,
-                  "geometry": asdict(Geometry.of(source, target))})
+    maps = build(
+        {
+            "family": family,
+            "key_space": "prenorm",
+            "settings": settings,
+            "geometry": asdict(Geometry.of(source, target)),
+        }
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in maps.parameters():
@@ -112,8 +132,9 @@ def _attention_inputs(dtype, q: int, n: int = 11, d_in: int = 12, d_out: int = 1
     return query, key, values, own, Deferred((source_values,), True, weight, bias)
 
 
-def _mixing_inputs(q: int, n: int = 11, source_heads: int = 3, d_s: int = 8, d_out: int = 16, rank: int = 0,
-                   seed: int = 0):
+def _mixing_inputs(
+    q: int, n: int = 11, source_heads: int = 3, d_s: int = 8, d_out: int = 16, rank: int = 0, seed: int = 0
+):
     """Two source layers of 3 heads feeding 2 target heads; the translated values written out head by head."""
     g = torch.Generator().manual_seed(seed)
     query = torch.randn(1, 6, q, d_out, generator=g)
@@ -149,19 +170,22 @@ def test_deferred_attention_equals_sdpa_over_the_translated_values(mask_kind, ma
     if mask_kind == "context hidden":  # some context tokens masked too: the whole row is masked, not only the turn's
         mask = mask.clone()
         mask[..., 2:5] = False
-    repeat = lambda x: x.repeat_interleave(3, dim=1)  # noqa: E731: query head h reads KV head h // 3
+    repeat = lambda x: x.repeat_interleave(3, dim=1)  # noqa: E731  (query head h reads KV head h // 3)
     ref = F.scaled_dot_product_attention(query, repeat(key), repeat(values), attn_mask=mask, scale=0.3)
     got = attention.deferred_attention(query, key, own, mask, deferred, scaling=0.3)
     assert got.shape == (1, 5, 6, 16)
     assert (got - ref.transpose(1, 2)).abs().max().item() <= 1e-5
     monkeypatch.setattr(attention, "SCORE_ELEMENTS", 2 * 3 * 16)  # one query row per chunk: the same rows
-    assert torch.allclose(attention.deferred_attention(query, key, own, mask, deferred, scaling=0.3), got,
-                          atol=1e-6, rtol=0)
+    assert torch.allclose(
+        attention.deferred_attention(query, key, own, mask, deferred, scaling=0.3), got, atol=1e-6, rtol=0
+    )
 
 
 def test_deferred_attention_of_one_query_without_a_mask_sees_every_key():
-    for query, key, values, own, deferred in (_attention_inputs(torch.float32, q=1, seed=1),
-                                              _mixing_inputs(q=1, rank=4, seed=1)):
+    for query, key, values, own, deferred in (
+        _attention_inputs(torch.float32, q=1, seed=1),
+        _mixing_inputs(q=1, rank=4, seed=1),
+    ):
         repeat = lambda x: x.repeat_interleave(3, dim=1)  # noqa: E731
         ref = F.scaled_dot_product_attention(query, repeat(key), repeat(values))  # default scale 1/sqrt(d)
         got = attention.deferred_attention(query, key, own, None, deferred)
@@ -206,8 +230,9 @@ def test_bf16_deferred_logits_are_as_close_to_fp32_maths_as_the_translated_cache
         ids = _ids(60, target.config.vocab_size, seed)
         cap, plain, deferred = translated_and_deferred(source, target, maps, ids, 44, 16)
         with torch.no_grad():
-            truth = continue_from(target32, *maps(capture(source32, ids[:, :44]), torch.float32), ids[:, 44:],
-                                  kind="dynamic").logits[0]
+            truth = continue_from(
+                target32, *maps(capture(source32, ids[:, :44]), torch.float32), ids[:, 44:], kind="dynamic"
+            ).logits[0]
             on_plain = run_with_cache(target, ids[:, 44:], cache=plain)[0].logits[0].float()
             on_deferred = run_with_cache(target, ids[:, 44:], cache=deferred)[0].logits[0].float()
         plain_error = (on_plain - truth).abs().max().item()
@@ -275,10 +300,12 @@ def test_a_deferred_cache_refuses_maps_of_the_wrong_shape(pairs):
         cache = translate_to_cache(source, target, maps, cap=capture(source, ids))
     vm = maps.value_maps()
     values = torch.zeros(3, 1, 20, 32)  # the source's: 3 layers × 1 KV head × 32
-    for wrong, message in ((ValueMaps(vm.layers, vm.per_head, vm.weight[:, :1], vm.bias, vm.down), "are not"),
-                           (ValueMaps(vm.layers, vm.per_head, vm.weight, vm.bias, vm.down[:, :5]), "down"),
-                           (ValueMaps(vm.layers, True, vm.weight, vm.bias, vm.down), "per-head maps need 2"),
-                           (ValueMaps(((0, 1), (3, 1)), False, vm.weight, vm.bias, vm.down), "below 3")):
+    for wrong, message in (
+        (ValueMaps(vm.layers, vm.per_head, vm.weight[:, :1], vm.bias, vm.down), "are not"),
+        (ValueMaps(vm.layers, vm.per_head, vm.weight, vm.bias, vm.down[:, :5]), "down"),
+        (ValueMaps(vm.layers, True, vm.weight, vm.bias, vm.down), "per-head maps need 2"),
+        (ValueMaps(((0, 1), (3, 1)), False, vm.weight, vm.bias, vm.down), "below 3"),
+    ):
         with pytest.raises(ValueError, match=message):
             cache.defer_values(values, wrong)
     with pytest.raises(ValueError, match="exceed the capacity"):
@@ -310,15 +337,20 @@ def test_timing_paths_defer_on_a_cpu_where_cheaper_and_agree_with_transformers(p
         source, target, maps = translator(pairs, name, seed=6)
         ids = _ids(30, target.config.vocab_size, 6)
         with torch.no_grad():
-            handed = continue_from(target, *maps(capture(source, ids[:, :26])), ids[:, 26:], kind="dynamic").logits[0, -1]
+            handed = continue_from(target, *maps(capture(source, ids[:, :26])), ids[:, 26:], kind="dynamic").logits[
+                0, -1
+            ]
             native = target(input_ids=ids).logits[0, -1]
         with torch.inference_mode():
-            on = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:],
-                                     timing.PathOptions("optimised", defer_values=True))
-            off = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:],
-                                      timing.PathOptions("optimised", defer_values=False))
-            shipped = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:],
-                                          timing.PathOptions("shipped", defer_values=True))
+            on = timing.HandoffPaths(
+                source, target, maps, ids[:, :26], ids[:, 26:], timing.PathOptions("optimised", defer_values=True)
+            )
+            off = timing.HandoffPaths(
+                source, target, maps, ids[:, :26], ids[:, 26:], timing.PathOptions("optimised", defer_values=False)
+            )
+            shipped = timing.HandoffPaths(
+                source, target, maps, ids[:, :26], ids[:, 26:], timing.PathOptions("shipped", defer_values=True)
+            )
             assert on.defer_values and not off.defer_values and not shipped.defer_values  # shipped: never
             for paths in (on, off):
                 for path in timing.PATHS:
@@ -386,12 +418,17 @@ def test_deferred_values_on_cuda_replay_as_cuda_graphs_and_stay_as_close_as_tran
     maps = copy.deepcopy(maps32).cuda().bind(source, target)
     ids = _ids(60, target.config.vocab_size, 9)
     with torch.no_grad():
-        truth = continue_from(target32, *maps32(capture(source32, ids[:, :52])), ids[:, 52:],
-                              kind="dynamic").logits[0, -1]
+        truth = continue_from(target32, *maps32(capture(source32, ids[:, :52])), ids[:, 52:], kind="dynamic").logits[
+            0, -1
+        ]
     ids = ids.cuda()
-    paths = {(defer, graphs): timing.HandoffPaths(source, target, maps, ids[:, :52], ids[:, 52:],
-                                                  timing.PathOptions(defer_values=defer, cuda_graphs=graphs))
-             for defer in (True, False) for graphs in (True, False)}
+    paths = {
+        (defer, graphs): timing.HandoffPaths(
+            source, target, maps, ids[:, :52], ids[:, 52:], timing.PathOptions(defer_values=defer, cuda_graphs=graphs)
+        )
+        for defer in (True, False)
+        for graphs in (True, False)
+    }
     graphed = paths[True, True]
     assert graphed.defer_values and not graphed.graph_errors and {"translate", "new_turn"} <= set(graphed.graphed)
     with torch.inference_mode():
@@ -412,9 +449,29 @@ def test_perf_times_deferred_values_on_cuda(tmp_path):
 
     import perf
 
-    perf.main(["--arch", "tiny", "--device", "cuda", "--lengths", "64", "--new-turn-tokens", "4", "--modes", "optimised",
-               "--defer-values", "on", "--timing-warmups", "1", "--timing-repeats", "3", "--allow-cv",
-               "--results", str(tmp_path)])
+    perf.main(
+        [
+            "--arch",
+            "tiny",
+            "--device",
+            "cuda",
+            "--lengths",
+            "64",
+            "--new-turn-tokens",
+            "4",
+            "--modes",
+            "optimised",
+            "--defer-values",
+            "on",
+            "--timing-warmups",
+            "1",
+            "--timing-repeats",
+            "3",
+            "--allow-cv",
+            "--results",
+            str(tmp_path),
+        ]
+    )
     point = json.loads((tmp_path / "perf" / "perf.json").read_text())["results"]["lengths"][0]
     row = point["modes"]["optimised"]
     assert row["deferred_values"] and not row["graph_errors"] and "new_turn" in row["cuda_graphs"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvlingo.eval.tasks import grader as ifeval_grader
-from kvlingo.toy import train as toytrain
 from kvlingo.io import read_json
+from kvlingo.toy import train as toytrain
 from summary import ARMS, LEGEND, summary_rows
 
 
@@ -16,7 +16,7 @@ from summary import ARMS, LEGEND, summary_rows
 def test_every_stage_runs_on_a_mini_toy_world(tmp_path, monkeypatch, capsys):
     import benchmark
     import ifeval
-    import paper_data
+    import prepare
     import recipe
     import switch_cost
     import task_eval
@@ -31,14 +31,24 @@ def test_every_stage_runs_on_a_mini_toy_world(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # every stage writes under ./data, ./artifacts, ./results, as in the repo
 
     run = "mini-l2s"
-    pair = ["--large", str(toy / "large"), "--small", str(toy / "small"), "--direction", "l2s", "--device", "cpu",
-            "--dtype", "float32"]
+    pair = [
+        "--large",
+        str(toy / "large"),
+        "--small",
+        str(toy / "small"),
+        "--direction",
+        "l2s",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
     stage = ["--profile", "tiny", "--run", run, *pair]
     data = ["--data", "data/tiny"]
     evals = ["--data-root", "data/toy-eval"]
     corpus = toy / "corpus"
 
-    paper_data.main(["--profile", "tiny", "--tokenizer", str(toy / "small"), "--source", str(corpus / "chats.jsonl")])
+    prepare.main(["--profile", "tiny", "--tokenizer", str(toy / "small"), "--source", str(corpus / "chats.jsonl")])
     train_translator.main([*stage, *data, "--lr", "1e-3", "--fit-weighting", "attention"])
     benchmark.main([*stage, *data, "--allow-cv"])
     switch_cost.main([*stage, *data, "--lengths", "120", "240", "--allow-cv"])
@@ -50,14 +60,43 @@ def test_every_stage_runs_on_a_mini_toy_world(tmp_path, monkeypatch, capsys):
         for mode in ("prompt", "trace"):
             for native in (["--native"], []):
                 task_eval.main(["--task", task, "--handoff", mode, *stage, *evals, *native, "--resume"])
-    recipe.main(["--profile", "tiny", *data, "--run", f"{run}-recipe", *pair, "--ifeval-data-root", "data/toy-eval",
-                 "--quick", "--grid-size", "1", "--seeds", "42", "--max-extensions", "0", "--updates", "1",
-                 "--benchmark-args=--allow-cv --timing-conversations 1"])
+    recipe.main(
+        [
+            "--profile",
+            "tiny",
+            *data,
+            "--run",
+            f"{run}-recipe",
+            *pair,
+            "--ifeval-data-root",
+            "data/toy-eval",
+            "--quick",
+            "--grid-size",
+            "1",
+            "--seeds",
+            "42",
+            "--max-extensions",
+            "0",
+            "--updates",
+            "1",
+            "--benchmark-args=--allow-cv --timing-conversations 1",
+        ]
+    )
     capsys.readouterr()
 
     results = tmp_path / "results" / run
-    for name in ("train", "benchmark", "switch", "ifeval", "ifeval-native", "task-arc", "task-arc-native",
-                 "task-arc-trace", "task-gsm8k", "task-gsm8k-trace-native"):
+    for name in (
+        "train",
+        "benchmark",
+        "switch",
+        "ifeval",
+        "ifeval-native",
+        "task-arc",
+        "task-arc-native",
+        "task-arc-trace",
+        "task-gsm8k",
+        "task-gsm8k-trace-native",
+    ):
         report = read_json(results / f"{name}.json")
         assert report["env"]["device"] == "cpu", name
     assert read_json(tmp_path / "results" / f"{run}-recipe" / "recipe.json")["results"]["seeds"]
@@ -99,8 +138,15 @@ def test_every_stage_runs_on_a_mini_toy_world(tmp_path, monkeypatch, capsys):
     assert "up to date" not in out.out and "cells marked (other maps)" in out.err
     page = read_json(results / "summary.json")
     stale = {h for h, c in page["results"]["cells"]["distilled"].items() if c["stale"]}
-    assert stale == {"KL/token", "KL/conv ± SE", "reply ppl", "IFEval strict prompt %", "ARC %", "GSM8K %",
-                     "speedup vs re-prefill"}
+    assert stale == {
+        "KL/token",
+        "KL/conv ± SE",
+        "reply ppl",
+        "IFEval strict prompt %",
+        "ARC %",
+        "GSM8K %",
+        "speedup vs re-prefill",
+    }
     assert set(page["results"]["stale"]) == {"benchmark", "ifeval", "task-arc", "task-gsm8k"}
     assert page["results"]["evidence_gate"]["passed"] is None  # not judged on a benchmark of other maps
     md = (results / "summary.md").read_text()

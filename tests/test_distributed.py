@@ -16,24 +16,42 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tinypair import chat_rows, load_tiny_pair, write_prepared
 
 from kvlingo.core.families.headwise import Headwise
-from kvlingo.core.folder import load_state
 from kvlingo.core.translator import Geometry
+from kvlingo.inputs.data import read_split
+from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import read_json
-from kvlingo.run.data import read_split
-from kvlingo.run.profiles import get_profile
+from kvlingo.records.saved import load_state
 from kvlingo.train import footprint as E
 from kvlingo.train.closed_form import normal_equations
 from kvlingo.train.distributed import SINGLE, World, WorldRefused
 from kvlingo.train.rows import fit_selection
-from tinypair import chat_rows, load_tiny_pair, write_prepared
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 N_FIT = 8
-SETTINGS = ["--updates", "4", "--batch", "4", "--n-fit", str(N_FIT), "--checkpoint-every", "2", "--val-every", "2",
-            "--lr", "3e-3", "--fit-weighting", "attention", "--family", "headwise", "--ridge", "0"]  # plain least squares, as below
+SETTINGS = [
+    "--updates",
+    "4",
+    "--batch",
+    "4",
+    "--n-fit",
+    str(N_FIT),
+    "--checkpoint-every",
+    "2",
+    "--val-every",
+    "2",
+    "--lr",
+    "3e-3",
+    "--fit-weighting",
+    "attention",
+    "--family",
+    "headwise",
+    "--ridge",
+    "0",
+]  # plain least squares, as below
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,15 +62,37 @@ def data(tiny_pair_paths, tmp_path_factory):
 
     tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
     folder = tmp_path_factory.mktemp("data")
-    write_prepared(folder, tok, {"train": chat_rows(tok, 16, 0, "train", system_every=3),
-                                 "validation": chat_rows(tok, 5, 1, "val")})
+    write_prepared(
+        folder,
+        tok,
+        {"train": chat_rows(tok, 16, 0, "train", system_every=3), "validation": chat_rows(tok, 5, 1, "val")},
+    )
     return folder
 
 
 def cli(paths, data_dir, root, run, *extra) -> list[str]:
-    return ["--profile", "tiny", "--data", str(data_dir), "--run", run, "--large", str(paths[0]), "--small", str(paths[1]),
-            "--device", "cpu", "--dtype", "float32", "--artifacts", str(root / "artifacts"),
-            "--results", str(root / "results"), *SETTINGS, *extra]
+    return [
+        "--profile",
+        "tiny",
+        "--data",
+        str(data_dir),
+        "--run",
+        run,
+        "--large",
+        str(paths[0]),
+        "--small",
+        str(paths[1]),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--artifacts",
+        str(root / "artifacts"),
+        "--results",
+        str(root / "results"),
+        *SETTINGS,
+        *extra,
+    ]
 
 
 def main(argv):
@@ -77,20 +117,48 @@ def runs(tiny_pair_paths, data, tmp_path_factory):
     one process here; and the FP64 normal equations summed over two ranks (tests/torchrun_worker.py)."""
     root = tmp_path_factory.mktemp("runs")
     env = {**make_env(), "PYTHONPATH": str(ROOT)}
-    worker = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "torchrun_worker.py"),
-              str(root / "fit.pt"), str(tiny_pair_paths[0]), str(tiny_pair_paths[1]), str(data), str(N_FIT)]
+    worker = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "tests" / "torchrun_worker.py"),
+        str(root / "fit.pt"),
+        str(tiny_pair_paths[0]),
+        str(tiny_pair_paths[1]),
+        str(data),
+        str(N_FIT),
+    ]
     proc = subprocess.run(worker, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    train_args = ["--data", str(data), "--artifacts", str(root / "artifacts"), "--results", str(root / "results"),
-                  *SETTINGS]
-    make = ["make", "train", "NPROC=2", "PROFILE=tiny", f"LARGE={tiny_pair_paths[0]}", f"SMALL={tiny_pair_paths[1]}",
-            "DEVICE=cpu", "DTYPE=float32", "RUN=dist", f"TRAIN_ARGS={' '.join(train_args)}"]
+    train_args = [
+        "--data",
+        str(data),
+        "--artifacts",
+        str(root / "artifacts"),
+        "--results",
+        str(root / "results"),
+        *SETTINGS,
+    ]
+    make = [
+        "make",
+        "train",
+        "NPROC=2",
+        "PROFILE=tiny",
+        f"LARGE={tiny_pair_paths[0]}",
+        f"SMALL={tiny_pair_paths[1]}",
+        "DEVICE=cpu",
+        "DTYPE=float32",
+        "RUN=dist",
+        f"TRAIN_ARGS={' '.join(train_args)}",
+    ]
     proc = subprocess.run(make, cwd=ROOT, env=make_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "torchrun --standalone --nproc-per-node 2 train_translator.py -- --profile tiny" in proc.stdout
     single = main(cli(tiny_pair_paths, data, root, "single"))
-    return SimpleNamespace(root=root, out=proc.stdout, single=single,
-                           dist=read_json(root / "results" / "dist" / "train.json"))
+    return SimpleNamespace(
+        root=root, out=proc.stdout, single=single, dist=read_json(root / "results" / "dist" / "train.json")
+    )
 
 
 def test_torchrun_hands_every_stage_flag_to_the_stage():
@@ -99,13 +167,19 @@ def test_torchrun_hands_every_stage_flag_to_the_stage():
     torchrun's options (`--run` abbreviates `--run-path`)."""
     import shlex
 
-    import train_translator
     from torch.distributed.run import parse_args as torchrun_args
 
-    from kvlingo.drive.launch import stage_command
+    import train_translator
+    from kvlingo.stages.launch import stage_command
 
-    dry = subprocess.run(["make", "-n", "train", "NPROC=2", "PROFILE=tiny", "RUN=r", "TRAIN_ARGS=--resume --results R"],
-                         cwd=ROOT, env=make_env(), capture_output=True, text=True, timeout=60)
+    dry = subprocess.run(
+        ["make", "-n", "train", "NPROC=2", "PROFILE=tiny", "RUN=r", "TRAIN_ARGS=--resume --results R"],
+        cwd=ROOT,
+        env=make_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     line = next(line for line in dry.stdout.splitlines() if "/torchrun " in line)
     recipe = stage_command(["train_translator.py", "--run", "q/lr1e-3", "--results", "R", "--resume"], nproc=2)
     for argv in (shlex.split(line), recipe):
@@ -122,11 +196,14 @@ def test_two_ranks_equal_one_process(runs, tiny_pair_paths, data):
         d, s = load_state(art / "dist" / kind), load_state(art / "single" / kind)
         for name in ("weight", "bias"):
             assert rel(getattr(d, name), getattr(s, name)) < 1e-6, (kind, name)
-    assert not torch.equal(load_state(art / "dist" / "distilled").weight, load_state(art / "dist" / "closed_form").weight)
+    assert not torch.equal(
+        load_state(art / "dist" / "distilled").weight, load_state(art / "dist" / "closed_form").weight
+    )
     dist, single = runs.dist["results"], runs.single["results"]
     for a, b in zip(dist["val_kl_curve"] + dist["loss_curve"], single["val_kl_curve"] + single["loss_curve"]):
-        assert a["update"] == b["update"] and abs(a.get("val_kl", a.get("loss")) - b.get("val_kl", b.get("loss"))) \
-            <= 1e-6 * abs(b.get("val_kl", b.get("loss")))
+        assert a["update"] == b["update"] and abs(
+            a.get("val_kl", a.get("loss")) - b.get("val_kl", b.get("loss"))
+        ) <= 1e-6 * abs(b.get("val_kl", b.get("loss")))
     assert dist["fit"]["n_conversations"] == single["fit"]["n_conversations"] == N_FIT
     assert dist["fit"]["n_tokens"] == single["fit"]["n_tokens"]
     assert runs.dist["env"]["world_size"] == 2 and runs.single["env"]["world_size"] == 1
@@ -155,7 +232,10 @@ def test_resume_under_another_rank_count(runs, tiny_pair_paths, data, tmp_path, 
     rep = main(cli(tiny_pair_paths, data, tmp_path, "dist", "--resume"))
     assert rep["results"]["resumed_from_update"] == 2
     assert "written by 2 rank(s), this run has 1" in capsys.readouterr().out
-    d, s = load_state(tmp_path / "artifacts" / "dist" / "distilled"), load_state(runs.root / "artifacts" / "single" / "distilled")
+    d, s = (
+        load_state(tmp_path / "artifacts" / "dist" / "distilled"),
+        load_state(runs.root / "artifacts" / "single" / "distilled"),
+    )
     assert rel(d.weight, s.weight) < 1e-6 and rel(d.bias, s.bias) < 1e-6
 
 
@@ -171,7 +251,7 @@ def test_refuses_a_run_that_does_not_fit_before_any_work(tiny_pair_paths, data, 
 
 
 def test_more_ranks_than_conversations_is_refused(tiny_pair_paths):
-    from kvlingo.run.models import resolve_pair
+    from kvlingo.inputs.models import resolve_pair
 
     pair_cfg, _ = resolve_pair(str(tiny_pair_paths[0]), str(tiny_pair_paths[1]), "l2s", "cpu", "float32")
     cfg = SimpleNamespace(updates=4, batch=2, val_every=2)
@@ -223,9 +303,19 @@ def test_graph_memory_matches_what_autograd_saves(tiny_pair_paths, data):
         distill_loss(pair.source, pair.target, tr, row, torch.float32)
     saved = sum(n for ptr, n in seen.items() if ptr not in params)
     src, tgt = E.Shape.of(pair.source.config), E.Shape.of(pair.target.config)
-    est = E.estimate(src, tgt, tr.n_params(), tr.flops_per_token(), prefix_cap=len(row["prefix_ids"]),
-                     reply_cap=len(row["reply_ids"]), batch=1, dtype_bytes=4, prenorm=True, nproc=1,
-                     device=E.Device("cpu", "cpu", 1e12, 1.0, "test"))
+    est = E.estimate(
+        src,
+        tgt,
+        tr.n_params(),
+        tr.flops_per_token(),
+        prefix_cap=len(row["prefix_ids"]),
+        reply_cap=len(row["reply_ids"]),
+        batch=1,
+        dtype_bytes=4,
+        prenorm=True,
+        nproc=1,
+        device=E.Device("cpu", "cpu", 1e12, 1.0, "test"),
+    )
     n, C = len(row["reply_ids"]), len(row["prefix_ids"]) - 1
     predicted = est.memory["translation"] + est.memory["target graph"] + 2 * 4 * n * tgt.vocab
     assert 0.8 < saved / predicted < 1.25, (saved, predicted, C, n)

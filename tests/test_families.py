@@ -8,21 +8,22 @@ import shutil
 
 import pytest
 import torch
+from tinypair import chat_rows, load_tiny_pair, write_prepared
 
 from kvlingo.core.cache import Capture
 from kvlingo.core.families.crosslayer import CrossHead, CrossLayer, proportional_layers
-from kvlingo.core.fit import NormalEquations
 from kvlingo.core.families.headwise import Headwise
 from kvlingo.core.families.residual import Residual
-from kvlingo.core.folder import load_state, load_translator, read_manifest
+from kvlingo.core.fit import NormalEquations
 from kvlingo.core.translator import Geometry, TranslatorError
+from kvlingo.records.saved import load_state, load_translator, read_manifest
 from kvlingo.train.closed_form import fit_closed_form
 from kvlingo.train.distill import distill_loss, distill_step, make_optimizer, validation_kl
 from kvlingo.train.ranking import LayerStats
-from tinypair import chat_rows, load_tiny_pair, write_prepared
 
-GEOM = Geometry(source_layers=4, source_kv_heads=2, source_head_dim=8, target_layers=3, target_kv_heads=3,
-                target_head_dim=4)
+GEOM = Geometry(
+    source_layers=4, source_kv_heads=2, source_head_dim=8, target_layers=3, target_kv_heads=3, target_head_dim=4
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module
@@ -52,9 +53,14 @@ def lstsq_blocks(x, y, w=None, ridge=0.0):
     return out
 
 
-@pytest.mark.parametrize("make", [lambda: CrossHead(GEOM, rank=0),
-                                  lambda: CrossLayer(GEOM, k=2, pairing="proportional"),
-                                  lambda: Headwise(Geometry(3, 2, 8, 3, 2, 4))])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: CrossHead(GEOM, rank=0),
+        lambda: CrossLayer(GEOM, k=2, pairing="proportional"),
+        lambda: Headwise(Geometry(3, 2, 8, 3, 2, 4)),
+    ],
+)
 @pytest.mark.parametrize("weighted,ridge", [(False, 0.0), (True, 0.0), (True, 0.7)])
 def test_linear_closed_forms_match_lstsq(make, weighted, ridge):
     tr = make()
@@ -126,7 +132,7 @@ def test_reduced_rank_is_the_best_low_rank_fit():
 def test_a_key_rank_of_its_own_fits_keys_reduced_and_values_in_full(tmp_path):
     """`key_rank`: the keys keep the reduced-rank solution (a planted rank-2 key map is recovered), the values
     the full least-squares one (against lstsq); each counts its own FLOPs and saves under its own names."""
-    from kvlingo.core.folder import save_translator
+    from kvlingo.records.saved import save_translator
 
     g = torch.Generator().manual_seed(6)
     x = torch.randn(1, 1, 400, 10, generator=g, dtype=torch.float64)
@@ -151,8 +157,9 @@ def test_a_key_rank_of_its_own_fits_keys_reduced_and_values_in_full(tmp_path):
     assert CrossHead(GEOM, rank=2).settings()["key_rank"] == 2 and CrossHead(GEOM, key_rank=3).ranks == (3, 0)
     save_translator(tmp_path / "t", tr, {})
     loaded = load_state(tmp_path / "t")
-    assert loaded.ranks == (2, 0) and all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
-                                                                           tr.state_dict().values()))
+    assert loaded.ranks == (2, 0) and all(
+        torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), tr.state_dict().values())
+    )
     with pytest.raises(TranslatorError, match="key rank 7"):
         CrossHead(Geometry(1, 2, 3, 1, 2, 3), key_rank=7)
 
@@ -165,8 +172,9 @@ def test_ranking_recovers_planted_source_layers():
     stats = LayerStats(4, 8, 3, 6)
     for part in (0, 1, 0, 0, 1):
         x = torch.randn(4, 120, 8, generator=g, dtype=torch.float64)
-        y = torch.stack([x[perm[t]] @ W[t] for t in range(3)]) + 0.1 * torch.randn(3, 120, 6, generator=g,
-                                                                                   dtype=torch.float64)
+        y = torch.stack([x[perm[t]] @ W[t] for t in range(3)]) + 0.1 * torch.randn(
+            3, 120, 6, generator=g, dtype=torch.float64
+        )
         for which in (0, 1):
             stats.update(part, which, x, y)
     r2 = stats.r2()  # [2, L_s, L_t]
@@ -209,18 +217,28 @@ def rows(tiny_pair_paths):
     return chat_rows(tok, 20, 0, "f"), chat_rows(tok, 4, 1, "v")
 
 
-FAMILY_SPECS = [("headwise", {}), ("crosshead", {"rank": 0}), ("crosshead", {"key_rank": 8}),
-                ("crosslayer", {"k": 2, "rank": 8, "pairing": "ranked"}),
-                ("residual", {"base": {"family": "crosshead", "settings": {}}, "hidden": 8})]
+FAMILY_SPECS = [
+    ("headwise", {}),
+    ("crosshead", {"rank": 0}),
+    ("crosshead", {"key_rank": 8}),
+    ("crosslayer", {"k": 2, "rank": 8, "pairing": "ranked"}),
+    ("residual", {"base": {"family": "crosshead", "settings": {}}, "hidden": 8}),
+]
 
 
 @pytest.mark.parametrize("name,settings", FAMILY_SPECS)
 def test_distillation_lowers_validation_kl_for_every_family(pair, rows, name, settings):
-    from kvlingo.core.folder import build
+    from kvlingo.records.saved import build
 
     train, val = rows
-    tr = build({"family": name, "key_space": "prenorm", "settings": settings,
-                "geometry": Geometry.of(pair.source, pair.target).__dict__}).bind(pair.source, pair.target)
+    tr = build(
+        {
+            "family": name,
+            "key_space": "prenorm",
+            "settings": settings,
+            "geometry": Geometry.of(pair.source, pair.target).__dict__,
+        }
+    ).bind(pair.source, pair.target)
     stats = fit_closed_form(pair.source, pair.target, tr, train, "uniform", "auto")
     assert stats["ridge_choice"]["held_out_tokens"] > 0
     if name == "residual":  # zero-initialised MLP: the closed form translates exactly as its base
@@ -235,8 +253,9 @@ def test_distillation_lowers_validation_kl_for_every_family(pair, rows, name, se
     before = validation_kl(pair.source, pair.target, tr, val, torch.float32)
     opt = make_optimizer(tr, 1e-3, 0.0)
     for u in range(8):
-        distill_step(pair.source, pair.target, tr, [train[(2 * u + j) % len(train)] for j in range(4)], opt,
-                     torch.float32, 1.0)
+        distill_step(
+            pair.source, pair.target, tr, [train[(2 * u + j) % len(train)] for j in range(4)], opt, torch.float32, 1.0
+        )
     after = validation_kl(pair.source, pair.target, tr, val, torch.float32)
     assert after < before, (name, before, after)
 
@@ -255,18 +274,49 @@ def test_auxiliary_attention_term_adds_to_the_kl_and_vanishes_on_the_model_itsel
 
 
 def test_a_non_default_family_resumes_bit_identically_and_loads_only_as_itself(tiny_pair_paths, tmp_path, capsys):
-    import train_translator
     from transformers import AutoTokenizer
 
+    import train_translator
+
     tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
-    data = write_prepared(tmp_path / "data", tok, {"train": chat_rows(tok, 16, 0, "t"),
-                                                   "validation": chat_rows(tok, 4, 1, "v")})
+    data = write_prepared(
+        tmp_path / "data", tok, {"train": chat_rows(tok, 16, 0, "t"), "validation": chat_rows(tok, 4, 1, "v")}
+    )
 
     def argv(root, *extra):
-        return ["--profile", "tiny", "--data", str(data), "--run", "r", "--large", str(tiny_pair_paths[0]),
-                "--small", str(tiny_pair_paths[1]), "--device", "cpu", "--dtype", "float32", "--lr", "3e-3",
-                "--family", "crosslayer", "--k", "2", "--n-fit", "16", "--updates", "6", "--checkpoint-every", "2",
-                "--artifacts", str(root / "artifacts"), "--results", str(root / "results"), *extra]
+        return [
+            "--profile",
+            "tiny",
+            "--data",
+            str(data),
+            "--run",
+            "r",
+            "--large",
+            str(tiny_pair_paths[0]),
+            "--small",
+            str(tiny_pair_paths[1]),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--lr",
+            "3e-3",
+            "--family",
+            "crosslayer",
+            "--k",
+            "2",
+            "--n-fit",
+            "16",
+            "--updates",
+            "6",
+            "--checkpoint-every",
+            "2",
+            "--artifacts",
+            str(root / "artifacts"),
+            "--results",
+            str(root / "results"),
+            *extra,
+        ]
 
     train_translator.main(argv(tmp_path / "a"))
     train_translator.main(argv(tmp_path / "b"))
@@ -291,12 +341,15 @@ def test_a_non_default_family_resumes_bit_identically_and_loads_only_as_itself(t
 def test_a_named_family_takes_its_own_defaults_not_the_profiles():
     """The demo profile's s2l default is a rank-32 cross-layer map; `--family crosslayer --k 2` (what the
     ablation's crosslayer-k2 row trains) must be full-rank, and only a run without --family inherits."""
-    from kvlingo.run.profiles import get_profile
+    from kvlingo.inputs.profiles import get_profile
     from kvlingo.train.config import resolve_family
 
     demo = get_profile("demo")
     assert demo.family_for("s2l") == ("crosslayer", {"k": 4, "rank": 32})
-    assert resolve_family(demo, "s2l", "crosslayer", {"k": 2}) == ("crosslayer", {"k": 2, "rank": 0, "pairing": "ranked"})
+    assert resolve_family(demo, "s2l", "crosslayer", {"k": 2}) == (
+        "crosslayer",
+        {"k": 2, "rank": 0, "pairing": "ranked"},
+    )
     assert resolve_family(demo, "s2l", None, {"k": 2}) == ("crosslayer", {"k": 2, "rank": 32, "pairing": "ranked"})
     assert resolve_family(demo, "s2l", None, {}) == ("crosslayer", {"k": 4, "rank": 32, "pairing": "ranked"})
     assert resolve_family(demo, "l2s", None, {}) == ("crosshead", {"rank": 0})

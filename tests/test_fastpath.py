@@ -12,11 +12,11 @@ from kvlingo.bench import graphs, packing, timing
 from kvlingo.bench.packing import packed
 from kvlingo.core import attention, engine, fused, linear
 from kvlingo.core.cache import build_cache, capture, continue_from, empty_cache, run_with_cache
-from kvlingo.core.handoff import greedy_generate, translate, translate_to_cache
 from kvlingo.core.engine import FAST_BF16_TOLERANCE
 from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.handoff import greedy_generate, translate, translate_to_cache
 from kvlingo.core.translator import Geometry
-from kvlingo.run.models import ModelSpec, load_model
+from kvlingo.inputs.models import ModelSpec, load_model
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits
 
@@ -27,8 +27,11 @@ def _ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def models(tiny_pair_paths):
-    return {(role, dtype): load_model(ModelSpec.parse(str(path)), "cpu", dtype)
-            for role, path in zip(("large", "small"), tiny_pair_paths) for dtype in (torch.float32, torch.bfloat16)}
+    return {
+        (role, dtype): load_model(ModelSpec.parse(str(path)), "cpu", dtype)
+        for role, path in zip(("large", "small"), tiny_pair_paths)
+        for dtype in (torch.float32, torch.bfloat16)
+    }
 
 
 def transformers_split(model, prefix, new):
@@ -226,8 +229,11 @@ def test_packing_that_fails_leaves_every_layer_unpacked_and_says_why(monkeypatch
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", fail_second)
     with packed(holder):
         assert all(packing.packed_weight(m) is None and "forward" not in vars(m) for m in holder)
-        assert packing.status(holder) == {"packed_layers": 0, "packed_bytes": 0,
-                                          "failure": "RuntimeError: this torch was built without oneDNN"}
+        assert packing.status(holder) == {
+            "packed_layers": 0,
+            "packed_bytes": 0,
+            "failure": "RuntimeError: this torch was built without oneDNN",
+        }
 
 
 def test_packed_target_logits_equal_transformers(models, few_rows_everywhere):
@@ -258,7 +264,7 @@ def test_preallocated_cache_logits_equal_transformers(models, dtype, n_new, few_
     for role in ("large", "small"):
         model = models[role, dtype]
         ids = _ids(40, model.config.vocab_size, 1)
-        prefix, new = ids[:, :40 - n_new], ids[:, 40 - n_new:]
+        prefix, new = ids[:, : 40 - n_new], ids[:, 40 - n_new :]
         ref = transformers_split(model, prefix, new).float()
         with torch.no_grad():
             cap = capture(model, prefix, kind="preallocated")
@@ -306,10 +312,11 @@ def test_greedy_generation_preallocated_equals_dynamic_on_toy_pair(tmp_path_fact
     """The trained toy pair answers chats on its own cache and after a handoff: the same tokens from both kinds."""
     import json
 
+    from tinypair import load_tiny_pair
+
+    from kvlingo.bench.random_pair import random_translator
     from kvlingo.core.handoff import capture_source, stop_ids
     from kvlingo.toy import train as toytrain
-    from kvlingo.bench.random_pair import random_translator
-    from tinypair import load_tiny_pair
 
     out = tmp_path_factory.mktemp("toy") / "toy"
     toytrain.install_pair(out, log=lambda _m: None)
@@ -319,8 +326,11 @@ def test_greedy_generation_preallocated_equals_dynamic_on_toy_pair(tmp_path_fact
     for line in (out / "corpus" / "chats.jsonl").read_text().splitlines()[:3]:
         messages = json.loads(line)["input"]
         messages = messages[:-1] if messages[-1]["role"] == "assistant" else messages
-        prefix = list(pair.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                         enable_thinking=False)["input_ids"])
+        prefix = list(
+            pair.tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=True, enable_thinking=False
+            )["input_ids"]
+        )
         with torch.no_grad():
             own = capture_source(pair.target, prefix[:-1])
             handed = translate(pair.source, translator, prefix[:-1])
@@ -370,7 +380,9 @@ def test_bf16_fast_translation_within_tolerance_of_fp32_maths(models):
     for key_space in ("prenorm", "cache"):
         maps = Headwise(Geometry.of(source, target), key_space).bind(source, target)
         with torch.no_grad():
-            maps.weight.copy_(torch.eye(16) + 0.2 * torch.randn(maps.weight.shape, generator=torch.Generator().manual_seed(6)))
+            maps.weight.copy_(
+                torch.eye(16) + 0.2 * torch.randn(maps.weight.shape, generator=torch.Generator().manual_seed(6))
+            )
             maps.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(7))
             cap = capture(source, ids)
             exact = maps(cap, torch.bfloat16, precision="fp32")
@@ -382,7 +394,9 @@ def test_bf16_fast_translation_within_tolerance_of_fp32_maths(models):
             for layer in range(ref.shape[0]):
                 bound = FAST_BF16_TOLERANCE * ref[layer].float().abs().max().item()
                 assert (got[layer].float() - ref[layer].float()).abs().max().item() <= bound
-    assert engine.compute_dtype(maps, torch.float32, "fast") == torch.float32  # FP32 runs keep FP32 inputs (TF32 on CUDA)
+    assert (
+        engine.compute_dtype(maps, torch.float32, "fast") == torch.float32
+    )  # FP32 runs keep FP32 inputs (TF32 on CUDA)
 
 
 @pytest.mark.parametrize("settings", [{"k": 1, "pairing": "proportional"}, {"k": 2, "rank": 8}])
@@ -419,8 +433,9 @@ def fused_any_size(monkeypatch):
     fused.reset()
 
 
-@pytest.mark.parametrize("key_space,dtype", [("prenorm", torch.float32), ("cache", torch.float32),
-                                             ("prenorm", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "key_space,dtype", [("prenorm", torch.float32), ("cache", torch.float32), ("prenorm", torch.bfloat16)]
+)
 def test_fused_key_finish_within_tolerance_of_fp32(models, fused_any_size, key_space, dtype):
     """k_norm and RoPE as one compiled kernel, written into a preallocated cache's context: keys within
     fused.TOLERANCE of the fp32 path per layer (plus one rounding in BF16), values bit for bit."""
@@ -487,7 +502,9 @@ def test_fast_fused_finish_reads_the_narrow_map_output_and_matches_fast(models, 
     maps = random_maps(source, target, 22)
     taken = []
     real_take = T.Scratch.take
-    monkeypatch.setattr(T.Scratch, "take", lambda self, name, *a, **k: taken.append(name) or real_take(self, name, *a, **k))
+    monkeypatch.setattr(
+        T.Scratch, "take", lambda self, name, *a, **k: taken.append(name) or real_take(self, name, *a, **k)
+    )
     with torch.no_grad():
         cap = capture(source, ids)
         exact = maps(cap, torch.bfloat16, precision="fp32")
@@ -591,10 +608,12 @@ def test_a_time_cap_gives_cheap_noisy_steps_more_trials_than_slow_ones(monkeypat
 
         def fn():
             clock["t"] += scale * next(steps)
+
         return fn
 
-    trials = timing.run_interleaved({"slow": jumpy(10.0), "cheap": jumpy(1.0)}, "cpu", 0, 3, cv_limit=0.1,
-                                    max_repeats=30, max_seconds=20)
+    trials = timing.run_interleaved(
+        {"slow": jumpy(10.0), "cheap": jumpy(1.0)}, "cpu", 0, 3, cv_limit=0.1, max_repeats=30, max_seconds=20
+    )
     assert trials["slow"] == [10.0, 20.0, 10.0]  # 40 s after its repeats: no extra trial
     assert len(trials["cheap"]) == 14 and sum(trials["cheap"][:-1]) < 20 <= sum(trials["cheap"])
 
@@ -613,10 +632,14 @@ def test_breakdown_extra_trials_stop_at_the_time_cap(monkeypatch):
             mark(stage)
 
     paths = SimpleNamespace(target=torch.nn.Linear(1, 1), optimised=False, source_cache_handoff=handoff)
-    out = timing.time_breakdown(paths, timing.Trials(warmups=0, repeats=2, cv_limit=0.1, max_repeats=30, max_seconds=10))
+    out = timing.time_breakdown(
+        paths, timing.Trials(warmups=0, repeats=2, cv_limit=0.1, max_repeats=30, max_seconds=10)
+    )
     # trials of 2.0 / 3.0 s in turn: 2 + 3 + 2 < 10 ≤ 2 + 3 + 2 + 3, so four trials
     assert out["translate"]["trials_s"] == [1.0, 2.0, 1.0, 2.0] and out["new_turn"]["n"] == 4
-    assert timing.time_breakdown(paths, timing.Trials(0, 2, 0.1, 30))["translate"]["n"] == 30  # no time cap: the count cap
+    assert (
+        timing.time_breakdown(paths, timing.Trials(0, 2, 0.1, 30))["translate"]["n"] == 30
+    )  # no time cap: the count cap
 
 
 def test_interleaved_trials_take_turns_after_every_warm_up(monkeypatch):
@@ -634,8 +657,7 @@ def test_interleaved_trials_take_turns_after_every_warm_up(monkeypatch):
         calls.append("b")
         clock["t"] += next(jumps)
 
-    trials = timing.run_interleaved({"a": steady, "b": jumpy}, "cpu", {"a": 1, "b": 2}, 3, cv_limit=0.1,
-                                    max_repeats=5)
+    trials = timing.run_interleaved({"a": steady, "b": jumpy}, "cpu", {"a": 1, "b": 2}, 3, cv_limit=0.1, max_repeats=5)
     assert calls == ["a", "b", "b"] + ["a", "b"] * 3 + ["b", "b"]
     assert trials == {"a": [2.0] * 3, "b": [1.0, 3.0, 1.0, 3.0, 1.0]}  # the warm-ups took the first 1.0 and 3.0
     with pytest.raises(ValueError, match="warmups ≥ 0"):
@@ -669,8 +691,9 @@ def test_handoffs_time_interleaved_and_reserve_only_the_caches_their_paths_write
 
     monkeypatch.setattr(timing, "run_interleaved", spy_run)
     handoffs = {"a|none": (a, None), "a|tail:5": (a, Refresh.parse("tail:5")), "b|none": (b, Refresh.parse("none"))}
-    out = timing.time_handoffs(source, target, handoffs, ids[:, :26], ids[:, 26:], timing.Trials(warmups=1, repeats=2),
-                               mode="optimised")
+    out = timing.time_handoffs(
+        source, target, handoffs, ids[:, :26], ids[:, 26:], timing.Trials(warmups=1, repeats=2), mode="optimised"
+    )
     assert order == ["target_reprefill", *handoffs]  # one run_interleaved call over all of them
     assert list(out["handoff"]) == list(handoffs) and out["reprefill"]["n"] == 2
     assert all(s["n"] == 2 and len(s["trials_s"]) == 2 for s in out["handoff"].values())
@@ -678,11 +701,12 @@ def test_handoffs_time_interleaved_and_reserve_only_the_caches_their_paths_write
     assert [p.reprefill_cache is not None for p in made] == [True, False, False]
     assert [p.handoff_cache is not None for p in made] == [True, False, True]  # the refresh builds its own
     own = real_prefill(target, ids[:, :26])  # the target's own cache given, but no path continues it: not copied
-    lean = timing.HandoffPaths(source, target, a, ids[:, :26], ids[:, 26:], need=("target_reprefill",),
-                               target_kv=(own.keys, own.values))
+    lean = timing.HandoffPaths(
+        source, target, a, ids[:, :26], ids[:, 26:], need=("target_reprefill",), target_kv=(own.keys, own.values)
+    )
     assert lean.own_cache is None and lean.handoff_cache is None and lean.reprefill_cache is not None
     with torch.inference_mode():
-        for p in made[1:len(handoffs)]:  # the handoffs after the first (not `lean` below)
+        for p in made[1 : len(handoffs)]:  # the handoffs after the first (not `lean` below)
             with pytest.raises(ValueError, match="not in `need`"):
                 p.path("target_reprefill")
             with pytest.raises(ValueError, match="not in `need`.*was not made"):

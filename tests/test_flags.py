@@ -23,23 +23,38 @@ def test_estimate_time_follows_the_assumed_throughput(capsys):
     assert one.peak_bytes == two.peak_bytes and one.seconds_per_update > two.seconds_per_update  # memory does not move
 
 
-@pytest.mark.parametrize("flags, family, settings", [
-    (["--family", "crosslayer", "--k", "3", "--rank", "4", "--pairing", "proportional"], "crosslayer",
-     {"k": 3, "rank": 4, "pairing": "proportional"}),
-    (["--family", "crosshead", "--key-rank", "3"], "crosshead", {"rank": 0, "key_rank": 3}),
-    (["--family", "residual", "--base", "crosshead", "--rank", "2", "--hidden", "8"], "residual",
-     {"base": {"family": "crosshead", "settings": {"rank": 2}}, "hidden": 8}),
-])
+@pytest.mark.parametrize(
+    "flags, family, settings",
+    [
+        (
+            ["--family", "crosslayer", "--k", "3", "--rank", "4", "--pairing", "proportional"],
+            "crosslayer",
+            {"k": 3, "rank": 4, "pairing": "proportional"},
+        ),
+        (["--family", "crosshead", "--key-rank", "3"], "crosshead", {"rank": 0, "key_rank": 3}),
+        (
+            ["--family", "residual", "--base", "crosshead", "--rank", "2", "--hidden", "8"],
+            "residual",
+            {"base": {"family": "crosshead", "settings": {"rank": 2}}, "hidden": 8},
+        ),
+    ],
+)
 def test_family_flags_reach_the_translator_a_training_builds(flags, family, settings):
     import train_translator
-    from kvlingo.core.folder import build
-    from kvlingo.run.profiles import get_profile
+    from kvlingo.inputs.profiles import get_profile
+    from kvlingo.records.saved import build
 
     args = train_translator.parse_args(flags)
     got_family, got = train_translator.family_from_args(args, get_profile("tiny"), "l2s")
     assert (got_family, got) == (family, settings)
-    geometry = {"source_layers": 4, "source_kv_heads": 2, "source_head_dim": 8, "target_layers": 3,
-                "target_kv_heads": 2, "target_head_dim": 8}
+    geometry = {
+        "source_layers": 4,
+        "source_kv_heads": 2,
+        "source_head_dim": 8,
+        "target_layers": 3,
+        "target_kv_heads": 2,
+        "target_head_dim": 8,
+    }
     spec = build({"family": family, "key_space": "prenorm", "settings": got, "geometry": geometry}).settings()
     maps = spec["base"]["settings"] if family == "residual" else spec
     maps.pop("layers")  # the plan, made from the settings
@@ -50,10 +65,24 @@ def test_family_flags_reach_the_translator_a_training_builds(flags, family, sett
 
 def test_slurm_flags_reach_the_job_settings(tmp_path):
     import recipe
-    from kvlingo.drive.launch import launcher_from_args
+    from kvlingo.stages.launch import launcher_from_args
 
-    args = recipe.parse_args(["--launcher", "slurm", "--device", "cuda", "--cpus-per-cell", "6", "--mem-gb", "48",
-                              "--max-requeues", "3", "--submitit-cluster", "debug"])
+    args = recipe.parse_args(
+        [
+            "--launcher",
+            "slurm",
+            "--device",
+            "cuda",
+            "--cpus-per-cell",
+            "6",
+            "--mem-gb",
+            "48",
+            "--max-requeues",
+            "3",
+            "--submitit-cluster",
+            "debug",
+        ]
+    )
     launcher = launcher_from_args(args, tmp_path, say=lambda _m: None)
     s = launcher.settings
     assert (s.cpus_per_cell, s.mem_gb, s.max_requeues) == (6, 48.0, 3)
@@ -65,10 +94,38 @@ def test_perf_timing_switches_reach_the_report(tmp_path, capsys):
     recorded; --strict-cv fails a CPU run on its CV flags (exit 1) after the report is written."""
     import perf
 
-    argv = ["--arch", "tiny", "--lengths", "16", "--new-turn-tokens", "4", "--modes", "optimised", "--device", "cpu",
-            "--timing-repeats", "2", "--timing-warmups", "0", "--max-repeats", "3", "--max-seconds", "0",
-            "--defer-values", "off", "--no-cuda-graphs", "--peak-tflops", "1", "--peak-gbps", "1",
-            "--results", str(tmp_path), "--cv-limit", "0", "--strict-cv"]
+    argv = [
+        "--arch",
+        "tiny",
+        "--lengths",
+        "16",
+        "--new-turn-tokens",
+        "4",
+        "--modes",
+        "optimised",
+        "--device",
+        "cpu",
+        "--timing-repeats",
+        "2",
+        "--timing-warmups",
+        "0",
+        "--max-repeats",
+        "3",
+        "--max-seconds",
+        "0",
+        "--defer-values",
+        "off",
+        "--no-cuda-graphs",
+        "--peak-tflops",
+        "1",
+        "--peak-gbps",
+        "1",
+        "--results",
+        str(tmp_path),
+        "--cv-limit",
+        "0",
+        "--strict-cv",
+    ]
     with pytest.raises(SystemExit) as e:
         perf.main(argv)
     assert e.value.code == 1 and "perf: checks failed: CV > 0" in capsys.readouterr().err
@@ -85,10 +142,31 @@ def test_frontier_refuses_an_extra_run_without_a_translator(tiny_pair_paths, tmp
 
     large, small = tiny_pair_paths
     with pytest.raises(SystemExit) as e:
-        frontier.main(["--profile", "tiny", "--large", str(large), "--small", str(small), "--device", "cpu",
-                       "--dtype", "float32", "--artifacts", str(tmp_path / "a"), "--results", str(tmp_path / "r"),
-                       "--skip-tasks", "ifeval", "gsm8k", "--no-timing", "--no-layer-sweep",
-                       "--runs", "other-family"])
+        frontier.main(
+            [
+                "--profile",
+                "tiny",
+                "--large",
+                str(large),
+                "--small",
+                str(small),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--artifacts",
+                str(tmp_path / "a"),
+                "--results",
+                str(tmp_path / "r"),
+                "--skip-tasks",
+                "ifeval",
+                "gsm8k",
+                "--no-timing",
+                "--no-layer-sweep",
+                "--runs",
+                "other-family",
+            ]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("frontier: no trained translator at ") and err.count("\n") == 1, err
 
@@ -105,9 +183,10 @@ def test_toy_world_mini_build_takes_its_budget(tmp_path):
 
 
 def test_data_stage_streams_the_revision_and_row_cap_it_is_given(tmp_path, monkeypatch, capsys):
-    """--revision names the Hub commit streamed, --max-rows bounds the rows read (the Hub stands in by the toy corpus)."""
-    import paper_data
-    import kvlingo.run.data as data
+    """--revision names the Hub commit streamed, --max-rows bounds the rows read (the Hub stands in by the toy
+    corpus)."""
+    import kvlingo.inputs.data as data
+    import prepare
 
     toy = tmp_path / "toy"
     sys.path.insert(0, str(ROOT))
@@ -122,8 +201,20 @@ def test_data_stage_streams_the_revision_and_row_cap_it_is_given(tmp_path, monke
 
     monkeypatch.setattr(data, "resolve_hub_revision", revision)
     monkeypatch.setattr(data, "hub_rows", lambda hub, commit: data.local_rows(toy / "corpus" / "chats.jsonl"))
-    paper_data.main(["--profile", "tiny", "--tokenizer", str(toy / "small"), "--out", str(tmp_path / "data"),
-                     "--revision", "a" * 40, "--max-rows", "30"])
+    prepare.main(
+        [
+            "--profile",
+            "tiny",
+            "--tokenizer",
+            str(toy / "small"),
+            "--out",
+            str(tmp_path / "data"),
+            "--revision",
+            "a" * 40,
+            "--max-rows",
+            "30",
+        ]
+    )
     manifest = json.loads((tmp_path / "data" / "tiny" / "manifest.json").read_text())
     source = manifest["inputs"]["source"]
     assert asked == ["a" * 40] and source["revision_requested"] == "a" * 40 and source["max_rows"] == 30

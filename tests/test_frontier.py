@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tinypair import task_inputs
 
 
@@ -17,12 +16,37 @@ def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
-    pair = ["--profile", "tiny", "--large", str(tiny_pair_paths[0]), "--small", str(tiny_pair_paths[1]),
-            "--device", "cpu", "--dtype", "float32", "--artifacts", str(tmp_path / "artifacts"),
-            "--results", str(tmp_path / "results")]
+    pair = [
+        "--profile",
+        "tiny",
+        "--large",
+        str(tiny_pair_paths[0]),
+        "--small",
+        str(tiny_pair_paths[1]),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--artifacts",
+        str(tmp_path / "artifacts"),
+        "--results",
+        str(tmp_path / "results"),
+    ]
     train_translator.main([*pair, "--data", str(data)])
-    argv = [*pair, "--data", str(data), "--data-root", str(eval_root), "--skip-tasks", "ifeval",
-            "--settings", "none", "layers:50%", "tail:100%", "--no-timing"]
+    argv = [
+        *pair,
+        "--data",
+        str(data),
+        "--data-root",
+        str(eval_root),
+        "--skip-tasks",
+        "ifeval",
+        "--settings",
+        "none",
+        "layers:50%",
+        "tail:100%",
+        "--no-timing",
+    ]
     rep = frontier.main(argv)
     rows = {r["setting"]: r for r in rep["results"]["rows"]}
     assert list(rows) == ["none", "layers:50%", "tail:100%"]
@@ -51,23 +75,34 @@ def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths
 
     # the real-shape timing is a cell too: timed once, then read back by a resume, never timed again
     from kvlingo.bench import timing
+
     calls = []
 
     def fake_timings(cfg, specs, toy_width):
         calls.append(sorted(specs))
-        return {"tokens": cfg.real_tokens, "new_turn_tokens": 16, "threads": timing.threads(), "dtype": "float32",
-                "interleaved": True,
-                "reprefill": timing.summarize([4.0, 4.4, 4.2]),
-                "handoff": {f"tiny-l2s|{s}": timing.summarize([0.1 * (i + 1), 0.1 * (i + 1) + 1 / 3, 0.1 * (i + 1)])
-                            for i, s in enumerate(cfg.settings)}}
+        return {
+            "tokens": cfg.real_tokens,
+            "new_turn_tokens": 16,
+            "threads": timing.threads(),
+            "dtype": "float32",
+            "interleaved": True,
+            "reprefill": timing.summarize([4.0, 4.4, 4.2]),
+            "handoff": {
+                f"tiny-l2s|{s}": timing.summarize([0.1 * (i + 1), 0.1 * (i + 1) + 1 / 3, 0.1 * (i + 1)])
+                for i, s in enumerate(cfg.settings)
+            },
+        }
 
     monkeypatch.setattr(frontier, "real_timings", fake_timings)
     timed_argv = [a for a in argv if a != "--no-timing"] + ["--resume"]
     timed = frontier.main(timed_argv)
     assert calls == [["tiny-l2s"]]
     assert (out / "frontier-timing.json").is_file()
-    assert [r["time_trials_s"] for r in timed["results"]["rows"]] == [[0.1, 0.1 + 1 / 3, 0.1], [0.2, 0.2 + 1 / 3, 0.2],
-                                                                       [0.1 * 3, 0.1 * 3 + 1 / 3, 0.1 * 3]]
+    assert [r["time_trials_s"] for r in timed["results"]["rows"]] == [
+        [0.1, 0.1 + 1 / 3, 0.1],
+        [0.2, 0.2 + 1 / 3, 0.2],
+        [0.1 * 3, 0.1 * 3 + 1 / 3, 0.1 * 3],
+    ]
     assert timed["results"]["rows"][0]["speedup"] == 4.2 / 0.1
     resumed = frontier.main(timed_argv)
     assert len(calls) == 1 and resumed["results"]["rows"] == timed["results"]["rows"]  # the same trials, read back
@@ -102,8 +137,13 @@ def test_frontier_rows_get_each_speedup_with_its_interval():
     import frontier
     from kvlingo.bench import timing
 
-    t = {"reprefill": timing.summarize([40.0, 42.0, 44.0]),
-         "handoff": {"run|none": timing.summarize([5.0, 5.5, 6.0]), "run|tail:10%": timing.summarize([15.0, 15.0, 15.0])}}
+    t = {
+        "reprefill": timing.summarize([40.0, 42.0, 44.0]),
+        "handoff": {
+            "run|none": timing.summarize([5.0, 5.5, 6.0]),
+            "run|tail:10%": timing.summarize([15.0, 15.0, 15.0]),
+        },
+    }
     rows = [{"run": "run", "setting": "none"}, {"run": "run", "setting": "tail:10%"}]
     frontier.add_times(rows, t)
     none, tail = rows
@@ -118,10 +158,31 @@ def test_frontier_refuses_a_run_without_a_trained_translator_in_one_line(tiny_pa
 
     data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
     with pytest.raises(SystemExit) as e:
-        frontier.main(["--profile", "tiny", "--large", str(tiny_pair_paths[0]), "--small", str(tiny_pair_paths[1]),
-                       "--device", "cpu", "--dtype", "float32", "--artifacts", str(tmp_path / "artifacts"),
-                       "--results", str(tmp_path / "results"), "--data", str(data), "--data-root", str(eval_root),
-                       "--skip-tasks", "ifeval", "--no-timing"])
+        frontier.main(
+            [
+                "--profile",
+                "tiny",
+                "--large",
+                str(tiny_pair_paths[0]),
+                "--small",
+                str(tiny_pair_paths[1]),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--artifacts",
+                str(tmp_path / "artifacts"),
+                "--results",
+                str(tmp_path / "results"),
+                "--data",
+                str(data),
+                "--data-root",
+                str(eval_root),
+                "--skip-tasks",
+                "ifeval",
+                "--no-timing",
+            ]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("frontier: no trained translator at "), err
     assert "make train RUN=" in err

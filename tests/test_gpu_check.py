@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-
-from kvlingo.core.folder import save_translator
 from test_benchmark import conversations, fit_maps, write_split
-from kvlingo.run.models import ModelSpec, load_model, load_tokenizer
+
+from kvlingo.inputs.models import ModelSpec, load_model, load_tokenizer
+from kvlingo.records.saved import save_translator
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,22 @@ def bench_inputs(tiny_pair_paths, tmp_path_factory):
     cf, stand_in = fit_maps(large, small, conversations(tok, 10, seed=2), "prenorm", (1e-3, 1e-1))
     save_translator(root / "artifacts" / "t" / "closed_form", cf, {"direction": "l2s", "kind": "closed_form"})
     save_translator(root / "artifacts" / "t" / "distilled", stand_in, {"direction": "l2s", "kind": "distilled"})
-    return ["--large", str(large_p), "--small", str(small_p), "--bench-profile", "tiny", "--bench-data", str(data),
-            "--bench-artifacts", str(root / "artifacts"), "--bench-run", "t", "--bench-results", str(root / "none")]
+    return [
+        "--large",
+        str(large_p),
+        "--small",
+        str(small_p),
+        "--bench-profile",
+        "tiny",
+        "--bench-data",
+        str(data),
+        "--bench-artifacts",
+        str(root / "artifacts"),
+        "--bench-run",
+        "t",
+        "--bench-results",
+        str(root / "none"),
+    ]
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 import torch
 
 from kvlingo.core.handoff import capture_source, greedy_generate
-from kvlingo.run.models import ModelSpec, load_model
+from kvlingo.inputs.models import ModelSpec, load_model
 
 
 def native_cache(model, ids):
@@ -18,6 +18,7 @@ def test_greedy_on_injected_cache_equals_transformers_generate(tiny_pair_paths):
     assert hit_cap and ours == ref[0, 20:].tolist()
     # a stop token ends generation and is not returned
     k = max(i for i in range(len(ours)) if ours[i] not in ours[:i])  # last first-occurrence
-    stopped, hit = greedy_generate(model, ids[0, -1:].tolist(), native_cache(model, ids[0, :-1].tolist()),
-                                   max_new_tokens=10, eos_ids={ours[k]})
+    stopped, hit = greedy_generate(
+        model, ids[0, -1:].tolist(), native_cache(model, ids[0, :-1].tolist()), max_new_tokens=10, eos_ids={ours[k]}
+    )
     assert not hit and stopped == ours[:k]

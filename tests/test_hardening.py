@@ -15,20 +15,22 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-import benchmark
-import paper_data
-import train_translator
 from tinypair import chat_rows, write_prepared
 
+import benchmark
+import prepare
+import train_translator
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module
 
 
 def snapshot(root: Path) -> dict[str, str]:
     """sha256 of every file under root but the stages' empty run locks (`.STAGE.lock`, not outputs)."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not (p.name.endswith(".lock") and not p.stat().st_size)}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not (p.name.endswith(".lock") and not p.stat().st_size)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +39,35 @@ def finished(tiny_pair_paths, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("finished")
     tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
-    data = write_prepared(root / "data" / "tiny", tok, {"train": chat_rows(tok, 12, 0, "t"),
-                                                        "validation": chat_rows(tok, 4, 1, "v"),
-                                                        "test": chat_rows(tok, 4, 2, "x")})
-    pair = ["--large", str(tiny_pair_paths[0]), "--small", str(tiny_pair_paths[1]), "--device", "cpu",
-            "--dtype", "float32"]
-    run = ["--profile", "tiny", "--run", "r", "--artifacts", str(root / "artifacts"), "--results", str(root / "results")]
+    data = write_prepared(
+        root / "data" / "tiny",
+        tok,
+        {
+            "train": chat_rows(tok, 12, 0, "t"),
+            "validation": chat_rows(tok, 4, 1, "v"),
+            "test": chat_rows(tok, 4, 2, "x"),
+        },
+    )
+    pair = [
+        "--large",
+        str(tiny_pair_paths[0]),
+        "--small",
+        str(tiny_pair_paths[1]),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
+    run = [
+        "--profile",
+        "tiny",
+        "--run",
+        "r",
+        "--artifacts",
+        str(root / "artifacts"),
+        "--results",
+        str(root / "results"),
+    ]
     train_args = [*run, *pair, "--data", str(data), "--updates", "2", "--n-fit", "12", "--lr", "1e-3"]
     train_translator.main(train_args)
     return {"root": root, "data": data, "pair": pair, "run": run, "train": train_args, "tok": tok}
@@ -92,10 +117,12 @@ def test_refused_commands_change_nothing(finished, tiny_pair_paths, tmp_path, ca
     other = AutoTokenizer.from_pretrained(other_tok)
     rows = chat_rows(other, 8, 0, "o")
     bad_data = write_prepared(tmp_path / "bad" / "tiny", other, {"train": rows, "validation": rows, "test": rows})
-    from kvlingo.run.models import tokenizer_digest
+    from kvlingo.inputs.models import tokenizer_digest
 
-    for fn, argv in ((train_translator.main, [*train, "--data", str(bad_data)]),
-                     (benchmark.main, [*finished["run"], *finished["pair"], "--data", str(bad_data)])):
+    for fn, argv in (
+        (train_translator.main, [*train, "--data", str(bad_data)]),
+        (benchmark.main, [*finished["run"], *finished["pair"], "--data", str(bad_data)]),
+    ):
         err = refused(fn, argv, capsys)
         assert tokenizer_digest(other)[:16] in err and tokenizer_digest(finished["tok"])[:16] in err
 
@@ -103,22 +130,39 @@ def test_refused_commands_change_nothing(finished, tiny_pair_paths, tmp_path, ca
     sliding = tmp_path / "sliding"
     shutil.copytree(tiny_pair_paths[1], sliding)
     cfg = json.loads((sliding / "config.json").read_text())
-    cfg.update(use_sliding_window=True, sliding_window=8, max_window_layers=0,
-               layer_types=["sliding_attention"] * cfg["num_hidden_layers"])
+    cfg.update(
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=0,
+        layer_types=["sliding_attention"] * cfg["num_hidden_layers"],
+    )
     (sliding / "config.json").write_text(json.dumps(cfg))
-    import kvlingo.run.models as models
+    import kvlingo.inputs.models as models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights were loaded before the refusal"))
-    err = refused(train_translator.main, [*[a if a != str(tiny_pair_paths[1]) else str(sliding) for a in train]],
-                  capsys)
+    err = refused(
+        train_translator.main, [*[a if a != str(tiny_pair_paths[1]) else str(sliding) for a in train]], capsys
+    )
     assert "non-full attention" in err
     monkeypatch.undo()
 
     # 5. an empty source over a good prepared set
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    err = refused(paper_data.main, ["--profile", "tiny", "--source", str(empty), "--tokenizer", str(tiny_pair_paths[1]),
-                                    "--out", str(root / "data")], capsys)
+    err = refused(
+        prepare.main,
+        [
+            "--profile",
+            "tiny",
+            "--source",
+            str(empty),
+            "--tokenizer",
+            str(tiny_pair_paths[1]),
+            "--out",
+            str(root / "data"),
+        ],
+        capsys,
+    )
     assert "no usable conversations" in err and "is kept" in err
 
     assert snapshot(root) == before
@@ -184,22 +228,41 @@ def test_a_second_run_of_a_stage_on_the_same_run_is_refused_while_the_first_runs
     import subprocess
     import sys
 
-    from kvlingo.drive.stage import lock_run, refusals_exit
+    from kvlingo.stages.stage import lock_run, refusals_exit
 
     res = finished["root"] / "results" / "r"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from kvlingo.drive.stage import lock_run; "
-         f"lock_run({str(res)!r}, 'train'); lock_run({str(finished['root'] / 'data')!r}, 'prepare-tiny'); "
-         "print('held', flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from kvlingo.stages.stage import lock_run; "
+            f"lock_run({str(res)!r}, 'train'); lock_run({str(finished['root'] / 'data')!r}, 'prepare-tiny'); "
+            "print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         before = snapshot(finished["root"])
         err = refused(train_translator.main, [*finished["train"], *NOT_UP_TO_DATE, "--resume"], capsys)
         assert f"another train is still running in {res}" in err and str(res / ".train.lock") in err
         source = finished["root"] / "chats.jsonl"  # never read: the data folder's build is refused first
-        err = refused(paper_data.main, ["--profile", "tiny", "--source", str(source), "--tokenizer",
-                                        str(finished["tok"].name_or_path), "--out", str(finished["root"] / "data")], capsys)
+        err = refused(
+            prepare.main,
+            [
+                "--profile",
+                "tiny",
+                "--source",
+                str(source),
+                "--tokenizer",
+                str(finished["tok"].name_or_path),
+                "--out",
+                str(finished["root"] / "data"),
+            ],
+            capsys,
+        )
         assert "another prepare-tiny is still running" in err and "another --out" in err
         assert snapshot(finished["root"]) == before
     finally:
@@ -222,7 +285,7 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
     import subprocess
     import sys
 
-    import kvlingo.run.models as models
+    import kvlingo.inputs.models as models
 
     root, train, run, pair = finished["root"], finished["train"], finished["run"], finished["pair"]
     before = snapshot(root)
@@ -248,9 +311,18 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
             p.write_bytes(data)
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from kvlingo.drive.stage import lock_run; "
-         f"lock_run({str(root / 'artifacts' / 'r')!r}, 'train', root_flag='--artifacts'); print('held', flush=True); "
-         "time.sleep(120)"], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from kvlingo.stages.stage import lock_run; "
+            f"lock_run({str(root / 'artifacts' / 'r')!r}, 'train', root_flag='--artifacts'); "
+            "print('held', flush=True); "
+            "time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         other_results = [a if a != str(root / "results") else str(tmp_path / "results") for a in train]
@@ -279,21 +351,31 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
 def test_reports_and_ledgers_edited_out_of_shape_are_made_again_or_refused(tmp_path):
     """Valid JSON of the wrong shape once raised AttributeError or KeyError: an up-to-date check now takes such a
     report as unfinished (the stage makes it again), and a recipe ledger is refused with the entry named."""
-    from kvlingo.drive.ledger import LEDGER_FORMAT, Ledger
-    from kvlingo.run.resume import ResumeRefused, finished
+    from kvlingo.records.resume import ResumeRefused, finished
+    from kvlingo.stages.ledger import LEDGER_FORMAT, Ledger
 
     report = tmp_path / "benchmark.json"
     good = {"resume_key": "k", "results": {"checks": {"passed": True}}}
-    for text, up_to_date in ((good, True), ([1, 2], False), ({"resume_key": "k"}, False),
-                             ({**good, "results": None}, False), ({**good, "results": {"checks": {"passed": False}}}, False),
-                             ({**good, "resume_key": "other"}, False)):
+    for text, up_to_date in (
+        (good, True),
+        ([1, 2], False),
+        ({"resume_key": "k"}, False),
+        ({**good, "results": None}, False),
+        ({**good, "results": {"checks": {"passed": False}}}, False),
+        ({**good, "resume_key": "other"}, False),
+    ):
         report.write_text(json.dumps(text))
         assert (finished(report, "k") is not None) == up_to_date, text
 
     ledger = tmp_path / "recipe-state.json"
-    for state, why in (([], "ledger format list"), ({"format": LEDGER_FORMAT, "config": {}, "cells": []}, "cells is not"),
-                       ({"format": LEDGER_FORMAT, "config": {}, "cells": {"train/a": {"status": "done"}}},
-                        "cells.train/a is not a ledger entry")):
+    for state, why in (
+        ([], "ledger format list"),
+        ({"format": LEDGER_FORMAT, "config": {}, "cells": []}, "cells is not"),
+        (
+            {"format": LEDGER_FORMAT, "config": {}, "cells": {"train/a": {"status": "done"}}},
+            "cells.train/a is not a ledger entry",
+        ),
+    ):
         ledger.write_text(json.dumps(state))
         with pytest.raises(ResumeRefused, match=why):
             Ledger(ledger, {}, resume=True)
@@ -302,8 +384,8 @@ def test_reports_and_ledgers_edited_out_of_shape_are_made_again_or_refused(tmp_p
 
 def test_a_source_that_is_a_folder_is_named_as_one(tmp_path):
     from kvlingo.eval.tasks.data import read_source
-    from kvlingo.run.data import prepare
-    from kvlingo.run.profiles import get_profile
+    from kvlingo.inputs.data import prepare
+    from kvlingo.inputs.profiles import get_profile
 
     with pytest.raises(ValueError, match=f"--source {tmp_path} is a folder, not a JSONL file"):
         read_source(tmp_path, "arc")
@@ -319,8 +401,9 @@ def test_task_data_is_not_prepared_into_a_folder_that_cannot_be_written(tmp_path
     source.write_text("")
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    err = refused(task_eval.main, ["--task", "arc", "--prepare", "--data-root", str(blocker), "--source", str(source)],
-                  capsys)
+    err = refused(
+        task_eval.main, ["--task", "arc", "--prepare", "--data-root", str(blocker), "--source", str(source)], capsys
+    )
     assert f"cannot write to {blocker / 'arc'}" in err and "give --data-root a folder you can write to" in err
     assert blocker.read_text() == "x"
 
@@ -342,13 +425,14 @@ def test_toy_world_names_an_out_folder_it_cannot_write_before_building_anything(
 
 
 def test_ctrl_c_ends_a_stage_in_one_line_and_frees_its_run_lock(tmp_path, capsys):
-    from kvlingo.drive.stage import INTERRUPTED_STATUS, lock_run, refusals_exit
+    from kvlingo.stages.stage import INTERRUPTED_STATUS, lock_run, refusals_exit
 
     def stage(resumable: bool):
         @refusals_exit("demo", resumable=resumable)
         def main():
             lock_run(tmp_path / "run", "demo")  # held, then freed by the decorator
             raise KeyboardInterrupt
+
         return main
 
     for resumable in (True, False):

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import ifeval
-from kvlingo.eval.tasks import grader
-from kvlingo.eval.itemrows import read_rows
 from kvlingo.core.families.headwise import Headwise
-from kvlingo.core.folder import save_translator
 from kvlingo.core.translator import Geometry
-from kvlingo.run.models import ModelSpec, load_model
+from kvlingo.eval.itemrows import read_rows
+from kvlingo.eval.tasks import grader
+from kvlingo.inputs.models import ModelSpec, load_model
 from kvlingo.io import read_json
+from kvlingo.records.saved import save_translator
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +77,23 @@ SENT = "length_constraints:number_sentences"
 # (doc, response, strict prompt-level verdict worked out by hand)
 CASES = [
     # Punkt keeps "Dr." inside the sentence: 2 sentences (a naive split on ". " says 3).
-    (_doc([SENT], [{"relation": "less than", "num_sentences": 3, "keywords": None}]),
-     "Dr. Smith went home. He was tired.", True),
+    (
+        _doc([SENT], [{"relation": "less than", "num_sentences": 3, "keywords": None}]),
+        "Dr. Smith went home. He was tired.",
+        True,
+    ),
     (_doc([SENT], [{"relation": "less than", "num_sentences": 3}]), "One. Two. Three. Four.", False),
     (_doc([SENT], [{"relation": "at least", "num_sentences": 3}]), "Mr. Jones came. Dr. Lee left.", False),
-    (_doc(["change_case:capital_word_frequency"], [{"capital_relation": "less than", "capital_frequency": 2}]),
-     "HELLO world, how are you", True),
-    (_doc(["change_case:capital_word_frequency"], [{"capital_relation": "less than", "capital_frequency": 2}]),
-     "HELLO BIG WORLD", False),
+    (
+        _doc(["change_case:capital_word_frequency"], [{"capital_relation": "less than", "capital_frequency": 2}]),
+        "HELLO world, how are you",
+        True,
+    ),
+    (
+        _doc(["change_case:capital_word_frequency"], [{"capital_relation": "less than", "capital_frequency": 2}]),
+        "HELLO BIG WORLD",
+        False,
+    ),
     (_doc(["punctuation:no_comma"], [{}]), "no commas here at all", True),
     (_doc(["punctuation:no_comma"], [{}]), "yes, a comma", False),
     (_doc(["length_constraints:number_words"], [{"relation": "at least", "num_words": 5}]), "one two three", False),
@@ -135,15 +144,44 @@ def ifeval_world(tiny_pair_paths, tmp_path_factory, punkt_home):
     m = load_model(ModelSpec.parse(str(large)), "cpu", torch.float32)
     maps = Headwise.identity(Geometry.of(m, m))  # same head_dim both sides
     save_translator(root / "artifacts" / "t" / "distilled", maps, {"direction": "l2s"})
-    docs = [_doc(["punctuation:no_comma"], [{}], "Describe the cat on the mat. Do not use commas."),
-            _doc([SENT, "change_case:english_lowercase"], [{"relation": "less than", "num_sentences": 2}, {}],
-                 "Answer in lowercase, in one sentence: what did ada write?")]
+    docs = [
+        _doc(["punctuation:no_comma"], [{}], "Describe the cat on the mat. Do not use commas."),
+        _doc(
+            [SENT, "change_case:english_lowercase"],
+            [{"relation": "less than", "num_sentences": 2}, {}],
+            "Answer in lowercase, in one sentence: what did ada write?",
+        ),
+    ]
     docs[1]["key"] = 2
     (root / "ifeval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    base = ["--large", str(large), "--small", str(small), "--dtype", "float32", "--device", "cpu", "--profile", "tiny",
-            "--run", "t", "--results", str(root / "results"), "--source", str(root / "ifeval.jsonl"),
-            "--max-new-tokens", "4", "--artifacts", str(root / "artifacts")]
-    return {"root": root, "base": base, "maps": str(root / "artifacts" / "t" / "distilled"), "out": root / "results" / "t"}
+    base = [
+        "--large",
+        str(large),
+        "--small",
+        str(small),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--profile",
+        "tiny",
+        "--run",
+        "t",
+        "--results",
+        str(root / "results"),
+        "--source",
+        str(root / "ifeval.jsonl"),
+        "--max-new-tokens",
+        "4",
+        "--artifacts",
+        str(root / "artifacts"),
+    ]
+    return {
+        "root": root,
+        "base": base,
+        "maps": str(root / "artifacts" / "t" / "distilled"),
+        "out": root / "results" / "t",
+    }
 
 
 def test_native_then_translated_then_gate(ifeval_world, capsys):
@@ -163,7 +201,12 @@ def test_native_then_translated_then_gate(ifeval_world, capsys):
     rep = read_json(w["out"] / "ifeval.json")
     assert set(rep["results"]["paths"]) == {"translated", "native_target", "control", "no_context"}
     # the native target's answers come from the native run's rows (same input hash), not regenerated
-    assert rep["results"]["rows"] == {"generated": 6, "resumed": 0, "reused_from_sibling": 2, "dropped_torn_line": False}
+    assert rep["results"]["rows"] == {
+        "generated": 6,
+        "resumed": 0,
+        "reused_from_sibling": 2,
+        "dropped_torn_line": False,
+    }
     trows = read_rows(w["out"] / "ifeval.rows.jsonl")[1]
     by = {(r["path"], r["doc_key"]): r for r in trows}
     k0, k1 = sorted({r["doc_key"] for r in trows})
@@ -218,7 +261,7 @@ def test_install_punkt_cli_writes_the_same_data(punkt_home, tmp_path, capsys):
 
 
 def test_ifeval_resume_after_a_code_edit_is_refused(ifeval_world, monkeypatch, capsys):
-    import kvlingo.run.resume as resume
+    import kvlingo.records.resume as resume
 
     w = ifeval_world
     ifeval.main(w["base"] + ["--native", "--run", "code"])
@@ -241,7 +284,7 @@ def test_installed_punkt_is_readable_by_others(punkt_home):
 
 
 def test_an_ifeval_report_is_up_to_date_unless_its_gate_failed(ifeval_world, monkeypatch, capsys):
-    import kvlingo.drive.session as session
+    import kvlingo.stages.session as session
 
     w = ifeval_world
     argv = w["base"] + ["--run", "t", "--resume"]

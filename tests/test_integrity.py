@@ -27,17 +27,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from tinypair import chat_rows, write_prepared
 
 import ablate
 import benchmark
 import export
 import ifeval
-import paper_data
+import prepare
 import train_translator
-from kvlingo.drive.ledger import Ledger
 from kvlingo.eval.tasks import grader
 from kvlingo.io import read_json, sha256_file
-from tinypair import chat_rows, write_prepared
+from kvlingo.stages.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module
@@ -51,23 +51,64 @@ def world(tiny_pair_paths, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("integrity")
     tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
-    data = write_prepared(root / "data" / "tiny", tok, {"train": chat_rows(tok, 12, 0, "t"),
-                                                        "validation": chat_rows(tok, 4, 1, "v"),
-                                                        "test": chat_rows(tok, 4, 2, "x")})
-    docs = [{"key": k, "prompt": p, "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}
-            for k, p in ((1, "Describe the cat. Do not use commas."), (2, "Describe the mat. Do not use commas."))]
+    data = write_prepared(
+        root / "data" / "tiny",
+        tok,
+        {
+            "train": chat_rows(tok, 12, 0, "t"),
+            "validation": chat_rows(tok, 4, 1, "v"),
+            "test": chat_rows(tok, 4, 2, "x"),
+        },
+    )
+    docs = [
+        {"key": k, "prompt": p, "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}
+        for k, p in ((1, "Describe the cat. Do not use commas."), (2, "Describe the mat. Do not use commas."))
+    ]
     (root / "ifeval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     punkt = root / "nltk_data"
     grader.install_punkt(punkt)
-    pair = ["--large", str(tiny_pair_paths[0]), "--small", str(tiny_pair_paths[1]), "--device", "cpu",
-            "--dtype", "float32"]
-    run = ["--profile", "tiny", "--run", "r", "--artifacts", str(root / "artifacts"), "--results", str(root / "results")]
+    pair = [
+        "--large",
+        str(tiny_pair_paths[0]),
+        "--small",
+        str(tiny_pair_paths[1]),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
+    run = [
+        "--profile",
+        "tiny",
+        "--run",
+        "r",
+        "--artifacts",
+        str(root / "artifacts"),
+        "--results",
+        str(root / "results"),
+    ]
     train = [*run, *pair, "--data", str(data), "--updates", "2", "--n-fit", "12", "--lr", "1e-3"]
     train_translator.main(train)
     benchmark.main([*run, *pair, "--data", str(data), "--timing-conversations", "0", "--control-dtypes", "none"])
-    yield {"root": root, "data": data, "pair": pair, "run": run, "train": train, "punkt": punkt,
-           "ifeval": ["--profile", "tiny", *pair, "--source", str(root / "ifeval.jsonl"), "--max-new-tokens", "3",
-                      "--artifacts", str(root / "artifacts")]}
+    yield {
+        "root": root,
+        "data": data,
+        "pair": pair,
+        "run": run,
+        "train": train,
+        "punkt": punkt,
+        "ifeval": [
+            "--profile",
+            "tiny",
+            *pair,
+            "--source",
+            str(root / "ifeval.jsonl"),
+            "--max-new-tokens",
+            "3",
+            "--artifacts",
+            str(root / "artifacts"),
+        ],
+    }
     nltk.data.path.remove(str(punkt.resolve()))
 
 
@@ -86,7 +127,7 @@ def refused(fn, argv, capsys) -> str:
 
 def no_models(monkeypatch):
     """Any model load fails the test: a refusal must come first."""
-    import kvlingo.run.models as models
+    import kvlingo.inputs.models as models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
 
@@ -102,19 +143,28 @@ def files_under(root: Path) -> set[str]:
 
 
 # --------------------------------------------------------------------------- outputs checked first
-@pytest.mark.parametrize("stage, output", [
-    ("train", "results/RUN/train.json"), ("train", "results/RUN/train.png"),
-    ("train", "artifacts/RUN/distilled/maps.safetensors"), ("benchmark", "results/RUN/benchmark.json"),
-    ("ifeval", "results/RUN/ifeval.json"), ("ifeval", "results/RUN/ifeval.rows.jsonl"),
-])
-def test_a_folder_where_an_output_goes_is_refused_before_any_model_loads(world, tmp_path, monkeypatch, capsys, stage,
-                                                                         output):
+@pytest.mark.parametrize(
+    "stage, output",
+    [
+        ("train", "results/RUN/train.json"),
+        ("train", "results/RUN/train.png"),
+        ("train", "artifacts/RUN/distilled/maps.safetensors"),
+        ("benchmark", "results/RUN/benchmark.json"),
+        ("ifeval", "results/RUN/ifeval.json"),
+        ("ifeval", "results/RUN/ifeval.rows.jsonl"),
+    ],
+)
+def test_a_folder_where_an_output_goes_is_refused_before_any_model_loads(
+    world, tmp_path, monkeypatch, capsys, stage, output
+):
     """Once, all the work ran, then IsADirectoryError with a traceback, exit 1 and partial files."""
     folder = tmp_path / output.replace("RUN", "r")
     results = ["--results", str(tmp_path / "results"), "--run", "r"]  # the finished run's translators, new results
-    argv = {"train": moved(world, tmp_path),  # a new run in new roots
-            "benchmark": [*world["run"], *world["pair"], "--data", str(world["data"]), *results],
-            "ifeval": [*world["ifeval"], *results]}[stage]
+    argv = {
+        "train": moved(world, tmp_path),  # a new run in new roots
+        "benchmark": [*world["run"], *world["pair"], "--data", str(world["data"]), *results],
+        "ifeval": [*world["ifeval"], *results],
+    }[stage]
     folder.mkdir(parents=True)
     no_models(monkeypatch)
     main = {"train": train_translator.main, "benchmark": benchmark.main, "ifeval": ifeval.main}[stage]
@@ -125,7 +175,8 @@ def test_a_folder_where_an_output_goes_is_refused_before_any_model_loads(world, 
 
 
 def test_a_run_held_by_another_training_or_a_read_only_results_folder_is_refused_before_the_estimate(
-        world, tmp_path, monkeypatch, capsys):
+    world, tmp_path, monkeypatch, capsys
+):
     """Once, both printed the 5-line memory estimate before their one-line refusal."""
     argv = [*world["train"], "--results", str(tmp_path / "results"), "--run", "held"]
     held = tmp_path / "results" / "held"
@@ -166,8 +217,9 @@ def full_disk(monkeypatch, folder: Path, code: int = errno.ENOSPC) -> None:
 
 
 @pytest.mark.parametrize("full", ["artifacts/r/checkpoints", "results/r"])
-def test_a_full_disk_during_training_ends_in_one_line_and_the_resume_goes_on(world, tmp_path, monkeypatch, capsys,
-                                                                                full):
+def test_a_full_disk_during_training_ends_in_one_line_and_the_resume_goes_on(
+    world, tmp_path, monkeypatch, capsys, full
+):
     """Once, a 13–20-line OSError traceback. Now one line naming the folder and the space needed, no temp file
     left, and --resume (with space again) finishes as an uninterrupted run does."""
     argv = moved(world, tmp_path)
@@ -205,8 +257,9 @@ def test_a_full_disk_while_rows_are_appended_leaves_no_torn_line(world, tmp_path
     cut = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limited)
     said = re.findall(r"ifeval: [^\r\n]*", cut.stderr)  # progress bars may share its line
     assert cut.returncode == 2 and len(said) == 1 and "Traceback" not in cut.stderr, cut.stderr[-2000:]
-    assert said[0].startswith(f"ifeval: no room for ifeval-native.rows.jsonl in {tmp_path / 'r'} (File too large): it "
-                              "needs "), said
+    assert said[0].startswith(
+        f"ifeval: no room for ifeval-native.rows.jsonl in {tmp_path / 'r'} (File too large): it needs "
+    ), said
     text = rows.read_bytes()
     assert text.endswith(b"\n") and len(text.splitlines()) == 2  # the header and one whole row
     again = subprocess.run([*argv, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -217,14 +270,27 @@ def test_a_full_disk_while_rows_are_appended_leaves_no_torn_line(world, tmp_path
 def test_a_full_disk_while_preparing_data_leaves_no_staging_folder(world, tmp_path, monkeypatch, capsys):
     """Once, a traceback and the `.PROFILE.building-PID` staging folder left behind."""
     source = tmp_path / "chats.jsonl"
-    source.write_text("".join(json.dumps({"input": [{"role": "user", "content": f"hello {i} " * 5}],
-                                          "output": f"answer {i} " * 3, "reasoning": "off"}) + "\n"
-                              for i in range(60)))
+    source.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "input": [{"role": "user", "content": f"hello {i} " * 5}],
+                    "output": f"answer {i} " * 3,
+                    "reasoning": "off",
+                }
+            )
+            + "\n"
+            for i in range(60)
+        )
+    )
     out = tmp_path / "data"
     full_disk(monkeypatch, out)
-    err = refused(paper_data.main, ["--profile", "tiny", "--source", str(source), "--tokenizer",
-                                    str(world["pair"][1]), "--out", str(out)], capsys)
-    assert err.startswith(f"paper_data: no space left in {out}/.tiny.building-"), err
+    err = refused(
+        prepare.main,
+        ["--profile", "tiny", "--source", str(source), "--tokenizer", str(world["pair"][1]), "--out", str(out)],
+        capsys,
+    )
+    assert err.startswith(f"prepare: no space left in {out}/.tiny.building-"), err
     assert [p.name for p in out.iterdir()] == [".prepare-tiny.lock"]
 
 
@@ -255,14 +321,15 @@ def test_the_writers_leave_nothing_half_written_on_a_full_or_read_only_disk(tmp_
 
     def half(fd, data):  # the disk takes half of the row, then is full
         if os.readlink(f"/proc/self/fd/{fd}") == str(log.path):
-            real_write(fd, bytes(data[:len(data) // 2]))
+            real_write(fd, bytes(data[: len(data) // 2]))
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(fd, data)
 
     with monkeypatch.context() as m:
         m.setattr(os, "write", half)
-        with pytest.raises(WriteRefused, match=f"no space left in {tmp_path} \\(No space left on device\\): writing "
-                                               "x.rows.jsonl needs"):
+        with pytest.raises(
+            WriteRefused, match=f"no space left in {tmp_path} \\(No space left on device\\): writing x.rows.jsonl needs"
+        ):
             log.append("b", {"answer": "second"})
     assert log.path.read_bytes() == whole  # no torn line
     assert [r["key"] for r in read_rows(log.path)[1]] == ["a"]
@@ -284,8 +351,10 @@ def test_changing_val_every_on_resume_is_refused_and_checkpoint_every_is_recorde
     rep = train_translator.main([*argv, "--resume", "--checkpoint-every", "1"])
     assert rep["results"]["resumed_from_update"] == 2
     assert [p["update"] for p in rep["results"]["val_kl_curve"]] == [0, 2, 4] and rep["config"]["val_every"] == 2
-    assert rep["results"]["segments"] == [{"from_update": 0, "checkpoint_every": 2, "world_size": 1},
-                                          {"from_update": 2, "checkpoint_every": 1, "world_size": 1}]
+    assert rep["results"]["segments"] == [
+        {"from_update": 0, "checkpoint_every": 2, "world_size": 1},
+        {"from_update": 2, "checkpoint_every": 1, "world_size": 1},
+    ]
     assert sorted(p.name for p in ckpts.glob("ckpt_*")) == ["ckpt_000002.pt", "ckpt_000003.pt", "ckpt_000004.pt"]
 
 
@@ -303,8 +372,10 @@ def test_an_edited_closed_form_manifest_is_fitted_again(world, tmp_path, capsys)
     train_translator.main(argv)
     out = capsys.readouterr().out
     assert "closed-form fit up to date" not in out
-    assert (f"closed-form fit not reused: {folder / 'manifest.json'}: it was edited after it was written (its "
-            "content_sha256 does not match its fields); train or export it again (this run fits it again)") in out
+    assert (
+        f"closed-form fit not reused: {folder / 'manifest.json'}: it was edited after it was written (its "
+        "content_sha256 does not match its fields); train or export it again (this run fits it again)"
+    ) in out
     assert read_json(folder / "manifest.json")["config"]["lr"] == 0.001
     assert (folder / "maps.safetensors").read_bytes() == maps  # the same fit, made again
     capsys.readouterr()
@@ -329,8 +400,20 @@ def test_a_benchmark_report_that_is_a_folder_is_named_as_one_by_export(world, tm
     """Once, export said that a benchmark.json which is a folder "does not exist"."""
     results = tmp_path / "results"
     (results / "r" / "benchmark.json").mkdir(parents=True)
-    err = refused(export.main, ["--run", "r", "--artifacts", str(world["root"] / "artifacts"), "--results", str(results),
-                                "--out", str(tmp_path / "export")], capsys)
+    err = refused(
+        export.main,
+        [
+            "--run",
+            "r",
+            "--artifacts",
+            str(world["root"] / "artifacts"),
+            "--results",
+            str(results),
+            "--out",
+            str(tmp_path / "export"),
+        ],
+        capsys,
+    )
     assert f"{results / 'r' / 'benchmark.json'} is a folder, not a report: remove it" in err, err
     assert not (tmp_path / "export").exists()
 
@@ -339,7 +422,7 @@ def test_a_benchmark_report_that_is_a_folder_is_named_as_one_by_export(world, tm
 def test_a_ledger_checks_every_output_of_a_finished_cell(tmp_path):
     """The recipe's, the ablation's and the frontier's cells share the ledger: a finished cell counts as done only
     while its report, its declared outputs and the files its report lists all hold what was recorded."""
-    from kvlingo.drive.cells import Cell
+    from kvlingo.stages.cells import Cell
 
     report, rows, maps = tmp_path / "benchmark.json", tmp_path / "benchmark.rows.jsonl", tmp_path / "maps.safetensors"
     rows.write_text('{"row": 1}\n')
@@ -364,9 +447,24 @@ def test_a_ledger_checks_every_output_of_a_finished_cell(tmp_path):
 def test_ablate_resume_redoes_cells_whose_maps_or_rows_changed(world, tiny_pair_paths, tmp_path, capsys):
     """Once, one flipped byte in a finished cell's maps.safetensors, or an edited benchmark.rows.jsonl, and
     `ablate.py --resume` skipped every cell."""
-    argv = ["--profile", "tiny", "--data", str(world["data"]), *world["pair"], "--skip-tasks", "ifeval", "gsm8k",
-            "--settings", "crosshead", "--long-factor", "0", "--artifacts", str(tmp_path / "artifacts"),
-            "--results", str(tmp_path / "results")]
+    argv = [
+        "--profile",
+        "tiny",
+        "--data",
+        str(world["data"]),
+        *world["pair"],
+        "--skip-tasks",
+        "ifeval",
+        "gsm8k",
+        "--settings",
+        "crosshead",
+        "--long-factor",
+        "0",
+        "--artifacts",
+        str(tmp_path / "artifacts"),
+        "--results",
+        str(tmp_path / "results"),
+    ]
     first = ablate.main(argv)
     cell = tmp_path / "results" / "tiny-l2s-ablate" / "crosshead"
     maps = tmp_path / "artifacts" / "tiny-l2s-ablate" / "crosshead" / "distilled" / "maps.safetensors"
@@ -379,7 +477,9 @@ def test_ablate_resume_redoes_cells_whose_maps_or_rows_changed(world, tiny_pair_
     again = ablate.main([*argv, "--resume"])
     out = capsys.readouterr().out
     assert f"train/crosshead/train: queued (its output {maps} changed since the cell finished)" in out, out
-    assert f"benchmark/crosshead/benchmark-validation: queued (its output {rows} changed since the cell finished)" in out, out
+    assert (
+        f"benchmark/crosshead/benchmark-validation: queued (its output {rows} changed since the cell finished)" in out
+    ), out
     assert maps.read_bytes() == good_maps and rows.read_bytes() == good_rows  # made again, as they were
     assert again["results"]["rows"][0]["val_kl"] == first["results"]["rows"][0]["val_kl"]
     capsys.readouterr()

@@ -22,9 +22,9 @@ import pytest
 
 import recipe
 from kvlingo.io import atomic_write_json, read_json
-from kvlingo.drive import cells as K
-from kvlingo.drive.launch import CellJob, SlurmLauncher, SlurmSettings
-from kvlingo.drive.ledger import Ledger
+from kvlingo.stages import cells as K
+from kvlingo.stages.launch import CellJob, SlurmLauncher, SlurmSettings
+from kvlingo.stages.ledger import Ledger
 
 TESTS = Path(__file__).resolve().parent
 STEP_S = 0.25  # seconds per counted update of a fake training cell (tiny profile: 4 updates per cell)
@@ -48,8 +48,9 @@ def test_concurrent_ledger_writers_lose_no_cell(tmp_path):
     procs = [ctx.Process(target=_write_cells, args=(str(path), n)) for n in names[:3]]
     for p in procs:
         p.start()
-    threads = [threading.Thread(target=_write_cells, args=(str(path), [f"{n}t" for n in names[3][k::2]]))
-               for k in range(2)]  # and two threads of this process at the same time
+    threads = [
+        threading.Thread(target=_write_cells, args=(str(path), [f"{n}t" for n in names[3][k::2]])) for k in range(2)
+    ]  # and two threads of this process at the same time
     for t in threads:
         t.start()
     for p in procs:
@@ -78,9 +79,29 @@ def world(tmp_path, tiny_pair_paths, monkeypatch):
     large, small = map(str, tiny_pair_paths)
 
     def argv(run: str, *extra: str) -> list[str]:
-        return ["--profile", "tiny", "--data", str(data), "--run", run, "--large", large, "--small", small,
-                "--device", "cpu", "--dtype", "float32", "--ifeval-source", str(src),
-                "--artifacts", str(tmp_path / "artifacts"), "--results", str(tmp_path / "results"), *extra]
+        return [
+            "--profile",
+            "tiny",
+            "--data",
+            str(data),
+            "--run",
+            run,
+            "--large",
+            large,
+            "--small",
+            small,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--ifeval-source",
+            str(src),
+            "--artifacts",
+            str(tmp_path / "artifacts"),
+            "--results",
+            str(tmp_path / "results"),
+            *extra,
+        ]
 
     return argv, tmp_path
 
@@ -151,8 +172,18 @@ def test_slurm_launcher_through_submitit_requeues_a_preempted_cell(world):
     argv, root = world
     short = ["--skip", "benchmark", "ifeval", "--seeds", "42"]  # the closed form and the grid: 3 levels, 4 jobs
     ref = recipe.main(argv("ref", *short))
-    slurm = ["--launcher", "slurm", "--submitit-cluster", "local", "--max-parallel", "2", "--time-limit", "30",
-             "--slurm-folder", str(root / "slurm")]
+    slurm = [
+        "--launcher",
+        "slurm",
+        "--submitit-cluster",
+        "local",
+        "--max-parallel",
+        "2",
+        "--time-limit",
+        "30",
+        "--slurm-folder",
+        str(root / "slurm"),
+    ]
     cell = root / "artifacts" / "pre" / "lr1.00e-04-s42"
     t, out = run_in_thread(argv("pre", *short, *slurm))
     kill_when_counting(cell / "stage.pid", cell / "checkpoints" / "update.json", signal.SIGUSR2, which=1)
@@ -186,23 +217,50 @@ def test_slurm_job_array_parameters(tmp_path, monkeypatch):
     """sbatch and srun stand-ins on PATH: the launcher's real submission, read back from the script it hands sbatch."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in (("sbatch", f'cp "$1" {tmp_path}/submitted.sh\necho "Submitted batch job 4242"\n'),
-                       ("srun", "exit 0\n")):
+    for name, body in (
+        ("sbatch", f'cp "$1" {tmp_path}/submitted.sh\necho "Submitted batch job 4242"\n'),
+        ("srun", "exit 0\n"),
+    ):
         (bin_dir / name).write_text("#!/bin/sh\n" + body)
         (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    settings = SlurmSettings(partition="gpu-long", account="proj42", gpus_per_cell=4, time_limit_min=720,
-                             max_parallel=3, cpus_per_cell=16, mem_gb=None, max_requeues=2)
+    settings = SlurmSettings(
+        partition="gpu-long",
+        account="proj42",
+        gpus_per_cell=4,
+        time_limit_min=720,
+        max_parallel=3,
+        cpus_per_cell=16,
+        mem_gb=None,
+        max_requeues=2,
+    )
     launcher = SlurmLauncher(tmp_path / "slurm", settings, cluster="slurm")
-    jobs = [CellJob(f"train/lr{i}", {"stage": "train", "key": str(i)}, ("train_translator.py", "--lr", str(i)),
-                    ("train_translator.py", "--lr", str(i), "--resume"), str(tmp_path / f"r{i}.json"),
-                    str(tmp_path / K.LEDGER_FILE), nproc=launcher.nproc) for i in range(5)]
+    jobs = [
+        CellJob(
+            f"train/lr{i}",
+            {"stage": "train", "key": str(i)},
+            ("train_translator.py", "--lr", str(i)),
+            ("train_translator.py", "--lr", str(i), "--resume"),
+            str(tmp_path / f"r{i}.json"),
+            str(tmp_path / K.LEDGER_FILE),
+            nproc=launcher.nproc,
+        )
+        for i in range(5)
+    ]
     handles = launcher.submit(jobs)
     assert [h.job_id for h in handles] == [f"4242_{i}" for i in range(5)]
     script = (tmp_path / "submitted.sh").read_text()
-    for line in ("#SBATCH --partition=gpu-long", "#SBATCH --account=proj42", "#SBATCH --gpus-per-node=4",
-                 "#SBATCH --time=720", "#SBATCH --array=0-4%3", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --cpus-per-task=16", "#SBATCH --signal=USR2@90"):
+    for line in (
+        "#SBATCH --partition=gpu-long",
+        "#SBATCH --account=proj42",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --time=720",
+        "#SBATCH --array=0-4%3",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --cpus-per-task=16",
+        "#SBATCH --signal=USR2@90",
+    ):
         assert line in script.splitlines(), (line, script)
     submitted = handles[2].submission().function  # the pickled job a task of the array will run
     assert submitted.name == "train/lr2" and submitted.nproc == 4 and submitted.preemptible and not submitted.resume
@@ -219,8 +277,8 @@ def test_slurm_needs_the_cells_device_named(world, capsys):
 
 
 def test_local_launcher_refuses_a_gpu_named_twice():
-    from kvlingo.drive.launch import LocalLauncher
     from kvlingo.errors import RunRefused
+    from kvlingo.stages.launch import LocalLauncher
 
     assert [g for group in LocalLauncher(2, ["0", "1", "2", "3"], 2).groups for g in group] == ["0", "1", "2", "3"]
     with pytest.raises(RunRefused, match="--gpus names 1 more than once"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tinypair import load_tiny_pair
 
 from kvlingo.core.cache import capture
 from kvlingo.core.families.crosslayer import CrossHead
@@ -12,7 +13,6 @@ from kvlingo.core.handoff import translate
 from kvlingo.core.layer0 import ContextFree, NotContextFree, check, flops_per_token
 from kvlingo.core.refresh import Refresh, RefreshError, refresh_flops, refreshed_kv
 from kvlingo.core.translator import Geometry
-from tinypair import load_tiny_pair
 
 
 def own_cache(model, ids):
@@ -30,12 +30,25 @@ def tiny(kind: str, dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512)
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     if kind == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**common)).to(dtype).eval()
-    rope = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500_000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     return LlamaForCausalLM(LlamaConfig(**common, head_dim=32, rope_parameters=rope)).to(dtype).eval()
 
 
@@ -122,10 +135,23 @@ def test_exact_refresh_parses_layer0_only():
 def test_a_first_layer_that_is_not_context_free_is_refused_by_name(pair):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    cfg = Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_value_heads=2,
-                          linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=2,
-                          num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    cfg = Qwen3NextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_value_heads=2,
+        linear_num_key_heads=1,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    )
     assert cfg.layer_types[0] == "linear_attention"  # a Gated DeltaNet layer: its state mixes the tokens
     with pytest.raises(NotContextFree, match="'qwen3_next'.*not known to be context-free.*layer:0"):
         check(cfg)

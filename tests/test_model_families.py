@@ -10,17 +10,17 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from tinypair import corpus, tiny_model
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvlingo.core.cache import capture, continue_from
 from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.rope import RopeCache
 from kvlingo.core.translator import Geometry
 from kvlingo.eval.controls import native_controls, tolerances_for
-from kvlingo.run.models import PairError, load_pair, resolve_pair
+from kvlingo.inputs.models import PairError, load_pair, resolve_pair
 from kvlingo.toy.tokenizer import save_tokenizer, train_chat_tokenizer
 from kvlingo.train import weighting as W
-from kvlingo.core.rope import RopeCache
-from tinypair import corpus, tiny_model
 
 BF16_EPS = 2.0**-8
 FAMILIES = [("llama", "llama3"), ("llama", "default"), ("qwen2", "yarn"), ("qwen2", "default")]
@@ -95,7 +95,7 @@ def test_attention_weights_read_q_proj_queries(model_type, schedule):
         attn = eager(input_ids=ids, output_attentions=True).attentions  # per layer [1, q_heads, T, T]
         cap, q = W.capture_with_queries(model, ids, False, q_start=P - 1, n_q=R)
     H = model.config.num_key_value_heads
-    ref = torch.stack([a[0, :, P - 1:P - 1 + R, :P - 1].mean(1).view(H, -1, P - 1).mean(1) for a in attn]).double()
+    ref = torch.stack([a[0, :, P - 1 : P - 1 + R, : P - 1].mean(1).view(H, -1, P - 1).mean(1) for a in attn]).double()
     got = W.scored_attention(model, cap.keys, q, P - 1, P - 1, RopeCache(model))
     assert (got - ref).abs().max().item() < 1e-6
 
@@ -122,16 +122,21 @@ def _config(model_type="llama", rope="default", **kw):
 
 @pytest.fixture(scope="module")
 def tokenizers():
-    return (train_chat_tokenizer(corpus(), vocab_size=320, min_frequency=1),
-            train_chat_tokenizer(corpus()[:50], vocab_size=300, min_frequency=1))
+    return (
+        train_chat_tokenizer(corpus(), vocab_size=320, min_frequency=1),
+        train_chat_tokenizer(corpus()[:50], vocab_size=300, min_frequency=1),
+    )
 
 
-@pytest.mark.parametrize("case,message", [
-    ("sliding", r"non-full attention.*set use_sliding_window=false"),
-    ("dynamic", r"'dynamic'.*depends on the sequence length.*'linear' or 'yarn'"),
-    ("tokenizer", r"tokenizer .*share one tokenizer"),
-    ("mistral", r"'mistral', not one of 'qwen3', 'qwen2', 'llama'.*pick a checkpoint"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("sliding", r"non-full attention.*set use_sliding_window=false"),
+        ("dynamic", r"'dynamic'.*depends on the sequence length.*'linear' or 'yarn'"),
+        ("tokenizer", r"tokenizer .*share one tokenizer"),
+        ("mistral", r"'mistral', not one of 'qwen3', 'qwen2', 'llama'.*pick a checkpoint"),
+    ],
+)
 def test_refusals_fire_before_any_weights_load(tmp_path, tokenizers, case, message):
     from transformers import MistralConfig
 
@@ -157,8 +162,11 @@ def test_llama_qwen2_and_qwen3_may_pair(tmp_path, tokenizers):
     """Families may mix (a cross-family pair still shares one tokenizer); the resolved geometry is recorded."""
     tok, _ = tokenizers
     paths = []
-    for name, model in (("llama", tiny_model("llama", "llama3", layers=3)), ("qwen2", tiny_model("qwen2", "yarn")),
-                        ("qwen3", tiny_model("qwen3", "longrope"))):
+    for name, model in (
+        ("llama", tiny_model("llama", "llama3", layers=3)),
+        ("qwen2", tiny_model("qwen2", "yarn")),
+        ("qwen3", tiny_model("qwen3", "longrope")),
+    ):
         model.save_pretrained(tmp_path / name)
         save_tokenizer(tok, tmp_path / name)
         paths.append(str(tmp_path / name))
@@ -173,7 +181,7 @@ def test_closed_form_and_translation_across_depth_kv_heads_and_head_dim(family):
     the FP64 closed form fits (in sample it beats the mean-only map, as least squares must), the translation
     has the target's layout, and the target continues on it."""
     from kvlingo.core.handoff import capture_source, continue_target, translate
-    from kvlingo.core.folder import build
+    from kvlingo.records.saved import build
     from kvlingo.train.closed_form import fit_closed_form
 
     source = tiny_model("llama", "llama3", layers=3, kv_heads=1, seed=1)
@@ -182,7 +190,9 @@ def test_closed_form_and_translation_across_depth_kv_heads_and_head_dim(family):
     assert (g.source_layers, g.source_kv_heads, g.source_head_dim) == (3, 1, 16)
     assert (g.target_layers, g.target_kv_heads, g.target_head_dim) == (2, 2, 8)
     tr = build({"family": family, "key_space": "prenorm", "settings": {}, "geometry": asdict(g)}).bind(source, target)
-    rows = [{"prefix_ids": _ids(20, seed).tolist()[0], "reply_ids": _ids(6, 100 + seed).tolist()[0]} for seed in range(10)]
+    rows = [
+        {"prefix_ids": _ids(20, seed).tolist()[0], "reply_ids": _ids(6, 100 + seed).tolist()[0]} for seed in range(10)
+    ]
     stats = fit_closed_form(source, target, tr, rows, "uniform", ridge=0.0)
     assert stats["n_tokens"] == 10 * 26 and tr.plan.shape[-1] == (1 if family == "crosshead" else 2)
 
@@ -209,7 +219,7 @@ def test_unpinned_hub_ids_resolve_to_a_commit_recorded_and_loaded(tmp_path, toke
     warning naming the pin; the resolved pair keeps loading that commit after the branch moves on."""
     import huggingface_hub.constants
 
-    from kvlingo.run.models import PINNED_REVISIONS, ModelSpec
+    from kvlingo.inputs.models import PINNED_REVISIONS, ModelSpec
 
     tok, _ = tokenizers
     cache = tmp_path / "hub"

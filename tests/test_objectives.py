@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from tinypair import chat_rows, load_tiny_pair, write_prepared
 
 from kvlingo.core.cache import handoff_split
 from kvlingo.core.families.crosslayer import CrossHead
@@ -17,15 +18,18 @@ from kvlingo.core.translator import Geometry
 from kvlingo.eval import context as C
 from kvlingo.train import distill as D
 from kvlingo.train import objectives as O
-from tinypair import chat_rows, load_tiny_pair, write_prepared
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def kl_ref(p_logits, q_logits):
     """KL(P ‖ Q) per row by F.kl_div (input log Q, target log P)."""
-    return F.kl_div(torch.log_softmax(q_logits.double(), -1), torch.log_softmax(p_logits.double(), -1),
-                    log_target=True, reduction="none").sum(-1)
+    return F.kl_div(
+        torch.log_softmax(q_logits.double(), -1),
+        torch.log_softmax(p_logits.double(), -1),
+        log_target=True,
+        reduction="none",
+    ).sum(-1)
 
 
 def test_context_scores_against_a_per_position_reference():
@@ -40,8 +44,9 @@ def test_context_scores_against_a_per_position_reference():
     assert s["ctx_n_tokens"] == int(mask.sum()) and 0 < s["ctx_n_tokens"] <= 5
     assert s["ctx_kl_sum"] == pytest.approx(float(kl[mask].sum()), rel=1e-5)
     assert s["ctx_top1_sum"] == sum(int(ref[i].argmax() == arm[i].argmax()) for i in range(9) if mask[i])
-    assert s["wkl_sum"] / s["w_sum"] == pytest.approx(float((kl_ref(ref, bare) * kl).sum() / kl_ref(ref, bare).sum()),
-                                                      rel=1e-5)
+    assert s["wkl_sum"] / s["w_sum"] == pytest.approx(
+        float((kl_ref(ref, bare) * kl).sum() / kl_ref(ref, bare).sum()), rel=1e-5
+    )
     # the arm that is the reference scores 0 KL and top-1 of 1 on its context tokens
     same = C.score(ref, ref, change)
     assert same["ctx_kl_sum"] == pytest.approx(0, abs=1e-5) and same["ctx_top1_sum"] == same["ctx_n_tokens"]
@@ -93,8 +98,9 @@ def test_context_weighted_loss_is_the_weighted_mean_of_the_token_kls(setup):
         change, kl = kl_ref(native, bare), kl_ref(native, ours)
         for alpha in (0.0, 0.5, 1.0):
             w = (1 - alpha) + alpha * change / change.mean()
-            got = D.distill_loss(pair.source, pair.target, tr, row, torch.float32, refresh=Refresh.parse("exact:0"),
-                                 context_weight=alpha)
+            got = D.distill_loss(
+                pair.source, pair.target, tr, row, torch.float32, refresh=Refresh.parse("exact:0"), context_weight=alpha
+            )
             assert float(got) == pytest.approx(float((w * kl).mean()), rel=1e-4), alpha
 
 
@@ -120,18 +126,64 @@ def test_training_under_the_new_objectives_and_early_stopping(tiny_pair_paths, t
     import train_translator
 
     tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
-    data = write_prepared(tmp_path / "data", tok, {"train": chat_rows(tok, 16, 0, "t"),
-                                                   "validation": chat_rows(tok, 4, 1, "v")})
-    args = ["--profile", "tiny", "--data", str(data), "--large", str(tiny_pair_paths[0]), "--small",
-            str(tiny_pair_paths[1]), "--device", "cpu", "--dtype", "float32", "--family", "crosshead", "--batch", "2",
-            "--n-fit", "8", "--ridge", "0", "--updates", "4", "--val-every", "1", "--lr", "3e-2",
-            "--artifacts", str(tmp_path / "a"), "--results", str(tmp_path / "r")]
-    rep = train_translator.main([*args, "--run", "x", "--refresh", "exact:0", "--context-weight", "0.5",
-                                 "--onpolicy", "0.5", "--keep-best", "--n-train", "8"])
+    data = write_prepared(
+        tmp_path / "data", tok, {"train": chat_rows(tok, 16, 0, "t"), "validation": chat_rows(tok, 4, 1, "v")}
+    )
+    args = [
+        "--profile",
+        "tiny",
+        "--data",
+        str(data),
+        "--large",
+        str(tiny_pair_paths[0]),
+        "--small",
+        str(tiny_pair_paths[1]),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--family",
+        "crosshead",
+        "--batch",
+        "2",
+        "--n-fit",
+        "8",
+        "--ridge",
+        "0",
+        "--updates",
+        "4",
+        "--val-every",
+        "1",
+        "--lr",
+        "3e-2",
+        "--artifacts",
+        str(tmp_path / "a"),
+        "--results",
+        str(tmp_path / "r"),
+    ]
+    rep = train_translator.main(
+        [
+            *args,
+            "--run",
+            "x",
+            "--refresh",
+            "exact:0",
+            "--context-weight",
+            "0.5",
+            "--onpolicy",
+            "0.5",
+            "--keep-best",
+            "--n-train",
+            "8",
+        ]
+    )
     res, cfg = rep["results"], rep["config"]
     assert cfg["refresh"] == "exact:0" and cfg["onpolicy"] == 0.5 and rep["n_samples"]["train_conversations"] == 8
     best = min(res["val_kl_curve"], key=lambda p: p["val_kl"])
-    assert res["best"] == {"update": best["update"], "val_kl": best["val_kl"]} and res["distilled_val_kl"] == best["val_kl"]
+    assert (
+        res["best"] == {"update": best["update"], "val_kl": best["val_kl"]}
+        and res["distilled_val_kl"] == best["val_kl"]
+    )
     manifest = json.loads((tmp_path / "a" / "x" / "distilled" / "manifest.json").read_text())
     assert manifest["val_kl"] == best["val_kl"]
     with pytest.raises(SystemExit) as e:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tinypair import corpus, load_tiny_pair, qwen3_config
 
 from kvlingo.core.cache import check_batch
-from kvlingo.run.models import ModelSpec, PairError, check_pair, load_tokenizer, resolve_pair
+from kvlingo.inputs.models import ModelSpec, PairError, check_pair, load_tokenizer, resolve_pair
 from kvlingo.toy.tokenizer import train_chat_tokenizer
-from tinypair import corpus, load_tiny_pair, qwen3_config
 
 
 def cfg(**kw):
@@ -88,7 +88,9 @@ def test_chat_template_rendering_must_match_but_text_may_differ(tiny_pair_paths)
     b.chat_template = a.chat_template.replace("<think>\\n\\n</think>\\n\\n", "<think>\\n</think>\\n")
     with pytest.raises(PairError, match="enable_thinking=False"):
         check_pair(cfg(), cfg(), a, b)
-    b.chat_template = a.chat_template.replace("'<|im_start|>' + message['role']", "'<|im_start|>' + message['role'] + ' '")
+    b.chat_template = a.chat_template.replace(
+        "'<|im_start|>' + message['role']", "'<|im_start|>' + message['role'] + ' '"
+    )
     with pytest.raises(PairError, match="enable_thinking=True"):
         check_pair(cfg(), cfg(), a, b)
 
@@ -110,7 +112,7 @@ def test_a_missing_or_damaged_model_folder_is_named_as_a_folder(tiny_pair_paths,
     named as a folder to save again (no download hint for it)."""
     import shutil
 
-    from kvlingo.run.models import load_config, load_model
+    from kvlingo.inputs.models import load_config, load_model
 
     for missing in (tmp_path / "nowhere", "./nowhere", "runs/a/b"):
         with pytest.raises(PairError, match="no model folder at .*nowhere|no model folder at runs/a/b"):
@@ -119,7 +121,9 @@ def test_a_missing_or_damaged_model_folder_is_named_as_a_folder(tiny_pair_paths,
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(PairError, match=r"(?s)could not load the model folder .*empty.*save or copy the model there") as e:
+    with pytest.raises(
+        PairError, match=r"(?s)could not load the model folder .*empty.*save or copy the model there"
+    ) as e:
         load_config(ModelSpec.parse(str(empty)))
     assert "huggingface-cli" not in str(e.value)
 

@@ -17,8 +17,10 @@ REQUIRED = {"task_eval": ["--task", "arc"], "toy_world": ["--out", "unused"]}  #
 
 def abbreviation(parser) -> tuple[str, str]:
     """(an abbreviation of the parser's longest long flag that no other flag starts with, that flag)."""
-    flags = sorted({o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"},
-                   key=lambda o: (-len(o), o))
+    flags = sorted(
+        {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"},
+        key=lambda o: (-len(o), o),
+    )
     for full in flags:
         short = full[:-2]
         if [o for o in flags if o.startswith(short)] == [full]:
@@ -69,11 +71,19 @@ def test_make_train_with_an_abbreviated_flag_is_refused_and_writes_nothing(tmp_p
     overwrote the demo's translator."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     roots = f"--artifacts {tmp_path / 'artifacts'} --results {tmp_path / 'results'}"
-    out = subprocess.run(["make", "--no-print-directory", "train", "PROFILE=demo", f"TRAIN_ARGS=--update 10 {roots}"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        ["make", "--no-print-directory", "train", "PROFILE=demo", f"TRAIN_ARGS=--update 10 {roots}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode != 0
-    assert ("train_translator.py: no flag --update (flags are spelled out in full, never abbreviated); "
-            "did you mean --updates?") in out.stderr
+    assert (
+        "train_translator.py: no flag --update (flags are spelled out in full, never abbreviated); "
+        "did you mean --updates?"
+    ) in out.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -16,10 +16,13 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_make_perf_smoke(tmp_path):
     out = tmp_path / "perf"
-    args = (f"--arch tiny --full --lengths 16 32 --new-turn-tokens 4 --timing-warmups 0 --timing-repeats 2 "
-            f"--results {tmp_path}")
-    proc = subprocess.run(["make", "-s", "perf", "DEVICE=cpu", f"PERF_ARGS={args}"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    args = (
+        f"--arch tiny --full --lengths 16 32 --new-turn-tokens 4 --timing-warmups 0 --timing-repeats 2 "
+        f"--results {tmp_path}"
+    )
+    proc = subprocess.run(
+        ["make", "-s", "perf", "DEVICE=cpu", f"PERF_ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "perf.json").read_text())
     assert report["stage"] == "perf" and report["config"]["dtype"] == "float32"  # auto → FP32 on a CPU
@@ -36,8 +39,12 @@ def test_make_perf_smoke(tmp_path):
     for p in lengths:
         for mode in ("shipped", "optimised"):
             row = p["modes"][mode]
-            assert set(row["paths"]) == {"target_reprefill", "source_cache_handoff", "source_prefill_handoff",
-                                         "target_cache_continue"}
+            assert set(row["paths"]) == {
+                "target_reprefill",
+                "source_cache_handoff",
+                "source_prefill_handoff",
+                "target_cache_continue",
+            }
             for s in row["paths"].values():  # 2 trials, more only while the CV so far was over the limit
                 t = s["trials_s"]
                 assert 2 <= len(t) <= 30 and (len(t) == 2 or timing.cv(t[:-1]) > timing.CV_LIMIT)
@@ -50,8 +57,9 @@ def test_make_perf_smoke(tmp_path):
         assert limit["speedup_limit"] > 0 and limit["peaks"]["flops_per_s"] > 0
         assert limit["reprefill"]["flops"] > limit["new_turn"]["flops"] > 0  # n + k tokens against k
     assert len(report["results"]["switch_cost"]) == 4
-    assert all(c["speedup_interval"][0] <= c["speedup"] <= c["speedup_interval"][1]
-               for c in report["results"]["switch_cost"])
+    assert all(
+        c["speedup_interval"][0] <= c["speedup"] <= c["speedup_interval"][1] for c in report["results"]["switch_cost"]
+    )
     assert "95% interval" in proc.stdout and "percentile bootstrap" in proc.stdout
     assert (out / "perf.png").read_bytes()[:4] == b"\x89PNG"
     for heading in ("Where the existing-source handoff's time goes", "Physical limit", "| shipped ", "| optimised "):
@@ -77,8 +85,20 @@ def test_flop_ceilings_of_every_family_for_a_preset_pair(tmp_path, capsys):
     import perf
     from kvlingo.core.families import FAMILIES
 
-    perf.main(["--large", "Qwen/Qwen3-4B", "--small", "Qwen/Qwen3-0.6B", "--flops-only", "--lengths", "1024", "4096",
-               "--results", str(tmp_path)])
+    perf.main(
+        [
+            "--large",
+            "Qwen/Qwen3-4B",
+            "--small",
+            "Qwen/Qwen3-0.6B",
+            "--flops-only",
+            "--lengths",
+            "1024",
+            "4096",
+            "--results",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert "36×8×128 → 28×8×128" in out and "headwise: cannot map this pair" in out and "--family crosslayer" in out
     report = json.loads((tmp_path / "perf" / "perf-flops.json").read_text())
@@ -92,16 +112,22 @@ def test_flop_ceilings_of_every_family_for_a_preset_pair(tmp_path, capsys):
 def test_perf_refuses_unknown_shapes_and_half_named_pairs(tmp_path, capsys):
     import perf
 
-    for argv, message in ((["--large", "Qwen/Qwen3-4B"], "give both --large and --small"),
-                          (["--large", "org/none", "--small", "Qwen/Qwen3-0.6B"], "no preset shape 'org/none'")):
+    for argv, message in (
+        (["--large", "Qwen/Qwen3-4B"], "give both --large and --small"),
+        (["--large", "org/none", "--small", "Qwen/Qwen3-0.6B"], "no preset shape 'org/none'"),
+    ):
         with pytest.raises(SystemExit) as err:
             perf.main([*argv, "--flops-only", "--results", str(tmp_path)])
         assert err.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_make_perf_passes_a_named_pair():
-    proc = subprocess.run(["make", "-n", "perf", "LARGE=meta-llama/Llama-3.2-3B", "SMALL=meta-llama/Llama-3.2-1B"],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["make", "-n", "perf", "LARGE=meta-llama/Llama-3.2-3B", "SMALL=meta-llama/Llama-3.2-1B"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert "--large meta-llama/Llama-3.2-3B --small meta-llama/Llama-3.2-1B" in proc.stdout
     assert "--large" not in subprocess.run(["make", "-n", "perf"], cwd=ROOT, capture_output=True, text=True).stdout
 
@@ -110,13 +136,33 @@ def test_make_perf_passes_a_named_pair():
 def test_perf_times_a_family_on_another_geometry(tmp_path):
     """A Llama stand-in (3 layers, 1 KV head, head_dim 32, llama3 RoPE) → tiny Qwen3 (2 × 2 × 16): head-wise maps
     (--family headwise) refuse it before any model is built; cross-layer maps built through the registry are timed."""
-    base = [sys.executable, "perf.py", "--large", "tiny-llama", "--small", "tiny-small", "--device", "cpu",
-            "--lengths", "16", "--new-turn-tokens", "4", "--timing-warmups", "0", "--timing-repeats", "2",
-            "--results", str(tmp_path)]
+    base = [
+        sys.executable,
+        "perf.py",
+        "--large",
+        "tiny-llama",
+        "--small",
+        "tiny-small",
+        "--device",
+        "cpu",
+        "--lengths",
+        "16",
+        "--new-turn-tokens",
+        "4",
+        "--timing-warmups",
+        "0",
+        "--timing-repeats",
+        "2",
+        "--results",
+        str(tmp_path),
+    ]
     refused = subprocess.run(base + ["--family", "headwise"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 2 and "building random" not in refused.stderr and "--family crosslayer" in refused.stderr
-    proc = subprocess.run(base + ["--family", "crosslayer", "--refresh", "tail:4"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    assert (
+        refused.returncode == 2 and "building random" not in refused.stderr and "--family crosslayer" in refused.stderr
+    )
+    proc = subprocess.run(
+        base + ["--family", "crosslayer", "--refresh", "tail:4"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "perf" / "perf.json").read_text())
     assert report["config"]["family"] == "crosslayer" and report["config"]["refresh"] == "tail:4"
@@ -126,8 +172,12 @@ def test_perf_times_a_family_on_another_geometry(tmp_path):
 def test_below_floor_names_the_steps_faster_than_their_floor():
     from kvlingo.bench.speed import below_floor
 
-    vs = {"speedup_fraction_of_limit": 0.5, "translate_over_floor": 0.9, "new_turn_over_floor": 2.1,
-          "reprefill_over_floor": 1.0}
+    vs = {
+        "speedup_fraction_of_limit": 0.5,
+        "translate_over_floor": 0.9,
+        "new_turn_over_floor": 2.1,
+        "reprefill_over_floor": 1.0,
+    }
     assert below_floor(vs) == {"translate": 0.9}  # exactly at the floor is not below it; the fraction is no floor
 
 
@@ -136,10 +186,33 @@ def test_perf_says_when_a_step_beats_its_floor(tmp_path, capsys):
     the steps under `below_floor` and perf.md says the floors were not lower bounds on that run."""
     import perf
 
-    perf.main(["--arch", "tiny", "--lengths", "16", "--new-turn-tokens", "4", "--modes", "optimised",
-               "--paths", "target_reprefill", "source_cache_handoff", "--timing-warmups", "0",
-               "--timing-repeats", "1", "--peak-tflops", "1e-9", "--peak-gbps", "1e-6", "--device", "cpu",
-               "--results", str(tmp_path)])
+    perf.main(
+        [
+            "--arch",
+            "tiny",
+            "--lengths",
+            "16",
+            "--new-turn-tokens",
+            "4",
+            "--modes",
+            "optimised",
+            "--paths",
+            "target_reprefill",
+            "source_cache_handoff",
+            "--timing-warmups",
+            "0",
+            "--timing-repeats",
+            "1",
+            "--peak-tflops",
+            "1e-9",
+            "--peak-gbps",
+            "1e-6",
+            "--device",
+            "cpu",
+            "--results",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     row = json.loads((tmp_path / "perf" / "perf.json").read_text())["results"]["lengths"][0]["modes"]["optimised"]
     assert set(row["vs_limit"]["below_floor"]) == {"translate", "new_turn", "reprefill"}
@@ -176,9 +249,30 @@ def test_perf_raises_a_low_probe_so_no_step_beats_its_floor(tmp_path, capsys, mo
     from kvlingo.bench.roofline import Peaks
 
     monkeypatch.setattr(perf, "measure_peaks", lambda device, dtype: Peaks(1.0, 1.0, "measured (stub)"))
-    perf.main(["--arch", "tiny", "--lengths", "16", "32", "--new-turn-tokens", "4", "--modes", "optimised",
-               "--paths", "target_reprefill", "source_cache_handoff", "--timing-warmups", "0",
-               "--timing-repeats", "1", "--device", "cpu", "--results", str(tmp_path)])
+    perf.main(
+        [
+            "--arch",
+            "tiny",
+            "--lengths",
+            "16",
+            "32",
+            "--new-turn-tokens",
+            "4",
+            "--modes",
+            "optimised",
+            "--paths",
+            "target_reprefill",
+            "source_cache_handoff",
+            "--timing-warmups",
+            "0",
+            "--timing-repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--results",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "perf" / "perf.json").read_text())
     peaks = report["config"]["peaks"]
@@ -199,9 +293,29 @@ def test_perf_fuse_keys_switch_reaches_the_optimised_rows(tmp_path):
     device's default (`fused` on a CPU), and the choice is recorded in the config."""
     import perf
 
-    base = ["--arch", "tiny", "--lengths", "16", "--new-turn-tokens", "4", "--modes", "optimised",
-            "--paths", "target_reprefill", "source_cache_handoff", "--timing-warmups", "0", "--timing-repeats", "1",
-            "--peak-tflops", "1", "--peak-gbps", "1", "--device", "cpu"]
+    base = [
+        "--arch",
+        "tiny",
+        "--lengths",
+        "16",
+        "--new-turn-tokens",
+        "4",
+        "--modes",
+        "optimised",
+        "--paths",
+        "target_reprefill",
+        "source_cache_handoff",
+        "--timing-warmups",
+        "0",
+        "--timing-repeats",
+        "1",
+        "--peak-tflops",
+        "1",
+        "--peak-gbps",
+        "1",
+        "--device",
+        "cpu",
+    ]
     for switch, precision in (("off", "fp32"), ("auto", "fused")):
         perf.main([*base, "--fuse-keys", switch, "--results", str(tmp_path / switch)])
         rep = json.loads((tmp_path / switch / "perf" / "perf.json").read_text())
@@ -216,9 +330,30 @@ def test_perf_packs_the_targets_projections_in_the_optimised_rows_only(tmp_path,
     import perf
     from kvlingo.core import linear
 
-    base = ["--arch", "tiny", "--lengths", "16", "--new-turn-tokens", "4", "--modes", "shipped", "optimised", "--paths", "target_reprefill",
-            "source_cache_handoff", "--timing-warmups", "0", "--timing-repeats", "1", "--peak-tflops", "1",
-            "--peak-gbps", "1", "--device", "cpu"]
+    base = [
+        "--arch",
+        "tiny",
+        "--lengths",
+        "16",
+        "--new-turn-tokens",
+        "4",
+        "--modes",
+        "shipped",
+        "optimised",
+        "--paths",
+        "target_reprefill",
+        "source_cache_handoff",
+        "--timing-warmups",
+        "0",
+        "--timing-repeats",
+        "1",
+        "--peak-tflops",
+        "1",
+        "--peak-gbps",
+        "1",
+        "--device",
+        "cpu",
+    ]
     perf.main([*base, "--results", str(tmp_path / "small")])
     text = (tmp_path / "small" / "perf" / "perf.md").read_text()
     assert "projections unpacked (every weight under 1,048,576 elements)" in text

@@ -68,7 +68,7 @@ def blocks(page: Path) -> list[Block]:
         if m:
             end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
             assert end is not None, f"{page.name}:{i + 1}: a code fence is never closed"
-            found.append(Block(page, i + 1, m.group(1), "\n".join(lines[i + 1:end]) + "\n"))
+            found.append(Block(page, i + 1, m.group(1), "\n".join(lines[i + 1 : end]) + "\n"))
             i = end
         i += 1
     return found
@@ -90,13 +90,18 @@ def commands(block: Block) -> list[tuple[int, list[str]]]:
         while argv:
             cut = argv.index("&&") if "&&" in argv else len(argv)
             out.append((start, argv[:cut]))
-            argv = argv[cut + 1:]
+            argv = argv[cut + 1 :]
     return out
 
 
 def bash_commands(pages) -> list[tuple[str, list[str]]]:
-    return [(f"{b.where()} line {n}", argv) for page in pages for b in blocks(page) if b.lang == "bash"
-            for n, argv in commands(b)]
+    return [
+        (f"{b.where()} line {n}", argv)
+        for page in pages
+        for b in blocks(page)
+        if b.lang == "bash"
+        for n, argv in commands(b)
+    ]
 
 
 def make_env() -> dict:
@@ -151,8 +156,10 @@ def parse_with_stage(argv: list[str]) -> argparse.Namespace:
     def parse_args(self, args=None, namespace=None):
         raise Parsed(original(self, args, namespace))
 
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args), \
-            mock.patch.object(sys, "argv", [argv[0], *args]):
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args),
+        mock.patch.object(sys, "argv", [argv[0], *args]),
+    ):
         try:
             main(args) if inspect.signature(main).parameters else main()
         except Parsed as done:
@@ -163,8 +170,9 @@ def parse_with_stage(argv: list[str]) -> argparse.Namespace:
 
 
 def dry_run(argv: list[str], cwd: Path = ROOT) -> str:
-    out = subprocess.run(["make", "-n", *argv[1:]], cwd=cwd, env=make_env(), capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        ["make", "-n", *argv[1:]], cwd=cwd, env=make_env(), capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, f"make -n {' '.join(argv[1:])} failed:\n{out.stderr[-2000:]}"
     return out.stdout
 
@@ -212,8 +220,10 @@ def test_python_blocks_are_the_example_files_as_they_are():
     shown = [b for b in blocks(README) if b.lang == "python"]
     files = {p: p.read_text() for p in EXAMPLES}
     for b in shown:
-        assert b.text in files.values(), (f"{b.where()}: this Python block is not the text of any file under "
-                                          "examples/; copy the file into the README exactly")
+        assert b.text in files.values(), (
+            f"{b.where()}: this Python block is not the text of any file under "
+            "examples/; copy the file into the README exactly"
+        )
     missing = [p.name for p, text in files.items() if text not in {b.text for b in shown}]
     assert not missing, f"examples the README does not show: {missing}"
     assert all(p.name in README.read_text() for p in EXAMPLES)
@@ -232,8 +242,11 @@ def test_readme_and_docs_commands_check_out(capsys):
 def test_the_parse_check_refuses_what_the_stage_refuses():
     """The parse check is the stage's own parser: a misspelt flag or a bad value fails it."""
     assert parse_with_stage(["train_translator.py", "--profile", "demo", "--updates", "3"]).updates == 3
-    for bad in (["train_translator.py", "--updatez", "3"], ["train_translator.py", "--profile", "nope"],
-                ["no_such_stage.py"]):
+    for bad in (
+        ["train_translator.py", "--updatez", "3"],
+        ["train_translator.py", "--profile", "nope"],
+        ["no_such_stage.py"],
+    ):
         with pytest.raises(AssertionError):
             parse_with_stage(bad)
     with pytest.raises(AssertionError, match="failed"):
@@ -290,8 +303,9 @@ def test_links_resolve_and_each_docs_page_is_linked_once_from_the_readme():
     assert sorted(links) == sorted(f"docs/{p.name}" for p in DOCS), links
     for p in DOCS:  # each page says what it is for, in its first paragraph
         head = p.read_text().split("\n")
-        assert head[0].startswith("# ") and head[1] == "" and head[2].strip() and head[3] == "", \
+        assert head[0].startswith("# ") and head[1] == "" and head[2].strip() and head[3] == "", (
             f"{p.name}: a title, then one line saying what the page is for"
+        )
 
 
 def test_readme_stays_short():
@@ -312,7 +326,9 @@ def scratch(tmp_path_factory):
 
 def run(argv: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     out = subprocess.run(argv, cwd=cwd, env=make_env(), capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, f"{' '.join(argv)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, (
+        f"{' '.join(argv)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    )
     return out
 
 
@@ -326,8 +342,17 @@ def test_toy_export_then_the_toy_example(scratch):
     readme_has("make", "toy-export")
     readme_has(".venv/bin/python", "examples/relay_toy.py")
     tiny = "--profile tiny"
-    run(["make", "toy-export", "RUN=demo-l2s", f"PREPARE_ARGS={tiny}", f"TRAIN_ARGS={tiny}",
-         f"BENCH_ARGS={tiny} --allow-cv"], scratch)
+    run(
+        [
+            "make",
+            "toy-export",
+            "RUN=demo-l2s",
+            f"PREPARE_ARGS={tiny}",
+            f"TRAIN_ARGS={tiny}",
+            f"BENCH_ARGS={tiny} --allow-cv",
+        ],
+        scratch,
+    )
     assert (scratch / "artifacts/demo-l2s/export/config.json").is_file()
     out = run([".venv/bin/python", "examples/relay_toy.py"], scratch).stdout.splitlines()
     # Four updates on 12 conversations fail the gate: the refusal names the figures, then both questions answer.
@@ -345,9 +370,25 @@ def test_a_proven_export_then_the_real_pair_example(scratch):
     readme_has(".venv/bin/python", "examples/relay_qwen.py")
     toy = "artifacts/toy"
     run(["make", "toy"], scratch)
-    run(["make", "prepare", "train", "benchmark", "export", "PROFILE=tiny", "RUN=pilot-l2s", "DEVICE=cpu",
-         "DTYPE=float32", f"LARGE={toy}/small", f"SMALL={toy}/small", f"SOURCE={toy}/corpus/chats.jsonl",
-         "TRAIN_ARGS=--family headwise --key-space cache", "BENCH_ARGS=--allow-cv"], scratch)
+    run(
+        [
+            "make",
+            "prepare",
+            "train",
+            "benchmark",
+            "export",
+            "PROFILE=tiny",
+            "RUN=pilot-l2s",
+            "DEVICE=cpu",
+            "DTYPE=float32",
+            f"LARGE={toy}/small",
+            f"SMALL={toy}/small",
+            f"SOURCE={toy}/corpus/chats.jsonl",
+            "TRAIN_ARGS=--family headwise --key-space cache",
+            "BENCH_ARGS=--allow-cv",
+        ],
+        scratch,
+    )
     out = run([".venv/bin/python", "examples/relay_qwen.py"], scratch).stdout.splitlines()
     # relay.chat and transformers' generate on relay.handoff's cache give the same greedy reply.
     assert len(out) == 2 and out[0].strip() and out[0] == out[1], out

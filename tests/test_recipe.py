@@ -21,13 +21,13 @@ import time
 from pathlib import Path
 
 import pytest
+from fakestage import fake_stage, flags_of, val_kl_of
 
 import recipe
-from fakestage import fake_stage, flags_of, val_kl_of
 from kvlingo.errors import Refusal
-from kvlingo.drive import cells as K
-from kvlingo.drive import lrsearch
 from kvlingo.io import atomic_write_json, atomic_write_text, read_json, sha256_file
+from kvlingo.stages import cells as K
+from kvlingo.stages import lrsearch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,14 +47,17 @@ def brute_force(f, steps):
     return min(finite, key=lambda k: (f(k), abs(k), k))
 
 
-@pytest.mark.parametrize("f, size, cap, order, extensions, cap_hit", [
-    (lambda k: (k - 3) ** 2, 5, 4, [-2, -1, 0, 1, 2, 3, 4], 2, False),  # upper edge twice, then interior
-    (lambda k: (k + 4) ** 2, 5, 4, [-2, -1, 0, 1, 2, -3, -4, -5], 3, False),  # lower edge three times
-    (lambda k: (k - 1) ** 2, 1, 4, [0, -1, 1, 2], 2, False),  # one rate: both edges at once
-    (lambda k: -k, 5, 2, [-2, -1, 0, 1, 2, 3, 4], 2, True),  # monotone: the cap stops it
-    (lambda k: -k, 2, 0, [0, 1], 0, True),  # no extension allowed
-    (lambda k: abs(k), 5, 4, [-2, -1, 0, 1, 2], 0, False),  # interior at once
-])
+@pytest.mark.parametrize(
+    "f, size, cap, order, extensions, cap_hit",
+    [
+        (lambda k: (k - 3) ** 2, 5, 4, [-2, -1, 0, 1, 2, 3, 4], 2, False),  # upper edge twice, then interior
+        (lambda k: (k + 4) ** 2, 5, 4, [-2, -1, 0, 1, 2, -3, -4, -5], 3, False),  # lower edge three times
+        (lambda k: (k - 1) ** 2, 1, 4, [0, -1, 1, 2], 2, False),  # one rate: both edges at once
+        (lambda k: -k, 5, 2, [-2, -1, 0, 1, 2, 3, 4], 2, True),  # monotone: the cap stops it
+        (lambda k: -k, 2, 0, [0, 1], 0, True),  # no extension allowed
+        (lambda k: abs(k), 5, 4, [-2, -1, 0, 1, 2], 0, False),  # interior at once
+    ],
+)
 def test_search_extends_past_an_edge_winner_until_interior(f, size, cap, order, extensions, cap_hit):
     calls = []
 
@@ -104,9 +107,28 @@ def world(tmp_path, tiny_pair_paths):
     src = tmp_path / "ifeval.jsonl"
     src.write_text('{"key": 1, "prompt": "p", "instruction_id_list": [], "kwargs": []}\n')
     large, small = map(str, tiny_pair_paths)  # configs and tokenizers only: the fake stages load no weights
-    argv = ["--profile", "tiny", "--data", str(data), "--run", "r", "--large", large,
-            "--small", small, "--device", "cpu", "--dtype", "float32", "--ifeval-source", str(src),
-            "--artifacts", str(tmp_path / "artifacts"), "--results", str(tmp_path / "results")]
+    argv = [
+        "--profile",
+        "tiny",
+        "--data",
+        str(data),
+        "--run",
+        "r",
+        "--large",
+        large,
+        "--small",
+        small,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--ifeval-source",
+        str(src),
+        "--artifacts",
+        str(tmp_path / "artifacts"),
+        "--results",
+        str(tmp_path / "results"),
+    ]
     return {"argv": argv, "root": tmp_path, "res": tmp_path / "results" / "r", "data": data, "large": large}
 
 
@@ -123,10 +145,17 @@ def names(calls) -> list[str]:
 
 
 EXPECTED = [  # tiny profile: grid [1e-4, 3.16e-4], the winner 3.16e-4 is an edge, so 1e-3 is added; seeds 42, 43
-    "benchmark:native", "ifeval:native", "train_translator:closed",
-    "train_translator:lr1.00e-04-s42", "train_translator:lr3.16e-04-s42", "train_translator:lr1.00e-03-s42",
+    "benchmark:native",
+    "ifeval:native",
+    "train_translator:closed",
+    "train_translator:lr1.00e-04-s42",
+    "train_translator:lr3.16e-04-s42",
+    "train_translator:lr1.00e-03-s42",
     "train_translator:lr3.16e-04-s43",
-    "benchmark:lr3.16e-04-s42", "ifeval:lr3.16e-04-s42", "benchmark:lr3.16e-04-s43", "ifeval:lr3.16e-04-s43",
+    "benchmark:lr3.16e-04-s42",
+    "ifeval:lr3.16e-04-s42",
+    "benchmark:lr3.16e-04-s43",
+    "ifeval:lr3.16e-04-s43",
 ]
 
 
@@ -177,7 +206,11 @@ def test_resume_skips_finished_cells_and_continues_the_interrupted_one(world):
     assert interrupted.value.code == 130
     before = ledger(world)["cells"]
     assert [n for n, c in before.items() if c["status"] == "done"] == [
-        "benchmark/native", "ifeval/native", "train/closed", "train/lr1.00e-04-s42"]
+        "benchmark/native",
+        "ifeval/native",
+        "train/closed",
+        "train/lr1.00e-04-s42",
+    ]
     assert before["train/lr3.16e-04-s42"]["status"] == "running"
     mtimes = {n: os.stat(c["report"]).st_mtime_ns for n, c in before.items() if c["status"] == "done"}
 
@@ -203,7 +236,9 @@ def test_a_second_recipe_keeps_its_up_to_date_cells_and_runs_the_rest_afresh(wor
     capsys.readouterr()
     rep = recipe.main(world["argv"], runner=FakeStages(forbid=True))
     assert {c["action"] for c in rep["results"]["cells"]} == {"skipped (finished)"}
-    assert capsys.readouterr().out.count(": up to date (finished with the same key") == len(EXPECTED) + 1  # seed 42 reads its search cell
+    assert (
+        capsys.readouterr().out.count(": up to date (finished with the same key") == len(EXPECTED) + 1
+    )  # seed 42 reads its search cell
     report = Path(ledger(world)["cells"]["benchmark/lr3.16e-04-s43"]["report"])
     report.write_text(report.read_text().replace("0.3", "0.9"))
     fake = FakeStages()
@@ -229,6 +264,7 @@ def test_resume_reruns_a_cell_whose_report_was_changed(world):
 def test_resume_refuses_changed_settings_and_inputs_naming_them(world, capsys):
     world["capsys"] = capsys
     recipe.main(world["argv"], runner=FakeStages())
+
     def refused(extra, pattern):
         capsys = world["capsys"]
         capsys.readouterr()
@@ -250,13 +286,14 @@ def test_ctrl_c_inside_an_in_process_cell_stops_the_driver_not_only_the_cell(tmp
     """ablate and frontier run their cells' stages in this process: a cell's Ctrl-C passes to the driver, which
     ends in its own one line and status 130 (not a failed cell while the rest of its level runs on); another
     failure of a cell stays that cell's."""
-    from kvlingo.drive.launch import StageFailed
-    from kvlingo.drive.stage import INTERRUPTED_STATUS, refusals_exit
+    from kvlingo.stages.launch import StageFailed
+    from kvlingo.stages.stage import INTERRUPTED_STATUS, refusals_exit
 
     for name, body in (("stage_ctrl_c", "raise KeyboardInterrupt"), ("stage_fails", "raise SystemExit(1)")):
         (tmp_path / f"{name}.py").write_text(
-            "from kvlingo.drive.stage import refusals_exit\n\n\n"
-            f"@refusals_exit({name!r}, resumable=True)\ndef main(argv):\n    {body}\n")
+            "from kvlingo.stages.stage import refusals_exit\n\n\n"
+            f"@refusals_exit({name!r}, resumable=True)\ndef main(argv):\n    {body}\n"
+        )
     ran = []
 
     @refusals_exit("driver", resumable=True)
@@ -280,7 +317,7 @@ def test_ctrl_c_inside_an_in_process_cell_stops_the_driver_not_only_the_cell(tmp
 
 
 def test_a_cell_computed_here_is_recorded_read_back_on_resume_and_refused_under_other_inputs(tmp_path):
-    from kvlingo.run.resume import ResumeRefused
+    from kvlingo.records.resume import ResumeRefused
 
     report = tmp_path / "res" / "timing.json"
     cell = K.Cell("timing/x", "timing", "frontier.py", {"--real-tokens": 64}, str(report), {"threads": 1})
@@ -316,25 +353,36 @@ def test_a_cell_computed_here_is_recorded_read_back_on_resume_and_refused_under_
 
 
 def test_cell_key_covers_flags_and_inputs_but_not_the_hook():
-    base = K.Cell("train/x", "train", "train_translator.py", {"--lr": "0.0001", "--closed-form-only": False},
-                  "r.json", {"data": {"manifest_sha256": "a" * 64}}, resume_flag="--resume")
+    base = K.Cell(
+        "train/x",
+        "train",
+        "train_translator.py",
+        {"--lr": "0.0001", "--closed-form-only": False},
+        "r.json",
+        {"data": {"manifest_sha256": "a" * 64}},
+        resume_flag="--resume",
+    )
     assert base.argv(resume=False) == ["train_translator.py", "--lr", "0.0001"]
     assert base.argv(resume=True)[-1] == "--resume"
-    for other in (K.Cell(**{**base.__dict__, "flags": {"--lr": "0.000316"}}),
-                  K.Cell(**{**base.__dict__, "inputs": {"data": {"manifest_sha256": "b" * 64}}}),
-                  K.Cell(**{**base.__dict__, "extra": ("--batch", "2")})):
+    for other in (
+        K.Cell(**{**base.__dict__, "flags": {"--lr": "0.000316"}}),
+        K.Cell(**{**base.__dict__, "inputs": {"data": {"manifest_sha256": "b" * 64}}}),
+        K.Cell(**{**base.__dict__, "extra": ("--batch", "2")}),
+    ):
         assert other.key != base.key
     assert K.Cell(**{**base.__dict__, "before": lambda: None}).key == base.key
 
 
 def test_cells_run_on_the_cache_kind_their_driver_was_given():
     """--cache is a field of the pair config, not a process setting: every cell's stage gets the driver's."""
-    from kvlingo.run.models import PairConfig
+    from kvlingo.inputs.models import PairConfig
 
     pair = PairConfig("L", "S", "l2s", "cpu", "float32", {}, {}, "t", "c", {}, cache="dynamic")
     flags = K.stage_flags("tiny", pair, "art", "res")
     assert flags["--cache"] == "dynamic" and flags["--large"] == "L" and flags["--results"] == "res"
-    assert recipe.parse_args(["--cache", "dynamic"]).cache == "dynamic" and recipe.parse_args([]).cache == "preallocated"
+    assert (
+        recipe.parse_args(["--cache", "dynamic"]).cache == "dynamic" and recipe.parse_args([]).cache == "preallocated"
+    )
 
 
 def test_passthrough_may_not_override_what_the_recipe_sets(world, capsys):
@@ -344,15 +392,22 @@ def test_passthrough_may_not_override_what_the_recipe_sets(world, capsys):
         assert e.value.code == 2 and f"may not set {what}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, text, message", [
-    ("--train-args", "--batch 2 --bogus 3", r"--train-args: train_translator.py: no flag --bogus"),
-    ("--train-args", "--batch two", r"--train-args: argument --batch: .*'two'"),
-    ("--train-args", "--upd 3", r"no flag --upd \(flags are spelled out in full, never abbreviated\); did you mean --updates\?"),  # not --updates
-    ("--benchmark-args", "--variant bent", r"--benchmark-args: argument --variant: invalid choice: 'bent'"),
-    ("--ifeval-args", "--max-new-tokens", r"--ifeval-args: argument --max-new-tokens: expected one argument"),
-    ("--ifeval-args", "--help", r"--help passed through to ifeval.py would print its help"),
-    ("--train-args", "--batch '2", r"does not split into flags"),
-])
+@pytest.mark.parametrize(
+    "flag, text, message",
+    [
+        ("--train-args", "--batch 2 --bogus 3", r"--train-args: train_translator.py: no flag --bogus"),
+        ("--train-args", "--batch two", r"--train-args: argument --batch: .*'two'"),
+        (
+            "--train-args",
+            "--upd 3",
+            r"no flag --upd \(flags are spelled out in full, never abbreviated\); did you mean --updates\?",
+        ),  # not --updates
+        ("--benchmark-args", "--variant bent", r"--benchmark-args: argument --variant: invalid choice: 'bent'"),
+        ("--ifeval-args", "--max-new-tokens", r"--ifeval-args: argument --max-new-tokens: expected one argument"),
+        ("--ifeval-args", "--help", r"--help passed through to ifeval.py would print its help"),
+        ("--train-args", "--batch '2", r"does not split into flags"),
+    ],
+)
 def test_passthrough_is_parsed_by_the_stage_before_any_cell_runs(world, flag, text, message, capsys):
     with pytest.raises(SystemExit) as refused:
         recipe.main(world["argv"] + [f"{flag}={text}"], runner=FakeStages(forbid=True))  # forbid: no cell may run
@@ -377,9 +432,15 @@ def test_quick_and_explicit_shrinking(world):
     recipe.main(world["argv"] + ["--quick", "--skip", "ifeval", "--lr-center", "1e-3", "--grid-size", "3"], runner=fake)
     # grid [3.16e-4, 1e-3, 3.16e-3 (diverges)]: the winner 3.16e-4 is the lower edge, so 1e-4 is added (--quick
     # allows one extension), which makes it interior; one seed; no IFEval
-    assert names(fake.calls) == ["benchmark:native", "train_translator:closed", "train_translator:lr3.16e-04-s42",
-                                 "train_translator:lr1.00e-03-s42", "train_translator:lr3.16e-03-s42",
-                                 "train_translator:lr1.00e-04-s42", "benchmark:lr3.16e-04-s42"]
+    assert names(fake.calls) == [
+        "benchmark:native",
+        "train_translator:closed",
+        "train_translator:lr3.16e-04-s42",
+        "train_translator:lr1.00e-03-s42",
+        "train_translator:lr3.16e-03-s42",
+        "train_translator:lr1.00e-04-s42",
+        "benchmark:lr3.16e-04-s42",
+    ]
 
 
 def test_help_has_examples(capsys):
@@ -411,23 +472,66 @@ def test_tiny_recipe_killed_mid_cell_then_resumed(tiny_pair_paths, tmp_path, mon
         files[path.name] = sha256_file(path)
     from tinypair import write_prepared
 
-    write_prepared(data, tok, {split: [json.loads(x) for x in (data / f"{split}.natural.jsonl").read_text().splitlines()]
-                               for split in ("train", "validation", "test")})
-    docs = [{"key": 1, "prompt": "Describe the cat on the mat. Do not use commas.",
-             "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]},
-            {"key": 2, "prompt": "Answer in lowercase: what did ada write?",
-             "instruction_id_list": ["change_case:english_lowercase"], "kwargs": [{}]}]
+    write_prepared(
+        data,
+        tok,
+        {
+            split: [json.loads(x) for x in (data / f"{split}.natural.jsonl").read_text().splitlines()]
+            for split in ("train", "validation", "test")
+        },
+    )
+    docs = [
+        {
+            "key": 1,
+            "prompt": "Describe the cat on the mat. Do not use commas.",
+            "instruction_id_list": ["punctuation:no_comma"],
+            "kwargs": [{}],
+        },
+        {
+            "key": 2,
+            "prompt": "Answer in lowercase: what did ada write?",
+            "instruction_id_list": ["change_case:english_lowercase"],
+            "kwargs": [{}],
+        },
+    ]
     atomic_write_text(tmp_path / "ifeval.jsonl", "".join(json.dumps(d) + "\n" for d in docs))
     nltk_home = tmp_path / "nltk_data"
     ifeval_grader.install_punkt(nltk_home)
     for k, v in {"NLTK_DATA": str(nltk_home), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}.items():
         monkeypatch.setenv(k, v)
 
-    argv = ["--profile", "tiny", "--data", str(data), "--run", "e2e", "--large", str(large), "--small", str(small),
-            "--device", "cpu", "--dtype", "float32", "--grid-size", "2", "--seeds", "42", "--max-extensions", "0",
-            "--updates", "2", "--ifeval-source", str(tmp_path / "ifeval.jsonl"), "--ifeval-args=--max-new-tokens 4",
-            "--benchmark-args=--allow-cv --timing-conversations 0 --control-dtypes float32",
-            "--artifacts", str(tmp_path / "artifacts"), "--results", str(tmp_path / "results")]
+    argv = [
+        "--profile",
+        "tiny",
+        "--data",
+        str(data),
+        "--run",
+        "e2e",
+        "--large",
+        str(large),
+        "--small",
+        str(small),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--grid-size",
+        "2",
+        "--seeds",
+        "42",
+        "--max-extensions",
+        "0",
+        "--updates",
+        "2",
+        "--ifeval-source",
+        str(tmp_path / "ifeval.jsonl"),
+        "--ifeval-args=--max-new-tokens 4",
+        "--benchmark-args=--allow-cv --timing-conversations 0 --control-dtypes float32",
+        "--artifacts",
+        str(tmp_path / "artifacts"),
+        "--results",
+        str(tmp_path / "results"),
+    ]
     state = tmp_path / "results" / "e2e" / K.LEDGER_FILE
     # A snapshot of the code: every cell key holds the code hash, and a resume across a code edit is
     # (rightly) refused, so the run must not see edits made to the working tree meanwhile.
@@ -439,9 +543,13 @@ def test_tiny_recipe_killed_mid_cell_then_resumed(tiny_pair_paths, tmp_path, mon
 
     def launch(*extra: str, name: str) -> subprocess.Popen:
         # Its own process group, so that a kill takes the recipe and the stage it is running.
-        return subprocess.Popen([sys.executable, str(code / "recipe.py"), *argv, *extra], cwd=tmp_path,
-                                stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, str(code / "recipe.py"), *argv, *extra],
+            cwd=tmp_path,
+            stdout=open(tmp_path / f"{name}.log", "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def tail(name: str) -> str:
         return (tmp_path / f"{name}.log").read_text()[-3000:]
@@ -453,7 +561,9 @@ def test_tiny_recipe_killed_mid_cell_then_resumed(tiny_pair_paths, tmp_path, mon
             cells = read_json(state)["cells"]
         except (OSError, ValueError):
             cells = {}
-        if sum(c["status"] == "done" for c in cells.values()) >= 3 and any(c["status"] == "running" for c in cells.values()):
+        if sum(c["status"] == "done" for c in cells.values()) >= 3 and any(
+            c["status"] == "running" for c in cells.values()
+        ):
             time.sleep(3)  # into the next cell's run
             os.killpg(proc.pid, signal.SIGKILL)
             break
@@ -461,7 +571,9 @@ def test_tiny_recipe_killed_mid_cell_then_resumed(tiny_pair_paths, tmp_path, mon
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, tail("first")
     before = read_json(state)["cells"]
-    done = {n: (c["finished_unix"], os.stat(c["report"]).st_mtime_ns) for n, c in before.items() if c["status"] == "done"}
+    done = {
+        n: (c["finished_unix"], os.stat(c["report"]).st_mtime_ns) for n, c in before.items() if c["status"] == "done"
+    }
     interrupted = [n for n, c in before.items() if c["status"] == "running"]
     assert len(done) >= 3 and len(interrupted) == 1
 
@@ -477,7 +589,9 @@ def test_tiny_recipe_killed_mid_cell_then_resumed(tiny_pair_paths, tmp_path, mon
     chosen = min(res["lr_search"]["cells"], key=lambda c: c["val_kl"])
     assert res["lr_search"]["chosen_lr"] == chosen["lr"]
     train = read_json(Path(after[chosen["cell"]]["report"]))
-    assert train["results"]["distilled_val_kl"] == chosen["val_kl"] and train["n_samples"]["validation_conversations"] == 4
+    assert (
+        train["results"]["distilled_val_kl"] == chosen["val_kl"] and train["n_samples"]["validation_conversations"] == 4
+    )
     seed = res["per_seed"]["42"]
     assert seed["benchmark"]["distilled.kl_token_mean"] >= 0 and "translated.prompt_level_strict_acc" in seed["ifeval"]
     for name in ("recipe.md", "recipe.png"):
@@ -494,5 +608,9 @@ def test_a_recipe_without_distillation_updates_is_refused():
     args = recipe.parse_args(["--profile", "tiny", "--lr-center", "1e-3", "--updates", "0"])
     with pytest.raises(Refusal, match="--updates must be ≥ 1 .*nothing to choose"):
         recipe.make_config(args, pair=None)
-    assert recipe.make_config(recipe.parse_args(["--profile", "tiny", "--lr-center", "1e-3", "--updates", "1"]),
-                              pair=None).updates == 1
+    assert (
+        recipe.make_config(
+            recipe.parse_args(["--profile", "tiny", "--lr-center", "1e-3", "--updates", "1"]), pair=None
+        ).updates
+        == 1
+    )

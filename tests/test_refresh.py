@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tinypair import load_tiny_pair
 
 from kvlingo.core.cache import build_cache, capture
-from kvlingo.core.handoff import translate
 from kvlingo.core.families.headwise import Headwise
-from kvlingo.core.refresh import (Refresh, RefreshError, forward_flops, native_prefix_layers, refresh_flops,
-                                  refreshed_kv, selection_mask)
+from kvlingo.core.handoff import translate
+from kvlingo.core.refresh import (
+    Refresh,
+    RefreshError,
+    forward_flops,
+    native_prefix_layers,
+    refresh_flops,
+    refreshed_kv,
+    selection_mask,
+)
 from kvlingo.core.translator import Geometry
-from tinypair import load_tiny_pair
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +68,7 @@ def test_the_two_ends_are_exact(setup):
     k, v = refreshed_kv(src, tgt, tr, ids, Refresh.parse("layers:1"), cap=cap)
     assert torch.equal(k[:1], own.keys[:1]) and torch.equal(k[1:], pure[0][1:])
     k, v = refreshed_kv(src, tgt, tr, ids, Refresh.parse("tail:5"), cap=cap)
-    assert torch.equal(k[:, :, :T - 5], pure[0][:, :, :T - 5]) and not torch.equal(k[:, :, -5:], pure[0][:, :, -5:])
+    assert torch.equal(k[:, :, : T - 5], pure[0][:, :, : T - 5]) and not torch.equal(k[:, :, -5:], pure[0][:, :, -5:])
     # the handoff path takes the same setting
     kk, _ = translate(src, tr, ids, cap=cap, refresh=Refresh.parse("tail:5"), target=tgt)
     assert torch.equal(kk, k)
@@ -118,7 +125,7 @@ def test_select_mask_positions_and_logits_against_a_token_by_token_reference(set
     with torch.no_grad():
         for s in refreshed:
             cache = build_cache(tgt, ref_k[:, :, :s], ref_v[:, :, :s])
-            out = tgt(input_ids=ids[:, s:s + 1], cache=cache, use_cache=True)
+            out = tgt(input_ids=ids[:, s : s + 1], cache=cache, use_cache=True)
             ref_k[:, :, s] = torch.stack([layer.keys[0, :, -1] for layer in out.cache.layers])
             ref_v[:, :, s] = torch.stack([layer.values[0, :, -1] for layer in out.cache.layers])
     assert (keys - ref_k).abs().max().item() < 1e-5 and (values - ref_v).abs().max().item() < 1e-5

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tinypair import chat_rows, write_prepared
 
 import benchmark
 import export
@@ -27,20 +28,27 @@ import ifeval
 from kvlingo import Relay
 from kvlingo.core.handoff import stop_ids
 from kvlingo.core.refresh import Refresh
-from kvlingo.core.folder import build, load_state, load_translator, save_translator, sealed
 from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.eval.itemrows import read_rows
 from kvlingo.eval.tasks import grader
 from kvlingo.eval.tasks.generate import generate
+from kvlingo.inputs.data import prepare, read_split
+from kvlingo.inputs.models import load_pair, render_ids, resolve_pair
+from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import read_json, read_jsonl, sha256_file
+from kvlingo.records.saved import (
+    CONFIG_FILE,
+    EVIDENCE_FILE,
+    Gate,
+    build,
+    judge,
+    load_state,
+    load_translator,
+    save_translator,
+    sealed,
+)
 from kvlingo.relay import UnprovenTranslator
-from kvlingo.run.data import prepare, read_split
-from kvlingo.run.evidence import Gate, judge
-from kvlingo.run.exported import CONFIG_FILE, EVIDENCE_FILE
-from kvlingo.run.models import load_pair, render_ids, resolve_pair
-from kvlingo.run.profiles import get_profile
 from kvlingo.train.closed_form import fit_closed_form
-from tinypair import chat_rows, write_prepared
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY = "headwise"  # the family fitted here; nothing below depends on which one it is
@@ -48,14 +56,24 @@ REFRESH = "tail:2"  # the toy run's handoff: the target recomputes the last 2 co
 
 
 def fitted_run(root: Path, run: str, large: Path, small: Path, train: list[dict], key_space: str) -> list[str]:
-    """Closed-form maps of the pair fitted on `train`, saved as the run's distilled translator; returns the pair flags."""
+    """Closed-form maps of the pair fitted on `train`, saved as the run's distilled translator; returns the pair
+    flags."""
     cfg, tok = resolve_pair(str(large), str(small), "l2s", "cpu", "float32")
     pair = load_pair(cfg, tok)
-    translator = build({"family": FAMILY, "key_space": key_space, "settings": {},
-                        "geometry": asdict(Geometry.of(pair.source, pair.target))}).bind(pair.source, pair.target)
+    translator = build(
+        {
+            "family": FAMILY,
+            "key_space": key_space,
+            "settings": {},
+            "geometry": asdict(Geometry.of(pair.source, pair.target)),
+        }
+    ).bind(pair.source, pair.target)
     fit_closed_form(pair.source, pair.target, translator, train)
-    save_translator(root / "artifacts" / run / "distilled", translator,
-                    {"direction": "l2s", "models": pair.identities(), "stage": "distilled"})
+    save_translator(
+        root / "artifacts" / run / "distilled",
+        translator,
+        {"direction": "l2s", "models": pair.identities(), "stage": "distilled"},
+    )
     return ["--large", str(large), "--small", str(small), "--direction", "l2s", "--device", "cpu", "--dtype", "float32"]
 
 
@@ -64,8 +82,23 @@ def run_flags(root: Path, run: str) -> list[str]:
 
 
 def bench(root: Path, run: str, pair: list[str], data: Path, refresh: str = "none") -> None:
-    benchmark.main(["--profile", "tiny", *run_flags(root, run), *pair, "--data", str(data), "--skip-missing",
-                    "--timing-conversations", "0", "--control-dtypes", "float32", "--refresh", refresh])
+    benchmark.main(
+        [
+            "--profile",
+            "tiny",
+            *run_flags(root, run),
+            *pair,
+            "--data",
+            str(data),
+            "--skip-missing",
+            "--timing-conversations",
+            "0",
+            "--control-dtypes",
+            "float32",
+            "--refresh",
+            refresh,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +115,35 @@ def toy(toy_pair, tmp_path_factory):
     nltk_home = root / "nltk_data"
     grader.install_punkt(nltk_home)
     try:
-        ifeval.main(["--profile", "tiny", *run_flags(root, "toy"), *pair, "--data-root", str(root / "eval"),
-                     "--source", str(toy_pair / "corpus" / "ifeval.jsonl"), "--limit", "3", "--max-new-tokens", "10",
-                     "--refresh", REFRESH])
+        ifeval.main(
+            [
+                "--profile",
+                "tiny",
+                *run_flags(root, "toy"),
+                *pair,
+                "--data-root",
+                str(root / "eval"),
+                "--source",
+                str(toy_pair / "corpus" / "ifeval.jsonl"),
+                "--limit",
+                "3",
+                "--max-new-tokens",
+                "10",
+                "--refresh",
+                REFRESH,
+            ]
+        )
     finally:
         nltk.data.path.remove(str(nltk_home.resolve()))
     export.main(run_flags(root, "toy"))
-    return {"root": root, "pair": toy_pair, "export": root / "artifacts" / "toy" / "export",
-            "maps": root / "artifacts" / "toy" / "distilled", "results": root / "results" / "toy", "data": data}
+    return {
+        "root": root,
+        "pair": toy_pair,
+        "export": root / "artifacts" / "toy" / "export",
+        "maps": root / "artifacts" / "toy" / "distilled",
+        "results": root / "results" / "toy",
+        "data": data,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +157,12 @@ def proven(tiny_pair_paths, tmp_path_factory):
     pair = fitted_run(root, "self", small, small, read_split(data, "train"), "cache")
     bench(root, "self", pair, data)
     export.main(run_flags(root, "self"))
-    return {"root": root, "small": small, "export": root / "artifacts" / "self" / "export",
-            "results": root / "results" / "self"}
+    return {
+        "root": root,
+        "small": small,
+        "export": root / "artifacts" / "self" / "export",
+        "results": root / "results" / "self",
+    }
 
 
 def copy_export(src: Path, dst: Path) -> Path:
@@ -114,8 +172,13 @@ def copy_export(src: Path, dst: Path) -> Path:
 
 # --------------------------------------------------------------------------- the API
 def test_import_kvlingo_stays_cheap():
-    out = subprocess.run([sys.executable, "-c", "import sys, kvlingo; print('torch' in sys.modules)"], cwd=ROOT,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, kvlingo; print('torch' in sys.modules)"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "False"
     import kvlingo
     from kvlingo.relay import Relay as direct
@@ -150,14 +213,20 @@ def test_chat_is_the_translated_arm_token_for_token(toy):
 
 
 def test_handoff_cache_drives_transformers_generate(toy):
-    """The cache `handoff` returns, given to transformers' own generate with the whole prompt, decodes what chat does."""
+    """The cache `handoff` returns, given to transformers' own generate with the whole prompt, decodes what chat
+    does."""
     relay = Relay.load(toy["export"], device="cpu", allow_unproven=True)
     messages = json.loads((toy["pair"] / "corpus" / "chats.jsonl").read_text().splitlines()[0])["input"]
     ids = relay.prompt_ids(messages)
     got, hit = relay.reply_ids(messages, max_new_tokens=16)
-    out = relay.target.generate(torch.tensor([ids]), cache=relay.handoff(messages), max_new_tokens=16,
-                                do_sample=False, eos_token_id=sorted(stop_ids(relay.tokenizer)))
-    new = out[0, len(ids):].tolist()
+    out = relay.target.generate(
+        torch.tensor([ids]),
+        cache=relay.handoff(messages),
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=sorted(stop_ids(relay.tokenizer)),
+    )
+    new = out[0, len(ids) :].tolist()
     if hit:
         assert new == got
     else:  # transformers keeps the stop token
@@ -186,14 +255,21 @@ def test_export_round_trips_config_and_evidence(toy):
     pair = bench_rep["config"]["pair"]
     assert cfg["pair"]["large"] == pair["source"] and cfg["pair"]["small"] == pair["target"]
     assert cfg["pair"]["tokenizer_sha256"] == pair["tokenizer_sha256"] == relay.pair.config.tokenizer_sha256
-    assert cfg["origin"] == {"run": "toy", "translator": "distilled",
-                             "manifest_sha256": sha256_file(toy["maps"] / "manifest.json")}
+    assert cfg["origin"] == {
+        "run": "toy",
+        "translator": "distilled",
+        "manifest_sha256": sha256_file(toy["maps"] / "manifest.json"),
+    }
     for key, value in relay.translator.state_dict().items():
         assert torch.equal(value, load_state(toy["maps"]).state_dict()[key]), key
     # evidence: the benchmark's arms as reported (translated = distilled), IFEval's strict prompt accuracy
     arms = bench_rep["results"]["quality"]["arms"]
-    assert ev["arms"] == {"native_target": arms["native_target"], "translated": arms["distilled"],
-                          "control": arms["control"], "no_context": arms["no_context"]}
+    assert ev["arms"] == {
+        "native_target": arms["native_target"],
+        "translated": arms["distilled"],
+        "control": arms["control"],
+        "no_context": arms["no_context"],
+    }
     assert ev["benchmark"]["n_conversations"] == bench_rep["n_samples"]["conversations"] == 6
     assert ev["benchmark"]["test_split_sha256"] == sha256_file(toy["data"] / "test.natural.jsonl")
     assert ev["ifeval"]["paths"] == {p: s["prompt_level_strict_acc"] for p, s in ife["results"]["paths"].items()}
@@ -233,8 +309,9 @@ def test_proven_maps_load_and_hand_over_a_plain_cache(proven):
 def test_deliberately_failing_evidence_names_every_figure(proven, tmp_path):
     folder = copy_export(proven["export"], tmp_path / "failing")
     ev = read_json(folder / EVIDENCE_FILE)
-    ev["arms"]["translated"].update(top1_agreement=0.5, nll_delta_vs_native_target=0.6,
-                                    kl_token_mean=ev["arms"]["control"]["kl_token_mean"] + 1.0)
+    ev["arms"]["translated"].update(
+        top1_agreement=0.5, nll_delta_vs_native_target=0.6, kl_token_mean=ev["arms"]["control"]["kl_token_mean"] + 1.0
+    )
     (folder / EVIDENCE_FILE).write_text(json.dumps(ev))
     with pytest.raises(UnprovenTranslator, match="does not match the hash recorded"):  # edited, not re-exported
         Relay.load(folder, device="cpu")
@@ -278,15 +355,17 @@ def test_a_pair_with_another_tokenizer_is_refused(toy, tiny_pair_paths, tmp_path
     moved = tmp_path / "moved"
     for role in ("large", "small"):
         shutil.copytree(toy["pair"] / role, moved / role)
-    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True, large=str(moved / "large"),
-                       small=str(moved / "small"))
+    relay = Relay.load(
+        toy["export"], device="cpu", allow_unproven=True, large=str(moved / "large"), small=str(moved / "small")
+    )
     assert relay.pair.config.source["path"] == str((moved / "large").resolve())
     for role in ("large", "small"):
         for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             shutil.copy(tiny_pair_paths[1] / f, moved / role / f)
     with pytest.raises(TranslatorError, match="its tokenizer .* is not the one these maps were trained with"):
-        Relay.load(toy["export"], device="cpu", allow_unproven=True, large=str(moved / "large"),
-                   small=str(moved / "small"))
+        Relay.load(
+            toy["export"], device="cpu", allow_unproven=True, large=str(moved / "large"), small=str(moved / "small")
+        )
 
 
 # --------------------------------------------------------------------------- export refusals and the Hub
@@ -308,8 +387,11 @@ def test_export_refuses_a_benchmark_of_other_maps(toy, tmp_path, capsys):
     with pytest.raises(SystemExit) as err:
         export.main(run_flags(root, "toy"))
     err = capsys.readouterr().err  # the command runs as given: the run's profile and pair (from its IFEval report)
-    assert re.search(r"run `make benchmark PROFILE=tiny RUN=toy LARGE=\S+/large SMALL=\S+/small DEVICE=cpu "
-                     r"DTYPE=float32` first", err), err
+    assert re.search(
+        r"run `make benchmark PROFILE=tiny RUN=toy LARGE=\S+/large SMALL=\S+/small DEVICE=cpu "
+        r"DTYPE=float32` first",
+        err,
+    ), err
 
 
 def test_a_hub_repo_that_cannot_be_fetched_is_named(monkeypatch):
@@ -330,11 +412,13 @@ def test_bad_prompt_ids_are_refused_before_any_model_runs(proven, monkeypatch):
     vocab = relay.source.get_input_embeddings().num_embeddings
     limit = relay.source.config.max_position_embeddings
     monkeypatch.setattr(relay.pair.source, "forward", lambda *a, **k: pytest.fail("the source ran"))
-    for ids, why in (([1, 2, vocab], f"token id {vocab} is outside the models' vocabulary \\[0, {vocab}\\)"),
-                     ([1, -3, 4], "token id -3 is outside"),
-                     ([1, 2.5, 3], "prompt ids must be integers, got 2.5"),
-                     (torch.tensor([1.0, 2.0]), "torch.float32 tensor"),
-                     ([1] * (limit + 1), f"the prompt is {limit + 1} tokens, more than the models read")):
+    for ids, why in (
+        ([1, 2, vocab], f"token id {vocab} is outside the models' vocabulary \\[0, {vocab}\\)"),
+        ([1, -3, 4], "token id -3 is outside"),
+        ([1, 2.5, 3], "prompt ids must be integers, got 2.5"),
+        (torch.tensor([1.0, 2.0]), "torch.float32 tensor"),
+        ([1] * (limit + 1), f"the prompt is {limit + 1} tokens, more than the models read"),
+    ):
         with pytest.raises(ValueError, match=why):
             relay.handoff(ids)
     with pytest.raises(ValueError, match="token id"):
@@ -350,13 +434,14 @@ def test_bad_prompt_ids_are_refused_before_any_model_runs(proven, monkeypatch):
 def test_an_export_never_writes_into_a_folder_of_other_files(tmp_path):
     """`--out` naming a model folder would have replaced its config.json: a folder holding anything but an
     export's files (or a config.json of another format) is refused before a byte is written."""
-    from kvlingo.run.exported import FORMAT, check_export_folder
+    from kvlingo.records.saved import FORMAT, check_export_folder
 
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen3"}')
-    with pytest.raises(TranslatorError,
-                       match="holds files that are not an exported translator's \\(config.json with format None\\)"):
+    with pytest.raises(
+        TranslatorError, match="holds files that are not an exported translator's \\(config.json with format None\\)"
+    ):
         check_export_folder(model)
     (model / "model.safetensors").write_bytes(b"weights")
     with pytest.raises(TranslatorError, match="model.safetensors"):
@@ -401,8 +486,10 @@ def test_evidence_that_cannot_be_judged_fails_the_gate_in_words(proven, tmp_path
     nan = json.loads(json.dumps(ev))
     nan["arms"]["translated"].update(top1_agreement=float("nan"), nll_delta_vs_native_target=float("nan"))
     failures = judge(nan).failures
-    assert failures == ("evidence arms.translated.top1_agreement is nan, not a finite number",
-                        "evidence arms.translated.nll_delta_vs_native_target is nan, not a finite number")
+    assert failures == (
+        "evidence arms.translated.top1_agreement is nan, not a finite number",
+        "evidence arms.translated.nll_delta_vs_native_target is nan, not a finite number",
+    )
     no_control = json.loads(json.dumps(ev))
     del no_control["arms"]["control"]
     assert judge(no_control).failures == ("evidence arms.control.kl_token_mean is None, not a finite number",)
@@ -410,8 +497,10 @@ def test_evidence_that_cannot_be_judged_fails_the_gate_in_words(proven, tmp_path
     typed = json.loads(json.dumps(ev))
     typed["arms"]["translated"]["top1_agreement"] = "0.9"
     typed["benchmark"]["native_controls_passed"] = None
-    assert judge(typed).failures == ("evidence arms.translated.top1_agreement is '0.9', not a finite number",
-                                     "evidence benchmark.native_controls_passed is None, not true or false")
+    assert judge(typed).failures == (
+        "evidence arms.translated.top1_agreement is '0.9', not a finite number",
+        "evidence benchmark.native_controls_passed is None, not true or false",
+    )
     assert not judge([]).passed and len(judge([]).failures) == 5  # every figure and the controls
 
     folder = rehash_evidence(copy_export(proven["export"], tmp_path / "nan"), json.dumps(nan))
@@ -428,22 +517,27 @@ def _pop(key):
     return lambda c: {k: v for k, v in c.items() if k != key}
 
 
-@pytest.mark.parametrize("edit, why", [
-    (_pop("pair"), "pair None is not a mapping"),
-    (_pop("direction"), "direction None is not l2s or s2l"),
-    (lambda c: {**c, "pair": {**c["pair"], "large": {"id": "x"}}}, "pair.large {'id': 'x'} is neither"),
-    (lambda c: {**c, "pair": {k: v for k, v in c["pair"].items() if k != "tokenizer_sha256"}},
-     "pair.tokenizer_sha256 None is not a string"),
-    (lambda c: [1, 2], "is not a kvlingo-translator config \\(format 'list'\\)"),
-    (lambda c: {**c, "format_version": "2"}, "format_version '2' is not a whole number"),
-    (_pop("geometry"), "geometry None is not \\{source_layers"),
-    (lambda c: {**c, "geometry": {**c["geometry"], "extra": 1}}, "geometry .* is not \\{source_layers"),
-    (lambda c: {**c, "geometry": {**c["geometry"], "target_layers": 2.0}}, "as positive integers"),
-    (_pop("key_space"), "key space None is not one of prenorm, cache"),
-    (lambda c: {**c, "settings": {"bogus": 1}}, "settings \\{'bogus': 1\\} do not build a headwise translator"),
-    (lambda c: {**c, "settings": "rank"}, "settings 'rank' are not a mapping"),
-    (lambda c: {**c, "family": "crosshead"}, "does not hold this crosshead translator's state \\(missing"),
-])
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (_pop("pair"), "pair None is not a mapping"),
+        (_pop("direction"), "direction None is not l2s or s2l"),
+        (lambda c: {**c, "pair": {**c["pair"], "large": {"id": "x"}}}, "pair.large {'id': 'x'} is neither"),
+        (
+            lambda c: {**c, "pair": {k: v for k, v in c["pair"].items() if k != "tokenizer_sha256"}},
+            "pair.tokenizer_sha256 None is not a string",
+        ),
+        (lambda c: [1, 2], "is not a kvlingo-translator config \\(format 'list'\\)"),
+        (lambda c: {**c, "format_version": "2"}, "format_version '2' is not a whole number"),
+        (_pop("geometry"), "geometry None is not \\{source_layers"),
+        (lambda c: {**c, "geometry": {**c["geometry"], "extra": 1}}, "geometry .* is not \\{source_layers"),
+        (lambda c: {**c, "geometry": {**c["geometry"], "target_layers": 2.0}}, "as positive integers"),
+        (_pop("key_space"), "key space None is not one of prenorm, cache"),
+        (lambda c: {**c, "settings": {"bogus": 1}}, "settings \\{'bogus': 1\\} do not build a headwise translator"),
+        (lambda c: {**c, "settings": "rank"}, "settings 'rank' are not a mapping"),
+        (lambda c: {**c, "family": "crosshead"}, "does not hold this crosshead translator's state \\(missing"),
+    ],
+)
 def test_a_damaged_config_is_refused_by_field_before_any_weights_load(proven, tmp_path, monkeypatch, edit, why):
     folder = rewrite_config(copy_export(proven["export"], tmp_path / "damaged"), edit)
     monkeypatch.setattr("kvlingo.relay.load_pair", lambda *a, **k: pytest.fail("weights loaded"))
@@ -452,14 +546,17 @@ def test_a_damaged_config_is_refused_by_field_before_any_weights_load(proven, tm
     assert "again" in str(err.value)  # the fix: export (or train) it again
 
 
-@pytest.mark.parametrize("edit", [
-    lambda c: {**c, "key_space": "cache" if c["key_space"] == "prenorm" else "prenorm"},  # other answers
-    lambda c: {**c, "pair": {**c["pair"], "dtype": "bfloat16"}},  # the evidence was measured in float32
-    lambda c: {**c, "refresh": "tail:4"},  # the evidence was measured without it
-    lambda c: {**c, "n_params": c["n_params"] + 1},
-    lambda c: {**c, "training": {**c["training"], "stage": "closed_form"}},  # provenance
-    lambda c: {**c, "origin": {**c["origin"], "run": "elsewhere"}},
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda c: {**c, "key_space": "cache" if c["key_space"] == "prenorm" else "prenorm"},  # other answers
+        lambda c: {**c, "pair": {**c["pair"], "dtype": "bfloat16"}},  # the evidence was measured in float32
+        lambda c: {**c, "refresh": "tail:4"},  # the evidence was measured without it
+        lambda c: {**c, "n_params": c["n_params"] + 1},
+        lambda c: {**c, "training": {**c["training"], "stage": "closed_form"}},  # provenance
+        lambda c: {**c, "origin": {**c["origin"], "run": "elsewhere"}},
+    ],
+)
 def test_an_edited_config_is_refused_whatever_the_field(proven, tmp_path, monkeypatch, edit):
     """A folder's identity is all of its config.json: an edit of any field, not only the hashed maps and
     evidence, is refused before any weights load (its content hash no longer matches)."""
@@ -491,11 +588,13 @@ def test_maps_of_another_layout_or_not_finite_are_refused(proven, tmp_path, monk
         return rewrite_config(folder, lambda c: {**c, "maps_sha256": sha256_file(folder / "maps.safetensors")})
 
     first = next(iter(load_file(proven["export"] / "maps.safetensors")))
-    cases = [("shape", lambda s: {**s, first: s[first][..., :1].contiguous()}, f"{first} is F32 \\["),
-             ("dtype", lambda s: {**s, first: s[first].double()}, f"{first} is F64"),
-             ("missing", lambda s: {k: v for k, v in s.items() if k != first}, f"missing {first}"),
-             ("extra", lambda s: {**s, "bogus": torch.zeros(1)}, "unexpected bogus"),
-             ("cut", lambda s: (proven["export"] / "maps.safetensors").read_bytes()[:40], "not a readable safetensors")]
+    cases = [
+        ("shape", lambda s: {**s, first: s[first][..., :1].contiguous()}, f"{first} is F32 \\["),
+        ("dtype", lambda s: {**s, first: s[first].double()}, f"{first} is F64"),
+        ("missing", lambda s: {k: v for k, v in s.items() if k != first}, f"missing {first}"),
+        ("extra", lambda s: {**s, "bogus": torch.zeros(1)}, "unexpected bogus"),
+        ("cut", lambda s: (proven["export"] / "maps.safetensors").read_bytes()[:40], "not a readable safetensors"),
+    ]
     with monkeypatch.context() as m:
         m.setattr("kvlingo.relay.load_pair", lambda *a, **k: pytest.fail("weights loaded"))
         for name, edit, why in cases:
@@ -555,26 +654,31 @@ def test_inputs_a_relay_cannot_take_are_refused_in_words(proven, toy_pair, monke
     other = torch.zeros(relay.translator.geometry.source_layers + 1, 1, 4, 8)
     with monkeypatch.context() as m:
         m.setattr(relay.pair.source, "forward", lambda *a, **k: pytest.fail("the source ran"))
-        for messages, why in (("What is my name?", "chat messages are a list .* got str"),
-                              ([1, 2, 3], "chat message 0 is int 1.*token ids go to relay.handoff"),
-                              ([{"role": "user", "content": 123}], "chat message 0 has content 123; give it as a string"),
-                              ([{"content": "hi"}], "chat message 0 has role None"),
-                              ([{"role": "user", "content": ["hi"]}], "has content \\['hi'\\]")):
+        for messages, why in (
+            ("What is my name?", "chat messages are a list .* got str"),
+            ([1, 2, 3], "chat message 0 is int 1.*token ids go to relay.handoff"),
+            ([{"role": "user", "content": 123}], "chat message 0 has content 123; give it as a string"),
+            ([{"content": "hi"}], "chat message 0 has role None"),
+            ([{"role": "user", "content": ["hi"]}], "has content \\['hi'\\]"),
+        ):
             with pytest.raises(ValueError, match=why):
                 relay.chat(messages)
         for max_new, why in ((2.5, "max_new_tokens is 2.5"), (None, "max_new_tokens is None")):
             with pytest.raises(ValueError, match=why):
                 relay.chat([{"role": "user", "content": "hi"}], max_new_tokens=max_new)
-        for source, why in ((torch.tensor([[[3, 4, 5]]]), "shape \\(1, 1, 3\\); a relay is batch-one"),
-                            ([3, True, 5], "must be integers, got True"),
-                            (None, "got NoneType"), (5, "got int"),
-                            (DynamicCache(), "the source cache is empty"),
-                            (Capture(other, other, None, torch.empty(0)), "this relay's source caches \\[layers=")):
+        for source, why in (
+            (torch.tensor([[[3, 4, 5]]]), "shape \\(1, 1, 3\\); a relay is batch-one"),
+            ([3, True, 5], "must be integers, got True"),
+            (None, "got NoneType"),
+            (5, "got int"),
+            (DynamicCache(), "the source cache is empty"),
+            (Capture(other, other, None, torch.empty(0)), "this relay's source caches \\[layers="),
+        ):
             with pytest.raises(ValueError, match=why):
                 relay.handoff(source)
         with pytest.raises(ValueError, match="a capture needs at least one token id"):
             relay.capture([])
-    with pytest.raises(TypeError, match="gate must be a kvlingo.run.evidence.Gate"):
+    with pytest.raises(TypeError, match="gate must be a kvlingo.records.saved.Gate"):
         Relay.load(proven["export"], device="cpu", gate={"min_top1": 0.5})
     monkeypatch.setenv("HOME", str(Path(proven["export"]).parent))  # "~/export" names the folder
     assert Relay.load(f"~/{Path(proven['export']).name}", device="cpu").folder == Path(proven["export"])
@@ -590,11 +694,17 @@ def test_a_recorded_model_is_its_id_at_revision_or_its_folder_and_a_missing_fold
     gone = {"path": str(tmp_path / "gone"), "weights_sha256": "e" * 64}
     assert relay_module.recorded(hub, "small") == "Qwen/Qwen3-0.6B@abc123"
     assert relay_module.recorded(here, "small") == str(tmp_path)
-    with pytest.raises(TranslatorError, match=r"small model was the local folder .*gone, which is not here; pass "
-                                              r"small= a folder holding the same weights \(sha256 eeeeeeeeeeee…\)"):
+    with pytest.raises(
+        TranslatorError,
+        match=r"small model was the local folder .*gone, which is not here; pass "
+        r"small= a folder holding the same weights \(sha256 eeeeeeeeeeee…\)",
+    ):
         relay_module.recorded(gone, "small")
     config = {"pair": {"direction": "l2s", "large": gone, "small": hub}}
     assert recorded_model(config, "target") == "Qwen/Qwen3-0.6B@abc123"
-    with pytest.raises(Refused, match=r"source model was the local folder .*gone, which is not here; put the same "
-                                      r"weights there"):
+    with pytest.raises(
+        Refused,
+        match=r"source model was the local folder .*gone, which is not here; put the same "
+        r"weights there",
+    ):
         recorded_model(config, "source")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvlingo import io as report
-from kvlingo.run.report import Metric, Report, fmt_pm, fmt_table, huge_pages, read_report
+from kvlingo.records.report import Metric, Report, fmt_pm, fmt_table, huge_pages, read_report
 
 
 def test_interrupted_write_leaves_previous_file(tmp_path, monkeypatch):
@@ -34,10 +34,10 @@ def test_sigkill_during_write_leaves_previous_file(tmp_path):
     report.atomic_write_bytes(target, b"old")
     root = Path(__file__).resolve().parent.parent
     code = (
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {str(root)!r})\n"
         "from kvlingo.io import atomic_write_bytes\n"
         "print('go', flush=True)\n"
-        "while True: atomic_write_bytes(%r, b'x' * (256 << 20))\n" % (str(root), str(target))
+        f"while True: atomic_write_bytes({str(target)!r}, b'x' * (256 << 20))\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"go"
@@ -52,14 +52,44 @@ def test_hashes_and_schema(tmp_path):
     p = report.atomic_write_text(tmp_path / "a.txt", "hello")
     assert report.sha256_file(p) == report.sha256_bytes(b"hello")
     assert report.sha256_json({"a": 1, "b": 2}) == report.sha256_json({"b": 2, "a": 1})
-    r = Report("unit", config={"x": 1}, inputs={"a": report.sha256_file(p)}, results={"m": 0.5},
-               n_samples={"n": 3}, seeds=[0], wall_time_s=0.1, device="cpu", dtype="float32",
-               metrics=(Metric("m", False, "a test metric"),)).write(tmp_path / "unit.json")
-    for key in ("schema_version", "stage", "config", "inputs", "env", "seeds", "results", "n_samples", "wall_time_s",
-                "metrics", "files", "resume_key"):
+    r = Report(
+        "unit",
+        config={"x": 1},
+        inputs={"a": report.sha256_file(p)},
+        results={"m": 0.5},
+        n_samples={"n": 3},
+        seeds=[0],
+        wall_time_s=0.1,
+        device="cpu",
+        dtype="float32",
+        metrics=(Metric("m", False, "a test metric"),),
+    ).write(tmp_path / "unit.json")
+    for key in (
+        "schema_version",
+        "stage",
+        "config",
+        "inputs",
+        "env",
+        "seeds",
+        "results",
+        "n_samples",
+        "wall_time_s",
+        "metrics",
+        "files",
+        "resume_key",
+    ):
         assert key in r
-    assert {"git_sha", "git_dirty", "python", "torch", "transformers", "device", "dtype", "threads",
-            "huge_pages"} <= set(r["env"])
+    assert {
+        "git_sha",
+        "git_dirty",
+        "python",
+        "torch",
+        "transformers",
+        "device",
+        "dtype",
+        "threads",
+        "huge_pages",
+    } <= set(r["env"])
     assert r["metrics"] == {"m": {"higher_is_better": False, "definition": "a test metric"}}
     assert read_report(tmp_path / "unit.json", "unit")["results"] == {"m": 0.5}
     with pytest.raises(ValueError, match="not 'train'"):
@@ -82,8 +112,11 @@ def test_atomic_files_get_ordinary_permissions(tmp_path):
 
 def test_huge_pages_reads_the_allocator_request_and_the_kernel_mode(tmp_path, monkeypatch):
     setting = tmp_path / "enabled"
-    for text, mode in (("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
-                       ("always madvise [never]\n", "never")):
+    for text, mode in (
+        ("always [madvise] never\n", "madvise"),
+        ("[always] madvise never\n", "always"),
+        ("always madvise [never]\n", "never"),
+    ):
         setting.write_text(text)
         assert huge_pages(setting)["kernel"] == mode
     setting.write_text("garbled\n")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tinypair import ROPE_SCHEDULES, tiny_model
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvlingo.core.cache import capture
 from kvlingo.core.keyspace import KeySpace
 from kvlingo.core.rope import RopeCache, apply_rope, schedule_refusal, strip_rope
-from kvlingo.run.models import PairError, check_pair
-from tinypair import ROPE_SCHEDULES, tiny_model
+from kvlingo.inputs.models import PairError, check_pair
 
 BF16_EPS = 2.0**-8
 SCHEDULES = sorted(ROPE_SCHEDULES)

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from serve.exports import export_run
+from tinypair import chat_rows, write_prepared
 
 from kvlingo import Relay
 from kvlingo.core.handoff import capture_source
 from kvlingo.core.refresh import Refresh
 from kvlingo.core.rope import RopeCache
-from kvlingo.run.data import read_split
-from kvlingo.run.models import load_pair, resolve_pair
-from kvlingo.serve.contract import Contract, Refused, ServedModel, SourceModel, model_stub, load_config
+from kvlingo.inputs.data import read_split
+from kvlingo.inputs.models import load_pair, resolve_pair
+from kvlingo.serve.contract import Contract, Refused, ServedModel, SourceModel, load_config, model_stub
 from kvlingo.serve.store import Store
-from serve.exports import export_run
-from tinypair import chat_rows, write_prepared
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,14 @@ def exports(tiny_pair_paths, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_contract")
     large, small = tiny_pair_paths
     _, tok = resolve_pair(str(small), str(small), "l2s", "cpu", "float32")
-    data = write_prepared(root / "data" / "tiny", tok, {"train": chat_rows(tok, 8, 0, "tr"), "test": chat_rows(tok, 6, 1, "te")})
+    data = write_prepared(
+        root / "data" / "tiny", tok, {"train": chat_rows(tok, 8, 0, "tr"), "test": chat_rows(tok, 6, 1, "te")}
+    )
     train = read_split(data, "train")
-    out = {space: export_run(root, f"self-{space}", small, small, train, data, space, family="headwise")
-           for space in ("cache", "prenorm")}
+    out = {
+        space: export_run(root, f"self-{space}", small, small, train, data, space, family="headwise")
+        for space in ("cache", "prenorm")
+    }
     out["l2s"] = export_run(root, "l2s", large, small, train, data, "cache")
     return {**out, "root": root, "large": large, "small": small, "tok": tok}
 
@@ -91,7 +95,7 @@ def test_source_model_capture_is_the_suites(exports):
 def edited(src: Path, dst: Path, reseal: bool = True, **config_changes) -> Path:
     """A copy of an export whose config.json has `config_changes` (dotted keys), sealed again as an export made
     that way would be (`reseal`), or left with its old seal, as a hand edit leaves it."""
-    from kvlingo.core.folder import sealed
+    from kvlingo.records.saved import sealed
 
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
@@ -125,9 +129,12 @@ def test_contract_refuses_another_tokenizer_model_revision_or_geometry(exports, 
     other_tok = ServedModel(small.name, small.identity, small.geometry, "0" * 64)
     assert "served tokenizer" in refusal(exports["cache"], other_tok)
     assert "is not the translator's target" in refusal(exports["cache"], served(exports["large"]))
-    hub = edited(exports["cache"], tmp_path / "hub", **{"models.target": {"id": "Qwen/Qwen3-0.6B", "revision": "a" * 40}})
-    other_rev = ServedModel("Qwen/Qwen3-0.6B", {"id": "Qwen/Qwen3-0.6B", "revision": "b" * 40}, small.geometry,
-                            small.tokenizer_sha256)
+    hub = edited(
+        exports["cache"], tmp_path / "hub", **{"models.target": {"id": "Qwen/Qwen3-0.6B", "revision": "a" * 40}}
+    )
+    other_rev = ServedModel(
+        "Qwen/Qwen3-0.6B", {"id": "Qwen/Qwen3-0.6B", "revision": "b" * 40}, small.geometry, small.tokenizer_sha256
+    )
     text = refusal(hub, other_rev)
     assert "a" * 40 in text and "b" * 40 in text
     wrong_shape = ServedModel(small.name, small.identity, (3, 2, 16), small.tokenizer_sha256)
@@ -137,8 +144,9 @@ def test_contract_refuses_another_tokenizer_model_revision_or_geometry(exports, 
 def test_contract_refuses_refresh_a_connector_cannot_run_and_damaged_maps(exports, tmp_path):
     small = served(exports["small"])
     assert "refresh layers:1" in refusal(edited(exports["cache"], tmp_path / "layers", refresh="layers:1"), small)
-    assert Contract.load(edited(exports["cache"], tmp_path / "tail", refresh="tail:4"), small).refresh == \
-        Refresh("tail", 4)
+    assert Contract.load(edited(exports["cache"], tmp_path / "tail", refresh="tail:4"), small).refresh == Refresh(
+        "tail", 4
+    )
     damaged = shutil.copytree(exports["cache"], tmp_path / "damaged")
     data = bytearray((damaged / "maps.safetensors").read_bytes())
     data[-1] ^= 1
@@ -170,8 +178,9 @@ def test_usable_tokens_leave_the_last_token_and_the_refresh_tail(exports, tmp_pa
     assert plain.usable_tokens(100, 50) == 49 and plain.usable_tokens(30, 50) == 30
     assert plain.usable_tokens(100, 50, granule=32) == 32 and plain.usable_tokens(100, 1) == 0
     for setting in ("tail:5", "tail:10%"):
-        c = Contract.load(edited(exports["cache"], tmp_path / setting.replace(":", "-").replace("%", "pc"),
-                                 refresh=setting), small)
+        c = Contract.load(
+            edited(exports["cache"], tmp_path / setting.replace(":", "-").replace("%", "pc"), refresh=setting), small
+        )
         assert c.usable_tokens(100, 50) == 49 - Refresh.parse(setting).tail_tokens(49) == 44
 
 
@@ -209,8 +218,9 @@ def test_token_major_cross_head_translation_is_the_same(exports):
     assert torch.equal(keys, want[0]) and torch.equal(values, want[1])
 
 
-@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
-                                             (torch.bfloat16, "fast")])
+@pytest.mark.parametrize(
+    "dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"), (torch.bfloat16, "fast")]
+)
 def test_reused_buffers_strip_rope_bit_for_bit(exports, dtype, precision):
     """The connector's key space strips the source's RoPE into reused buffers: the translation is the plain key
     space's bit for bit, in every output dtype and precision, across calls of different lengths."""
@@ -227,8 +237,9 @@ def test_reused_buffers_strip_rope_bit_for_bit(exports, dtype, precision):
         got = contract.translate(keys, values, dtype, precision=precision)
         plain = contract.translator.space
         contract.translator.space = KeySpace.__new__(KeySpace)
-        contract.translator.space.__dict__.update({k: v for k, v in plain.__dict__.items()
-                                                   if k not in ("_buffers", "_negated")})
+        contract.translator.space.__dict__.update(
+            {k: v for k, v in plain.__dict__.items() if k not in ("_buffers", "_negated")}
+        )
         try:
             want = contract.translate(keys, values, dtype, precision=precision)
         finally:
@@ -238,7 +249,15 @@ def test_reused_buffers_strip_rope_bit_for_bit(exports, dtype, precision):
 
 # --------------------------------------------------------------------------- where serving sits
 ROOT = Path(__file__).resolve().parents[1]
-SERVE_IMPORTS = ("kvlingo.errors", "kvlingo.io", "kvlingo.core", "kvlingo.run", "kvlingo.bench", "kvlingo.serve")
+SERVE_IMPORTS = (
+    "kvlingo.errors",
+    "kvlingo.io",
+    "kvlingo.core",
+    "kvlingo.records",
+    "kvlingo.inputs",
+    "kvlingo.bench",
+    "kvlingo.serve",
+)
 
 
 def imported(path: Path) -> set[str]:
@@ -253,7 +272,7 @@ def imported(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
             names.update([base] + [f"{base}.{a.name}" for a in node.names])
     return names
@@ -266,8 +285,11 @@ def test_serving_is_a_leaf_and_nothing_the_suite_runs_imports_vllm():
     for path in serve:
         inside = {n for n in imported(path) if n.startswith("kvlingo")}
         assert all(n.startswith(SERVE_IMPORTS) for n in inside), (path.name, sorted(inside))
-    rest = [p for p in [*(ROOT / "kvlingo").rglob("*.py"), *ROOT.glob("*.py"), *(ROOT / "examples").glob("*.py")]
-            if "serve" not in p.relative_to(ROOT).parts and p.name != "serve_demo.py"]
+    rest = [
+        p
+        for p in [*(ROOT / "kvlingo").rglob("*.py"), *ROOT.glob("*.py"), *(ROOT / "examples").glob("*.py")]
+        if "serve" not in p.relative_to(ROOT).parts and p.name != "serve_demo.py"
+    ]
     assert len(rest) > 50
     for path in rest:
         names = imported(path)
@@ -281,9 +303,17 @@ def test_the_contract_store_and_demo_parser_load_without_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, kvlingo.serve.contract, kvlingo.serve.store, kvlingo.serve.paged, kvlingo.serve.bench, "
-            "serve_demo; print('vllm' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code = (
+        "import sys, kvlingo.serve.contract, kvlingo.serve.store, kvlingo.serve.paged, kvlingo.serve.bench, "
+        "serve_demo; print('vllm' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_tasks import _args, world  # noqa: F401  (the tiny task world fixture)
 
 from kvlingo.eval.tasks.data import split_rows, split_suffix
 from kvlingo.io import read_json
 from kvlingo.toy import train as toytrain
 from kvlingo.toy import world as toyworld
-from test_tasks import _args, world  # noqa: F401  (the tiny task world fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,44 +34,71 @@ def test_task_eval_scores_each_half_under_its_own_report(world, tmp_path):  # no
     test = read_json(tmp_path / "t" / "task-gsm8k-test.json")
     assert val["config"]["split"] == "validation" and test["config"]["split"] == "test"
     gsm = [json.loads(line) for line in open(world["gsm8k"])]
-    ids = lambda p: [r["item_id"] for r in map(json.loads, open(p).read().splitlines()[1:])  # noqa: E731
-                     if r.get("path") == "translated"]
-    got_val, got_test = ids(tmp_path / "t" / "task-gsm8k-validation.rows.jsonl"), ids(
-        tmp_path / "t" / "task-gsm8k-test.rows.jsonl")
+    ids = lambda p: [
+        r["item_id"]
+        for r in map(json.loads, open(p).read().splitlines()[1:])  # noqa: E731
+        if r.get("path") == "translated"
+    ]
+    got_val, got_test = (
+        ids(tmp_path / "t" / "task-gsm8k-validation.rows.jsonl"),
+        ids(tmp_path / "t" / "task-gsm8k-test.rows.jsonl"),
+    )
     assert len(got_val) == len(got_test) == 3 and not set(got_val) & set(got_test)
     assert len(gsm) == 40  # validation: items 0..2 of the first 20; test: items 20..22
 
 
 def test_more_chats_extend_the_held_out_conversations_disjointly():
     cfg = toytrain.mini_config(0).world
-    world = toyworld.generate_world(cfg)
-    rows, meta = toyworld.more_chats(cfg, len(world.chats) + 60)
-    assert rows[:len(world.chats)] == world.chats and len(rows) == len(meta) == len(world.chats) + 60
+    generated = toyworld.generate_world(cfg)
+    rows, meta = toyworld.more_chats(cfg, len(generated.chats) + 60)
+    assert rows[: len(generated.chats)] == generated.chats and len(rows) == len(meta) == len(generated.chats) + 60
     key = lambda r: json.dumps(r["input"], sort_keys=True)  # noqa: E731
     assert len({key(r) for r in rows}) == len(rows)  # no conversation twice
-    assert not {key(r) for r in rows} & {key(r) for r in world.train}  # none the toy models trained on
-    finals = {r["input"][-1]["content"] for r in rows[len(world.chats):]}
-    eval_prompts = ({r["prompt"] for r in world.ifeval} | {toyworld.arc_prompt(r) for r in world.arc}
-                    | {toyworld.gsm8k_prompt(r) for r in world.gsm8k})
+    assert not {key(r) for r in rows} & {key(r) for r in generated.train}  # none the toy models trained on
+    finals = {r["input"][-1]["content"] for r in rows[len(generated.chats) :]}
+    eval_prompts = (
+        {r["prompt"] for r in generated.ifeval}
+        | {toyworld.arc_prompt(r) for r in generated.arc}
+        | {toyworld.gsm8k_prompt(r) for r in generated.gsm8k}
+    )
     assert not finals & eval_prompts
-    shorter, _ = toyworld.more_chats(cfg, len(world.chats) + 20)
-    assert shorter == rows[:len(world.chats) + 20]  # a smaller N is a prefix of a larger one
-    assert toyworld.more_chats(cfg, 5)[0] == world.chats[:5]
+    shorter, _ = toyworld.more_chats(cfg, len(generated.chats) + 20)
+    assert shorter == rows[: len(generated.chats) + 20]  # a smaller N is a prefix of a larger one
+    assert toyworld.more_chats(cfg, 5)[0] == generated.chats[:5]
 
 
 def test_benchmark_scores_the_validation_and_train_splits(tiny_pair_paths, tmp_path):
-    import benchmark
-    import train_translator
     from tinypair import task_inputs
 
+    import benchmark
+    import train_translator
+
     data, _ = task_inputs(tmp_path, tiny_pair_paths[0])
-    common = ["--profile", "tiny", "--data", str(data), "--large", str(tiny_pair_paths[0]), "--small",
-              str(tiny_pair_paths[1]), "--device", "cpu", "--dtype", "float32", "--run", "r",
-              "--artifacts", str(tmp_path / "a"), "--results", str(tmp_path / "r")]
+    common = [
+        "--profile",
+        "tiny",
+        "--data",
+        str(data),
+        "--large",
+        str(tiny_pair_paths[0]),
+        "--small",
+        str(tiny_pair_paths[1]),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--run",
+        "r",
+        "--artifacts",
+        str(tmp_path / "a"),
+        "--results",
+        str(tmp_path / "r"),
+    ]
     train_translator.main([*common, "--family", "headwise", "--updates", "1", "--n-fit", "12"])
     for split in ("validation", "train"):
-        benchmark.main([*common, "--split", split, "--timing-conversations", "0", "--control-dtypes", "none",
-                        "--limit", "5"])
+        benchmark.main(
+            [*common, "--split", split, "--timing-conversations", "0", "--control-dtypes", "none", "--limit", "5"]
+        )
     val = read_json(tmp_path / "r" / "r" / "benchmark-validation.json")
     train = read_json(tmp_path / "r" / "r" / "benchmark-train.json")
     assert val["config"]["split"] == "validation" and "validation_split" in val["inputs"]

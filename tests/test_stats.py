@@ -56,8 +56,9 @@ def test_ratio_of_medians_interval_brackets_the_ratio_and_narrows_with_trials():
 def test_ratio_of_medians_interval_matches_a_direct_bootstrap():
     num, den = [10.0, 12.0, 11.0, 13.0], [1.0, 1.5, 1.2]
     rng = random.Random(7)
-    ratios = sorted(statistics.median(rng.choices(num, k=4)) / statistics.median(rng.choices(den, k=3))
-                    for _ in range(1000))
+    ratios = sorted(
+        statistics.median(rng.choices(num, k=4)) / statistics.median(rng.choices(den, k=3)) for _ in range(1000)
+    )
     assert stats.ratio_of_medians_interval(num, den, level=0.9, resamples=1000, seed=7) == [ratios[50], ratios[949]]
     # constant trials: no spread at all
     assert stats.ratio_of_medians_interval([4.0] * 3, [2.0] * 5) == [2.0, 2.0]

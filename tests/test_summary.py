@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvlingo.io import atomic_write_json
-from kvlingo.run.paths import make_command
+from kvlingo.records.paths import make_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,16 +33,40 @@ def test_a_run_without_reports_is_refused_naming_the_runs_that_have_some(tmp_pat
 
 
 PAIRS = {
-    "demo": ({"large": "artifacts/toy/large", "small": "artifacts/toy/small", "direction": "l2s", "device": "cpu",
-              "dtype": "float32"}, "demo-l2s",
-             "make benchmark PROFILE=demo RUN=demo-l2s LARGE=artifacts/toy/large SMALL=artifacts/toy/small"),
-    "deep": ({"large": "artifacts/toy/large", "small": "artifacts/toy/deep", "direction": "l2s", "device": "cpu",
-              "dtype": "float32"}, "demo-large-deep-l2s",
-             "make benchmark PROFILE=demo RUN=demo-large-deep-l2s LARGE=artifacts/toy/large SMALL=artifacts/toy/deep"),
-    "pilot": ({"large": "Qwen/Qwen3-1.7B", "small": "Qwen/Qwen3-0.6B", "direction": "s2l", "device": "cuda:0",
-               "dtype": "bfloat16"}, "pilot-s2l",
-              "make benchmark PROFILE=pilot RUN=pilot-s2l LARGE=Qwen/Qwen3-1.7B SMALL=Qwen/Qwen3-0.6B DIRECTION=s2l "
-              "DEVICE=cuda"),
+    "demo": (
+        {
+            "large": "artifacts/toy/large",
+            "small": "artifacts/toy/small",
+            "direction": "l2s",
+            "device": "cpu",
+            "dtype": "float32",
+        },
+        "demo-l2s",
+        "make benchmark PROFILE=demo RUN=demo-l2s LARGE=artifacts/toy/large SMALL=artifacts/toy/small",
+    ),
+    "deep": (
+        {
+            "large": "artifacts/toy/large",
+            "small": "artifacts/toy/deep",
+            "direction": "l2s",
+            "device": "cpu",
+            "dtype": "float32",
+        },
+        "demo-large-deep-l2s",
+        "make benchmark PROFILE=demo RUN=demo-large-deep-l2s LARGE=artifacts/toy/large SMALL=artifacts/toy/deep",
+    ),
+    "pilot": (
+        {
+            "large": "Qwen/Qwen3-1.7B",
+            "small": "Qwen/Qwen3-0.6B",
+            "direction": "s2l",
+            "device": "cuda:0",
+            "dtype": "bfloat16",
+        },
+        "pilot-s2l",
+        "make benchmark PROFILE=pilot RUN=pilot-s2l LARGE=Qwen/Qwen3-1.7B SMALL=Qwen/Qwen3-0.6B DIRECTION=s2l "
+        "DEVICE=cuda",
+    ),
 }
 
 
@@ -57,6 +81,13 @@ def test_a_suggested_make_command_runs_the_stage_on_the_run_and_pair_it_names(na
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if "benchmark.py" in x)
     device = pair["device"].split(":")[0]
-    for flag in (f"--profile {profile}", f"--run {run}", f"--large {pair['large']}", f"--small {pair['small']}",
-                 f"--direction {pair['direction']}", f"--device {device}", f"--dtype {pair['dtype']}"):
+    for flag in (
+        f"--profile {profile}",
+        f"--run {run}",
+        f"--large {pair['large']}",
+        f"--small {pair['small']}",
+        f"--direction {pair['direction']}",
+        f"--device {device}",
+        f"--dtype {pair['dtype']}",
+    ):
         assert flag in line, (flag, line)

@@ -13,56 +13,62 @@ from pathlib import Path
 
 import pytest
 import torch
+from tinypair import load_tiny_pair
 
 import task_eval
 from kvlingo.core.families.headwise import Headwise
-from kvlingo.core.folder import load_translator, save_translator
 from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.eval.itemrows import ItemRows, RowsError, read_rows
 from kvlingo.eval.tasks.parsers import parse_choice, parse_gold_number, parse_number, score
 from kvlingo.eval.tasks.prompts import arc_item, gsm8k_item, plain_ids, user_prompt_ids
+from kvlingo.inputs.models import ModelSpec, load_model
 from kvlingo.io import read_json
-from kvlingo.run.models import ModelSpec, load_model
-from kvlingo.run.resume import ResumeRefused
-from tinypair import load_tiny_pair
+from kvlingo.records.resume import ResumeRefused
+from kvlingo.records.saved import load_translator, save_translator
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 # --------------------------------------------------------------------------- parsers
-@pytest.mark.parametrize("text, want", [
-    ("The answer is (C)", "C"),
-    ("The answer is (C).\nI am sure.", "C"),
-    ("answer: c", "C"),  # a lowercase letter
-    ("b", "B"),
-    ("**D**", "D"),
-    ("A. Paris, because it is the capital.", "A"),
-    ("Between (A) and (B), I pick (B).", "B"),  # several letters: the last bracketed one
-    ("Maybe answer is A... no, the answer is D", "D"),  # several explicit answers: the last one
-    ("I think the answer is a plant.", None),  # the article, not choice A
-    ("A plant needs light to grow.", None),  # a sentence starting with the article
-    ("Answer: E", None),  # not one of the labels
-    ("I do not know.", None),  # no answer
-    ("", None),
-    ("<think>\nmaybe (A)\n</think>\n\nAnswer: B", "B"),  # a think block left in the text is ignored
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("The answer is (C)", "C"),
+        ("The answer is (C).\nI am sure.", "C"),
+        ("answer: c", "C"),  # a lowercase letter
+        ("b", "B"),
+        ("**D**", "D"),
+        ("A. Paris, because it is the capital.", "A"),
+        ("Between (A) and (B), I pick (B).", "B"),  # several letters: the last bracketed one
+        ("Maybe answer is A... no, the answer is D", "D"),  # several explicit answers: the last one
+        ("I think the answer is a plant.", None),  # the article, not choice A
+        ("A plant needs light to grow.", None),  # a sentence starting with the article
+        ("Answer: E", None),  # not one of the labels
+        ("I do not know.", None),  # no answer
+        ("", None),
+        ("<think>\nmaybe (A)\n</think>\n\nAnswer: B", "B"),  # a think block left in the text is ignored
+    ],
+)
 def test_parse_choice(text, want):
     assert parse_choice(text, ("A", "B", "C", "D")) == want
 
 
-@pytest.mark.parametrize("text, want", [
-    ("She pays $1,234.50 in total.\nAnswer: $1,234.50", "1234.5"),  # $ and thousands commas
-    ("First 3 apples, then 5 more, so 8 in all", "8"),  # several numbers: the last
-    ("Answer: 42, which is 6 times 7", "42"),  # the explicit marker beats the last number
-    ("The answer is 42.", "42"),  # trailing period
-    ("#### 1,000", "1000"),
-    ("\\boxed{18} is what we get after 3 steps", "18"),
-    ("The temperature fell to -5 degrees.", "-5"),
-    ("x = 3.50", "3.5"),
-    ("It is 1,000,000.", "1000000"),
-    ("There is no number here.", None),  # no answer
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("She pays $1,234.50 in total.\nAnswer: $1,234.50", "1234.5"),  # $ and thousands commas
+        ("First 3 apples, then 5 more, so 8 in all", "8"),  # several numbers: the last
+        ("Answer: 42, which is 6 times 7", "42"),  # the explicit marker beats the last number
+        ("The answer is 42.", "42"),  # trailing period
+        ("#### 1,000", "1000"),
+        ("\\boxed{18} is what we get after 3 steps", "18"),
+        ("The temperature fell to -5 degrees.", "-5"),
+        ("x = 3.50", "3.5"),
+        ("It is 1,000,000.", "1000000"),
+        ("There is no number here.", None),  # no answer
+        ("", None),
+    ],
+)
 def test_parse_number(text, want):
     assert parse_number(text) == want
 
@@ -77,8 +83,12 @@ def test_gold_numbers_and_scoring():
 
 
 def test_arc_prompt_maps_numeric_labels_to_letters():
-    row = {"id": "x1", "question": "Which is a mammal?", "answerKey": "3",
-           "choices": {"text": ["trout", "frog", "whale", "crow"], "label": ["1", "2", "3", "4"]}}
+    row = {
+        "id": "x1",
+        "question": "Which is a mammal?",
+        "answerKey": "3",
+        "choices": {"text": ["trout", "frog", "whale", "crow"], "label": ["1", "2", "3", "4"]},
+    }
     item = arc_item(row)
     assert item.labels == ("A", "B", "C", "D") and item.gold == "C" and item.id == "x1"
     assert "\nA. trout\nB. frog\nC. whale\nD. crow\n" in item.prompt and '"Answer: X"' in item.prompt
@@ -150,17 +160,50 @@ def world(tiny_pair_paths, tmp_path_factory):
     src = load_model(ModelSpec.parse(str(large)), "cpu", torch.float32)
     maps = Headwise.identity(Geometry.of(src, src))  # same head_dim both sides
     save_translator(root / "artifacts" / "t" / "distilled", maps, {"direction": "l2s"})
-    gsm = [{"question": f"Ada has {i} cats and buys {i + 2} more. How many cats now?",
-            "answer": f"{i} + {i + 2} = {2 * i + 2}\n#### {2 * i + 2}"} for i in range(40)]
+    gsm = [
+        {
+            "question": f"Ada has {i} cats and buys {i + 2} more. How many cats now?",
+            "answer": f"{i} + {i + 2} = {2 * i + 2}\n#### {2 * i + 2}",
+        }
+        for i in range(40)
+    ]
     (root / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm))
-    return {"root": root, "large": str(large), "small": str(small), "artifacts": str(root / "artifacts"),
-            "maps": str(root / "artifacts" / "t" / "distilled"), "gsm8k": str(root / "gsm8k.jsonl")}
+    return {
+        "root": root,
+        "large": str(large),
+        "small": str(small),
+        "artifacts": str(root / "artifacts"),
+        "maps": str(root / "artifacts" / "t" / "distilled"),
+        "gsm8k": str(root / "gsm8k.jsonl"),
+    }
 
 
 def _args(world, results, *extra):
-    return ["--large", world["large"], "--small", world["small"], "--dtype", "float32", "--device", "cpu",
-            "--profile", "tiny", "--run", "t", "--results", str(results), "--artifacts", world["artifacts"],
-            "--task", "gsm8k", "--source", world["gsm8k"], "--max-new-tokens", "6", *extra]
+    return [
+        "--large",
+        world["large"],
+        "--small",
+        world["small"],
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--profile",
+        "tiny",
+        "--run",
+        "t",
+        "--results",
+        str(results),
+        "--artifacts",
+        world["artifacts"],
+        "--task",
+        "gsm8k",
+        "--source",
+        world["gsm8k"],
+        "--max-new-tokens",
+        "6",
+        *extra,
+    ]
 
 
 @pytest.mark.slow  # a real process, killed mid-run: pays one interpreter start-up
@@ -169,8 +212,13 @@ def test_resume_after_kill_regenerates_nothing_finished(world, tmp_path):
     rows_path = results / "t" / "task-gsm8k.rows.jsonl"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     log = open(tmp_path / "killed_run.log", "wb")
-    proc = subprocess.Popen([sys.executable, "task_eval.py", *_args(world, results, "--limit", "40")], cwd=ROOT,
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "task_eval.py", *_args(world, results, "--limit", "40")],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.time() + 120
     try:
         while time.time() < deadline and proc.poll() is None:
@@ -195,7 +243,7 @@ def test_resume_after_kill_regenerates_nothing_finished(world, tmp_path):
     assert len(keys) == len(set(keys)) == 4 * limit
     for r in after[: len(before)]:
         assert r == first[r["key"]]  # finished rows untouched: same timestamps, same session
-    new_session = {r["session"] for r in after[len(before):]}
+    new_session = {r["session"] for r in after[len(before) :]}
     assert len(new_session) == 1 and new_session.isdisjoint({r["session"] for r in before})
     report = read_json(results / "t" / "task-gsm8k.json")
     rows = report["results"]["rows"]
@@ -206,6 +254,7 @@ def test_resume_after_kill_regenerates_nothing_finished(world, tmp_path):
     fresh = {r["key"]: r for r in read_rows(tmp_path / "fresh" / "t" / "task-gsm8k.rows.jsonl")[1]}
     assert set(fresh) == set(keys)
     assert all(fresh[r["key"]]["new_ids"] == r["new_ids"] for r in after)
+
     def timeless(paths):
         return {p: {k: v for k, v in s.items() if k != "mean_seconds"} for p, s in paths.items()}
 
@@ -250,16 +299,26 @@ def test_trace_handoff_against_transformers_generate(world, tmp_path):
     item = gsm8k_item(json.loads(Path(world["gsm8k"]).read_text().splitlines()[0]))
     prompt = user_prompt_ids(tok, item.prompt, True) + plain_ids(tok, "<think>\n")
     with torch.no_grad():
-        ref = large.generate(input_ids=torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
-                             eos_token_id=stops, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+        ref = large.generate(
+            input_ids=torch.tensor([prompt]),
+            max_new_tokens=5,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=tok.pad_token_id,
+        )[0, len(prompt) :].tolist()
     ref = ref[: next((i for i, t in enumerate(ref) if t in stops), len(ref))]
     assert traces[0]["trace_ids"] == ref
     # the native target continues the same prompt + trace, closed as documented
     closing = plain_ids(tok, ("\n" if len(ref) == 5 else "") + "</think>\n\n")
     prefix = prompt + ref + closing
     with torch.no_grad():
-        ans = small.generate(input_ids=torch.tensor([prefix]), max_new_tokens=6, do_sample=False,
-                             eos_token_id=stops[:2], pad_token_id=tok.pad_token_id)[0, len(prefix):].tolist()
+        ans = small.generate(
+            input_ids=torch.tensor([prefix]),
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=stops[:2],
+            pad_token_id=tok.pad_token_id,
+        )[0, len(prefix) :].tolist()
     ans = ans[: next((i for i, t in enumerate(ans) if t in stops[:2]), len(ans))]
     assert first[1]["new_ids"] == ans and first[1]["prompt_tokens"] == len(prefix)
     assert first[0]["prompt_tokens"] == len(prefix)  # the translated target saw the same prefix
@@ -268,8 +327,13 @@ def test_trace_handoff_against_transformers_generate(world, tmp_path):
     assert first[2]["new_ids"] == second[0]["new_ids"] and second[2]["new_ids"] == first[0]["new_ids"]
     # no-context: the target from the prefix's last token alone
     with torch.no_grad():
-        floor = small.generate(input_ids=torch.tensor([prefix[-1:]]), max_new_tokens=6, do_sample=False,
-                               eos_token_id=stops[:2], pad_token_id=tok.pad_token_id)[0, 1:].tolist()
+        floor = small.generate(
+            input_ids=torch.tensor([prefix[-1:]]),
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=stops[:2],
+            pad_token_id=tok.pad_token_id,
+        )[0, 1:].tolist()
     floor = floor[: next((i for i, t in enumerate(floor) if t in stops[:2]), len(floor))]
     assert first[3]["new_ids"] == floor
 
@@ -291,7 +355,7 @@ def test_maps_for_another_direction_or_pair_are_refused(world, tiny_pair_paths, 
 
 def test_resume_after_a_code_edit_is_refused_and_mixes_nothing(world, tmp_path, monkeypatch, capsys):
     """Rows made by other code are never reported beside new ones: the rows header holds the code hash."""
-    import kvlingo.run.resume as resume
+    import kvlingo.records.resume as resume
 
     task_eval.main(_args(world, tmp_path, "--limit", "2", "--no-controls"))
     rows = tmp_path / "t" / "task-gsm8k.rows.jsonl"
@@ -308,7 +372,7 @@ def test_resume_after_a_code_edit_is_refused_and_mixes_nothing(world, tmp_path, 
 def test_a_finished_evaluation_is_up_to_date_until_its_maps_or_rows_change(world, tmp_path, monkeypatch, capsys):
     """The same settings, inputs, models and code: nothing loads, nothing is rewritten; --force, other maps or a
     changed rows log run it again."""
-    import kvlingo.drive.session as session
+    import kvlingo.stages.session as session
 
     task_eval.main(_args(world, tmp_path, "--limit", "2"))
     report = tmp_path / "t" / "task-gsm8k.json"
@@ -325,8 +389,11 @@ def test_a_finished_evaluation_is_up_to_date_until_its_maps_or_rows_change(world
     assert report.read_bytes() == first
     for extra in (("--force",), ("--limit", "3"), ("--no-controls",)):
         with pytest.raises(RuntimeError, match="was loaded"):
-            task_eval.main(_args(world, tmp_path, "--limit", "2", *extra) if extra[0] != "--limit" else
-                           _args(world, tmp_path, *extra))
+            task_eval.main(
+                _args(world, tmp_path, "--limit", "2", *extra)
+                if extra[0] != "--limit"
+                else _args(world, tmp_path, *extra)
+            )
     rows = tmp_path / "t" / "task-gsm8k.rows.jsonl"
     rows.write_bytes(rows.read_bytes() + b"\n")
     with pytest.raises(RuntimeError, match="was loaded"):
@@ -336,7 +403,7 @@ def test_a_finished_evaluation_is_up_to_date_until_its_maps_or_rows_change(world
     rows.write_bytes(rows.read_bytes()[:-1])
     task_eval.main(_args(world, tmp_path, "--limit", "2"))  # up to date again
     try:
-        from kvlingo.core.folder import sealed
+        from kvlingo.records.saved import sealed
 
         retrained = {**json.loads(saved), "note": "retrained"}  # another translator's manifest, sealed as written
         manifest.write_text(json.dumps(sealed(retrained)))

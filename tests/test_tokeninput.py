@@ -6,22 +6,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kvlingo.core.cache import Capture, capture
-from kvlingo.core.fit import NormalEquations
-from kvlingo.core.layer0 import ContextFree
-from kvlingo.core.families.tokeninput import TokenInput
-from kvlingo.core.folder import load_translator, save_translator
-from kvlingo.core.translator import Geometry, TranslatorError
-from kvlingo.train.closed_form import fit_closed_form
-from kvlingo.train.distill import distill_loss
 from test_families import lstsq_blocks
 from tinypair import chat_rows, load_tiny_pair
 
+from kvlingo.core.cache import Capture, capture
+from kvlingo.core.families.tokeninput import TokenInput
+from kvlingo.core.fit import NormalEquations
+from kvlingo.core.layer0 import ContextFree
+from kvlingo.core.translator import Geometry, TranslatorError
+from kvlingo.records.saved import load_translator, save_translator
+from kvlingo.train.closed_form import fit_closed_form
+from kvlingo.train.distill import distill_loss
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-GEOM = Geometry(source_layers=3, source_kv_heads=2, source_head_dim=6, target_layers=3, target_kv_heads=2,
-                target_head_dim=4)
+GEOM = Geometry(
+    source_layers=3, source_kv_heads=2, source_head_dim=6, target_layers=3, target_kv_heads=2, target_head_dim=4
+)
 
 
 class TableLayer0:
@@ -83,7 +84,9 @@ def test_shared_low_rank_recovers_a_planted_relation_and_is_priced():
     P = torch.randn(tr.d_tok, 2, generator=g, dtype=torch.float64)
     M = torch.stack([P @ torch.randn(2, d_out, generator=g, dtype=torch.float64) for _ in range(L)])  # rank 2, shared P
     Wb = torch.randn(L, d_src, d_out, generator=g, dtype=torch.float64)
-    y = (torch.einsum("ltd,ldo->lto", x[:, 0, :, :d_src], Wb) + torch.einsum("ltd,ldo->lto", x[:, 0, :, d_src:], M))[:, None]
+    y = (torch.einsum("ltd,ldo->lto", x[:, 0, :, :d_src], Wb) + torch.einsum("ltd,ldo->lto", x[:, 0, :, d_src:], M))[
+        :, None
+    ]
     ne = NormalEquations(L, B, d_in, d_out)
     for which in (0, 1):
         ne.update(which, x, y + 0.001 * torch.randn(y.shape, generator=g, dtype=torch.float64))
@@ -109,7 +112,7 @@ def test_features_are_the_targets_layer0_and_the_family_trains_and_round_trips(t
     feats = tr.features(cap)  # [T, 2 · (k, v) of layer 0]
     kvw = tr.d_tok // 4
     assert torch.equal(feats[:, :kvw], own.prenorm[0].transpose(0, 1).reshape(-1, kvw))
-    assert torch.equal(feats[:, kvw:2 * kvw], own.values[0].transpose(0, 1).reshape(-1, kvw))
+    assert torch.equal(feats[:, kvw : 2 * kvw], own.values[0].transpose(0, 1).reshape(-1, kvw))
     stats = fit_closed_form(pair.source, pair.target, tr, rows, ridge=0.0)
     assert stats["n_tokens"] > 0
     loss = distill_loss(pair.source, pair.target, tr, rows[1], torch.float32)

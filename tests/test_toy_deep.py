@@ -62,14 +62,18 @@ def test_packaged_deep_model_answers_the_toy_arc(world, one_thread):
 
 
 def test_multiple_choice_chats_are_repeated():
-    rows = [{"output": "The map is in the red box.\nAnswer: C"}, {"output": "3 + 4 = 7.\nAnswer: 7"},
-            {"output": "<think>\nA fact. That is option B.\n</think>\n\nAnswer: B"}, {"output": "Hello."}]
+    rows = [
+        {"output": "The map is in the red box.\nAnswer: C"},
+        {"output": "3 + 4 = 7.\nAnswer: 7"},
+        {"output": "<think>\nA fact. That is option B.\n</think>\n\nAnswer: B"},
+        {"output": "Hello."},
+    ]
     assert [bool(toydeep.MC_REPLY.search(r["output"])) for r in rows] == [True, False, True, False]
 
 
 def _occurrences(ids: list[int], sub: list[int]) -> int:
     """How many times the token run `sub` occurs in `ids`."""
-    return sum(ids[i:i + len(sub)] == sub for i in range(len(ids) - len(sub) + 1))
+    return sum(ids[i : i + len(sub)] == sub for i in range(len(ids) - len(sub) + 1))
 
 
 def test_fresh_multiple_choice_chats_are_the_toy_arc_format_held_out_and_consistent(world):
@@ -87,7 +91,7 @@ def test_fresh_multiple_choice_chats_are_the_toy_arc_format_held_out_and_consist
     assert len(rows) == 400 and rows == toydeep.fresh_mc_rows(400, seed=5, exclude=keys)
     assert rows != toydeep.fresh_mc_rows(400, seed=6, exclude=keys)
     for row, enc in zip(rows[:20], toytrain.encode_rows(tok, rows[:20], all_assistant_turns=False)):
-        assert enc.ids[:enc.n_prefix] == user_prompt_ids(tok, row["input"][0]["content"], enable_thinking=False)
+        assert enc.ids[: enc.n_prefix] == user_prompt_ids(tok, row["input"][0]["content"], enable_thinking=False)
     for row in rows:
         options = dict(toydeep.OPTION.findall(row["input"][-1]["content"]))
         letter = toydeep.MC_REPLY.search(row["output"]).group(1)
@@ -124,16 +128,21 @@ def test_fresh_multiple_choice_chats_are_the_toy_arc_format_held_out_and_consist
         lines = row["output"].split("\n")
         assert lines[0] == fact and lines[-1] == answer and len(lines) == 6
         checks = [line.split(" ") for line in lines[1:5]]
-        assert [c[0] for c in checks] == list("ABCD") and [c[-1] == "match" for c in checks] == \
-            [l == answer[-1] for l, _ in options]
+        assert [c[0] for c in checks] == list("ABCD") and [c[-1] == "match" for c in checks] == [
+            l == answer[-1] for l, _ in options
+        ]
         for (l, text), line in zip(options, lines[1:5]):
             mine, theirs = line[2:].rsplit(" ", 1)[0].split(" = ")
             assert mine in text and theirs in dict(options)[answer[-1]] and (mine == theirs) == (l == answer[-1])
             n_short += mine != text
         assert len(tok.encode(row["output"], add_special_tokens=False)) + 1 <= 47
     assert n_short > 0  # some option sets share words ("the red box"), which the checks leave out
-    assert toydeep._distinct_words(["the red box", "the blue box", "a tan box", "the tan box"]) == \
-        ["the red", "the blue", "a tan", "the tan"]
+    assert toydeep._distinct_words(["the red box", "the blue box", "a tan box", "the tan box"]) == [
+        "the red",
+        "the blue",
+        "a tan",
+        "the tan",
+    ]
     # the spelled form: the answer and each option respelled after "=", so only the answer's spelling repeats
     spelled = toydeep.fresh_mc_rows(400, seed=5, exclude=keys, reply="spelled")
     assert [r["input"] for r in spelled] == [r["input"] for r in rows]
@@ -180,8 +189,13 @@ def test_option_drills_ask_for_the_letter_of_one_option_in_the_toy_arc_format():
         assert reply == f"It is {text}.\nAnswer: {letter}" and options[letter] == text
         asked.add(letter)
         # the task's own parser reads the reply as right
-        item = arc_item({"question": question, "choices": {"text": list(options.values()), "label": list(options)},
-                         "answerKey": letter})
+        item = arc_item(
+            {
+                "question": question,
+                "choices": {"text": list(options.values()), "label": list(options)},
+                "answerKey": letter,
+            }
+        )
         assert item.prompt == prompt and score("arc", item, reply)[1]
     assert asked == set("ABCD")
 
@@ -209,9 +223,14 @@ def test_option_drills_take_the_reply_form_asked_for():
         toydeep.drill_rows(1, seed=4, reply="keyd")
 
 
-@pytest.mark.parametrize("bad, message", [(dict(warm_tokens="option"), "give a token count"),
-                                          (dict(mc_reply="keyd"), "'keyd' is not one of"),
-                                          (dict(warm_data="drill"), "choose one of")])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(warm_tokens="option"), "give a token count"),
+        (dict(mc_reply="keyd"), "'keyd' is not one of"),
+        (dict(warm_data="drill"), "choose one of"),
+    ],
+)
 def test_a_misspelt_setting_is_refused_before_any_work(world, bad, message):
     before = sorted(p.name for p in world.iterdir())
     with pytest.raises(ValueError, match=message):
@@ -224,8 +243,15 @@ def test_sharpened_attention_raises_the_logit_bound_and_is_applied_before_traini
     is gain²·sqrt(head_dim), reached by a query equal to a key (computed here as Qwen3 scores them)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, head_dim=16)
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     model = Qwen3ForCausalLM(cfg)
     with torch.no_grad():
         toydeep.sharpen_attention(model, 2.5)
@@ -234,15 +260,24 @@ def test_sharpened_attention_raises_the_logit_bound_and_is_applied_before_traini
     x = torch.randn(5, 16)
     q, k = attn.q_norm(x), attn.k_norm(x)
     logits = q @ k.T * attn.scaling
-    assert logits.max() <= 2.5 ** 2 * 16 ** 0.5 + 1e-4
-    assert torch.allclose(logits.diagonal(), torch.full((5,), 2.5 ** 2 * 4.0), atol=1e-3)
+    assert logits.max() <= 2.5**2 * 16**0.5 + 1e-4
+    assert torch.allclose(logits.diagonal(), torch.full((5,), 2.5**2 * 4.0), atol=1e-3)
 
     seen = []
     toy = toytrain.mini_config()
     data = [toytrain.Encoded([1, 2, 3, 4], [False, True, True, True], 1)] * 4
-    trained, _ = toytrain.train_model(cfg, data, 1, replace(toy, batch=2), 0, 0, progress=False,
-                                      init=lambda m: seen.append(float(m.model.layers[0].self_attn.k_norm.weight[0]))
-                                      or toydeep.sharpen_attention(m, 3.0))
+    trained, _ = toytrain.train_model(
+        cfg,
+        data,
+        1,
+        replace(toy, batch=2),
+        0,
+        0,
+        progress=False,
+        init=lambda m: (
+            seen.append(float(m.model.layers[0].self_attn.k_norm.weight[0])) or toydeep.sharpen_attention(m, 3.0)
+        ),
+    )
     assert seen == [1.0]  # called on the fresh model, whose norms transformers initialises to 1
     norms = torch.stack([layer.self_attn.k_norm.weight for layer in trained.model.layers])
     assert (norms - 3.0).abs().max() < 0.05  # one small step away from the gain
@@ -268,7 +303,7 @@ def test_induction_sequences_repeat_a_span_of_ordinary_tokens_with_the_loss_on_t
     cfg = replace(toydeep.mini_deep_config(), induction=0)
     plain = toydeep.training_data(tok, rows, cfg, 10_000)
     more = toydeep.training_data(tok, rows, replace(cfg, induction=7), 10_000)
-    assert more[:len(plain)] == plain and more[len(plain):] == toydeep.induction_data(tok, 7, seed=0)
+    assert more[: len(plain)] == plain and more[len(plain) :] == toydeep.induction_data(tok, 7, seed=0)
     # the induction phase and the held-out check draw streams of their own
     assert toydeep.induction_data(tok, 7, seed=0, stream="warm") != toydeep.induction_data(tok, 7, seed=0)
 
@@ -315,9 +350,9 @@ def test_copy_accuracy_counts_the_repeats_the_model_predicts(world):
         def __call__(self, input_ids, use_cache=False):
             nxt = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1).clone()
             for b in range(len(input_ids)):
-                s = next(s for s in seqs if s.ids == input_ids[b, :len(s.ids)].tolist())
+                s = next(s for s in seqs if s.ids == input_ids[b, : len(s.ids)].tolist())
                 n = s.n_prefix
-                nxt[b, n + (n - 1) // 2: 2 * n] = tok.pad_token_id  # wrong on the last half of the n - 1 targets
+                nxt[b, n + (n - 1) // 2 : 2 * n] = tok.pad_token_id  # wrong on the last half of the n - 1 targets
             return SimpleNamespace(logits=torch.nn.functional.one_hot(nxt, vocab).float())
 
     right = sum((s.n_prefix - 1) // 2 for s in seqs)
@@ -341,8 +376,10 @@ def test_arc_accuracy_scores_greedy_answers_as_task_eval_does(world, monkeypatch
 
     tok = AutoTokenizer.from_pretrained(world / "tokenizer")
     rows = read_jsonl(world / "corpus" / "arc.jsonl")[:8]
-    replies = iter([f"Fact.\nAnswer: {r['answerKey']}" for r in rows[:5]]
-                   + [f"Answer: {'B' if rows[5]['answerKey'] == 'A' else 'A'}", "I do not know.", "Answer: Z"])
+    replies = iter(
+        [f"Fact.\nAnswer: {r['answerKey']}" for r in rows[:5]]
+        + [f"Answer: {'B' if rows[5]['answerKey'] == 'A' else 'A'}", "I do not know.", "Answer: Z"]
+    )
     seen: list[list[int]] = []
 
     def fake_generate(model, ids, kv, max_new_tokens, eos_ids):
@@ -391,8 +428,9 @@ def test_unnamed_drills_name_their_text_in_the_reply_alone():
 
 
 def test_the_drill_phase_draws_from_its_own_stream_or_the_one_asked_for():
-    cfg = replace(toydeep.DeepConfig(), warm_data="drills", warm_steps=3, batch=4, seed=2, warm_seed=None,
-                  warm_drills_named=1.0)
+    cfg = replace(
+        toydeep.DeepConfig(), warm_data="drills", warm_steps=3, batch=4, seed=2, warm_seed=None, warm_drills_named=1.0
+    )
     assert toydeep.warm_drill_items(cfg) == toydeep.drill_items(12, seed=2 + toydeep.WARM_SEED)
     assert toydeep.warm_drill_items(replace(cfg, warm_seed=14)) == toydeep.drill_items(12, seed=14)
     assert toydeep.warm_drill_items(replace(cfg, warm_seed=14)) != toydeep.warm_drill_items(cfg)
@@ -425,7 +463,7 @@ def test_build_export_install_and_pair(world, tmp_path):
 
     from kvlingo.core.families import FAMILIES
     from kvlingo.core.translator import Geometry, TranslatorError
-    from kvlingo.run.models import resolve_pair
+    from kvlingo.inputs.models import resolve_pair
 
     cfg = toydeep.mini_deep_config()
     manifest = toydeep.build_deep(world, cfg, progress=False, log=quiet)

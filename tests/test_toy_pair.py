@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlingo.toy import train as toytrain
 from kvlingo.io import read_json, sha256_file
+from kvlingo.toy import train as toytrain
 
 PACKAGED = toytrain.PACKAGED
 
@@ -92,13 +92,14 @@ def test_install_refuses_a_changed_corpus_or_tampered_weights(tmp_path, installe
 def test_full_pair_reproduces_its_scores_and_a_fit_carries_the_context(installed, tmp_path):
     """The installed pair scores exactly what its manifest says, and a closed-form translator
     fitted on 64 chats beats the wrong-document control and the no-context floor on 24 more."""
+    from tinypair import load_tiny_pair
+
     from kvlingo.core.families.headwise import Headwise
     from kvlingo.core.translator import Geometry
     from kvlingo.eval.quality import control_contexts, score_conversation
-    from kvlingo.run.data import prepare, read_split
-    from kvlingo.run.profiles import get_profile
+    from kvlingo.inputs.data import prepare, read_split
+    from kvlingo.inputs.profiles import get_profile
     from kvlingo.train.closed_form import fit_closed_form
-    from tinypair import load_tiny_pair
 
     manifest = read_json(installed / "manifest.json")
     threads = torch.get_num_threads()
@@ -123,8 +124,18 @@ def test_full_pair_reproduces_its_scores_and_a_fit_carries_the_context(installed
         stats = fit_closed_form(pair.source, pair.target, translator, train)
         assert stats["n_conversations"] == 64
         controls = control_contexts(test)
-        rows = [score_conversation(pair.source, pair.target, {"closed_form": translator}, "closed_form", conv,
-                                   ctl["context_ids"], torch.float32) for conv, ctl in zip(test, controls)]
+        rows = [
+            score_conversation(
+                pair.source,
+                pair.target,
+                {"closed_form": translator},
+                "closed_form",
+                conv,
+                ctl["context_ids"],
+                torch.float32,
+            )
+            for conv, ctl in zip(test, controls)
+        ]
     finally:
         torch.set_num_threads(threads)
     kl = {arm: sum(r[arm]["kl_mean"] for r in rows) / len(rows) for arm in rows[0]}

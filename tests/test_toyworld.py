@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlingo.io import read_json, read_jsonl, sha256_file
 from kvlingo.toy import train as toytrain
 from kvlingo.toy import world as toyworld
-from kvlingo.io import read_json, read_jsonl, sha256_file
 
 MINI_WORLD = toytrain.mini_config(0).world
 NEMOTRON_KEYS = {"input", "output", "reasoning", "system_prompt", "category"}
@@ -224,8 +224,11 @@ def test_training_items_are_disjoint_from_eval_items(corpus):
     train_inputs = {json.dumps(r["input"], sort_keys=True) for r in corpus["train_chats"]}
     assert not train_inputs & {json.dumps(r["input"], sort_keys=True) for r in corpus["chats"]}
     train_final = {r["input"][-1]["content"] for r in corpus["train_chats"]}
-    eval_prompts = ({r["prompt"] for r in corpus["ifeval"]} | {toyworld.arc_prompt(r) for r in corpus["arc"]}
-                    | {toyworld.gsm8k_prompt(r) for r in corpus["gsm8k"]})
+    eval_prompts = (
+        {r["prompt"] for r in corpus["ifeval"]}
+        | {toyworld.arc_prompt(r) for r in corpus["arc"]}
+        | {toyworld.gsm8k_prompt(r) for r in corpus["gsm8k"]}
+    )
     assert not train_final & eval_prompts
 
 
@@ -254,8 +257,9 @@ def test_loss_mask_covers_exactly_the_assistant_turns(mini, corpus):
         expect = "".join(m["content"] + "<|im_end|>" for m in row["input"] if m["role"] == "assistant")
         assert masked == expect + row["output"] + "<|im_end|>"
         # The prefix is what the chat template renders through the generation prompt.
-        prefix = tok.apply_chat_template(row["input"], tokenize=True, add_generation_prompt=True,
-                                         enable_thinking=row["reasoning"] == "on")["input_ids"]
+        prefix = tok.apply_chat_template(
+            row["input"], tokenize=True, add_generation_prompt=True, enable_thinking=row["reasoning"] == "on"
+        )["input_ids"]
         assert enc.ids[: enc.n_prefix] == list(prefix)
 
 
@@ -265,10 +269,11 @@ def test_teacher_forced_hits_match_greedy_generation(mini, corpus):
     tok = AutoTokenizer.from_pretrained(mini / "tokenizer")
     model = AutoModelForCausalLM.from_pretrained(mini / "large").eval()
     for row in corpus["chats"][:4]:
-        prefix = tok.apply_chat_template(row["input"], tokenize=True, add_generation_prompt=True,
-                                         enable_thinking=False)["input_ids"]
+        prefix = tok.apply_chat_template(
+            row["input"], tokenize=True, add_generation_prompt=True, enable_thinking=False
+        )["input_ids"]
         x = torch.tensor([prefix])
-        gen = model.generate(x, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(prefix):].tolist()
+        gen = model.generate(x, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(prefix) :].tolist()
         enc = toytrain.Encoded(list(prefix) + gen, [False] * len(prefix) + [True] * len(gen), len(prefix))
         assert toytrain.reply_token_hits(model, [enc], tok.pad_token_id) == [[True] * len(gen)]
         other = [(t + 1) % len(tok) for t in gen]
@@ -280,7 +285,7 @@ def test_teacher_forced_hits_match_greedy_generation(mini, corpus):
 def test_saved_pair_reloads_and_passes_the_pair_check(mini):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvlingo.run.models import check_pair
+    from kvlingo.inputs.models import check_pair
 
     large = AutoModelForCausalLM.from_pretrained(mini / "large")
     small = AutoModelForCausalLM.from_pretrained(mini / "small")

@@ -20,15 +20,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tinypair import chat_rows, load_tiny_pair, write_prepared
 
 from kvlingo.core.cache import capture
-from kvlingo.core.handoff import as_ids
 from kvlingo.core.families.headwise import Headwise
-from kvlingo.core.folder import load_state, load_translator, read_manifest
-from kvlingo.core.translator import Geometry
+from kvlingo.core.handoff import as_ids
 from kvlingo.core.rope import RopeCache
-from kvlingo.run import resume
-from kvlingo.run.models import ModelSpec, load_model
+from kvlingo.core.translator import Geometry
+from kvlingo.inputs.models import ModelSpec, load_model
+from kvlingo.records import resume
+from kvlingo.records.saved import load_state, load_translator, read_manifest
 from kvlingo.train import checkpoints as C
 from kvlingo.train import distill as D
 from kvlingo.train import frozen as F
@@ -36,7 +37,6 @@ from kvlingo.train import rng as R
 from kvlingo.train import rows as O
 from kvlingo.train import weighting as W
 from kvlingo.train.closed_form import fit_closed_form
-from tinypair import chat_rows, load_tiny_pair, write_prepared
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_translator.py"
@@ -83,9 +83,33 @@ def fitted(pair, rows, key_space="prenorm", weighting="uniform", ridge=0.0):
 
 
 def cli(paths, data_dir, root, run, *extra) -> list[str]:
-    return ["--profile", "tiny", "--data", str(data_dir), "--run", run, "--large", str(paths[0]), "--small", str(paths[1]),
-            "--device", "cpu", "--dtype", "float32", "--lr", "3e-3", "--batch", "2", "--n-fit", "12",
-            "--artifacts", str(root / "artifacts"), "--results", str(root / "results"), *extra]
+    return [
+        "--profile",
+        "tiny",
+        "--data",
+        str(data_dir),
+        "--run",
+        run,
+        "--large",
+        str(paths[0]),
+        "--small",
+        str(paths[1]),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--lr",
+        "3e-3",
+        "--batch",
+        "2",
+        "--n-fit",
+        "12",
+        "--artifacts",
+        str(root / "artifacts"),
+        "--results",
+        str(root / "results"),
+        *extra,
+    ]
 
 
 def main(argv):
@@ -178,14 +202,14 @@ def test_attention_weights_match_eager_output_attentions(tiny_pair_paths, pair32
         cap, q = W.capture_with_queries(pair32.target, ids, False, q_start=P - 1, n_q=R)
     H = pair32.target.config.num_key_value_heads
     # scored rows P-1..P+R-2 (they predict the reply), context columns 0..P-2; mean over rows, then over each GQA group
-    ref = torch.stack([a[0, :, P - 1:P - 1 + R, :P - 1].mean(1).view(H, -1, P - 1).mean(1) for a in attn]).double()
+    ref = torch.stack([a[0, :, P - 1 : P - 1 + R, : P - 1].mean(1).view(H, -1, P - 1).mean(1) for a in attn]).double()
     for chunk in (256, 3):
         got = W.scored_attention(pair32.target, cap.keys, q, P - 1, P - 1, RopeCache(pair32.target), chunk=chunk)
         assert (got - ref).abs().max().item() < 1e-6
     w = W.attention_fit_weights(got, P + R)
-    assert torch.allclose(w[..., :P - 1].mean(-1), torch.ones(2, H, dtype=torch.float64))
-    assert torch.equal(w[..., P - 1:], torch.ones(2, H, R + 1, dtype=torch.float64))
-    assert w[..., :P - 1].std() > 0.1  # really non-uniform
+    assert torch.allclose(w[..., : P - 1].mean(-1), torch.ones(2, H, dtype=torch.float64))
+    assert torch.equal(w[..., P - 1 :], torch.ones(2, H, R + 1, dtype=torch.float64))
+    assert w[..., : P - 1].std() > 0.1  # really non-uniform
 
 
 # --------------------------------------------------------------------------- distillation
@@ -234,12 +258,16 @@ def test_distillation_lowers_validation_kl_and_writes_outputs(trained, pair32):
     translator, _ = load_translator(art / "distilled", pair32, key_space="prenorm")  # how later stages load it
     assert torch.equal(translator.weight, dist.weight)
     saved = json.loads((out / "train.json").read_text())
-    assert saved["stage"] == "train" and saved["config"]["lr"] == 3e-3 and set(saved["inputs"]["data"]) == {
-        "train.natural.jsonl", "validation.natural.jsonl"}
+    assert (
+        saved["stage"] == "train"
+        and saved["config"]["lr"] == 3e-3
+        and set(saved["inputs"]["data"]) == {"train.natural.jsonl", "validation.natural.jsonl"}
+    )
     assert (out / "train.md").read_text().startswith("# train: base")
     assert (out / "train.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in (art / "checkpoints").iterdir()) == sorted(
-        [f"ckpt_{u:06d}.pt" for u in (2, 4, 6, 8)] + [f"DONE_{u:06d}" for u in (2, 4, 6, 8)])
+        [f"ckpt_{u:06d}.pt" for u in (2, 4, 6, 8)] + [f"DONE_{u:06d}" for u in (2, 4, 6, 8)]
+    )
 
 
 def test_init_from_reuses_the_closed_form(tiny_pair_paths, data, trained, tmp_path):
@@ -268,8 +296,13 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
         assert e.value.code == 2 and err.count("\n") == 1, err  # one line, no traceback
         assert re.search(pattern, err), err
 
-    refused([*args, "--resume", "--lr", "1e-3"], r"refusing to resume base.*settings changed: settings\.lr: 0\.003 → 0\.001;.*drop --resume")
-    refused([*args, "--resume", "--val-every", "3"], r"settings changed: settings\.val_every: 4 → 3;")  # where the curve is measured
+    refused(
+        [*args, "--resume", "--lr", "1e-3"],
+        r"refusing to resume base.*settings changed: settings\.lr: 0\.003 → 0\.001;.*drop --resume",
+    )
+    refused(
+        [*args, "--resume", "--val-every", "3"], r"settings changed: settings\.val_every: 4 → 3;"
+    )  # where the curve is measured
     with monkeypatch.context() as m:  # an edit of the code the stage imports
         m.setattr(resume, "code_hash", lambda *scripts: "e" * 64)
         refused([*args, "--resume"], r"refusing to resume.*code changed: code: \w+… → eeeeeeeeeeee…")
@@ -277,7 +310,9 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
     rows = [json.loads(line) for line in (data[0] / "train.natural.jsonl").read_text().splitlines()]
     rows[3]["reply_ids"][0] = (rows[3]["reply_ids"][0] + 1) % 300
     changed = write_split(tmp_path / "data", rows, data[2])
-    refused([*args, "--resume", "--data", str(changed)], r"data changed: inputs\.data\.train\.natural\.jsonl: \w+… → \w+…")
+    refused(
+        [*args, "--resume", "--data", str(changed)], r"data changed: inputs\.data\.train\.natural\.jsonl: \w+… → \w+…"
+    )
     # model: a copy of the small model with one weight nudged
     from transformers import AutoModelForCausalLM
 
@@ -290,24 +325,31 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
     refused([*args, "--resume", "--small", str(small)], r"models changed: pair\.target\.")
     assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before  # a refusal touches nothing
 
-    # Unchanged inputs (and a resume-safe setting, recorded as it ran) resume from the last checkpoint and change nothing.
+    # Unchanged inputs (and a resume-safe setting, recorded as it ran) resume from the last checkpoint and
+    # change nothing.
     dist = root / "artifacts" / "base" / "distilled" / "maps.safetensors"
     old = dist.read_bytes()
     rep = main([*args, "--resume", "--checkpoint-every", "3"])
     assert rep["results"]["resumed_from_update"] == 8 and dist.read_bytes() == old
-    assert rep["results"]["segments"] == [{"from_update": 0, "checkpoint_every": 2, "world_size": 1},
-                                          {"from_update": 8, "checkpoint_every": 3, "world_size": 1}]
+    assert rep["results"]["segments"] == [
+        {"from_update": 0, "checkpoint_every": 2, "world_size": 1},
+        {"from_update": 8, "checkpoint_every": 3, "world_size": 1},
+    ]
 
 
-@pytest.mark.parametrize("flags, says", [
-    (("--lr", "nan"), "--lr nan is invalid: it must be a finite number > 0"),
-    (("--n-fit", "0"), "--n-fit 0 is invalid"),
-    (("--ridge", "-1"), "--ridge -1.0 is invalid: it must be a finite number ≥ 0"),
-    (("--ridge", "much"), "--ridge much is invalid: give a number ≥ 0, or auto"),
-    (("--weight-decay", "nan"), "--weight-decay nan is invalid: it must be a finite number ≥ 0"),
-])
-def test_settings_out_of_range_are_refused_in_one_line_before_any_weights_load(tiny_pair_paths, data, tmp_path, capsys,
-                                                                                monkeypatch, flags, says):
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (("--lr", "nan"), "--lr nan is invalid: it must be a finite number > 0"),
+        (("--n-fit", "0"), "--n-fit 0 is invalid"),
+        (("--ridge", "-1"), "--ridge -1.0 is invalid: it must be a finite number ≥ 0"),
+        (("--ridge", "much"), "--ridge much is invalid: give a number ≥ 0, or auto"),
+        (("--weight-decay", "nan"), "--weight-decay nan is invalid: it must be a finite number ≥ 0"),
+    ],
+)
+def test_settings_out_of_range_are_refused_in_one_line_before_any_weights_load(
+    tiny_pair_paths, data, tmp_path, capsys, monkeypatch, flags, says
+):
     import train_translator
 
     monkeypatch.setattr(train_translator, "load_pair", lambda *a, **k: pytest.fail("weights loaded"), raising=False)

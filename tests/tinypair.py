@@ -24,14 +24,23 @@ def corpus(n: int = 300) -> list[str]:
     return [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (24,), generator=g).tolist()) for _ in range(n)]
 
 
-def qwen3_config(vocab: int, hidden: int, heads: int, rope_theta: float, layers: int = 2, kv_heads: int = 2,
-                 head_dim: int = 16, **kw):
+def qwen3_config(
+    vocab: int, hidden: int, heads: int, rope_theta: float, layers: int = 2, kv_heads: int = 2, head_dim: int = 16, **kw
+):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, tie_word_embeddings=True, **kw,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        tie_word_embeddings=True,
+        **kw,
     )
 
 
@@ -62,19 +71,19 @@ def build_tiny_pair(root: str | Path, seed: int = 0) -> tuple[Path, Path]:
 
 def load_tiny_pair(paths, dtype=torch.float32, direction: str = "l2s"):
     """The checked, loaded pair of two local folders (large, small) on the CPU."""
-    from kvlingo.run.models import load_pair, resolve_pair
+    from kvlingo.inputs.models import load_pair, resolve_pair
 
     cfg, tok = resolve_pair(str(paths[0]), str(paths[1]), direction, "cpu", str(dtype).removeprefix("torch."))
     return load_pair(cfg, tok)
 
 
 def write_prepared(folder: str | Path, tok, splits: dict[str, list[dict]], name: str = "test tokenizer") -> Path:
-    """A complete prepared data folder, as paper_data.py writes it: the split files, then a manifest
+    """A complete prepared data folder, as prepare.py writes it: the split files, then a manifest
     holding their sha256, row counts, and the tokenizer's digest and chat template hash."""
     import json
 
+    from kvlingo.inputs.models import tokenizer_digest
     from kvlingo.io import atomic_write_json, sha256_file, sha256_json
-    from kvlingo.run.models import tokenizer_digest
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -83,14 +92,27 @@ def write_prepared(folder: str | Path, tok, splits: dict[str, list[dict]], name:
         path = folder / f"{split}.natural.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         files[path.name] = sha256_file(path)
-    atomic_write_json(folder / "manifest.json", {
-        "stage": "prepare", "files": files, "n_samples": {f"{split}.natural": len(rows) for split, rows in splits.items()},
-        "inputs": {"tokenizer": {"name": name, "digest": tokenizer_digest(tok),
-                                 "chat_template_sha256": sha256_json(tok.chat_template)}}})
+    atomic_write_json(
+        folder / "manifest.json",
+        {
+            "stage": "prepare",
+            "files": files,
+            "n_samples": {f"{split}.natural": len(rows) for split, rows in splits.items()},
+            "inputs": {
+                "tokenizer": {
+                    "name": name,
+                    "digest": tokenizer_digest(tok),
+                    "chat_template_sha256": sha256_json(tok.chat_template),
+                }
+            },
+        },
+    )
     return folder
 
 
-def chat_rows(tok, n: int, seed: int, tag: str, system_every: int = 0, user_words=(8, 30), reply_words=(3, 10)) -> list[dict]:
+def chat_rows(
+    tok, n: int, seed: int, tag: str, system_every: int = 0, user_words=(8, 30), reply_words=(3, 10)
+) -> list[dict]:
     """Rows in the prepared-split format: a chat prefix through the generation prompt (a system message on
     every `system_every`-th row), and a reply ending in <|im_end|>."""
     import random
@@ -102,11 +124,23 @@ def chat_rows(tok, n: int, seed: int, tag: str, system_every: int = 0, user_word
         user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*user_words)))
         reply = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*reply_words)))
         system = [{"role": "system", "content": "be brief"}] if system_every and i % system_every == 0 else []
-        prefix = tok.apply_chat_template(system + [{"role": "user", "content": user}], tokenize=True,
-                                         add_generation_prompt=True, enable_thinking=False)
-        rows.append({"id": f"{tag}{i}", "prefix_ids": list(prefix["input_ids"]),
-                     "reply_ids": tok.encode(reply, add_special_tokens=False) + [end],
-                     "prefix_text": user, "reply_text": reply, "reasoning": False, "source_ids": [f"{tag}{i}"]})
+        prefix = tok.apply_chat_template(
+            system + [{"role": "user", "content": user}],
+            tokenize=True,
+            add_generation_prompt=True,
+            enable_thinking=False,
+        )
+        rows.append(
+            {
+                "id": f"{tag}{i}",
+                "prefix_ids": list(prefix["input_ids"]),
+                "reply_ids": tok.encode(reply, add_special_tokens=False) + [end],
+                "prefix_text": user,
+                "reply_text": reply,
+                "reasoning": False,
+                "source_ids": [f"{tag}{i}"],
+            }
+        )
     return rows
 
 
@@ -115,30 +149,62 @@ def chat_rows(tok, n: int, seed: int, tag: str, system_every: int = 0, user_word
 ROPE_SCHEDULES = {
     "default": {"rope_type": "default", "rope_theta": 10_000.0},
     "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500_000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
     "yarn": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 64},
-    "longrope": {"rope_type": "longrope", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 24,
-                 "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.9 * i for i in range(8)]},
+    "longrope": {
+        "rope_type": "longrope",
+        "rope_theta": 10_000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 24,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [1.0 + 0.9 * i for i in range(8)],
+    },
 }
 
 
-def tiny_model(model_type: str = "llama", rope: str | dict = "default", seed: int = 0, dtype=torch.float32,
-               vocab: int = 320, hidden: int = 64, heads: int = 4, kv_heads: int = 2, layers: int = 2, head_dim: int = 16,
-               **kw):
+def tiny_model(
+    model_type: str = "llama",
+    rope: str | dict = "default",
+    seed: int = 0,
+    dtype=torch.float32,
+    vocab: int = 320,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    layers: int = 2,
+    head_dim: int = 16,
+    **kw,
+):
     """A random tiny Qwen3, Qwen2 or Llama (head_dim 16 by default, max 256 positions) with the named RoPE schedule,
     its weights widened like `build_tiny_pair`'s (and Qwen2's biases drawn) so that a wrong cache visibly
     changes the logits."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     rope_parameters = dict(ROPE_SCHEDULES[rope] if isinstance(rope, str) else rope)
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                  rope_parameters=rope_parameters, tie_word_embeddings=True)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        rope_parameters=rope_parameters,
+        tie_word_embeddings=True,
+    )
     if model_type == "qwen3":
         cfg = Qwen3Config(head_dim=head_dim, **common, **kw)
     elif model_type == "qwen2":
-        cfg = Qwen2Config(**{**common, "hidden_size": head_dim * heads, "intermediate_size": 2 * head_dim * heads}, **kw)
+        cfg = Qwen2Config(
+            **{**common, "hidden_size": head_dim * heads, "intermediate_size": 2 * head_dim * heads}, **kw
+        )
     else:
         cfg = LlamaConfig(head_dim=head_dim, **common, **kw)
     torch.manual_seed(seed)
@@ -157,14 +223,27 @@ def task_inputs(tmp_path: Path, tokenizer_dir) -> tuple[Path, Path]:
     train and then run generative cells (ablate, frontier). Returns (data folder, eval data root)."""
     import json
 
-    import task_eval
     from transformers import AutoTokenizer
 
+    import task_eval
+
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    data = write_prepared(tmp_path / "data" / "tiny", tok, {s: chat_rows(tok, n, i, s[0]) for i, (s, n) in
-                                                            enumerate((("train", 20), ("validation", 6), ("test", 4)))})
+    data = write_prepared(
+        tmp_path / "data" / "tiny",
+        tok,
+        {s: chat_rows(tok, n, i, s[0]) for i, (s, n) in enumerate((("train", 20), ("validation", 6), ("test", 4)))},
+    )
     gsm = [{"question": f"Ada has {i} cats and buys 2 more. How many?", "answer": f"#### {i + 2}"} for i in range(4)]
     (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm))
-    task_eval.main(["--task", "gsm8k", "--prepare", "--data-root", str(tmp_path / "eval"),
-                    "--source", str(tmp_path / "gsm8k.jsonl")])
+    task_eval.main(
+        [
+            "--task",
+            "gsm8k",
+            "--prepare",
+            "--data-root",
+            str(tmp_path / "eval"),
+            "--source",
+            str(tmp_path / "gsm8k.jsonl"),
+        ]
+    )
     return data, tmp_path / "eval"

@@ -16,13 +16,14 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
+from tinypair import load_tiny_pair  # noqa: E402
+
 from kvlingo.core.families.headwise import Headwise  # noqa: E402
 from kvlingo.core.translator import Geometry  # noqa: E402
-from kvlingo.run.data import read_split  # noqa: E402
+from kvlingo.inputs.data import read_split  # noqa: E402
 from kvlingo.train import distributed  # noqa: E402
 from kvlingo.train.closed_form import normal_equations  # noqa: E402
 from kvlingo.train.rows import fit_selection  # noqa: E402
-from tinypair import load_tiny_pair  # noqa: E402
 
 
 def main() -> None:

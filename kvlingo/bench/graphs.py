@@ -14,7 +14,7 @@ nothing to capture: `capture` refuses, and callers keep the eager function.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

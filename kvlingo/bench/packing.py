@@ -38,8 +38,13 @@ def packed_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` for x [..., in]: oneDNN's linear on the packed weight when it is current, x is FP32 on a
     CPU and no gradient is wanted; `F.linear` otherwise."""
     packed = packed_weight(layer)
-    if packed is None or x.device.type != "cpu" or x.dtype != torch.float32 or not x.shape[-1] \
-            or (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)):
+    if (
+        packed is None
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or not x.shape[-1]
+        or (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad))
+    ):
         return F.linear(x, layer.weight, layer.bias)
     flat = x.reshape(-1, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, layer.bias, "none", [], "")
@@ -65,8 +70,12 @@ def pack(model) -> int:
     bytes the packs hold (0 off a CPU, or when packing fails: `status` says why)."""
     total = 0
     for layer in model.modules():
-        if type(layer) is not nn.Linear or layer.weight.device.type != "cpu" or not large_fp32(layer) \
-                or "forward" in vars(layer):
+        if (
+            type(layer) is not nn.Linear
+            or layer.weight.device.type != "cpu"
+            or not large_fp32(layer)
+            or "forward" in vars(layer)
+        ):
             continue
         try:
             weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
@@ -94,5 +103,8 @@ def status(model) -> dict | None:
     if params is None or params.device.type != "cpu":
         return None
     held = [m for m in model.modules() if type(m) is nn.Linear and packed_weight(m) is not None]
-    return {"packed_layers": len(held), "packed_bytes": sum(m.weight.numel() * m.weight.element_size() for m in held),
-            "failure": _state["failure"]}
+    return {
+        "packed_layers": len(held),
+        "packed_bytes": sum(m.weight.numel() * m.weight.element_size() for m in held),
+        "failure": _state["failure"],
+    }

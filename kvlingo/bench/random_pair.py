@@ -12,9 +12,9 @@ from dataclasses import asdict
 import torch
 
 from ..core.families.headwise import Headwise
-from ..core.folder import build
 from ..core.translator import Geometry
-from ..run.models import ModelSpec, Pair, PairConfig, check_pair, dtype_name, pair_specs
+from ..inputs.models import ModelSpec, Pair, PairConfig, check_pair, dtype_name, pair_specs
+from ..records.saved import build
 from .shapes import RANDOM_PAIRS, arch_config, meta_model
 
 
@@ -41,8 +41,9 @@ def random_model(name: str, device: str, dtype: torch.dtype, seed: int = 0):
     return model
 
 
-def random_translator(source, target, key_space: str = "prenorm", seed: int = 0, family: str = "headwise",
-                      settings: dict | None = None):
+def random_translator(
+    source, target, key_space: str = "prenorm", seed: int = 0, family: str = "headwise", settings: dict | None = None
+):
     """A random translator of `family` bound to a pair (values are irrelevant to timing, but finite and tame):
     near-identity head-wise maps, or every parameter drawn N(0, 0.02) for the other families."""
     g = Geometry.of(source, target)
@@ -51,7 +52,9 @@ def random_translator(source, target, key_space: str = "prenorm", seed: int = 0,
         maps = Headwise(g, key_space)
         with torch.no_grad():
             shape = maps.weight.shape
-            maps.weight.copy_(torch.eye(g.source_head_dim, g.target_head_dim) + 0.01 * torch.randn(*shape, generator=gen))
+            maps.weight.copy_(
+                torch.eye(g.source_head_dim, g.target_head_dim) + 0.01 * torch.randn(*shape, generator=gen)
+            )
     else:
         maps = build({"family": family, "key_space": key_space, "settings": settings or {}, "geometry": asdict(g)})
         with torch.no_grad():
@@ -60,8 +63,13 @@ def random_translator(source, target, key_space: str = "prenorm", seed: int = 0,
     return maps.to(next(target.parameters()).device).bind(source, target).requires_grad_(False)
 
 
-def random_pair(arch: str = "qwen3", direction: str = "l2s", device: str = "cpu", dtype: torch.dtype = torch.float32,
-                names: tuple[str, str] | None = None):
+def random_pair(
+    arch: str = "qwen3",
+    direction: str = "l2s",
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    names: tuple[str, str] | None = None,
+):
     """A `Pair` of random-weight models (no tokenizer): the large/small of `arch` (or the preset shapes
     `names` = (large, small)) in `direction`."""
     large, small = names or RANDOM_PAIRS[arch]
@@ -69,8 +77,16 @@ def random_pair(arch: str = "qwen3", direction: str = "l2s", device: str = "cpu"
     source = random_model(src.name_or_path, device, dtype, seed=1)
     target = random_model(tgt.name_or_path, device, dtype, seed=2)
     check_pair(source.config, target.config)
-    cfg = PairConfig(large=f"{large}@random-weights", small=f"{small}@random-weights", direction=direction,
-                     device=device, dtype=dtype_name(dtype), source=src.identity(), target=tgt.identity(),
-                     tokenizer_sha256="none (random weights, random token ids)", chat_template_sha256="none",
-                     geometry=asdict(Geometry.of(source, target)))
+    cfg = PairConfig(
+        large=f"{large}@random-weights",
+        small=f"{small}@random-weights",
+        direction=direction,
+        device=device,
+        dtype=dtype_name(dtype),
+        source=src.identity(),
+        target=tgt.identity(),
+        tokenizer_sha256="none (random weights, random token ids)",
+        chat_template_sha256="none",
+        geometry=asdict(Geometry.of(source, target)),
+    )
     return Pair(source, target, None, cfg)

@@ -77,7 +77,7 @@ def measure_peaks(device, dtype: torch.dtype) -> Peaks:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         flops = 2 * n**3 / _best_seconds(lambda: a @ b, device)
-        del a, b
+        a = b = None  # free the probe's matrices before the copy's buffers
         src = torch.empty((1 << 30) if gpu else (1 << 28), dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         bandwidth = 2 * src.numel() / _best_seconds(lambda: dst.copy_(src), device)
@@ -118,8 +118,14 @@ def forward_flops(model, q_tokens: int, cached_tokens: int) -> float:
 
 def step_floor(flops: float, nbytes: float, peaks: Peaks) -> dict:
     compute, memory = flops / peaks.flops_per_s, nbytes / peaks.bytes_per_s
-    return {"flops": flops, "bytes": nbytes, "compute_s": compute, "memory_s": memory, "floor_s": max(compute, memory),
-            "bound": "compute" if compute >= memory else "memory"}
+    return {
+        "flops": flops,
+        "bytes": nbytes,
+        "compute_s": compute,
+        "memory_s": memory,
+        "floor_s": max(compute, memory),
+        "bound": "compute" if compute >= memory else "memory",
+    }
 
 
 def translation_flops(translator, n: int, defer_values: bool = False) -> float:
@@ -131,8 +137,9 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def deferred_work(translator, target, n: int, k: int, dtype: torch.dtype,
-                  feature_dtype: torch.dtype | None = None) -> tuple[float, float]:
+def deferred_work(
+    translator, target, n: int, k: int, dtype: torch.dtype, feature_dtype: torch.dtype | None = None
+) -> tuple[float, float]:
     """(FLOPs, bytes) a new turn of k tokens adds on a cache of n deferred context tokens, against one
     whose values are translated (`Translator.value_maps`; kvlingo.core.attention.deferred_attention).
 
@@ -150,8 +157,11 @@ def deferred_work(translator, target, n: int, k: int, dtype: torch.dtype,
     mapped = mix * maps.weight.shape[3] if maps.down is None else maps.down.shape[2] * (mix + maps.weight.shape[3])
     flops = 2.0 * c.num_hidden_layers * rows * (n * (mix - g.target_head_dim) + mapped)
     read = len(maps.layers) * len(maps.layers[0]) * g.source_kv_heads * n * g.source_head_dim
-    nbytes = (read * _element_size(feature_dtype or dtype) - kv_bytes(target, n, dtype) / 2
-              + _bytes((maps.weight, maps.bias, maps.down)))
+    nbytes = (
+        read * _element_size(feature_dtype or dtype)
+        - kv_bytes(target, n, dtype) / 2
+        + _bytes((maps.weight, maps.bias, maps.down))
+    )
     return flops, nbytes
 
 
@@ -161,8 +171,16 @@ def deferral_saves(translator, target, n: int, k: int) -> bool:
     return translator.flops_per_token(1) * n > deferred_work(translator, target, n, k, torch.float32)[0]
 
 
-def handoff_work(source, target, translator, n: int, k: int, dtype: torch.dtype,
-                 feature_dtype: torch.dtype | None = None, defer_values: bool = False) -> dict[str, tuple[float, float]]:
+def handoff_work(
+    source,
+    target,
+    translator,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    feature_dtype: torch.dtype | None = None,
+    defer_values: bool = False,
+) -> dict[str, tuple[float, float]]:
     """(FLOPs, bytes) of re-prefill, translation and the new turn for a context of n tokens and a new turn of k.
 
     `dtype`: the models' (and caches') dtype; `feature_dtype`: what the translation reads (the
@@ -181,7 +199,10 @@ def handoff_work(source, target, translator, n: int, k: int, dtype: torch.dtype,
         translation = (translation_flops(translator, n), 2 * source_features + all_maps + kv_bytes(target, n, dtype))
     else:
         key_maps = all_maps - _bytes((maps.weight, maps.bias, maps.down))
-        translation = (translation_flops(translator, n, True), source_features + key_maps + kv_bytes(target, n, dtype) / 2)
+        translation = (
+            translation_flops(translator, n, True),
+            source_features + key_maps + kv_bytes(target, n, dtype) / 2,
+        )
         extra_flops, extra_bytes = deferred_work(translator, target, n, k, dtype, feature_dtype)
         new_turn_flops += extra_flops
         new_turn_bytes += extra_bytes
@@ -196,12 +217,17 @@ def limits_at(work: dict[str, tuple[float, float]], peaks: Peaks) -> dict:
     """Each step's floor at `peaks` and the speedup limit floor(re-prefill) / (floor(translation) + floor(new turn))."""
     floors = {step: step_floor(flops, nbytes, peaks) for step, (flops, nbytes) in work.items()}
     handoff = floors["translation"]["floor_s"] + floors["new_turn"]["floor_s"]
-    return {"peaks": asdict(peaks), **floors, "handoff_floor_s": handoff,
-            "speedup_limit": floors["reprefill"]["floor_s"] / handoff}
+    return {
+        "peaks": asdict(peaks),
+        **floors,
+        "handoff_floor_s": handoff,
+        "speedup_limit": floors["reprefill"]["floor_s"] / handoff,
+    }
 
 
-def raise_to_reached(peaks: Peaks, reached: list[tuple[str, float, float, float]], flops: bool = True,
-                     memory: bool = True) -> Peaks:
+def raise_to_reached(
+    peaks: Peaks, reached: list[tuple[str, float, float, float]], flops: bool = True, memory: bool = True
+) -> Peaks:
     """`peaks` lifted to the best rate a timed step reached, where that is higher.
 
     `reached`: (label, FLOPs, bytes, seconds) of each timed step; a step's FLOPs / seconds and

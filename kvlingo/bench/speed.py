@@ -9,9 +9,9 @@ time the same work; the optimised mode runs with the target's projections packed
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import replace
+
+import torch
 
 from ..core import engine, fused
 from ..core.handoff import can_defer_values, prefill
@@ -37,8 +37,9 @@ def context_capture(source, target, n: int, k: int, prenorm: bool = True, seed: 
         return prefill(source, context_ids(target, n, k, seed)[0], prenorm)
 
 
-def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, precision: str = "fp32",
-                       defer_values: bool = False) -> dict:
+def translation_memory(
+    translator: Translator, cap, out_dtype: torch.dtype, precision: str = "fp32", defer_values: bool = False
+) -> dict:
     """Peak extra device memory of one translation, against one copy of the target cache.
 
     Measured with the CUDA allocator's peak counter; elsewhere the layer-chunked design's
@@ -64,37 +65,56 @@ def translation_memory(translator: Translator, cap, out_dtype: torch.dtype, prec
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - base
         held.clear()
-        return {"measured": True, "peak_extra_bytes": peak, "target_cache_bytes": cache_bytes,
-                "ratio_to_cache": peak / cache_bytes}
+        return {
+            "measured": True,
+            "peak_extra_bytes": peak,
+            "target_cache_bytes": cache_bytes,
+            "ratio_to_cache": peak / cache_bytes,
+        }
     step = engine.chunk_layers(translator, T, device)
     tile = engine.chunk_tokens(translator, T, device, step)
     n_chunks = engine.scratch_chunks(translator, out_dtype, precision, tile / T)  # scratch reused by every chunk
     temps = int(n_chunks * step * H * T * d_out * 4)
     output = "the keys of one target cache" if defer_values else "one target cache"
-    return {"measured": False, "bound_extra_bytes": output_bytes + temps, "target_cache_bytes": cache_bytes,
-            "ratio_to_cache": (output_bytes + temps) / cache_bytes,
-            "note": f"not measured off CUDA: output ({output}) + {n_chunks:.3g} layer chunks of FP32 scratch"}
+    return {
+        "measured": False,
+        "bound_extra_bytes": output_bytes + temps,
+        "target_cache_bytes": cache_bytes,
+        "ratio_to_cache": (output_bytes + temps) / cache_bytes,
+        "note": f"not measured off CUDA: output ({output}) + {n_chunks:.3g} layer chunks of FP32 scratch",
+    }
 
 
 def time_mode(paths: timing.HandoffPaths, trials: timing.Trials, names=timing.PATHS) -> dict:
     """One row set: the paths, the existing-source handoff's stages, speedups and CV flags."""
     prefill_warmups = max(0, trials.warmups - 1)  # the shared set-up prefills stood in for their first warm-up
-    per_path = {name: prefill_warmups if name in ("target_reprefill", "source_prefill_handoff") else trials.warmups
-                for name in names}
+    per_path = {
+        name: prefill_warmups if name in ("target_reprefill", "source_prefill_handoff") else trials.warmups
+        for name in names
+    }
     summaries = timing.time_paths(paths, names, trials, per_path)
     breakdown = timing.time_breakdown(paths, trials)
-    return {"paths": summaries, "speedup": timing.speedups(summaries),
-            "speedup_interval": timing.speedup_intervals(summaries), "breakdown": breakdown,
-            "precision": paths.precision, "cache": paths.kind, "cuda_graphs": paths.graphed,
-            "graph_errors": paths.graph_errors,
-            "fused_keys": fused.status() if paths.precision in engine.FUSED else None,
-            "packed_linear": packing.status(paths.target) if paths.optimised else None,  # None off a CPU
-            "noisy": timing.noisy_timings(summaries) + timing.noisy_timings(breakdown, "source_cache_handoff/")}
+    return {
+        "paths": summaries,
+        "speedup": timing.speedups(summaries),
+        "speedup_interval": timing.speedup_intervals(summaries),
+        "breakdown": breakdown,
+        "precision": paths.precision,
+        "cache": paths.kind,
+        "cuda_graphs": paths.graphed,
+        "graph_errors": paths.graph_errors,
+        "fused_keys": fused.status() if paths.precision in engine.FUSED else None,
+        "packed_linear": packing.status(paths.target) if paths.optimised else None,  # None off a CPU
+        "noisy": timing.noisy_timings(summaries) + timing.noisy_timings(breakdown, "source_cache_handoff/"),
+    }
 
 
 # vs_limit's ratio per step: (its name there, the step in the limit, where its timing sits in a row)
-FLOOR_STEPS = (("translate", "translation", ("breakdown", "translate")), ("new_turn", "new_turn", ("breakdown", "new_turn")),
-               ("reprefill", "reprefill", ("paths", "target_reprefill")))
+FLOOR_STEPS = (
+    ("translate", "translation", ("breakdown", "translate")),
+    ("new_turn", "new_turn", ("breakdown", "new_turn")),
+    ("reprefill", "reprefill", ("paths", "target_reprefill")),
+)
 FLOOR_SLACK = 1e-9  # a floor set by the step itself is its own time to rounding: not below it
 
 
@@ -103,8 +123,11 @@ def below_floor(vs_limit: dict) -> dict[str, float]:
     measured without `roofline.raise_to_reached`) are below what those steps reached, so on that run the
     floors are not lower bounds. Where every floor is compute-bound the peak cancels from the limit;
     otherwise it does not."""
-    return {name[:-len("_over_floor")]: ratio for name, ratio in vs_limit.items()
-            if name.endswith("_over_floor") and ratio < 1.0 - FLOOR_SLACK}
+    return {
+        name[: -len("_over_floor")]: ratio
+        for name, ratio in vs_limit.items()
+        if name.endswith("_over_floor") and ratio < 1.0 - FLOOR_SLACK
+    }
 
 
 def set_limit(point: dict, peaks: Peaks, work: dict[str, tuple[float, float]] | None = None) -> dict:
@@ -147,14 +170,33 @@ def translation_cost(source, target, translator: Translator, n: int, k: int, def
     dtype = next(target.parameters()).dtype
     mix = deferred_work(translator, target, n, k, dtype)[0] if can_defer_values(translator) else None
     timed = keys if deferred else both
-    return {"reprefill_flops": reprefill, "translation_flops": both, "key_translation_flops": keys,
-            "deferred_new_turn_flops": mix, "deferred": deferred, "timed_translation_flops": timed,
-            "share_of_reprefill": timed / reprefill, "ceiling": reprefill / timed, "key_ceiling": reprefill / keys}
+    return {
+        "reprefill_flops": reprefill,
+        "translation_flops": both,
+        "key_translation_flops": keys,
+        "deferred_new_turn_flops": mix,
+        "deferred": deferred,
+        "timed_translation_flops": timed,
+        "share_of_reprefill": timed / reprefill,
+        "ceiling": reprefill / timed,
+        "key_ceiling": reprefill / keys,
+    }
 
 
-def perf_at_length(source, target, translator: Translator, n: int, k: int, trials: timing.Trials,
-                   options: timing.PathOptions = timing.PathOptions(), modes=timing.MODES, names=timing.PATHS,
-                   peaks: Peaks | None = None, seed: int = 0, cap=None) -> dict:
+def perf_at_length(
+    source,
+    target,
+    translator: Translator,
+    n: int,
+    k: int,
+    trials: timing.Trials,
+    options: timing.PathOptions = timing.PathOptions(),
+    modes=timing.MODES,
+    names=timing.PATHS,
+    peaks: Peaks | None = None,
+    seed: int = 0,
+    cap=None,
+) -> dict:
     """Time the paths `names` (re-prefill and the existing-source handoff at least) in each of `modes` for a
     random context of n tokens and a new turn of k tokens, the paths running as `options` say (its mode
     aside). The physical limit (at `peaks`) counts the work of the handoff the optimised rows run, and
@@ -178,20 +220,35 @@ def perf_at_length(source, target, translator: Translator, n: int, k: int, trial
     rows = {}
     for mode in modes:
         with packing.packed(target, on=mode == "optimised"):
-            paths = timing.HandoffPaths(source, target, translator, context, new, replace(options, mode=mode),
-                                        need=tuple(names), source_capture=cap,
-                                        target_kv=None if own is None else (own.keys, own.values))
+            paths = timing.HandoffPaths(
+                source,
+                target,
+                translator,
+                context,
+                new,
+                replace(options, mode=mode),
+                need=tuple(names),
+                source_capture=cap,
+                target_kv=None if own is None else (own.keys, own.values),
+            )
             rows[mode] = time_mode(paths, trials, names)
         rows[mode]["deferred_values"] = paths.defer_values
-        rows[mode]["translation_gflops_per_s"] = (translation_flops(translator, n, paths.defer_values)
-                                                  / rows[mode]["breakdown"]["translate"]["median_s"] / 1e9)
+        rows[mode]["translation_gflops_per_s"] = (
+            translation_flops(translator, n, paths.defer_values)
+            / rows[mode]["breakdown"]["translate"]["median_s"]
+            / 1e9
+        )
         del paths
     deferred = any(row["deferred_values"] for row in rows.values())
     precision = timing.fast_precision(device, options.fuse_keys)
-    point = {"context_tokens": n, "new_turn_tokens": k, "modes": rows,
-             "cost": translation_cost(source, target, translator, n, k, deferred),
-             "memory": translation_memory(translator, cap, dtype, precision, deferred),
-             "noisy": [f"{mode}/{name}" for mode, row in rows.items() for name in row["noisy"]]}
+    point = {
+        "context_tokens": n,
+        "new_turn_tokens": k,
+        "modes": rows,
+        "cost": translation_cost(source, target, translator, n, k, deferred),
+        "memory": translation_memory(translator, cap, dtype, precision, deferred),
+        "noisy": [f"{mode}/{name}" for mode, row in rows.items() for name in row["noisy"]],
+    }
     if peaks is not None:
         set_limit(point, peaks, handoff_work(source, target, translator, n, k, dtype, cap.values.dtype, deferred))
     del cap, own

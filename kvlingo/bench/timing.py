@@ -34,8 +34,8 @@ Whatever "already exists" in a path is computed once, before any trial.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -98,8 +98,15 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
-def run_trials(fn: Callable[[], object], device, warmups: int, repeats: int, cv_limit: float | None = None,
-               max_repeats: int | None = None, max_seconds: float | None = None) -> list[float]:
+def run_trials(
+    fn: Callable[[], object],
+    device,
+    warmups: int,
+    repeats: int,
+    cv_limit: float | None = None,
+    max_repeats: int | None = None,
+    max_seconds: float | None = None,
+) -> list[float]:
     """`warmups` untimed calls, then at least `repeats` timed ones: seconds per call, in call order.
 
     Each trial is bracketed by device synchronisations and read with `time.perf_counter`,
@@ -113,8 +120,14 @@ def run_trials(fn: Callable[[], object], device, warmups: int, repeats: int, cv_
     return run_interleaved({"": fn}, device, warmups, repeats, cv_limit, max_repeats, max_seconds)[""]
 
 
-def wants_trial(done: list[list[float]], repeats: int, cv_limit: float | None, max_repeats: int | None,
-                max_seconds: float | None, spent: float | None = None) -> bool:
+def wants_trial(
+    done: list[list[float]],
+    repeats: int,
+    cv_limit: float | None,
+    max_repeats: int | None,
+    max_seconds: float | None,
+    spent: float | None = None,
+) -> bool:
     """Whether a timing wants one more trial: fewer than `repeats`, or one of its series `done` (trials
     taken together, e.g. a handoff's stages) has a CV above `cv_limit` while the trials number fewer
     than `max_repeats` and, with `max_seconds`, took less than that (`spent`; default: `done`'s sum)."""
@@ -127,9 +140,15 @@ def wants_trial(done: list[list[float]], repeats: int, cv_limit: float | None, m
     return (max_seconds is None or spent < max_seconds) and any(cv(series) > cv_limit for series in done)
 
 
-def run_interleaved(fns: dict[str, Callable[[], object]], device, warmups: int | dict[str, int], repeats: int,
-                    cv_limit: float | None = None, max_repeats: int | None = None,
-                    max_seconds: float | None = None) -> dict[str, list[float]]:
+def run_interleaved(
+    fns: dict[str, Callable[[], object]],
+    device,
+    warmups: int | dict[str, int],
+    repeats: int,
+    cv_limit: float | None = None,
+    max_repeats: int | None = None,
+    max_seconds: float | None = None,
+) -> dict[str, list[float]]:
     """`run_trials` for several callables at once, their trials interleaved round by round.
 
     Every warm-up runs first (`warmups`: one count for all, or one per name). Then each round
@@ -194,10 +213,19 @@ class HandoffPaths:
     and `graph_errors` says why.
     """
 
-    def __init__(self, source, target, translator: Translator, context_ids: torch.Tensor, new_ids: torch.Tensor,
-                 options: PathOptions = PathOptions(), need: tuple[str, ...] = PATHS,
-                 out_dtype: torch.dtype | None = None, source_capture: Capture | None = None,
-                 target_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        source,
+        target,
+        translator: Translator,
+        context_ids: torch.Tensor,
+        new_ids: torch.Tensor,
+        options: PathOptions = PathOptions(),
+        need: tuple[str, ...] = PATHS,
+        out_dtype: torch.dtype | None = None,
+        source_capture: Capture | None = None,
+        target_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         if options.mode not in MODES:
             raise ValueError(f"unknown mode {options.mode!r}; choose from {MODES}")
         self.source, self.target, self.translator, self.mode = source, target, translator, options.mode
@@ -210,11 +238,16 @@ class HandoffPaths:
         self.kind = "preallocated" if self.optimised else "dynamic"
         device = context_ids.device
         self.precision = fast_precision(device, options.fuse_keys) if self.optimised else "fp32"
-        self.defer_values = self.optimised and defer_values_here(translator, device, self.refresh, options.defer_values,
-                                                                 target, context_ids.shape[1], new_ids.shape[1])
+        self.defer_values = self.optimised and defer_values_here(
+            translator, device, self.refresh, options.defer_values, target, context_ids.shape[1], new_ids.shape[1]
+        )
         # a refresh runs the target inside the translation and assembles a cache per call: not graphed
-        self.graphs_on = (self.optimised and device.type == "cuda" and options.cuda_graphs is not False
-                          and not refreshing(self.refresh))
+        self.graphs_on = (
+            self.optimised
+            and device.type == "cuda"
+            and options.cuda_graphs is not False
+            and not refreshing(self.refresh)
+        )
         self.graph_errors: dict[str, str] = {}
         n, k = context_ids.shape[1], new_ids.shape[1]
         self.n_context = n
@@ -242,16 +275,32 @@ class HandoffPaths:
         if self.graphs_on:
             with torch.inference_mode():
                 self._capture_graphs(need, device)
+
     # ------------------------------------------------------------------ steps
     def _translate_into_cache(self, cap: Capture):
         """Optimised: the translation written straight into the reserved handoff cache."""
         if refreshing(self.refresh):
-            return translate_to_cache(self.source, self.target, self.translator, self.context_ids, cap=cap,
-                                      room=self.new_ids.shape[1], out_dtype=self.out_dtype, precision=self.precision,
-                                      refresh=self.refresh)
-        return translate_to_cache(self.source, self.target, self.translator, cap=cap,
-                                  into=self._reserved("handoff_cache", "source_cache_handoff"),
-                                  out_dtype=self.out_dtype, precision=self.precision, defer_values=self.defer_values)
+            return translate_to_cache(
+                self.source,
+                self.target,
+                self.translator,
+                self.context_ids,
+                cap=cap,
+                room=self.new_ids.shape[1],
+                out_dtype=self.out_dtype,
+                precision=self.precision,
+                refresh=self.refresh,
+            )
+        return translate_to_cache(
+            self.source,
+            self.target,
+            self.translator,
+            cap=cap,
+            into=self._reserved("handoff_cache", "source_cache_handoff"),
+            out_dtype=self.out_dtype,
+            precision=self.precision,
+            defer_values=self.defer_values,
+        )
 
     def _reserved(self, name: str, path: str):
         """The cache reserved at set-up for `path` (optimised mode), or a clear error when `need` left it out."""
@@ -261,16 +310,19 @@ class HandoffPaths:
         return cache
 
     def _not_set_up(self, path: str) -> ValueError:
-        return ValueError(f"path {path!r} was not in `need` {self.need} when these paths were set up, so what it "
-                          "reads or writes was not made; add it there")
+        return ValueError(
+            f"path {path!r} was not in `need` {self.need} when these paths were set up, so what it "
+            "reads or writes was not made; add it there"
+        )
 
     def _new_turn(self, cache) -> torch.Tensor:
         if self.optimised:
             cache.set_length(self.n_context)  # a reused cache: the previous call's new turn is overwritten
         return new_turn_logits(self.target, self.new_ids, cache)
 
-    def _handoff(self, cap: Capture, mark: Callable[[str], None] | None = None,
-                 steps: dict[str, Callable] | None = None) -> torch.Tensor:
+    def _handoff(
+        self, cap: Capture, mark: Callable[[str], None] | None = None, steps: dict[str, Callable] | None = None
+    ) -> torch.Tensor:
         mark, steps = mark or (lambda _stage: None), steps or {}
         if self.optimised:
             made = steps.get("translate", lambda: self._translate_into_cache(cap))()
@@ -278,8 +330,16 @@ class HandoffPaths:
             # the translation wrote the reserved cache (a refresh assembles its own): nothing left to build
             cache = made if refreshing(self.refresh) else self.handoff_cache
         else:
-            keys, values = translate(self.source, self.translator, self.context_ids, self.out_dtype, cap=cap,
-                                     refresh=self.refresh, target=self.target, precision=self.precision)
+            keys, values = translate(
+                self.source,
+                self.translator,
+                self.context_ids,
+                self.out_dtype,
+                cap=cap,
+                refresh=self.refresh,
+                target=self.target,
+                precision=self.precision,
+            )
             mark("translate")
             cache = build_cache(self.target, keys, values, kind="dynamic")
         mark("build_cache")
@@ -344,8 +404,9 @@ class HandoffPaths:
         return getattr(self, name)
 
 
-def defer_values_here(translator: Translator, device, refresh=None, wanted: bool | None = None, target=None,
-                      n: int = 4096, k: int = 16) -> bool:
+def defer_values_here(
+    translator: Translator, device, refresh=None, wanted: bool | None = None, target=None, n: int = 4096, k: int = 16
+) -> bool:
     """Whether an optimised handoff leaves the context's values deferred (`handoff.translate_to_cache`).
 
     None: where the translator can (value maps linear in the source's values, no refresh), on a CPU,
@@ -356,29 +417,45 @@ def defer_values_here(translator: Translator, device, refresh=None, wanted: bool
         return False
     able = can_defer_values(translator, "preallocated", refresh)
     if wanted and not able:
-        raise ValueError(f"values cannot be deferred with a {translator.family} translator"
-                         + (" under a refresh" if refreshing(refresh) else "")
-                         + ": only translators whose value maps are linear in the source's values can, without a "
-                           "refresh; turn deferred values off")
+        raise ValueError(
+            f"values cannot be deferred with a {translator.family} translator"
+            + (" under a refresh" if refreshing(refresh) else "")
+            + ": only translators whose value maps are linear in the source's values can, without a "
+            "refresh; turn deferred values off"
+        )
     if not able or wanted:
         return able
     return torch.device(device).type == "cpu" and (target is None or deferral_saves(translator, target, n, k))
 
 
-def time_paths(paths: HandoffPaths, names=PATHS, trials: Trials = Trials(),
-               warmups: dict[str, int] | None = None) -> dict:
+def time_paths(
+    paths: HandoffPaths, names=PATHS, trials: Trials = Trials(), warmups: dict[str, int] | None = None
+) -> dict:
     """Time the named paths, their trials interleaved round by round after every warm-up
     (`run_interleaved`; `warmups` per path, in place of `trials.warmups`). Returns {path: summary};
     speedups are `speedups(...)` of the result."""
     device = device_of(paths.target)
-    timed = run_interleaved({name: paths.path(name) for name in names}, device,
-                            trials.warmups if warmups is None else warmups, trials.repeats, trials.cv_limit,
-                            trials.max_repeats, trials.max_seconds)
+    timed = run_interleaved(
+        {name: paths.path(name) for name in names},
+        device,
+        trials.warmups if warmups is None else warmups,
+        trials.repeats,
+        trials.cv_limit,
+        trials.max_repeats,
+        trials.max_seconds,
+    )
     return {name: summarize(t, trials.cv_limit) for name, t in timed.items()}
 
 
-def time_handoffs(source, target, handoffs: dict[str, tuple[Translator, object]], context_ids: torch.Tensor,
-                  new_ids: torch.Tensor, trials: Trials = Trials(), mode: str = "optimised") -> dict:
+def time_handoffs(
+    source,
+    target,
+    handoffs: dict[str, tuple[Translator, object]],
+    context_ids: torch.Tensor,
+    new_ids: torch.Tensor,
+    trials: Trials = Trials(),
+    mode: str = "optimised",
+) -> dict:
     """Re-prefill and several handoffs from an existing source cache on one context, every trial interleaved
     round by round (`run_interleaved`), so that the handoffs' speedups share one slow spell or none.
 
@@ -387,22 +464,35 @@ def time_handoffs(source, target, handoffs: dict[str, tuple[Translator, object]]
     and one re-prefill cache in all. Returns {"reprefill": summary, "handoff": {name: summary}}.
     """
     if not handoffs or "target_reprefill" in handoffs:
-        raise ValueError(f"time_handoffs needs at least one handoff, none named 'target_reprefill' (got {list(handoffs)})")
+        raise ValueError(
+            f"time_handoffs needs at least one handoff, none named 'target_reprefill' (got {list(handoffs)})"
+        )
     device = device_of(target)
     fns: dict[str, Callable[[], object]] = {}
     captures: dict[int, Capture] = {}
     for name, (translator, refresh) in handoffs.items():
         need = ("source_cache_handoff",) if fns else ("target_reprefill", "source_cache_handoff")
-        paths = HandoffPaths(source, target, translator, context_ids, new_ids, PathOptions(mode, refresh=refresh),
-                             need=need, source_capture=captures.get(id(translator)))
+        paths = HandoffPaths(
+            source,
+            target,
+            translator,
+            context_ids,
+            new_ids,
+            PathOptions(mode, refresh=refresh),
+            need=need,
+            source_capture=captures.get(id(translator)),
+        )
         captures[id(translator)] = paths.source_capture
         if not fns:
             fns["target_reprefill"] = paths.path("target_reprefill")
         fns[name] = paths.path("source_cache_handoff")
-    timed = run_interleaved(fns, device, trials.warmups, trials.repeats, trials.cv_limit, trials.max_repeats,
-                            trials.max_seconds)
-    return {"reprefill": summarize(timed.pop("target_reprefill"), trials.cv_limit),
-            "handoff": {name: summarize(t, trials.cv_limit) for name, t in timed.items()}}
+    timed = run_interleaved(
+        fns, device, trials.warmups, trials.repeats, trials.cv_limit, trials.max_repeats, trials.max_seconds
+    )
+    return {
+        "reprefill": summarize(timed.pop("target_reprefill"), trials.cv_limit),
+        "handoff": {name: summarize(t, trials.cv_limit) for name, t in timed.items()},
+    }
 
 
 def time_breakdown(paths: HandoffPaths, trials: Trials = Trials()) -> dict:
@@ -433,25 +523,36 @@ def time_breakdown(paths: HandoffPaths, trials: Trials = Trials()) -> dict:
             trial()
         for s in STAGES:
             per_stage[s].clear()
-        while wants_trial(screened, trials.repeats, trials.cv_limit, trials.max_repeats, trials.max_seconds,
-                          spent=sum(sum(per_stage[s]) for s in STAGES)):
+        while wants_trial(
+            screened,
+            trials.repeats,
+            trials.cv_limit,
+            trials.max_repeats,
+            trials.max_seconds,
+            spent=sum(sum(per_stage[s]) for s in STAGES),
+        ):
             trial()
     out = {s: summarize(per_stage[s], trials.cv_limit) for s in STAGES}
     if paths.optimised:  # microseconds of bookkeeping: their CV says nothing about the machine
         out["build_cache"].update(noisy=False, note="nothing to build: the translation wrote the cache")
     return out
+
+
 def speedups(summaries: dict, baseline: str = "target_reprefill") -> dict[str, float]:
     """median(baseline) / median(path) for every other path: > 1 means faster than re-reading."""
     base = summaries[baseline]["median_s"]
     return {name: base / s["median_s"] for name, s in summaries.items() if name != baseline}
 
 
-def speedup_intervals(summaries: dict, baseline: str = "target_reprefill", level: float = 0.95) -> dict[str, list[float]]:
+def speedup_intervals(
+    summaries: dict, baseline: str = "target_reprefill", level: float = 0.95
+) -> dict[str, list[float]]:
     """A bootstrap interval [lo, hi] (`level`) of each `speedups` ratio, from the raw trials of the
     baseline and the path (`stats.ratio_of_medians_interval`): how far the trials alone move it."""
     base = summaries[baseline]["trials_s"]
-    return {name: ratio_of_medians_interval(base, s["trials_s"], level)
-            for name, s in summaries.items() if name != baseline}
+    return {
+        name: ratio_of_medians_interval(base, s["trials_s"], level) for name, s in summaries.items() if name != baseline
+    }
 
 
 def cv_checks(noisy: list[str], cv_limit: float, allow_cv: bool, failed: list[str] | None = None) -> dict:
@@ -465,8 +566,14 @@ def cv_checks(noisy: list[str], cv_limit: float, allow_cv: bool, failed: list[st
 def checks_line(checks: dict) -> str:
     """The checks' verdict, saying why timings flagged NOISY did not fail it (the CV screen was waived)."""
     noisy = checks.get("noisy_timings") or []
-    waived = (f" ({len(noisy)} timing(s) flagged NOISY: the CV of their trials exceeds --cv-limit; waived by "
-              "--allow-cv or the profile, so their medians are less certain)") if noisy and checks.get("cv_allowed") else ""
+    waived = (
+        (
+            f" ({len(noisy)} timing(s) flagged NOISY: the CV of their trials exceeds --cv-limit; waived by "
+            "--allow-cv or the profile, so their medians are less certain)"
+        )
+        if noisy and checks.get("cv_allowed")
+        else ""
+    )
     return f"\nChecks: {'PASSED' if checks['passed'] else 'FAILED: ' + '; '.join(checks['failed'])}{waived}\n"
 
 

@@ -45,9 +45,17 @@ DEFERRED = "kvlingo_deferred"  # attention keyword: the cache whose layers hold 
 SCORE_ELEMENTS = 1 << 24  # deferred attention: scores held at once (64 MiB in FP32)
 
 
-def gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def gqa_sdpa_forward(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query [B, q_heads, q, d], key/value [B, kv_heads, kv, d],
     mask [B, 1, q, kv] or None → ([B, q, q_heads, d], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -57,10 +65,17 @@ def gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torc
     if layer is not None and layer.deferred is not None:
         return deferred_attention(query, key, value, attention_mask, layer.deferred, scaling), None
     groups = getattr(module, "num_key_value_groups", 1)
-    if attention_mask is None or groups == 1 or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 \
-            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+    if (
+        attention_mask is None
+        or groups == 1
+        or attention_mask.dim() != 4
+        or attention_mask.shape[1] != 1
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     b, q_heads, q, d = query.shape
     kv_heads, mb, kv = key.shape[1], attention_mask.shape[0], attention_mask.shape[-1]
     packed = query.reshape(b, kv_heads, groups * q, d)  # [B, kv_heads, groups·q, d]
@@ -69,8 +84,14 @@ def gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return out.reshape(b, q_heads, q, -1).transpose(1, 2).contiguous(), None  # [B, q, q_heads, d]
 
 
-def deferred_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                       deferred, scaling: float | None = None) -> torch.Tensor:
+def deferred_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    deferred,
+    scaling: float | None = None,
+) -> torch.Tensor:
     """Attention of query [1, q_heads, q, d] over key [1, kv_heads, n + own, d], whose first n tokens'
     values are `deferred` (`preallocated.Deferred`: the source's values of the layers read and the map)
     and the rest's are `value` [1, kv_heads, own, d_v]; mask [B, 1, q, n + own] (bool: attend, or
@@ -83,7 +104,7 @@ def deferred_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     groups = q_heads // kv_heads
     if kv != n + value.shape[2]:
         raise ValueError(f"{kv} keys but {n} deferred and {value.shape[2]} own values")
-    scale = d ** -0.5 if scaling is None else scaling
+    scale = d**-0.5 if scaling is None else scaling
     packed = query[0].reshape(kv_heads, groups, q, d)  # query head h = kv·groups + j
     keys_t = key[0].transpose(1, 2)  # [kv_heads, d, kv]
     own_values = value[0]
@@ -133,7 +154,9 @@ def mix_sources(p: torch.Tensor, deferred) -> torch.Tensor:
     heads = sources[0].shape[0]
     every = weights.reshape(1, kv_heads * rows, n).expand(heads, -1, -1)  # every row against each source head
     mixed = torch.stack([torch.bmm(every, v) for v in sources])  # [k, source kv_heads, kv_heads·rows, d_s]
-    return mixed.view(len(sources), heads, kv_heads, rows, -1).permute(2, 3, 0, 1, 4).reshape(kv_heads, rows, -1).float()
+    return (
+        mixed.view(len(sources), heads, kv_heads, rows, -1).permute(2, 3, 0, 1, 4).reshape(kv_heads, rows, -1).float()
+    )
 
 
 _registered = False

@@ -59,8 +59,15 @@ def _kv_shape(model) -> tuple[int, int]:
     return model.config.num_key_value_heads, head_dim(model.config)
 
 
-def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: bool = False,
-                   kind: str = "preallocated", room: int = 0, **kwargs):
+def run_with_cache(
+    model,
+    input_ids: torch.Tensor,
+    cache=None,
+    want_prenorm: bool = False,
+    kind: str = "preallocated",
+    room: int = 0,
+    **kwargs,
+):
     """Forward `input_ids` [1, tokens]; return (output, prenorm list or None).
 
     Without a `cache` the forward fills a fresh one of `kind`, with
@@ -80,8 +87,10 @@ def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: boo
         optimised = isinstance(cache, PreallocatedCache)
         if optimised and cache.deferred:  # the context's values are the source's: the attention maps them
             kwargs = {**kwargs, attention.DEFERRED: cache}
-        with attention.using(model, attention.NAME if optimised else None), \
-                (linear.few_rows(model, input_ids.numel()) if optimised else nullcontext()):
+        with (
+            attention.using(model, attention.NAME if optimised else None),
+            linear.few_rows(model, input_ids.numel()) if optimised else nullcontext(),
+        ):
             out = model(input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
     finally:
         for h in hooks:
@@ -89,8 +98,9 @@ def run_with_cache(model, input_ids: torch.Tensor, cache=None, want_prenorm: boo
     return out, (prenorm if want_prenorm else None)
 
 
-def capture(model, input_ids: torch.Tensor, want_prenorm: bool = True, logits_to_keep: int = 0,
-            kind: str = "preallocated") -> Capture:
+def capture(
+    model, input_ids: torch.Tensor, want_prenorm: bool = True, logits_to_keep: int = 0, kind: str = "preallocated"
+) -> Capture:
     """Prefill `input_ids` [1, tokens] and return the stacked cache and pre-norm keys.
 
     `logits_to_keep=k` keeps only the last k positions' logits (0 keeps all): at long
@@ -155,8 +165,9 @@ def empty_cache(model, n_context: int, room: int = 0, dtype: torch.dtype | None 
     return PreallocatedCache.empty(model, n_context + room, dtype, device)
 
 
-def continue_from(model, keys: torch.Tensor, values: torch.Tensor, new_ids: torch.Tensor,
-                  kind: str = "preallocated", **kwargs):
+def continue_from(
+    model, keys: torch.Tensor, values: torch.Tensor, new_ids: torch.Tensor, kind: str = "preallocated", **kwargs
+):
     """Run `new_ids` [1, new] on top of an injected cache; positions continue after the cache."""
     cache = build_cache(model, keys, values, kind, room=new_ids.shape[1])
     out, _ = run_with_cache(model, new_ids, cache=cache, **kwargs)
@@ -171,5 +182,7 @@ def handoff_split(prefix_ids: list[int], reply_ids: list[int]) -> tuple[list[int
     every reply token, the first one included.
     """
     if len(prefix_ids) < 2 or not reply_ids:
-        raise ValueError(f"need a prefix of ≥2 tokens and a non-empty reply (got {len(prefix_ids)} and {len(reply_ids)})")
+        raise ValueError(
+            f"need a prefix of ≥2 tokens and a non-empty reply (got {len(prefix_ids)} and {len(reply_ids)})"
+        )
     return list(prefix_ids[:-1]), [prefix_ids[-1], *reply_ids[:-1]], list(reply_ids)

@@ -51,7 +51,10 @@ def matmul_precision(device, precision: str):
         return
     fp32_before = torch.get_float32_matmul_precision()
     reduced = torch.backends.cuda.matmul
-    bf16_before, fp16_before = reduced.allow_bf16_reduced_precision_reduction, reduced.allow_fp16_reduced_precision_reduction
+    bf16_before, fp16_before = (
+        reduced.allow_bf16_reduced_precision_reduction,
+        reduced.allow_fp16_reduced_precision_reduction,
+    )
     torch.set_float32_matmul_precision("high")
     reduced.allow_bf16_reduced_precision_reduction = reduced.allow_fp16_reduced_precision_reduction = False
     try:
@@ -96,9 +99,15 @@ def scratch_chunks(translator, out_dtype: torch.dtype, precision: str = "fp32", 
     return 1 + low + tile_fraction * (1.5 + (0 if out_dtype == torch.float32 else 1))
 
 
-def translate(translator, cap, out_dtype: torch.dtype | None = None, chunk_elements: int | None = None,
-              target_layers: slice = slice(None), out: tuple[torch.Tensor, torch.Tensor] | None = None,
-              precision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def translate(
+    translator,
+    cap,
+    out_dtype: torch.dtype | None = None,
+    chunk_elements: int | None = None,
+    target_layers: slice = slice(None),
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    precision: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`Translator.forward`: target (keys, values), each [target layers, kv_heads, tokens, head_dim]."""
     if translator.space is None:
         raise RuntimeError("translator is not bound to a pair: call .bind(source, target) first")
@@ -106,8 +115,10 @@ def translate(translator, cap, out_dtype: torch.dtype | None = None, chunk_eleme
     first, stop, _ = target_layers.indices(g.target_layers)
     L, H, d = max(0, stop - first), g.target_kv_heads, g.target_head_dim
     if out is not None and (out[0].shape != (L, H, T, d) or (out[1] is not None and out[1].shape != (L, H, T, d))):
-        raise ValueError(f"out {tuple(out[0].shape)} / {None if out[1] is None else tuple(out[1].shape)} must "
-                         f"both be [{L}, {H}, {T}, {d}]")
+        raise ValueError(
+            f"out {tuple(out[0].shape)} / {None if out[1] is None else tuple(out[1].shape)} must "
+            f"both be [{L}, {H}, {T}, {d}]"
+        )
     out_dtype = out[0].dtype if out is not None else (out_dtype or cap.keys.dtype)
     if torch.is_grad_enabled() and any(p.requires_grad for p in translator.parameters()):
         keys, values = translator.translate_layers(cap, target_layers)
@@ -127,18 +138,30 @@ def translate(translator, cap, out_dtype: torch.dtype | None = None, chunk_eleme
     else:
         keys, values = out
     scratch = Scratch((step, H, T, d), device, tile)
-    with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False), \
-            matmul_precision(device, precision), translator.computing(compute):
+    with (
+        torch.no_grad(),
+        torch.autocast(device_type=device.type, enabled=False),
+        matmul_precision(device, precision),
+        translator.computing(compute),
+    ):
         for start in range(first, stop, step):
             layers = slice(start, min(stop, start + step))
             rows = slice(start - first, layers.stop - first)
-            _translate_into(translator, cap, layers, keys[rows], None if values is None else values[rows], scratch,
-                            precision in FUSED)
+            _translate_into(
+                translator,
+                cap,
+                layers,
+                keys[rows],
+                None if values is None else values[rows],
+                scratch,
+                precision in FUSED,
+            )
     return keys, values
 
 
-def _translate_into(translator, cap, layers: slice, k_out: torch.Tensor, v_out: torch.Tensor | None,
-                    scratch: "Scratch", fuse_keys: bool) -> None:
+def _translate_into(
+    translator, cap, layers: slice, k_out: torch.Tensor, v_out: torch.Tensor | None, scratch: Scratch, fuse_keys: bool
+) -> None:
     """`translate_layers` for one chunk, written into the output.
 
     In FP32 maths, the same operations in the same order as `translate_layers` (so the same
@@ -195,4 +218,4 @@ class Scratch:
         buf = self.buffers[name]
         if buf.dtype != dtype:
             raise ValueError(f"scratch {name!r} is {buf.dtype}, asked for {dtype}")
-        return buf[:n] if whole else buf[:n, :, :self.tokens]
+        return buf[:n] if whole else buf[:n, :, : self.tokens]

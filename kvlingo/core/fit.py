@@ -53,7 +53,7 @@ class NormalEquations:
         if which == 0:
             self.n_tokens += x.shape[2]
 
-    def merged(self, other: "NormalEquations") -> "NormalEquations":
+    def merged(self, other: NormalEquations) -> NormalEquations:
         """The normal equations of both sets of tokens together."""
         out = NormalEquations(self.A.shape[1], self.A.shape[2], self.d_in, self.B.shape[-1], str(self.device))
         out.A, out.B, out.Y = self.A + other.A, self.B + other.B, self.Y + other.Y
@@ -99,7 +99,7 @@ class NormalEquations:
         cross = (W * B).sum((-2, -1))
         return quad - 2 * cross + self.Y.cpu()
 
-    def choose_ridge(self, held_out: "NormalEquations", alphas=RIDGE_GRID) -> tuple[torch.Tensor, dict]:
+    def choose_ridge(self, held_out: NormalEquations, alphas=RIDGE_GRID) -> tuple[torch.Tensor, dict]:
         """The per-block relative strength α with the lowest held-out error, as (λ for the merged equations
         [2, L, H], a summary of the choice)."""
         errors = torch.stack([held_out.held_out_error(self.solve_augmented(lam)) for lam in self.ridge_grid(alphas)])
@@ -108,9 +108,12 @@ class NormalEquations:
         merged = self.merged(held_out)
         counts = {f"{a:g}": int((best == i).sum()) for i, a in enumerate(alphas)}
         held = errors.gather(0, best[None])[0]
-        return alpha * merged.input_scale(), {"alphas": list(alphas), "blocks_per_alpha": counts,
-                                              "held_out_tokens": held_out.n_tokens,
-                                              "held_out_error": float(held.sum())}
+        return alpha * merged.input_scale(), {
+            "alphas": list(alphas),
+            "blocks_per_alpha": counts,
+            "held_out_tokens": held_out.n_tokens,
+            "held_out_error": float(held.sum()),
+        }
 
     def state_dict(self) -> dict:
         return {"A": self.A, "B": self.B, "Y": self.Y, "n_tokens": self.n_tokens}

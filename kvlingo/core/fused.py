@@ -35,8 +35,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the key map may 
 _state: dict = {"kernel": None, "shapes": set(), "failure": None, "skipped": 0}
 
 
-def _finish(yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-            out: torch.Tensor) -> None:
+def _finish(
+    yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor
+) -> None:
     """yk [n, heads, tokens, d] (FP32, or narrower: widened here); weight [n, d] (None: no k_norm); cos/sin
     [tokens, d] → out (any dtype).
 
@@ -50,15 +51,25 @@ def _finish(yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torc
     out.copy_(torch.cat([y1 * cos[:, :h] - y2 * sin[:, :h], y2 * cos[:, h:] + y1 * sin[:, h:]], dim=-1))
 
 
-def finish_keys(yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                out: torch.Tensor) -> bool:
+def finish_keys(
+    yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor
+) -> bool:
     """Norm (when `weight` is given) and RoPE of yk into `out` as one compiled kernel. True when it ran;
     False (the caller then writes every key itself) for a chunk off a CPU or CUDA device, not in a float
     dtype, under `MIN_ELEMENTS`, past `MAX_SHAPES`, or after a compile failure."""
     if yk.device.type not in DEVICES or yk.dtype not in DTYPES or yk.numel() < MIN_ELEMENTS or _state["failure"]:
         return False
-    key = (yk.device.type, yk.dtype, tuple(yk.shape), tuple(yk.stride()), tuple(out.stride()), out.dtype,
-           weight is None, eps, tuple(cos.stride()))
+    key = (
+        yk.device.type,
+        yk.dtype,
+        tuple(yk.shape),
+        tuple(yk.stride()),
+        tuple(out.stride()),
+        out.dtype,
+        weight is None,
+        eps,
+        tuple(cos.stride()),
+    )
     new = key not in _state["shapes"]  # this call compiles
     if new and len(_state["shapes"]) >= MAX_SHAPES:
         _state["skipped"] += 1
@@ -91,8 +102,12 @@ def _quiet_cuda_probe():
 def status() -> dict:
     """What the fused finish did in this process: shapes compiled, chunks left to the eager finish past
     `MAX_SHAPES`, and why compiling failed (None when it did not)."""
-    return {"compiled_shapes": len(_state["shapes"]), "skipped_chunks": _state["skipped"],
-            "failure": _state["failure"], "min_elements": MIN_ELEMENTS}
+    return {
+        "compiled_shapes": len(_state["shapes"]),
+        "skipped_chunks": _state["skipped"],
+        "failure": _state["failure"],
+        "min_elements": MIN_ELEMENTS,
+    }
 
 
 def reset() -> None:

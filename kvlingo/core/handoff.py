@@ -21,8 +21,8 @@ timing, distillation, IFEval, tasks) calls these; none re-assembles the steps it
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
-from typing import Iterable, Sequence
 
 import torch
 
@@ -50,9 +50,17 @@ def capture_source(source, context_ids, translators: Iterable = (), kind: str = 
         return prefill(source, ids, want_prenorm=any(t.needs_prenorm for t in translators), kind=kind)
 
 
-def translate(source, translator, context_ids=None, out_dtype: torch.dtype | None = None,
-              cap: Capture | None = None, refresh=None, target=None,
-              precision: str | None = None, kind: str = "preallocated") -> tuple[torch.Tensor, torch.Tensor]:
+def translate(
+    source,
+    translator,
+    context_ids=None,
+    out_dtype: torch.dtype | None = None,
+    cap: Capture | None = None,
+    refresh=None,
+    target=None,
+    precision: str | None = None,
+    kind: str = "preallocated",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Target-layout (keys, values) of a context: from an existing source capture `cap`, or a fresh
     prefill of `context_ids`. Differentiable in the translator's parameters when gradients are on.
 
@@ -80,13 +88,23 @@ def can_defer_values(translator, kind: str = "preallocated", refresh=None) -> bo
     """Whether a handoff with `translator` can leave the context's values deferred: a family whose value
     maps are affine in the source's values (`Translator.value_maps`: head-wise, cross-head, cross-layer),
     a preallocated cache, and no refresh."""
-    return kind == "preallocated" and not refreshing(refresh) \
-        and translator.value_maps() is not None
+    return kind == "preallocated" and not refreshing(refresh) and translator.value_maps() is not None
 
 
-def translate_to_cache(source, target, translator, context_ids=None, cap: Capture | None = None, room: int = 0,
-                       kind: str = "preallocated", out_dtype: torch.dtype | None = None, into=None,
-                       precision: str | None = None, refresh=None, defer_values: bool = False):
+def translate_to_cache(
+    source,
+    target,
+    translator,
+    context_ids=None,
+    cap: Capture | None = None,
+    room: int = 0,
+    kind: str = "preallocated",
+    out_dtype: torch.dtype | None = None,
+    into=None,
+    precision: str | None = None,
+    refresh=None,
+    defer_values: bool = False,
+):
     """The target's cache of a context translated from the source, with `room` free token slots after it.
 
     Preallocated (the default kind): the translator writes the context straight into the cache's
@@ -99,8 +117,10 @@ def translate_to_cache(source, target, translator, context_ids=None, cap: Captur
     them (kvlingo.core.preallocated). The logits are the translated cache's to rounding.
     """
     if defer_values and not can_defer_values(translator, kind, refresh):
-        raise ValueError(f"a {translator.family} translator cannot defer values here (it needs value maps affine in "
-                         "the source's values, a preallocated cache and no refresh); leave defer_values off")
+        raise ValueError(
+            f"a {translator.family} translator cannot defer values here (it needs value maps affine in "
+            "the source's values, a preallocated cache and no refresh); leave defer_values off"
+        )
     if cap is None:
         cap = capture_source(source, context_ids, [translator], kind)
     out_dtype = out_dtype or next(target.parameters()).dtype
@@ -131,9 +151,15 @@ def continue_target(target, kv, new_ids, kind: str = "preallocated", **kwargs):
 
 
 @torch.no_grad()
-def greedy_generate(model, new_ids: Sequence[int], kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    max_new_tokens: int = 64, eos_ids: set[int] | None = None,
-                    kind: str = "preallocated", cache=None) -> tuple[list[int], bool]:
+def greedy_generate(
+    model,
+    new_ids: Sequence[int],
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_new_tokens: int = 64,
+    eos_ids: set[int] | None = None,
+    kind: str = "preallocated",
+    cache=None,
+) -> tuple[list[int], bool]:
     """Greedy decoding of up to `max_new_tokens` after `new_ids`, on top of an optional injected cache
     (kv = (keys, values)) or a ready `cache` (from `translate_to_cache`; it grows as it is used).
 
@@ -174,8 +200,10 @@ def stop_ids(tokenizer) -> set[int]:
 def attention_outputs(model, last: int, into: list):
     """Collect each layer's attention-block output at the last `last` positions, in FP32, while active
     ([last, hidden] each, appended to `into` in layer order; differentiable where the forward is)."""
-    hooks = [layer.self_attn.register_forward_hook(lambda _m, _i, out: into.append(out[0][0, -last:].float()))
-             for layer in model.model.layers]
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda _m, _i, out: into.append(out[0][0, -last:].float()))
+        for layer in model.model.layers
+    ]
     try:
         yield into
     finally:

@@ -47,7 +47,9 @@ class KeySpace:
         self.source_rope = RopeCache(source)
         self.target_rope = RopeCache(target)
         w, eps = k_norm_params(target)
-        self.k_norm_weight = w if device is None or w is None else w.to(device)  # [target layers, head_dim] FP32 or None
+        self.k_norm_weight = (
+            w if device is None or w is None else w.to(device)
+        )  # [target layers, head_dim] FP32 or None
         self.k_norm_eps = eps
 
     @property
@@ -55,7 +57,7 @@ class KeySpace:
         """Whether a capture of the source must keep its pre-norm key features."""
         return self.name == "prenorm"
 
-    def to(self, device) -> "KeySpace":
+    def to(self, device) -> KeySpace:
         if self.k_norm_weight is not None:
             self.k_norm_weight = self.k_norm_weight.to(device)
         return self
@@ -66,8 +68,9 @@ class KeySpace:
         source layers."""
         if self.name == "prenorm":
             if cap.prenorm is None:
-                raise ValueError("key space 'prenorm' needs the source's pre-norm key features; capture with "
-                                 "want_prenorm=True")
+                raise ValueError(
+                    "key space 'prenorm' needs the source's pre-norm key features; capture with want_prenorm=True"
+                )
             return cap.prenorm[layers].to(dtype)
         cos, sin = self.source_rope.inverse(cap.n_tokens, device=cap.keys.device)
         return strip_rope(cap.keys[layers].float(), cos, sin).to(dtype)

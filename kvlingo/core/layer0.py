@@ -44,7 +44,8 @@ def check(model) -> None:
         raise NotContextFree(
             f"the first layer of a {what} model is not known to be context-free (keys and values from the token "
             f"and its position alone: {', '.join(arch.MODEL_TYPES)} only); use layer:0, which runs the target's "
-            "layer-0 forward, instead of exact:0")
+            "layer-0 forward, instead of exact:0"
+        )
 
 
 def flops_per_token(cfg) -> float:
@@ -93,7 +94,8 @@ class ContextFree:
             return torch.cat([attn.k_proj(h), attn.v_proj(h)], -1)[0]
 
     def kv(self, ids, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer-0 (keys, values) a forward of `ids` at positions start.. caches, each [kv_heads, tokens, head_dim]."""
+        """The layer-0 (keys, values) a forward of `ids` at positions start.. caches, each [kv_heads, tokens,
+        head_dim]."""
         with torch.no_grad():
             x = self.embeddings(ids)  # [1, T, hidden]
             T = x.shape[1]

@@ -66,13 +66,15 @@ class PreallocatedLayer(CacheLayerMixin):
 
     def set_length(self, n: int) -> None:
         if not self.offset <= n <= self.capacity:
-            raise ValueError(f"cache length {n} outside {self.offset}..{self.capacity}"
-                             + (" (the first tokens' values are deferred)" if self.offset else ""))
+            raise ValueError(
+                f"cache length {n} outside {self.offset}..{self.capacity}"
+                + (" (the first tokens' values are deferred)" if self.offset else "")
+            )
         self.length = n
         self.keys = self.key_buffer[:, :, :n]  # what transformers and callers read: the filled part
-        self.values = self.value_buffer[:, :, :n - self.offset]
+        self.values = self.value_buffer[:, :, : n - self.offset]
 
-    def defer(self, deferred: "Deferred | None") -> None:
+    def defer(self, deferred: Deferred | None) -> None:
         """Hold the first `deferred.tokens` tokens' values as the source's plus the maps (None: no
         deferral), and mark exactly those tokens filled."""
         self.deferred = deferred
@@ -94,8 +96,8 @@ class PreallocatedLayer(CacheLayerMixin):
         end, offset = self.length + key_states.shape[-2], self.offset
         if end > self.capacity:
             self._grow(end)
-        self.key_buffer[:, :, self.length:end].copy_(key_states)
-        self.value_buffer[:, :, self.length - offset:end - offset].copy_(value_states)
+        self.key_buffer[:, :, self.length : end].copy_(key_states)
+        self.value_buffer[:, :, self.length - offset : end - offset].copy_(value_states)
         self.set_length(end)
         return self.keys, self.values
 
@@ -133,6 +135,7 @@ class ValueMaps:
     where x[l, j] concatenates, over the source layers `layers[l]` in order and, within each, the source
     heads head j reads (head j alone when `per_head`, else every source head in order), those heads'
     values: its width, the mix width, is k · d_s (per head) or k · source kv_heads · d_s."""
+
     layers: tuple[tuple[int, ...], ...]  # [target layers][k]: the source layers each target layer reads
     per_head: bool  # target head j reads source head j alone (head-wise maps); else every source head
     weight: torch.Tensor  # [target layers, target kv_heads, mix width (or down's rank), d_out], FP32
@@ -143,6 +146,7 @@ class ValueMaps:
 @dataclass
 class Deferred:
     """One layer's context values, deferred: views of the source's values it reads and the map that translates them."""
+
     sources: tuple[torch.Tensor, ...]  # k × [source kv_heads, tokens, d_s]: the source's values of the layers read
     per_head: bool  # target head j reads source head j alone (`ValueMaps.per_head`)
     weight: torch.Tensor  # [kv_heads, mix width or rank, d_out], FP32
@@ -159,14 +163,20 @@ class PreallocatedCache(Cache):
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int = 0):
         if key_buffer.shape != value_buffer.shape or key_buffer.dim() != 4:
-            raise ValueError(f"key/value buffers {tuple(key_buffer.shape)} / {tuple(value_buffer.shape)} must both be "
-                             "[layers, kv_heads, capacity, head_dim]")
+            raise ValueError(
+                f"key/value buffers {tuple(key_buffer.shape)} / {tuple(value_buffer.shape)} must both be "
+                "[layers, kv_heads, capacity, head_dim]"
+            )
         self.key_buffer, self.value_buffer = key_buffer, value_buffer
-        super().__init__(layers=[PreallocatedLayer(key_buffer[i:i + 1], value_buffer[i:i + 1], length)
-                                 for i in range(key_buffer.shape[0])])
+        super().__init__(
+            layers=[
+                PreallocatedLayer(key_buffer[i : i + 1], value_buffer[i : i + 1], length)
+                for i in range(key_buffer.shape[0])
+            ]
+        )
 
     @classmethod
-    def empty(cls, model, capacity: int, dtype: torch.dtype | None = None, device=None) -> "PreallocatedCache":
+    def empty(cls, model, capacity: int, dtype: torch.dtype | None = None, device=None) -> PreallocatedCache:
         """Unfilled buffers for `model` with room for `capacity` tokens (in the model's dtype and device)."""
         cfg = model.config
         p = next(model.parameters())
@@ -217,23 +227,36 @@ class PreallocatedCache(Cache):
         if maps.down is not None and tuple(maps.down.shape[:2]) != (L, mix):
             wrong.append(f"down {tuple(maps.down.shape)} is not [{L}, {mix}, rank]")
         if tuple(maps.weight.shape) != (L, H, width, d) or tuple(maps.bias.shape) != (L, H, d):
-            wrong.append(f"maps {tuple(maps.weight.shape)} / {tuple(maps.bias.shape)} are not [{L}, {H}, {width}, {d}] "
-                         f"/ [{L}, {H}, {d}]")
+            wrong.append(
+                f"maps {tuple(maps.weight.shape)} / {tuple(maps.bias.shape)} are not [{L}, {H}, {width}, {d}] "
+                f"/ [{L}, {H}, {d}]"
+            )
         if wrong:
-            raise ValueError(f"deferred values {tuple(values.shape)} and their maps do not fit this cache: "
-                             + "; ".join(wrong))
+            raise ValueError(
+                f"deferred values {tuple(values.shape)} and their maps do not fit this cache: " + "; ".join(wrong)
+            )
         if n > self.capacity:
             raise ValueError(f"{n} deferred tokens exceed the capacity {self.capacity}")
         for i, layer in enumerate(self.layers):
-            layer.defer(Deferred(tuple(values[s] for s in maps.layers[i]), maps.per_head, maps.weight[i],
-                                 maps.bias[i], None if maps.down is None else maps.down[i]))
+            layer.defer(
+                Deferred(
+                    tuple(values[s] for s in maps.layers[i]),
+                    maps.per_head,
+                    maps.weight[i],
+                    maps.bias[i],
+                    None if maps.down is None else maps.down[i],
+                )
+            )
 
     def context(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable views of the first n token slots: (keys, values), each [layers, kv_heads, n, head_dim].
 
         Valid until a layer grows; views of the whole-model buffers, so strided along layers and heads."""
-        if n > self.capacity or any(layer.key_buffer.data_ptr() != self.key_buffer[i].data_ptr()
-                                    for i, layer in enumerate(self.layers)):
-            raise ValueError(f"context({n}) needs the original buffers with room for {n} tokens "
-                             f"(capacity {self.capacity}; a layer may have grown)")
+        if n > self.capacity or any(
+            layer.key_buffer.data_ptr() != self.key_buffer[i].data_ptr() for i, layer in enumerate(self.layers)
+        ):
+            raise ValueError(
+                f"context({n}) needs the original buffers with room for {n} tokens "
+                f"(capacity {self.capacity}; a layer may have grown)"
+            )
         return self.key_buffer[:, :, :n], self.value_buffer[:, :, :n]

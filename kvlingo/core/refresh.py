@@ -56,14 +56,16 @@ class Refresh:
     relative: bool = False  # tail/layers given as a percentage of the context / of the layers
 
     @classmethod
-    def parse(cls, text: str | None) -> "Refresh":
+    def parse(cls, text: str | None) -> Refresh:
         if not text or text == "none":
             return cls()
         m = re.fullmatch(r"(tail|layers|select|layer|exact):([0-9.]+)(%?)", text.strip())
         if not m:
-            raise RefreshError(f"refresh {text!r} is not none, tail:W, layers:K, select:R, layer:l or exact:0 "
-                               "(W and K: a count or a percentage such as 10%; R: a fraction in [0, 1]; "
-                               "l: a target layer index)")
+            raise RefreshError(
+                f"refresh {text!r} is not none, tail:W, layers:K, select:R, layer:l or exact:0 "
+                "(W and K: a count or a percentage such as 10%; R: a fraction in [0, 1]; "
+                "l: a target layer index)"
+            )
         kind, value, pct = m.group(1), float(m.group(2)), bool(m.group(3))
         if kind == "select":
             value = value / 100 if pct else value
@@ -71,8 +73,10 @@ class Refresh:
                 raise RefreshError(f"select:{m.group(2)}{m.group(3)}: the fraction must be within [0, 1]")
             return cls(kind, value)
         if kind == "exact" and (pct or value != 0):
-            raise RefreshError(f"{text}: only layer 0 is computed from the token ids alone (every later layer reads "
-                               "the context); give exact:0")
+            raise RefreshError(
+                f"{text}: only layer 0 is computed from the token ids alone (every later layer reads "
+                "the context); give exact:0"
+            )
         if kind == "layer" and (pct or value != int(value)):
             raise RefreshError(f"{text}: layer:l takes the index of one target layer, such as layer:0")
         if pct:
@@ -115,8 +119,9 @@ class Refresh:
             elif self.kind == "layer":
                 self.layer_index(n_layers)
         except RefreshError as err:
-            raise RefreshError(f"refresh {err}; give layers:K with K ≤ {n_layers} (or a percentage), or layer:l "
-                               f"with l < {n_layers}") from None
+            raise RefreshError(
+                f"refresh {err}; give layers:K with K ≤ {n_layers} (or a percentage), or layer:l with l < {n_layers}"
+            ) from None
 
     def selected_count(self, n_tokens: int) -> int:
         return min(n_tokens, round(self.amount * n_tokens))
@@ -136,8 +141,10 @@ def native_prefix_cache(target, ids: torch.Tensor, n_layers: int):
     layers = target.model.layers
     hook = None
     if n_layers < len(layers):
+
         def stop(_module, _args):
             raise _Stop
+
         hook = layers[n_layers].register_forward_pre_hook(stop)
     try:
         with torch.no_grad():
@@ -170,8 +177,16 @@ def selection_mask(selected: list[int], kept: list[int], device) -> torch.Tensor
     return (kv[None, :] <= q[:, None])[None, None]
 
 
-def refreshed_kv(source, target, translator, context_ids, refresh: Refresh, out_dtype=None,
-                 cap: Capture | None = None, kind: str = "preallocated") -> tuple[torch.Tensor, torch.Tensor]:
+def refreshed_kv(
+    source,
+    target,
+    translator,
+    context_ids,
+    refresh: Refresh,
+    out_dtype=None,
+    cap: Capture | None = None,
+    kind: str = "preallocated",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's cache of `context_ids` under `refresh`: (keys, values) [layers, kv_heads, T, head_dim].
     `kind`: the cache of the source's prefill and of a whole-context native prefill."""
     device = next(target.parameters()).device
@@ -204,8 +219,9 @@ def _with_native_layers(translator, cap: Capture, out_dtype, native: slice, own)
     layers, and each native layer is copied once, from the cache into the result)."""
     g = translator.geometry
     dtype = out_dtype or cap.keys.dtype
-    keys = torch.empty(g.target_layers, g.target_kv_heads, cap.n_tokens, g.target_head_dim, dtype=dtype,
-                       device=cap.values.device)
+    keys = torch.empty(
+        g.target_layers, g.target_kv_heads, cap.n_tokens, g.target_head_dim, dtype=dtype, device=cap.values.device
+    )
     values = torch.empty_like(keys)
     for part in (slice(0, native.start), slice(native.stop, g.target_layers)):
         if part.start < part.stop:
@@ -248,12 +264,21 @@ def _tail(target, translator, cap: Capture, ids: torch.Tensor, w: int, out_dtype
         with torch.no_grad():
             own = capture(target, ids, want_prenorm=False, logits_to_keep=1, kind=kind)
         return own.keys, own.values
-    sliced = Capture(cap.keys[:, :, :head], cap.values[:, :, :head],
-                     None if cap.prenorm is None else cap.prenorm[:, :, :head], cap.logits,
-                     None if cap.ids is None else cap.ids[:head])
+    sliced = Capture(
+        cap.keys[:, :, :head],
+        cap.values[:, :, :head],
+        None if cap.prenorm is None else cap.prenorm[:, :, :head],
+        cap.logits,
+        None if cap.ids is None else cap.ids[:head],
+    )
     keys, values = translator(sliced, out_dtype)
     with torch.no_grad():
-        out = target(input_ids=ids[:, head:], cache=build_cache(target, keys, values, kind="dynamic"), use_cache=True, logits_to_keep=1)
+        out = target(
+            input_ids=ids[:, head:],
+            cache=build_cache(target, keys, values, kind="dynamic"),
+            use_cache=True,
+            logits_to_keep=1,
+        )
     return _stack(out.cache)
 
 
@@ -265,16 +290,23 @@ def _select(target, translator, cap: Capture, ids: torch.Tensor, n_sel: int, out
     if n_sel == T:  # every token recomputed: the target's own prefill
         return _tail(target, translator, cap, ids, T, out_dtype, kind)
     nk, nv = native_prefix_layers(target, ids, 1)  # the target's own layer 0: embeddings → K/V
-    dev = (nk.float() - keys[:1].float()).pow(2).sum((0, 1, 3)) + (nv.float() - values[:1].float()).pow(2).sum((0, 1, 3))
+    dev = (nk.float() - keys[:1].float()).pow(2).sum((0, 1, 3)) + (nv.float() - values[:1].float()).pow(2).sum(
+        (0, 1, 3)
+    )
     selected = sorted(dev.topk(n_sel).indices.tolist())  # [n_sel] positions, by deviation
     chosen = set(selected)
     kept = [t for t in range(T) if t not in chosen]
     cache = build_cache(target, keys[:, :, kept], values[:, :, kept], kind="dynamic")
     device = ids.device
     with torch.no_grad():
-        out = target(input_ids=ids[:, selected], cache=cache, use_cache=True, logits_to_keep=1,
-                     position_ids=torch.tensor([selected], device=device),
-                     attention_mask=selection_mask(selected, kept, device))
+        out = target(
+            input_ids=ids[:, selected],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            position_ids=torch.tensor([selected], device=device),
+            attention_mask=selection_mask(selected, kept, device),
+        )
     k_all, v_all = _stack(out.cache)  # kept tokens, then selected ones
     order = torch.tensor(kept + selected, device=device).argsort()
     return k_all[:, :, order], v_all[:, :, order]
@@ -291,8 +323,13 @@ def forward_flops(cfg, n_query: int, n_keys: int, layers: int | None = None, lm_
     """FLOPs of `layers` decoder layers (all by default) for n_query tokens attending to n_keys keys each (on
     average): 2 × the layer parameters per token, plus 4 × query heads × head_dim per query-key pair."""
     L = cfg.num_hidden_layers if layers is None else layers
-    h, d, Hq, Hkv, ff = cfg.hidden_size, head_dim(cfg), cfg.num_attention_heads, cfg.num_key_value_heads, \
-        cfg.intermediate_size
+    h, d, Hq, Hkv, ff = (
+        cfg.hidden_size,
+        head_dim(cfg),
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+    )
     per_layer = h * Hq * d * 2 + h * Hkv * d * 2 + 3 * h * ff  # q, o; k, v; gate, up, down
     dense = 2.0 * L * per_layer * n_query
     attention = 4.0 * L * Hq * d * n_query * n_keys
@@ -330,6 +367,11 @@ def refresh_flops(refresh: Refresh, source_cfg, target_cfg, translator_flops_per
     else:
         native, translated = 0.0, translator_flops_per_token * T
     total = native + translated
-    return {"native_flops": native, "translate_flops": translated, "handoff_flops": total,
-            "reprefill_flops": reprefill, "fraction_of_reprefill": total / reprefill,
-            "ceiling_speedup": reprefill / total if total else math.inf}
+    return {
+        "native_flops": native,
+        "translate_flops": translated,
+        "handoff_flops": total,
+        "reprefill_flops": reprefill,
+        "fraction_of_reprefill": total / reprefill,
+        "ceiling_speedup": reprefill / total if total else math.inf,
+    }

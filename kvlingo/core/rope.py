@@ -35,15 +35,21 @@ def schedule_refusal(rope_parameters: dict | None) -> str | None:
     rope = dict(rope_parameters or {})
     kind = rope.get("rope_type", "default")
     if "dynamic" in kind:
-        return (f"RoPE schedule {kind!r} rescales its frequencies with the longest sequence the model has seen, so "
-                "a cached key's rotation depends on the sequence length and cannot be stripped exactly; use a static "
-                "schedule (rope_type 'linear' or 'yarn' with the same factor) or remove the rope scaling")
+        return (
+            f"RoPE schedule {kind!r} rescales its frequencies with the longest sequence the model has seen, so "
+            "a cached key's rotation depends on the sequence length and cannot be stripped exactly; use a static "
+            "schedule (rope_type 'linear' or 'yarn' with the same factor) or remove the rope scaling"
+        )
     if kind not in STATIC_SCHEDULES:
-        return (f"RoPE schedule {kind!r} is not supported (supported: {', '.join(STATIC_SCHEDULES)}); "
-                "use a model whose rope_parameters use one of those")
+        return (
+            f"RoPE schedule {kind!r} is not supported (supported: {', '.join(STATIC_SCHEDULES)}); "
+            "use a model whose rope_parameters use one of those"
+        )
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-        return (f"partial rotary embedding (partial_rotary_factor={rope['partial_rotary_factor']}) is not "
-                "supported: keys are rotated over the whole head_dim; use a model with partial_rotary_factor 1")
+        return (
+            f"partial rotary embedding (partial_rotary_factor={rope['partial_rotary_factor']}) is not "
+            "supported: keys are rotated over the whole head_dim; use a model with partial_rotary_factor 1"
+        )
     return None
 
 
@@ -70,8 +76,9 @@ def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return k * cos + rotate_half(k) * sin
 
 
-def apply_rope_into(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
-                    scratch: torch.Tensor) -> torch.Tensor:
+def apply_rope_into(
+    k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor
+) -> torch.Tensor:
     """`apply_rope` written into `out` half by half, with no full-size temporary.
 
     The same products and sums in the same order (so the same bits): the first half is
@@ -114,7 +121,11 @@ class RopeCache:
     def _tables(self, n_tokens: int, device) -> tuple[torch.Tensor, ...]:
         long = self.switch is not None and n_tokens > self.switch
         have = self.tables.get(long)
-        if have is None or have[0].shape[0] < n_tokens or (device is not None and have[0].device != torch.device(device)):
+        if (
+            have is None
+            or have[0].shape[0] < n_tokens
+            or (device is not None and have[0].device != torch.device(device))
+        ):
             n = max(n_tokens, 2 * (have[0].shape[0] if have is not None else 0), 64)
             if self.switch is not None and not long:
                 n = min(n, self.switch)  # a longer table would be the long regime's

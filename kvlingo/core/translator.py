@@ -15,7 +15,7 @@ A translator turns a source capture (`cache.Capture`) into the target's K/V, rea
 A family with a closed form is a `LinearFamily`: it also lays its maps out as least-squares
 blocks (kvlingo.train.closed_form fits them). Translation itself (`forward`) is shared: with
 gradients on, every layer at once in FP32; without, the chunked engine (kvlingo.core.engine).
-The folder format and the one loader are kvlingo.core.folder. Callers never branch on the family.
+The folder format and the one loader are kvlingo.records.saved. Callers never branch on the family.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .cache import Capture
 from .keyspace import KeySpace
 from .preallocated import ValueMaps
 
-FAMILIES: dict[str, type["Translator"]] = {}  # family name → class, filled by @family
+FAMILIES: dict[str, type[Translator]] = {}  # family name → class, filled by @family
 
 
 class TranslatorError(Refusal, ValueError):
@@ -53,11 +53,17 @@ class Geometry:
     target_head_dim: int
 
     @classmethod
-    def of(cls, source_cfg, target_cfg) -> "Geometry":
+    def of(cls, source_cfg, target_cfg) -> Geometry:
         """From two model configs (or models)."""
         s, t = getattr(source_cfg, "config", source_cfg), getattr(target_cfg, "config", target_cfg)
-        return cls(s.num_hidden_layers, s.num_key_value_heads, head_dim(s),
-                   t.num_hidden_layers, t.num_key_value_heads, head_dim(t))
+        return cls(
+            s.num_hidden_layers,
+            s.num_key_value_heads,
+            head_dim(s),
+            t.num_hidden_layers,
+            t.num_key_value_heads,
+            head_dim(t),
+        )
 
     @property
     def same_layout(self) -> bool:
@@ -65,7 +71,7 @@ class Geometry:
         return (self.source_layers, self.source_kv_heads) == (self.target_layers, self.target_kv_heads)
 
 
-def family(cls: type["Translator"]) -> type["Translator"]:
+def family(cls: type[Translator]) -> type[Translator]:
     """Class decorator: make a family loadable by its name."""
     FAMILIES[cls.family] = cls
     return cls
@@ -109,13 +115,17 @@ class Translator(nn.Module):
         return None
 
     @classmethod
-    def from_spec(cls, geometry: Geometry, key_space: str, settings: dict[str, Any]) -> "Translator":
+    def from_spec(cls, geometry: Geometry, key_space: str, settings: dict[str, Any]) -> Translator:
         return cls(geometry, key_space, **settings)
 
     # ------------------------------------------------------------------ shared
     def spec(self) -> dict[str, Any]:
-        return {"family": self.family, "key_space": self.key_space, "settings": self.settings(),
-                "geometry": asdict(self.geometry)}
+        return {
+            "family": self.family,
+            "key_space": self.key_space,
+            "settings": self.settings(),
+            "geometry": asdict(self.geometry),
+        }
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -129,12 +139,14 @@ class Translator(nn.Module):
         p = next(iter(self.parameters()), None)
         return p.device if p is not None else torch.device("cpu")
 
-    def bind(self, source, target) -> "Translator":
+    def bind(self, source, target) -> Translator:
         """Attach the pair's RoPE tables and target k_norm (on this translator's device); returns self."""
         got = Geometry.of(source, target)
         if got != self.geometry:
-            raise TranslatorError(f"this {self.family} translator has geometry {asdict(self.geometry)}, but the pair "
-                                  f"has {asdict(got)}: it was made for another pair")
+            raise TranslatorError(
+                f"this {self.family} translator has geometry {asdict(self.geometry)}, but the pair "
+                f"has {asdict(got)}: it was made for another pair"
+            )
         self.space = KeySpace(self.key_space, source, target, device=self.device)
         return self
 
@@ -179,9 +191,15 @@ class Translator(nn.Module):
             yv = self.map(1, cap, layers)
             return self.space.finish_keys(yk, layers), yv
 
-    def forward(self, cap: Capture, out_dtype: torch.dtype | None = None, chunk_elements: int | None = None,
-                target_layers: slice = slice(None), out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                precision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        cap: Capture,
+        out_dtype: torch.dtype | None = None,
+        chunk_elements: int | None = None,
+        target_layers: slice = slice(None),
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        precision: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Translate a capture: target (keys, values), each [target layers, kv_heads, tokens, head_dim].
 
         `target_layers`: only these target layers (a refresh computes the others natively).

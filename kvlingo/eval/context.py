@@ -23,7 +23,7 @@ token-weighted means and per-conversation means ± SE with their n.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -46,8 +46,13 @@ def score(ref: torch.Tensor, logits: torch.Tensor, change: torch.Tensor, thresho
     kl = token_kl(ref[:, :v], logits[:, :v])
     top1 = top1_agreement(ref[:, :v], logits[:, :v])
     mask = change > threshold
-    return {"ctx_kl_sum": kl[mask].sum().item(), "ctx_top1_sum": top1[mask].sum().item(),
-            "ctx_n_tokens": int(mask.sum()), "wkl_sum": (change * kl).sum().item(), "w_sum": change.sum().item()}
+    return {
+        "ctx_kl_sum": kl[mask].sum().item(),
+        "ctx_top1_sum": top1[mask].sum().item(),
+        "ctx_n_tokens": int(mask.sum()),
+        "wkl_sum": (change * kl).sum().item(),
+        "w_sum": change.sum().item(),
+    }
 
 
 def attention_agreement(native: Sequence[torch.Tensor], arm: Sequence[torch.Tensor]) -> dict:
@@ -72,7 +77,8 @@ def summarize(items: Sequence[dict]) -> dict:
         "context_kl_conversation": mean_se([a["ctx_kl_sum"] / a["ctx_n_tokens"] for a in with_ctx]),
         "context_top1": sum(a["ctx_top1_sum"] for a in items) / n_ctx if n_ctx else float("nan"),
         "context_top1_conversation": mean_se([a["ctx_top1_sum"] / a["ctx_n_tokens"] for a in with_ctx]),
-        "context_weighted_kl": (sum(a["wkl_sum"] for a in items) / w) if (w := sum(a["w_sum"] for a in items))
+        "context_weighted_kl": (sum(a["wkl_sum"] for a in items) / w)
+        if (w := sum(a["w_sum"] for a in items))
         else float("nan"),
     }
     if "attn_n" in items[0]:

@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from ..core.cache import handoff_split
-from ..core.handoff import as_ids, capture_source, continue_target, device_of, translate
 from ..core.families.headwise import Headwise
+from ..core.handoff import as_ids, capture_source, continue_target, device_of, translate
 from ..core.kl import token_kl, top1_agreement
 from ..core.translator import Geometry
-from ..run.models import dtype_name
+from ..inputs.models import dtype_name
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: one rounding moves a value by at most half of this, relatively
 
@@ -41,7 +41,7 @@ class Tolerances:
     identity_logit_rel: float  # max |Δlogit| of the identity round trip, times max |reference logit|
     identity_kl: float  # mean KL(native ‖ identity) over the new tokens, nats
 
-    def scaled(self, factor: float) -> "Tolerances":
+    def scaled(self, factor: float) -> Tolerances:
         """Every bound times `factor` (a negative factor makes every check fail: used by the tests)."""
         return replace(self, **{k: v * factor for k, v in asdict(self).items() if k != "dtype"})
 
@@ -113,12 +113,17 @@ def native_controls(model, prefix_ids, reply_ids, tol: Tolerances, kind: str = "
     kl = token_kl(ref, ident).mean().item()
     return {
         "reconstruction": {
-            "max_abs_dlogit": recon_diff, "bound": recon_bound, "passed": recon_diff <= recon_bound,
+            "max_abs_dlogit": recon_diff,
+            "bound": recon_bound,
+            "passed": recon_diff <= recon_bound,
         },
         "identity": {
-            "max_abs_dkey": key_diff, "key_bound": key_bound,
-            "max_abs_dlogit": ident_diff, "bound": ident_bound,
-            "kl_mean": kl, "kl_bound": tol.identity_kl,
+            "max_abs_dkey": key_diff,
+            "key_bound": key_bound,
+            "max_abs_dlogit": ident_diff,
+            "bound": ident_bound,
+            "kl_mean": kl,
+            "kl_bound": tol.identity_kl,
             "top1_agreement": top1_agreement(ref, ident).mean().item(),
             "values_equal": bool(torch.equal(values, cap.values)),
             "passed": key_diff <= key_bound and ident_diff <= ident_bound and kl <= tol.identity_kl,

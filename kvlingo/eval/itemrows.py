@@ -17,7 +17,7 @@ last one cannot come from a kill and is refused.
 Resume rules:
 - a fresh run (resume=False) replaces any old log with a new header;
 - a resume keeps the log only when its header's identity (settings, inputs, pair and the
-  code hash of the stage: kvlingo.run.resume) equals the current one, and otherwise
+  code hash of the stage: kvlingo.records.resume) equals the current one, and otherwise
   refuses, naming every leaf that changed, so rows of old code never mix with new ones;
 - an item is skipped when a row with its input hash exists (here, or in a sibling log
   passed as a donor, whose matching rows are copied over with `reused_from`).
@@ -30,12 +30,13 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import Refusal
 from ..io import atomic_write_text, sha256_json, to_jsonable, write_all, write_refusal
-from ..run.resume import check as check_identity
+from ..records.resume import check as check_identity
 
 CHECKSUM = "_sha256"
 
@@ -84,21 +85,30 @@ def read_rows(path: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, A
         if row is None:
             if i == len(lines) - 1:
                 break  # a torn tail from a killed write: dropped
-            raise RowsError(f"{path}: line {i + 1} is damaged (bad JSON or checksum) and is not the last line; "
-                            "the file was edited or corrupted. Move it away and re-run without --resume.")
+            raise RowsError(
+                f"{path}: line {i + 1} is damaged (bad JSON or checksum) and is not the last line; "
+                "the file was edited or corrupted. Move it away and re-run without --resume."
+            )
         rows.append(row)
         good_bytes += len(line.encode("utf-8"))
     if not rows or rows[0].get("kind") != "header":
-        raise RowsError(f"{path} has no header line; it is not a rows file of this suite. "
-                        "Move it away and re-run without --resume.")
+        raise RowsError(
+            f"{path} has no header line; it is not a rows file of this suite. Move it away and re-run without --resume."
+        )
     return rows[0], rows[1:], good_bytes
 
 
 class ItemRows:
     """The rows log of one report. `settings` is the stage's resume identity: what a resume must find unchanged."""
 
-    def __init__(self, path: str | os.PathLike, settings: dict[str, Any], resume: bool,
-                 donors: Iterable[str | os.PathLike] = (), ignore: Iterable[str] = ()):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        settings: dict[str, Any],
+        resume: bool,
+        donors: Iterable[str | os.PathLike] = (),
+        ignore: Iterable[str] = (),
+    ):
         self.path = Path(path)
         self.settings = to_jsonable(settings)
         self.session = uuid.uuid4().hex[:12]  # marks the rows this process produced
@@ -106,18 +116,30 @@ class ItemRows:
         rows: list[dict[str, Any]] = []
         if resume and self.path.exists():
             header, rows, good_bytes = read_rows(self.path)
-            check_identity(header.get("settings"), self.settings, str(self.path),
-                         "re-run with the original settings, code and inputs, or without --resume to start over "
-                         "(or choose another --run)", ignore=ignore)
+            check_identity(
+                header.get("settings"),
+                self.settings,
+                str(self.path),
+                "re-run with the original settings, code and inputs, or without --resume to start over "
+                "(or choose another --run)",
+                ignore=ignore,
+            )
             if good_bytes != self.path.stat().st_size:
                 # Drop the torn tail before appending, so it can never sit between two rows.
                 self.dropped_torn_line = True
-                print(f"note: {self.path}: its last line was cut short (the run was killed while writing it); "
-                      "dropped, and that item is answered again", file=sys.stderr)
+                print(
+                    f"note: {self.path}: its last line was cut short (the run was killed while writing it); "
+                    "dropped, and that item is answered again",
+                    file=sys.stderr,
+                )
                 atomic_write_text(self.path, "".join(_line(r) for r in [header, *rows]))
         else:
-            header = {"kind": "header", "settings": self.settings, "settings_sha256": sha256_json(self.settings),
-                      "created_unix": time.time()}
+            header = {
+                "kind": "header",
+                "settings": self.settings,
+                "settings_sha256": sha256_json(self.settings),
+                "created_unix": time.time(),
+            }
             atomic_write_text(self.path, _line(header))
         self.header = header
         self.rows: dict[str, dict[str, Any]] = {r["key"]: r for r in rows if r.get("kind") == "item"}
@@ -130,7 +152,9 @@ class ItemRows:
                 dheader, drows, _ = read_rows(d)
             except RowsError:
                 continue  # a damaged sibling is simply not reused
-            if not isinstance(dheader.get("settings"), dict) or dheader["settings"].get("code") != self.settings.get("code"):
+            if not isinstance(dheader.get("settings"), dict) or dheader["settings"].get("code") != self.settings.get(
+                "code"
+            ):
                 continue  # rows made by other code are never reused
             for r in drows:
                 if r.get("kind") == "item":

@@ -27,7 +27,7 @@ each layer's attention output with the native cache's.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -89,7 +89,7 @@ def score_logits(ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor)
     v = min(ref.shape[-1], logits.shape[-1])
     kl = nll = top1 = 0.0
     for s in range(0, targets.shape[0], CHUNK):
-        r, q, t = ref[s:s + CHUNK, :v], logits[s:s + CHUNK, :v], targets[s:s + CHUNK]
+        r, q, t = ref[s : s + CHUNK, :v], logits[s : s + CHUNK, :v], targets[s : s + CHUNK]
         kl += token_kl(r, q).sum().item()
         nll += token_nll(q, t).sum().item()
         top1 += top1_agreement(r, q).sum().item()
@@ -97,9 +97,17 @@ def score_logits(ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor)
 
 
 @torch.no_grad()
-def score_conversation(source, target, translators: dict[str, Translator], control_translator: str | None,
-                       conv: dict, control_context: Sequence[int], out_dtype: torch.dtype,
-                       refresh=None, kind: str = "preallocated") -> dict[str, dict]:
+def score_conversation(
+    source,
+    target,
+    translators: dict[str, Translator],
+    control_translator: str | None,
+    conv: dict,
+    control_context: Sequence[int],
+    out_dtype: torch.dtype,
+    refresh=None,
+    kind: str = "preallocated",
+) -> dict[str, dict]:
     """Per-arm sums for one conversation. Arms whose maps are absent from `translators` are left out;
     the control arm runs when `control_translator` names one of them. A `refresh` (kvlingo.core.refresh)
     applies to every translated cache, the control's included; every arm builds caches of `kind`."""
@@ -107,8 +115,10 @@ def score_conversation(source, target, translators: dict[str, Translator], contr
     context, new, targets = handoff_split(conv["prefix_ids"], conv["reply_ids"])
     new_t, tgt = as_ids(new, device), torch.as_tensor(targets, device=device)
     if control_translator is not None and len(control_context) != len(context):
-        raise ValueError(f"the control context has {len(control_context)} tokens, not the {len(context)} of the "
-                         "context it stands in for (see control_contexts)")
+        raise ValueError(
+            f"the control context has {len(control_context)} tokens, not the {len(context)} of the "
+            "context it stands in for (see control_contexts)"
+        )
 
     native_attn: list = []
     own_t = capture_source(target, context, kind=kind)
@@ -122,20 +132,33 @@ def score_conversation(source, target, translators: dict[str, Translator], contr
         attn: list = []
         with attention_outputs(target, len(new), attn):
             logits = continue_target(target, kv, new_t, kind).logits[0]
-        return {**score_logits(ref, logits, tgt), **ctx.score(ref, logits, change),
-                **ctx.attention_agreement(native_attn, attn)}
+        return {
+            **score_logits(ref, logits, tgt),
+            **ctx.score(ref, logits, change),
+            **ctx.attention_agreement(native_attn, attn),
+        }
 
     src = capture_source(source, context, translators.values(), kind)
     arms = {"native_target": {**score_logits(ref, ref, tgt), **ctx.score(ref, ref, change)}}
     source_logits = continue_target(source, (src.keys, src.values), new_t, kind).logits[0]
     arms["native_source"] = {**score_logits(ref, source_logits, tgt), **ctx.score(ref, source_logits, change)}
     for name, translator in translators.items():
-        arms[name] = on_target(translate(source, translator, context, out_dtype, cap=src, refresh=refresh,
-                                         target=target, kind=kind))
+        arms[name] = on_target(
+            translate(source, translator, context, out_dtype, cap=src, refresh=refresh, target=target, kind=kind)
+        )
     del src
     if control_translator is not None:
-        arms["control"] = on_target(translate(source, translators[control_translator], control_context, out_dtype,
-                                              refresh=refresh, target=target, kind=kind))
+        arms["control"] = on_target(
+            translate(
+                source,
+                translators[control_translator],
+                control_context,
+                out_dtype,
+                refresh=refresh,
+                target=target,
+                kind=kind,
+            )
+        )
     arms["no_context"] = {**score_logits(ref, no_ctx, tgt), **ctx.score(ref, no_ctx, change)}
     for a in arms.values():
         n = a["n_tokens"]
@@ -165,8 +188,12 @@ def summarize_arm(rows: Sequence[dict], arm: str) -> dict:
     }
 
 
-PAIRED = (("distilled", "native_target"), ("closed_form", "native_target"), ("distilled", "control"),
-          ("closed_form", "control"))
+PAIRED = (
+    ("distilled", "native_target"),
+    ("closed_form", "native_target"),
+    ("distilled", "control"),
+    ("closed_form", "control"),
+)
 
 
 def paired_tests(rows: Sequence[dict]) -> dict[str, dict]:

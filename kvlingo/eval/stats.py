@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def mean_se(xs: Sequence[float]) -> dict[str, float]:
@@ -35,8 +35,10 @@ def _betacf(a: float, b: float, x: float) -> float:
     d = 1.0 / (d if abs(d) > tiny else tiny)
     h = d
     for m in range(1, 500):
-        for num in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
+        for num in (
+            m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m)),
+        ):
             d = 1.0 + num * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + num / (c if abs(c) > tiny else tiny)
@@ -67,8 +69,13 @@ def paired_t(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
     if s["n"] < 2:
         return {"mean_diff": s["mean"], "se": s["se"], "t": float("nan"), "p": float("nan"), "n": s["n"]}
     if s["se"] == 0:
-        return {"mean_diff": s["mean"], "se": 0.0, "t": float("inf") if s["mean"] else 0.0,
-                "p": 0.0 if s["mean"] else 1.0, "n": s["n"]}
+        return {
+            "mean_diff": s["mean"],
+            "se": 0.0,
+            "t": float("inf") if s["mean"] else 0.0,
+            "p": 0.0 if s["mean"] else 1.0,
+            "n": s["n"],
+        }
     t = s["mean"] / s["se"]
     return {"mean_diff": s["mean"], "se": s["se"], "t": t, "p": _t_sf(t, s["n"] - 1), "n": s["n"]}
 
@@ -104,8 +111,13 @@ def median(xs: Sequence[float]) -> float:
 BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 2000, 0  # what every report's speedup interval uses
 
 
-def ratio_of_medians_interval(num: Sequence[float], den: Sequence[float], level: float = 0.95,
-                              resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> list[float]:
+def ratio_of_medians_interval(
+    num: Sequence[float],
+    den: Sequence[float],
+    level: float = 0.95,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> list[float]:
     """Percentile-bootstrap interval [lo, hi] of median(num) / median(den), e.g. a speedup from the
     trials of a baseline (num) and of a faster path (den).
 
@@ -120,8 +132,9 @@ def ratio_of_medians_interval(num: Sequence[float], den: Sequence[float], level:
     if not num or not den:
         return [float("nan"), float("nan")]
     rng = random.Random(seed)
-    ratios = sorted(median(rng.choices(num, k=len(num))) / median(rng.choices(den, k=len(den)))
-                    for _ in range(resamples))
+    ratios = sorted(
+        median(rng.choices(num, k=len(num))) / median(rng.choices(den, k=len(den))) for _ in range(resamples)
+    )
     tail = (1.0 - level) / 2.0
     lo = ratios[min(resamples - 1, int(math.floor(tail * resamples)))]
     hi = ratios[max(0, int(math.ceil((1.0 - tail) * resamples)) - 1)]

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 OFF = {"kv_transfer_params": {"kvlingo": "off"}}  # SamplingParams.extra_args of a request the connector stays out of
 NO_SAVE = {"kv_transfer_params": {"kvlingo": "no-save"}}  # one that loads but leaves the store as it was
@@ -53,8 +54,11 @@ def spread(xs: list[float]) -> dict[str, float]:
 
 def ratio(slow: list[float], fast: list[float]) -> dict[str, float]:
     """Speedup of `fast` over `slow`: the ratio of medians, and the range over every pair of trials."""
-    return {"median": statistics.median(slow) / statistics.median(fast),
-            "low": min(slow) / max(fast), "high": max(slow) / min(fast)}
+    return {
+        "median": statistics.median(slow) / statistics.median(fast),
+        "low": min(slow) / max(fast),
+        "high": max(slow) / min(fast),
+    }
 
 
 def first_token(llm, ids: list[int], extra: dict | None = None):
@@ -80,8 +84,15 @@ def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 # --------------------------------------------------------------------------- the alternating conversation
-def conversation(engines: dict[str, Any], tokenizer, turns: list[tuple[str, str]], trials: int, warmups: int,
-                 max_tokens: int, decisions: list[dict]) -> list[dict[str, Any]]:
+def conversation(
+    engines: dict[str, Any],
+    tokenizer,
+    turns: list[tuple[str, str]],
+    trials: int,
+    warmups: int,
+    max_tokens: int,
+    decisions: list[dict],
+) -> list[dict[str, Any]]:
     """Run `turns` ([(engine name, user message)]) as one conversation, each turn on its engine with the
     connector; at each switch of engine, time the first token through the connector against the engine's
     own re-prefill of the same prompt. `decisions` is the connector's record (`connector.DECISIONS`).
@@ -92,12 +103,22 @@ def conversation(engines: dict[str, Any], tokenizer, turns: list[tuple[str, str]
         llm = engines[name]
         messages.append({"role": "user", "content": user})
         ids = render(tokenizer, messages)
-        row: dict[str, Any] = {"turn": turn, "engine": name, "switch": previous is not None and previous != name,
-                               "prompt_tokens": len(ids)}
+        row: dict[str, Any] = {
+            "turn": turn,
+            "engine": name,
+            "switch": previous is not None and previous != name,
+            "prompt_tokens": len(ids),
+        }
         if row["switch"]:
             mark = len(decisions)
-            times = interleaved({"reprefill": lambda llm=llm, ids=ids: first_token(llm, ids, OFF),
-                                 "connector": lambda llm=llm, ids=ids: first_token(llm, ids, NO_SAVE)}, trials, warmups)
+            times = interleaved(
+                {
+                    "reprefill": lambda llm=llm, ids=ids: first_token(llm, ids, OFF),
+                    "connector": lambda llm=llm, ids=ids: first_token(llm, ids, NO_SAVE),
+                },
+                trials,
+                warmups,
+            )
             row["ttft"] = {path: spread(ts) for path, ts in times.items()}
             row["ttft_trials"] = times
             row["speedup"] = ratio(times["reprefill"], times["connector"])
@@ -106,9 +127,14 @@ def conversation(engines: dict[str, Any], tokenizer, turns: list[tuple[str, str]
         mark = len(decisions)
         out = greedy(llm, ids, max_tokens)
         plan = next((d for d in decisions[mark:] if "mode" in d), {})
-        row.update(mode=plan.get("mode"), loaded=plan.get("matched", 0), own_tokens=plan.get("own_tokens", 0),
-                   reason=plan.get("reason"), reply_ids=list(out.token_ids),
-                   reply=tokenizer.decode(out.token_ids, skip_special_tokens=True).strip())
+        row.update(
+            mode=plan.get("mode"),
+            loaded=plan.get("matched", 0),
+            own_tokens=plan.get("own_tokens", 0),
+            reason=plan.get("reason"),
+            reply_ids=list(out.token_ids),
+            reply=tokenizer.decode(out.token_ids, skip_special_tokens=True).strip(),
+        )
         if row["switch"]:
             native = greedy(llm, ids, max_tokens, OFF)
             row["reprefill_reply"] = tokenizer.decode(native.token_ids, skip_special_tokens=True).strip()
@@ -121,17 +147,22 @@ def conversation(engines: dict[str, Any], tokenizer, turns: list[tuple[str, str]
 
 def switch_table(rows: list[dict[str, Any]]) -> str:
     """The per-turn table of `conversation`, as markdown."""
-    head = ("| turn | engine | prompt | own | translated | vLLM prefills | TTFT re-prefill ms | TTFT connector ms "
-            "| speedup (range) | translate ms | reply | = re-prefill reply |")
+    head = (
+        "| turn | engine | prompt | own | translated | vLLM prefills | TTFT re-prefill ms | TTFT connector ms "
+        "| speedup (range) | translate ms | reply | = re-prefill reply |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         own, loaded = r.get("own_tokens", 0), r.get("loaded", 0)
         cells = [r["turn"], r["engine"], r["prompt_tokens"], own, loaded - own, r["prompt_tokens"] - loaded]
         if r["switch"]:
             t, s = r["ttft"], r["speedup"]
-            cells += [f"{1e3 * t['reprefill']['median']:.1f}", f"{1e3 * t['connector']['median']:.1f}",
-                      f"{s['median']:.2f}× ({s['low']:.2f}–{s['high']:.2f})",
-                      "–" if r["translate_ms"] is None else f"{r['translate_ms']:.2f}"]
+            cells += [
+                f"{1e3 * t['reprefill']['median']:.1f}",
+                f"{1e3 * t['connector']['median']:.1f}",
+                f"{s['median']:.2f}× ({s['low']:.2f}–{s['high']:.2f})",
+                "–" if r["translate_ms"] is None else f"{r['translate_ms']:.2f}",
+            ]
         else:
             cells += ["–", "–", "–", "–"]
         cells += [r["reply"].replace("\n", " ")[:60], {True: "yes", False: "no"}.get(r.get("same_reply"), "–")]
@@ -145,8 +176,8 @@ def random_model_folder(name: str, out: Path, tokenizer_dir: Path, dtype: str = 
     tokenizer of `tokenizer_dir` (its ids are a subset of the model's vocabulary). Kept when complete."""
     from transformers import AutoTokenizer
 
-    from ..run.models import resolve_dtype
     from ..bench.random_pair import random_model
+    from ..inputs.models import resolve_dtype
 
     out = Path(out)
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
@@ -159,22 +190,33 @@ def random_model_folder(name: str, out: Path, tokenizer_dir: Path, dtype: str = 
     return out
 
 
-def random_export(large: Path, small: Path, out: Path, direction: str = "l2s", family: str = "crosshead",
-                  key_space: str = "cache", dtype: str = "bfloat16", seed: int = 0) -> Path:
+def random_export(
+    large: Path,
+    small: Path,
+    out: Path,
+    direction: str = "l2s",
+    family: str = "crosshead",
+    key_space: str = "cache",
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> Path:
     """An exported translator of `family` with random maps N(0, 0.02) for the pair of folders, without evidence
     (the gate refuses it: a timing-only run must waive it). Kept while it reads back as these settings."""
     import torch
 
-    from ..core.folder import build, state_bytes
     from ..core.translator import TranslatorError
-    from ..run.exported import CONFIG_FILE, export_config, read_export, write_export
-    from ..run.models import resolve_pair
+    from ..inputs.models import resolve_pair
+    from ..records.saved import CONFIG_FILE, build, export_config, read_export, state_bytes, write_export
 
     out = Path(out)
     if (out / CONFIG_FILE).is_file():
         try:
             config, _, _ = read_export(out)
-            if (config.get("family"), config.get("key_space"), config.get("direction")) == (family, key_space, direction):
+            if (config.get("family"), config.get("key_space"), config.get("direction")) == (
+                family,
+                key_space,
+                direction,
+            ):
                 return out
         except TranslatorError:  # damaged, edited or of an older format: made again
             pass
@@ -184,8 +226,13 @@ def random_export(large: Path, small: Path, out: Path, direction: str = "l2s", f
     with torch.no_grad():
         for p in maps.parameters():
             p.copy_(0.02 * torch.randn(p.shape, generator=gen))
-    manifest = {**maps.spec(), "direction": direction, "models": pair.identities(), "n_params": maps.n_params(),
-                "stage": "random-weights"}
+    manifest = {
+        **maps.spec(),
+        "direction": direction,
+        "models": pair.identities(),
+        "n_params": maps.n_params(),
+        "stage": "random-weights",
+    }
     config = export_config(manifest, asdict(pair), {"run": "random-weights", "translator": "random"})
     write_export(out, state_bytes(maps), config, None)
     return out

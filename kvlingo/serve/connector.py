@@ -44,11 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from . import paged
 from ..core.engine import PRECISIONS
+from . import paged
 from .contract import Contract, Refused, ServedModel, SourceModel
 from .store import STORE
 
@@ -62,19 +61,44 @@ _CONTRACTS: dict[str, Contract] = {}  # "folder|target|allow_unproven" → contr
 _SOURCE_MODELS: dict[tuple, SourceModel] = {}  # (name, dtype) → the source model run here
 
 
-def engine_args(export: str | None = None, *, source: str = "engine", allow_unproven: bool = False,
-                save: bool = True, whole_blocks: bool = False, min_tokens: int = 16, precision: str | None = None,
-                log_file: str | None = None, block_size: int = 32) -> dict[str, Any]:
+def engine_args(
+    export: str | None = None,
+    *,
+    source: str = "engine",
+    allow_unproven: bool = False,
+    save: bool = True,
+    whole_blocks: bool = False,
+    min_tokens: int = 16,
+    precision: str | None = None,
+    log_file: str | None = None,
+    block_size: int = 32,
+) -> dict[str, Any]:
     """The `LLM(...)` / `vllm serve` settings of an engine with this connector: prefix caching off (see the
     module docstring), a failed load recomputed rather than failing the request, and the connector's own
     settings (`export`: the translator folder this engine's loads use; None: it only saves and reuses its own
     exact caches; `precision`: the translation's, `kvlingo.core.engine.PRECISIONS`, None: FP32 maths as
     `kvlingo.Relay` translates; "fast" takes the maps' matmuls in a BF16 engine's dtype)."""
-    extra = {"export": export, "source": source, "allow_unproven": allow_unproven, "save": save,
-             "whole_blocks": whole_blocks, "min_tokens": min_tokens, "precision": precision, "log_file": log_file}
-    return {"enable_prefix_caching": False, "block_size": block_size,
-            "kv_transfer_config": {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
-                                   "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}}
+    extra = {
+        "export": export,
+        "source": source,
+        "allow_unproven": allow_unproven,
+        "save": save,
+        "whole_blocks": whole_blocks,
+        "min_tokens": min_tokens,
+        "precision": precision,
+        "log_file": log_file,
+    }
+    return {
+        "enable_prefix_caching": False,
+        "block_size": block_size,
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR,
+            "kv_connector_module_path": MODULE,
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        },
+    }
 
 
 def record(event: dict[str, Any], log_file: str | None = None) -> None:
@@ -153,7 +177,8 @@ class KvlingoConnector(KVConnectorBase_V1):
         self.save = bool(extra.get("save", True))
         self.log_file = extra.get("log_file")
         self.whole_blocks = bool(extra.get("whole_blocks", False))
-        # A load shorter than this is not worth it (e.g. a chat template's first tokens, which every conversation shares)
+        # A load shorter than this is not worth it (e.g. a chat template's first tokens, which every
+        # conversation shares)
         self.min_tokens = int(extra.get("min_tokens", 16))
         self.precision = extra.get("precision")
         mc = vllm_config.model_config
@@ -172,16 +197,23 @@ class KvlingoConnector(KVConnectorBase_V1):
         if self.refusal:
             log.warning("kvlingo connector on %s loads nothing: %s", mc.model, self.refusal)
         elif self.contract_key:
-            log.info("kvlingo connector on %s translates with %s (%s, gate %s)", mc.model, self.export,
-                     self.contract.config["family"], "passed" if self.contract.verdict.passed else "WAIVED")
+            log.info(
+                "kvlingo connector on %s translates with %s (%s, gate %s)",
+                mc.model,
+                self.export,
+                self.contract.config["family"],
+                "passed" if self.contract.verdict.passed else "WAIVED",
+            )
 
     # ------------------------------------------------------------------ scheduler side
     def _accept(self, vllm_config) -> tuple[str | None, str | None]:
         """(why this engine never loads, or None; the contract's key, or None when there is no translator)."""
         if vllm_config.cache_config.enable_prefix_caching:
-            return ("prefix caching is on, and vLLM would hash the blocks a translation fills by their token ids and "
-                    "serve them to later requests as exact hits; start the engine with enable_prefix_caching=False "
-                    "(kvlingo.serve.connector.engine_args)"), None
+            return (
+                "prefix caching is on, and vLLM would hash the blocks a translation fills by their token ids and "
+                "serve them to later requests as exact hits; start the engine with enable_prefix_caching=False "
+                "(kvlingo.serve.connector.engine_args)"
+            ), None
         if vllm_config.cache_config.cache_dtype not in ("auto", None):
             return f"kv cache dtype {vllm_config.cache_config.cache_dtype} is not supported; use auto", None
         if self.source not in SOURCES:
@@ -211,18 +243,43 @@ class KvlingoConnector(KVConnectorBase_V1):
         plan, why = self._plan(request, num_computed_tokens)
         n = len(request.prompt_token_ids or [])
         if plan is None:
-            record({"request": request.request_id, "engine": self.served.name, "prompt_tokens": n, "matched": 0,
-                    "mode": "prefill", "reason": why}, self.log_file)
+            record(
+                {
+                    "request": request.request_id,
+                    "engine": self.served.name,
+                    "prompt_tokens": n,
+                    "matched": 0,
+                    "mode": "prefill",
+                    "reason": why,
+                },
+                self.log_file,
+            )
             log.info("kvlingo %s on %s: prefill (%s)", request.request_id, self.served.name, why)
             return 0, False
         self.plans[request.request_id] = plan
         tokens = len(plan.ids) - num_computed_tokens
-        record({"request": request.request_id, "engine": self.served.name, "prompt_tokens": n, "matched": len(plan.ids),
-                "own_tokens": plan.own_tokens, "own_exact": plan.own_exact, "mode": plan.mode, "reason": None},
-               self.log_file)
-        log.info("kvlingo %s on %s: loads %d of %d prompt tokens (%d from its own cache, %d translated)",
-                 request.request_id, self.served.name, len(plan.ids), n, plan.own_tokens,
-                 len(plan.ids) - plan.own_tokens)
+        record(
+            {
+                "request": request.request_id,
+                "engine": self.served.name,
+                "prompt_tokens": n,
+                "matched": len(plan.ids),
+                "own_tokens": plan.own_tokens,
+                "own_exact": plan.own_exact,
+                "mode": plan.mode,
+                "reason": None,
+            },
+            self.log_file,
+        )
+        log.info(
+            "kvlingo %s on %s: loads %d of %d prompt tokens (%d from its own cache, %d translated)",
+            request.request_id,
+            self.served.name,
+            len(plan.ids),
+            n,
+            plan.own_tokens,
+            len(plan.ids) - plan.own_tokens,
+        )
         return tokens, False
 
     def _plan(self, request, num_computed: int) -> tuple[Load | None, str | None]:
@@ -256,15 +313,26 @@ class KvlingoConnector(KVConnectorBase_V1):
                 source, m = entry, contract.usable_tokens(common, len(ids), self.granule)
                 break
         if source is not None and m > max(own, num_computed) and m >= self.min_tokens:  # past its own exact prefix
-            return Load(request.request_id, ids[:m], own_entry.key if own else None, own, bool(own and own_entry.exact),
-                        None if source == "model" else source.key, self.contract_key, self.log_file,
-                        self.precision), None
+            return Load(
+                request.request_id,
+                ids[:m],
+                own_entry.key if own else None,
+                own,
+                bool(own and own_entry.exact),
+                None if source == "model" else source.key,
+                self.contract_key,
+                self.log_file,
+                self.precision,
+            ), None
         if own > num_computed:
-            return Load(request.request_id, ids[:own], own_entry.key, own, own_entry.exact, None, None,
-                        self.log_file), None
+            return Load(
+                request.request_id, ids[:own], own_entry.key, own, own_entry.exact, None, None, self.log_file
+            ), None
         if source is not None:
-            reasons.append(f"the source cache gives {m} tokens to load, not more than {max(own, num_computed)} and at "
-                           f"least {self.min_tokens} (min_tokens; refresh {contract.refresh}, granule {self.granule})")
+            reasons.append(
+                f"the source cache gives {m} tokens to load, not more than {max(own, num_computed)} and at "
+                f"least {self.min_tokens} (min_tokens; refresh {contract.refresh}, granule {self.granule})"
+            )
         elif not found:
             reasons.append("no cache in the store shares a prefix with this prompt")
         elif contract is None:
@@ -305,9 +373,18 @@ class KvlingoConnector(KVConnectorBase_V1):
     def _save(self, meta: Meta, req_id: str, t: _Tracked, stop: int) -> None:
         if not self.save or t.request is None or mode(t.request) in ("off", "no-save") or stop <= t.saved:
             return
-        ids = list(t.request.all_token_ids[t.saved:stop])
-        meta.saves.append(Save(self.engine, req_id, self.served.to_dict(), t.exact, t.saved, ids,
-                               paged.slots(t.blocks, t.saved, stop, self.block_size)))
+        ids = list(t.request.all_token_ids[t.saved : stop])
+        meta.saves.append(
+            Save(
+                self.engine,
+                req_id,
+                self.served.to_dict(),
+                t.exact,
+                t.saved,
+                ids,
+                paged.slots(t.blocks, t.saved, stop, self.block_size),
+            )
+        )
         t.saved = stop
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
@@ -327,8 +404,10 @@ class KvlingoConnector(KVConnectorBase_V1):
                 self._load(load, layers)
             except Exception as err:  # the engine recomputes these blocks (kv_load_failure_policy recompute)
                 log.exception("kvlingo %s: load failed, recomputing: %s", load.request, err)
-                record({"request": load.request, "event": "load_failed", "reason": f"{type(err).__name__}: {err}"},
-                       load.log_file)
+                record(
+                    {"request": load.request, "event": "load_failed", "reason": f"{type(err).__name__}: {err}"},
+                    load.log_file,
+                )
                 self._load_errors.update(torch.unique(load.slots // meta.block_size).tolist())
 
     def _load(self, load: Load, layers: list) -> None:
@@ -355,11 +434,24 @@ class KvlingoConnector(KVConnectorBase_V1):
             if keys.shape[0] != len(layers):
                 raise RuntimeError(f"{keys.shape[0]} layers of K/V for an engine with {len(layers)} attention layers")
             for layer, k, v in zip(layers, keys, values):  # k, v [kv_heads, tokens, head_dim]
-                paged.write(layer, k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype), where)  # no copy if token-major
+                paged.write(
+                    layer, k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype), where
+                )  # no copy if token-major
         t3 = time.perf_counter()
-        record({"request": load.request, "event": "loaded", "started": started, "tokens": m, "own_tokens": own,
-                "source_s": t1 - t0, "translate_s": t2 - t1, "write_s": t3 - t2,
-                "threads": torch.get_num_threads()}, load.log_file)
+        record(
+            {
+                "request": load.request,
+                "event": "loaded",
+                "started": started,
+                "tokens": m,
+                "own_tokens": own,
+                "source_s": t1 - t0,
+                "translate_s": t2 - t1,
+                "write_s": t3 - t2,
+                "threads": torch.get_num_threads(),
+            },
+            load.log_file,
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -386,8 +478,15 @@ class KvlingoConnector(KVConnectorBase_V1):
             keys, values = zip(*(reader.read(layer.kv_cache, save.slots) for layer in layers))  # [tokens, heads, dim]
             k = torch.stack(keys).transpose(1, 2)  # [layers, kv_heads, tokens, head_dim]
             v = torch.stack(values).transpose(1, 2)
-            entry = STORE.entry_for(save.engine, save.request, save.model, save.exact, (k.shape[0], k.shape[1],
-                                    k.shape[3]), k.dtype, save.start + len(save.ids))
+            entry = STORE.entry_for(
+                save.engine,
+                save.request,
+                save.model,
+                save.exact,
+                (k.shape[0], k.shape[1], k.shape[3]),
+                k.dtype,
+                save.start + len(save.ids),
+            )
             entry.write(save.start, save.ids, k, v)
 
     def _reader_for(self, layer, block_size: int) -> paged.Reader | None:
@@ -450,5 +549,7 @@ def _source_model(contract: Contract, dtype: torch.dtype) -> SourceModel:
     key = (contract.source_name, dtype)
     with _LOCK:
         if key not in _SOURCE_MODELS:
-            _SOURCE_MODELS[key] = SourceModel(contract.source_name, dtype, contract.config.get("models", {}).get("source"))
+            _SOURCE_MODELS[key] = SourceModel(
+                contract.source_name, dtype, contract.config.get("models", {}).get("source")
+            )
         return _SOURCE_MODELS[key]

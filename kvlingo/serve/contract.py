@@ -38,12 +38,20 @@ from ..core.cache import Capture
 from ..core.keyspace import KeySpace
 from ..core.refresh import Refresh, RefreshError
 from ..core.rope import apply_rope_into
-from ..core.folder import load_state, read_manifest, same_model
 from ..core.translator import Geometry, Translator, TranslatorError
 from ..errors import Refusal
-from ..run.evidence import Gate, Verdict, judge
-from ..run.exported import CONFIG_FILE, model_arg, read_export
-from ..run.models import ModelSpec, PairError, pair_specs, tokenizer_digest
+from ..inputs.models import ModelSpec, PairError, pair_specs, tokenizer_digest
+from ..records.saved import (
+    CONFIG_FILE,
+    Gate,
+    Verdict,
+    judge,
+    load_state,
+    model_arg,
+    read_export,
+    read_manifest,
+    same_model,
+)
 
 
 class Refused(Refusal):
@@ -58,11 +66,17 @@ class ServedModel:
     name: str  # the engine's model argument: Hub id or local folder
     identity: dict  # {"path", "weights_sha256"} for a folder, {"id", "revision"} for the Hub
     geometry: tuple[int, int, int]  # (layers, kv_heads, head_dim) of its cache
-    tokenizer_sha256: str  # kvlingo.run.models.tokenizer_digest of the tokenizer it serves with
+    tokenizer_sha256: str  # kvlingo.inputs.models.tokenizer_digest of the tokenizer it serves with
 
     @classmethod
-    def describe(cls, model: str, revision: str | None = None, tokenizer: str | None = None,
-                 tokenizer_revision: str | None = None, config=None) -> "ServedModel":
+    def describe(
+        cls,
+        model: str,
+        revision: str | None = None,
+        tokenizer: str | None = None,
+        tokenizer_revision: str | None = None,
+        config=None,
+    ) -> ServedModel:
         """From an engine's model and tokenizer arguments (a folder's weights are hashed once, here)."""
         from transformers import AutoConfig, AutoTokenizer
 
@@ -107,8 +121,9 @@ class Contract:
     source_config: Any  # its transformers config
 
     @classmethod
-    def load(cls, folder: str | Path, target: ServedModel, *, allow_unproven: bool = False,
-             gate: Gate | None = None) -> "Contract":
+    def load(
+        cls, folder: str | Path, target: ServedModel, *, allow_unproven: bool = False, gate: Gate | None = None
+    ) -> Contract:
         """Accept `folder` for `target`, or raise `Refused` naming the first check that fails."""
         folder = Path(folder)
         try:
@@ -119,34 +134,45 @@ class Contract:
         verdict = judge(evidence, gate or Gate())
         if not verdict.passed and not allow_unproven:
             why = why_none or "; ".join(verdict.failures)
-            raise Refused(f"translator {folder} is unproven ({why}): benchmark and export it with its evidence, or "
-                          "set allow_unproven (timing runs only)")
+            raise Refused(
+                f"translator {folder} is unproven ({why}): benchmark and export it with its evidence, or "
+                "set allow_unproven (timing runs only)"
+            )
         pair = config["pair"]
         if target.tokenizer_sha256 != pair["tokenizer_sha256"]:
-            raise Refused(f"the served tokenizer (sha256 {target.tokenizer_sha256[:16]}…) is not the one the maps were "
-                          f"trained with ({pair['tokenizer_sha256'][:16]}…); serve the recorded pair's tokenizer")
+            raise Refused(
+                f"the served tokenizer (sha256 {target.tokenizer_sha256[:16]}…) is not the one the maps were "
+                f"trained with ({pair['tokenizer_sha256'][:16]}…); serve the recorded pair's tokenizer"
+            )
         recorded = config.get("models", {}).get("target")
         if recorded is not None and not same_model(recorded, target.identity):
-            raise Refused(f"the served model {describe_identity(target.identity)} is not the translator's target "
-                          f"{describe_identity(recorded)}; serve that model (same weights, or the recorded revision)")
+            raise Refused(
+                f"the served model {describe_identity(target.identity)} is not the translator's target "
+                f"{describe_identity(recorded)}; serve that model (same weights, or the recorded revision)"
+            )
         g = Geometry(**manifest["geometry"])
         want = (g.target_layers, g.target_kv_heads, g.target_head_dim)
         if target.geometry != want:
-            raise Refused(f"the served model caches [layers, kv_heads, head_dim] = {list(target.geometry)}, the "
-                          f"translator writes {list(want)}; use maps trained for this model")
+            raise Refused(
+                f"the served model caches [layers, kv_heads, head_dim] = {list(target.geometry)}, the "
+                f"translator writes {list(want)}; use maps trained for this model"
+            )
         try:
             refresh = Refresh.parse(config.get("refresh"))
         except RefreshError as err:
             raise Refused(f"translator {folder}: {err}") from None
         if refresh.kind not in ("none", "tail"):
-            raise Refused(f"the maps were measured with refresh {refresh}, which needs the target's own partial "
-                          "forward; a KV connector can only leave the last tokens to the engine (none or tail:W)")
+            raise Refused(
+                f"the maps were measured with refresh {refresh}, which needs the target's own partial "
+                "forward; a KV connector can only leave the last tokens to the engine (none or tail:W)"
+            )
         source_name = recorded_model(config, "source")
         try:
             source_cfg = load_config(source_name)
             source = model_stub(source_cfg)
-            target_stub = model_stub(load_config(target.argument),
-                                     weights=target.argument if manifest["key_space"] == "prenorm" else None)
+            target_stub = model_stub(
+                load_config(target.argument), weights=target.argument if manifest["key_space"] == "prenorm" else None
+            )
             translator = load_state(folder, manifest).bind(source, target_stub)
             translator.space = ReusingKeySpace.of(translator.space)
         except (TranslatorError, PairError, OSError, ValueError) as err:
@@ -164,20 +190,27 @@ class Contract:
         `with_prenorm`: the cache comes with the source's k_proj outputs (`SourceModel`)."""
         recorded = self.config.get("models", {}).get("source")
         if recorded is not None and not same_model(recorded, source["identity"]):
-            raise Refused(f"the source cache is {describe_identity(source['identity'])}'s, the translator reads "
-                          f"{describe_identity(recorded)}'s")
+            raise Refused(
+                f"the source cache is {describe_identity(source['identity'])}'s, the translator reads "
+                f"{describe_identity(recorded)}'s"
+            )
         g = self.translator.geometry
         want = [g.source_layers, g.source_kv_heads, g.source_head_dim]
         if list(source["geometry"]) != want:
-            raise Refused(f"the source cache is [layers, kv_heads, head_dim] = {list(source['geometry'])}, the "
-                          f"translator reads {want}")
+            raise Refused(
+                f"the source cache is [layers, kv_heads, head_dim] = {list(source['geometry'])}, the "
+                f"translator reads {want}"
+            )
         if source["tokenizer_sha256"] != self.config["pair"]["tokenizer_sha256"]:
-            raise Refused(f"the source engine's tokenizer (sha256 {source['tokenizer_sha256'][:16]}…) is not the "
-                          "maps' tokenizer")
+            raise Refused(
+                f"the source engine's tokenizer (sha256 {source['tokenizer_sha256'][:16]}…) is not the maps' tokenizer"
+            )
         if self.key_space == "prenorm" and not with_prenorm:
-            raise Refused("these maps read the source's pre-norm key features (prenorm key space), which an engine's "
-                          "cache does not hold; run the source model in the connector (source: model) or export "
-                          "maps trained with --key-space cache")
+            raise Refused(
+                "these maps read the source's pre-norm key features (prenorm key space), which an engine's "
+                "cache does not hold; run the source model in the connector (source: model) or export "
+                "maps trained with --key-space cache"
+            )
 
     def usable_tokens(self, available: int, prompt_tokens: int, granule: int = 1) -> int:
         """Context tokens the translation may fill: at most `available` (what the source cache covers), never the
@@ -189,9 +222,15 @@ class Contract:
         return max(0, min(available, context - tail)) // granule * granule
 
     # ------------------------------------------------------------------ the translation
-    def translate(self, keys: torch.Tensor, values: torch.Tensor, out_dtype: torch.dtype,
-                  prenorm: torch.Tensor | None = None, precision: str | None = None,
-                  token_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def translate(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        out_dtype: torch.dtype,
+        prenorm: torch.Tensor | None = None,
+        precision: str | None = None,
+        token_major: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Target (keys, values) [layers, kv_heads, tokens, head_dim] of a source cache's first tokens (keys as
         cached, post-RoPE; `prenorm` the k_proj outputs where the key space reads them). `token_major`: the
         results are views of [layers, tokens, kv_heads, head_dim] tensors, whose per-layer slices are what an
@@ -204,8 +243,10 @@ class Contract:
             if not token_major:
                 return out
             return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in out)
-        k, v = (torch.empty(g.target_layers, cap.n_tokens, g.target_kv_heads, g.target_head_dim, dtype=out_dtype)
-                for _ in "kv")
+        k, v = (
+            torch.empty(g.target_layers, cap.n_tokens, g.target_kv_heads, g.target_head_dim, dtype=out_dtype)
+            for _ in "kv"
+        )
         return self.translator(cap, out=(k.transpose(1, 2), v.transpose(1, 2)), precision=precision)
 
 
@@ -233,7 +274,7 @@ class ReusingKeySpace(KeySpace):
     family maps a chunk's source features before it reads the next chunk's)."""
 
     @classmethod
-    def of(cls, space: KeySpace) -> "ReusingKeySpace":
+    def of(cls, space: KeySpace) -> ReusingKeySpace:
         reusing = cls.__new__(cls)
         reusing.__dict__.update(space.__dict__)
         reusing._buffers, reusing._negated = {}, None
@@ -305,8 +346,9 @@ def k_norm_weights(name: str, n_layers: int) -> dict[int, torch.Tensor]:
     if not spec.is_local:
         from huggingface_hub import snapshot_download
 
-        folder = Path(snapshot_download(spec.name_or_path, revision=spec.revision, allow_patterns=["*.safetensors",
-                                                                                                   "*.json"]))
+        folder = Path(
+            snapshot_download(spec.name_or_path, revision=spec.revision, allow_patterns=["*.safetensors", "*.json"])
+        )
     out = {}
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
@@ -341,10 +383,13 @@ class SourceModel:
         cfg = self.model.config
         heads, dim = cfg.num_key_value_heads, Geometry.of(cfg, cfg).source_head_dim
         pre: list[torch.Tensor] = []
-        hooks = [layer.self_attn.k_proj.register_forward_hook(lambda _m, _i, out: pre.append(out))
-                 for layer in self.model.model.layers]
+        hooks = [
+            layer.self_attn.k_proj.register_forward_hook(lambda _m, _i, out: pre.append(out))
+            for layer in self.model.model.layers
+        ]
         cache = DynamicCache(config=cfg)
-        # transformers 5.24 calls the cache argument `cache` (the suite's); the serving environment's 5.19 `past_key_values`
+        # transformers 5.24 calls the cache argument `cache` (the suite's); the serving environment's 5.19
+        # `past_key_values`
         name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         try:
             self.model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1, **{name: cache})

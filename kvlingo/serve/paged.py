@@ -83,8 +83,10 @@ class Reader:
         positions = torch.nonzero(written).view(-1)
         found = where[positions]
         if positions.numel() != n or torch.unique(found).numel() != n:
-            raise LayoutError(f"the cache writer put {n} elements into {positions.numel()} places "
-                              f"({torch.unique(found).numel()} distinct codes): not a layout this reader inverts")
+            raise LayoutError(
+                f"the cache writer put {n} elements into {positions.numel()} places "
+                f"({torch.unique(found).numel()} distinct codes): not a layout this reader inverts"
+            )
         index = torch.empty(n, dtype=torch.long)
         index[found] = positions
         return index.view(2, B, H, d)

@@ -69,10 +69,10 @@ class Entry:
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = torch.empty(L, H, capacity, d, dtype=old.dtype)
-            new[:, :, :self.n] = old[:, :, :self.n]
+            new[:, :, : self.n] = old[:, :, : self.n]
             setattr(self, name, new)
         ids = torch.zeros(capacity, dtype=torch.long)
-        ids[:self.n] = self.ids[:self.n]
+        ids[: self.n] = self.ids[: self.n]
         self.ids = ids
 
 
@@ -86,16 +86,30 @@ class Store:
         self._keys = itertools.count()
         self._lock = threading.Lock()
 
-    def entry_for(self, engine: str, request: str, model: dict[str, Any], exact: bool, shape: tuple[int, int, int],
-                  dtype: torch.dtype, tokens: int) -> Entry:
+    def entry_for(
+        self,
+        engine: str,
+        request: str,
+        model: dict[str, Any],
+        exact: bool,
+        shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        tokens: int,
+    ) -> Entry:
         """The growing entry of a request, made on its first save with room for `tokens`."""
         with self._lock:
             entry = self.active.get((engine, request))
             if entry is None:
                 L, H, d = shape
                 cap = max(tokens, 16)
-                entry = Entry(next(self._keys), model, exact, torch.empty(L, H, cap, d, dtype=dtype),
-                              torch.empty(L, H, cap, d, dtype=dtype), torch.zeros(cap, dtype=torch.long))
+                entry = Entry(
+                    next(self._keys),
+                    model,
+                    exact,
+                    torch.empty(L, H, cap, d, dtype=dtype),
+                    torch.empty(L, H, cap, d, dtype=dtype),
+                    torch.zeros(cap, dtype=torch.long),
+                )
                 self.active[(engine, request)] = entry
                 self.entries[entry.key] = entry
             self.entries.move_to_end(entry.key)

@@ -52,14 +52,14 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from ..io import atomic_write_json, read_json, read_jsonl, sha256_file, sha256_json, sha256_tree
-from ..run.report import Report
+from ..records.report import Report
 from . import train as toytrain
 from . import world as toyworld
 from .train import ModelShape
@@ -70,8 +70,10 @@ MC_REPLY = re.compile(r"Answer: ([A-D])$")  # how a multiple-choice chat's reply
 OPTION = re.compile(r"^([A-D])\. (.*)$", re.M)  # one option line of the final user turn
 OPTION_NAMED = re.compile(r"option [A-D]\.")  # the letter in a reasoning-on reply ("That is option B.")
 LETTERS = "ABCD"
-TRAIN_HINT = ("retrain and re-export the deep model with `make toy-train-deep` "
-              "(python toy_world.py --out artifacts/toy --train-deep --export-deep kvlingo/toy/deep)")
+TRAIN_HINT = (
+    "retrain and re-export the deep model with `make toy-train-deep` "
+    "(python toy_world.py --out artifacts/toy --train-deep --export-deep kvlingo/toy/deep)"
+)
 
 
 @dataclass(frozen=True)
@@ -108,11 +110,28 @@ class DeepConfig:
 
 def mini_deep_config() -> DeepConfig:
     """Seconds instead of minutes, for tests on the mini toy world."""
-    return DeepConfig(layers=3, kv_heads=4, head_dim=8, shape=ModelShape(hidden=32, intermediate=64, heads=4,
-                                                                           rope_theta=20_000.0),
-                      mc_copies=2, fresh_mc=16, mc_reply="fact", drills=8, drills_named=1.0, induction=8, qk_gain=2.0,
-                      warm_steps=4, warm_data="induction", warm_drills_named=1.0, warm_seed=None,
-                      warm_tokens="options", steps=12, batch=8, lr=3e-3, n_arc_scored=4)
+    return DeepConfig(
+        layers=3,
+        kv_heads=4,
+        head_dim=8,
+        shape=ModelShape(hidden=32, intermediate=64, heads=4, rope_theta=20_000.0),
+        mc_copies=2,
+        fresh_mc=16,
+        mc_reply="fact",
+        drills=8,
+        drills_named=1.0,
+        induction=8,
+        qk_gain=2.0,
+        warm_steps=4,
+        warm_data="induction",
+        warm_drills_named=1.0,
+        warm_seed=None,
+        warm_tokens="options",
+        steps=12,
+        batch=8,
+        lr=3e-3,
+        n_arc_scored=4,
+    )
 
 
 SOURCES = [Path(__file__), *toytrain.SOURCES]
@@ -137,7 +156,7 @@ def shuffle_options(row: dict, rng: random.Random) -> dict:
     order = rng.sample(texts, len(texts))
     letter = LETTERS[order.index(right)]
     lines = "\n".join(f"{l}. {t}" for l, t in zip(LETTERS, order))
-    content = last[:found[0].start()] + lines + last[found[-1].end():]
+    content = last[: found[0].start()] + lines + last[found[-1].end() :]
     output = MC_REPLY.sub(f"Answer: {letter}", OPTION_NAMED.sub(f"option {letter}.", row["output"]))
     return {**row, "input": [*row["input"][:-1], {**row["input"][-1], "content": content}], "output": output}
 
@@ -201,7 +220,7 @@ def _distinct_words(texts: list[str]) -> list[str]:
     shortest = min(len(w) for w in words)
     lead = next((i for i in range(shortest) if len({w[i] for w in words}) > 1), shortest)
     trail = next((i for i in range(shortest - lead) if len({w[-1 - i] for w in words}) > 1), shortest - lead)
-    return [" ".join(w[lead:len(w) - trail]) or t for w, t in zip(words, texts)]
+    return [" ".join(w[lead : len(w) - trail]) or t for w, t in zip(words, texts)]
 
 
 def _short_options(row: dict) -> dict[str, str]:
@@ -276,9 +295,15 @@ def asked_reply(row: dict, fact: str) -> str:
     return toyworld.arc_reply(row, "\n".join([fact, named_question(_answer_text(row)), *lines]))
 
 
-REPLY_FORMS = {"fact": toyworld.arc_reply, "listed": listed_reply, "keyed": keyed_reply, "asked": asked_reply,
-               "keyed_list_first": lambda row, fact: keyed_reply(row, fact, list_first=True),
-               "checked": checked_reply, "spelled": spelled_reply}
+REPLY_FORMS = {
+    "fact": toyworld.arc_reply,
+    "listed": listed_reply,
+    "keyed": keyed_reply,
+    "asked": asked_reply,
+    "keyed_list_first": lambda row, fact: keyed_reply(row, fact, list_first=True),
+    "checked": checked_reply,
+    "spelled": spelled_reply,
+}
 MC_REPLIES = tuple(REPLY_FORMS)
 
 
@@ -289,8 +314,13 @@ def _check_reply(reply: str) -> None:
 
 def _single_turn(row: dict, reply: str) -> dict:
     """A training chat of one user turn, the toy ARC's prompt for an ARC-format row, thinking off, and `reply`."""
-    return {"input": [{"role": "user", "content": toyworld.arc_prompt(row)}], "output": reply,
-            "reasoning": "off", "system_prompt": "", "category": "chat"}
+    return {
+        "input": [{"role": "user", "content": toyworld.arc_prompt(row)}],
+        "output": reply,
+        "reasoning": "off",
+        "system_prompt": "",
+        "category": "chat",
+    }
 
 
 def fresh_mc_rows(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]], reply: str = "fact") -> list[dict]:
@@ -327,9 +357,16 @@ def option_tokens(tok, n_sets: int = 3_000, seed: int = 0) -> list[int]:
     return sorted(ids - set(tok.all_special_ids))
 
 
-def induction_data(tok, n: int, seed: int, min_span: int = 8, max_span: int = 48,
-                   stream: str = "induction", n_tokens: int | None = None,
-                   tokens: list[int] | None = None) -> list[toytrain.Encoded]:
+def induction_data(
+    tok,
+    n: int,
+    seed: int,
+    min_span: int = 8,
+    max_span: int = 48,
+    stream: str = "induction",
+    n_tokens: int | None = None,
+    tokens: list[int] | None = None,
+) -> list[toytrain.Encoded]:
     """`n` sequences of random ordinary tokens, each a span of `min_span`..`max_span` tokens written twice, the loss
     on the repeat (after its first token, which nothing predicts).
 
@@ -366,8 +403,9 @@ def named_question(text: str) -> str:
     return f"Which option is {text}?"
 
 
-def drill_items(n: int, seed: int, exclude: set[tuple[str, frozenset[str]]] = frozenset(),
-                named: float = 1.0) -> list[dict]:
+def drill_items(
+    n: int, seed: int, exclude: set[tuple[str, frozenset[str]]] = frozenset(), named: float = 1.0
+) -> list[dict]:
     """`n` ARC-format rows asking which option a text is ("Which option is Lisbon?"), on the world's own option
     sets, any of the four options asked for (what `drill_rows` trains on, and `arc_accuracy` can score).
     None has the option set and asked text of an `exclude` key (`drill_key`, named or not): the world draws
@@ -402,8 +440,11 @@ def warm_drill_items(cfg: DeepConfig) -> list[dict]:
     drawn from the stream `warm_seed` (by default `seed` + WARM_SEED); none for other first phases."""
     if cfg.warm_data != "drills" or not cfg.warm_steps:
         return []
-    return drill_items(cfg.warm_steps * cfg.batch, cfg.seed + WARM_SEED if cfg.warm_seed is None else cfg.warm_seed,
-                       named=cfg.warm_drills_named)
+    return drill_items(
+        cfg.warm_steps * cfg.batch,
+        cfg.seed + WARM_SEED if cfg.warm_seed is None else cfg.warm_seed,
+        named=cfg.warm_drills_named,
+    )
 
 
 def drill_rows(n: int, seed: int, reply: str = "fact") -> list[dict]:
@@ -449,8 +490,9 @@ def sharpen_attention(model, gain: float) -> None:
         layer.self_attn.k_norm.weight.fill_(gain)
 
 
-def training_data(tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: int = 0,
-                  fresh: list[dict] | None = None) -> list[toytrain.Encoded]:
+def training_data(
+    tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: int = 0, fresh: list[dict] | None = None
+) -> list[toytrain.Encoded]:
     """The pair's training chats, plus `mc_copies - 1` more copies of each multiple-choice chat, each with its
     options shuffled and the loss on its final reply only (its earlier turns are trained on with the original),
     plus the `fresh` single-turn multiple-choice chats (`fresh_mc_rows`, `drill_rows`), plus `cfg.induction`
@@ -460,8 +502,9 @@ def training_data(tok, rows: list[dict], cfg: DeepConfig, max_len: int, seed: in
     the same question point to another letter, so the letter has to be read off the options.
     """
     data = [d for d in toytrain.encode_rows(tok, rows) if len(d.ids) <= max_len]
-    mc = [row for row in rows
-          if MC_REPLY.search(row["output"]) and len(OPTION.findall(row["input"][-1]["content"])) == 4]
+    mc = [
+        row for row in rows if MC_REPLY.search(row["output"]) and len(OPTION.findall(row["input"][-1]["content"])) == 4
+    ]
     rng = random.Random(f"toydeep/{seed}/options")
     copies = [shuffle_options(row, rng) for _ in range(cfg.mc_copies - 1) for row in mc] + list(fresh or [])
     extra = toytrain.encode_rows(tok, copies, all_assistant_turns=False) if copies else []
@@ -493,44 +536,61 @@ def arc_accuracy(model, tok, rows: list[dict], max_new_tokens: int = 48) -> dict
     that named no letter.
     """
     from ..core.handoff import greedy_generate, stop_ids
+    from ..eval.stats import mean_se
     from ..eval.tasks.generate import answer_text
     from ..eval.tasks.parsers import score
     from ..eval.tasks.prompts import arc_item, user_prompt_ids
-    from ..eval.stats import mean_se
 
     eos = stop_ids(tok)
     right: list[float] = []
     unparsed = 0
     for row in rows:
         item = arc_item(row)
-        ids, _ = greedy_generate(model, user_prompt_ids(tok, item.prompt, enable_thinking=False), None,
-                                 max_new_tokens=max_new_tokens, eos_ids=eos)
+        ids, _ = greedy_generate(
+            model,
+            user_prompt_ids(tok, item.prompt, enable_thinking=False),
+            None,
+            max_new_tokens=max_new_tokens,
+            eos_ids=eos,
+        )
         pred, ok = score("arc", item, answer_text(tok, ids))
         right.append(float(ok))
         unparsed += pred is None
     acc = mean_se(right)
-    return {"n": acc["n"], "accuracy": acc["mean"], "se": acc["se"],
-            "unparsed": unparsed / len(rows) if rows else float("nan")}
+    return {
+        "n": acc["n"],
+        "accuracy": acc["mean"],
+        "se": acc["se"],
+        "unparsed": unparsed / len(rows) if rows else float("nan"),
+    }
 
 
 def _world_inputs(world: Path) -> dict:
     """What the deep model is trained on and must be installed beside: the world's tokenizer and corpus hashes."""
     pair = read_json(world / "manifest.json")
-    return {"pair_build_key": toytrain.build_key_of(pair),
-            "tokenizer_sha256": sha256_file(world / "tokenizer" / "tokenizer.json"),
-            "corpus_sha256": {rel: sha for rel, sha in sorted(pair["files"].items()) if rel.startswith("corpus/")}}
+    return {
+        "pair_build_key": toytrain.build_key_of(pair),
+        "tokenizer_sha256": sha256_file(world / "tokenizer" / "tokenizer.json"),
+        "corpus_sha256": {rel: sha for rel, sha in sorted(pair["files"].items()) if rel.startswith("corpus/")},
+    }
 
 
 def pair_config(manifest: dict) -> toytrain.ToyConfig:
     """The ToyConfig a toy world's manifest records (its corpus, budgets and training settings)."""
     c = dict(manifest["config"])
     world = toytrain.toyworld.WorldConfig(**{**c["world"], "kind_weights": tuple(c["world"]["kind_weights"])})
-    return toytrain.ToyConfig(**{**c, "world": world, "large": ModelShape(**c["large"]),
-                                 "small": ModelShape(**c["small"])})
+    return toytrain.ToyConfig(
+        **{**c, "world": world, "large": ModelShape(**c["large"]), "small": ModelShape(**c["small"])}
+    )
 
 
-def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = False, progress: bool = True,
-               log: Callable[[str], None] = print) -> dict:
+def build_deep(
+    world: str | Path,
+    cfg: DeepConfig | None = None,
+    force: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Train (or verify and keep) WORLD/deep on an installed or built toy world; return its manifest."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -543,7 +603,7 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
     if cfg.warm_data not in WARM_DATA:
         raise ValueError(f"DeepConfig(warm_data={cfg.warm_data!r}): choose one of {WARM_DATA}")
     if isinstance(cfg.warm_tokens, str) and cfg.warm_tokens != "options":
-        raise ValueError(f"DeepConfig(warm_tokens={cfg.warm_tokens!r}): give a token count, \"options\" or None")
+        raise ValueError(f'DeepConfig(warm_tokens={cfg.warm_tokens!r}): give a token count, "options" or None')
     _check_reply(cfg.mc_reply)
     inputs = _world_inputs(world)
     build_key = sha256_json({"config": asdict(cfg), "code": code_sha(), "inputs": inputs})
@@ -555,22 +615,32 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
             return old
 
     pair_cfg = pair_config(pair)
-    train_cfg = replace(pair_cfg, layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, batch=cfg.batch,
-                        lr=cfg.lr, autocast_bf16=cfg.autocast_bf16)
+    train_cfg = replace(
+        pair_cfg,
+        layers=cfg.layers,
+        kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        batch=cfg.batch,
+        lr=cfg.lr,
+        autocast_bf16=cfg.autocast_bf16,
+    )
     tok = AutoTokenizer.from_pretrained(world / "tokenizer")
     rows = read_jsonl(world / "corpus" / "train_chats.jsonl")
     arc_rows = read_jsonl(world / "corpus" / "arc.jsonl")
     drills = drill_items(cfg.drills, cfg.seed, named=cfg.drills_named)
     warm_drills = warm_drill_items(cfg)
     held_drills = drill_items(N_HELD_DRILLS, cfg.seed + HELD_SEED, exclude={drill_key(r) for r in drills + warm_drills})
-    fresh = fresh_mc_rows(cfg.fresh_mc, cfg.seed, {arc_key(r) for r in arc_rows}, cfg.mc_reply) \
-        + drill_chats(drills, cfg.mc_reply)
+    fresh = fresh_mc_rows(cfg.fresh_mc, cfg.seed, {arc_key(r) for r in arc_rows}, cfg.mc_reply) + drill_chats(
+        drills, cfg.mc_reply
+    )
     data = training_data(tok, rows, cfg, pair_cfg.max_len, cfg.seed, fresh)
     n_mc = sum(bool(MC_REPLY.search(r["output"])) for r in rows)
-    log(f"deep: {len(data)} training sequences ({n_mc} multiple-choice chats × {cfg.mc_copies}, "
+    log(
+        f"deep: {len(data)} training sequences ({n_mc} multiple-choice chats × {cfg.mc_copies}, "
         f"{cfg.fresh_mc} single-turn ones in the toy ARC's format, {cfg.drills} option drills, "
         f"{cfg.induction} induction sequences); "
-        f"training {cfg.steps} steps ({cfg.layers} layers, {cfg.kv_heads} KV heads, head_dim {cfg.head_dim})")
+        f"training {cfg.steps} steps ({cfg.layers} layers, {cfg.kv_heads} KV heads, head_dim {cfg.head_dim})"
+    )
     files = {name: world / "corpus" / f"{name}.jsonl" for name in toytrain.toyworld.WORLD_FILES}
     sets = toytrain.evaluation_sets(files, pair_cfg)
     qcfg = toytrain.qwen3_config(train_cfg, cfg.shape, tok)
@@ -592,65 +662,110 @@ def build_deep(world: str | Path, cfg: DeepConfig | None = None, force: bool = F
                 # Phase one: induction sequences alone, at a constant rate without weight decay, so that
                 # the copy-by-content circuit forms before the chats' shortcuts compete with it.
                 warm_cfg = replace(train_cfg, lr=cfg.warm_lr, min_lr_frac=1.0, weight_decay=0.0)
-                alphabet = (dict(tokens=option_tokens(tok)) if cfg.warm_tokens == "options"
-                            else dict(n_tokens=cfg.warm_tokens))
+                alphabet = (
+                    dict(tokens=option_tokens(tok)) if cfg.warm_tokens == "options" else dict(n_tokens=cfg.warm_tokens)
+                )
                 warm_data = induction_data(tok, cfg.warm_steps * cfg.batch, cfg.seed, stream="warm", **alphabet)
-            warm, warm_log = toytrain.train_model(qcfg, warm_data, cfg.warm_steps, warm_cfg, cfg.seed,
-                                                  tok.pad_token_id, desc=f"deep: {cfg.warm_data}", progress=progress,
-                                                  init=init)
+            warm, warm_log = toytrain.train_model(
+                qcfg,
+                warm_data,
+                cfg.warm_steps,
+                warm_cfg,
+                cfg.seed,
+                tok.pad_token_id,
+                desc=f"deep: {cfg.warm_data}",
+                progress=progress,
+                init=init,
+            )
             if cfg.warm_data == "drills":
                 drill_score["after_warm"] = arc_accuracy(warm, tok, held_drills)
-                log(f"deep: drill phase done, {drill_score['after_warm']['accuracy']:.1%} of {N_HELD_DRILLS} "
-                    "held-out drills answered")
+                log(
+                    f"deep: drill phase done, {drill_score['after_warm']['accuracy']:.1%} of {N_HELD_DRILLS} "
+                    "held-out drills answered"
+                )
             else:
                 copy["warm_set"] = copy_accuracy(warm, warm_data[:256], tok.pad_token_id)
                 copy["after_warm"] = copy_accuracy(warm, held, tok.pad_token_id)
-                log(f"deep: induction phase done, {copy['warm_set']:.1%} of its own repeats copied, "
-                    f"{copy['after_warm']:.1%} of held-out ones over all tokens")
+                log(
+                    f"deep: induction phase done, {copy['warm_set']:.1%} of its own repeats copied, "
+                    f"{copy['after_warm']:.1%} of held-out ones over all tokens"
+                )
             state = warm.state_dict()
             init = lambda model: model.load_state_dict(state)  # noqa: E731  phase two starts from phase one
-        model, loss_log = toytrain.train_model(qcfg, data, cfg.steps, train_cfg, cfg.seed, tok.pad_token_id,
-                                               desc="deep", progress=progress, init=init)
+        model, loss_log = toytrain.train_model(
+            qcfg, data, cfg.steps, train_cfg, cfg.seed, tok.pad_token_id, desc="deep", progress=progress, init=init
+        )
         train_s = time.time() - t1
         toytrain.round_to_bf16(model)  # scored exactly as stored
         t2 = time.time()
         scores = toytrain.score_model(model, tok, sets)
         copy["final"] = copy_accuracy(model, held, tok.pad_token_id)
-        arc = {"deep": arc_accuracy(model, tok, arc_rows[:cfg.n_arc_scored])}
+        arc = {"deep": arc_accuracy(model, tok, arc_rows[: cfg.n_arc_scored])}
         drill_score["final"] = arc_accuracy(model, tok, held_drills)
         for name in ("large", "small"):  # the pair beside it, on the same rows
             other = AutoModelForCausalLM.from_pretrained(world / name, dtype=torch.float32).eval()
-            arc[name] = arc_accuracy(other, tok, arc_rows[:cfg.n_arc_scored])
+            arc[name] = arc_accuracy(other, tok, arc_rows[: cfg.n_arc_scored])
         eval_s = time.time() - t2
     finally:
         torch.set_num_threads(threads_before)
-    info = {"train_steps": cfg.steps, "train_wall_s": train_s, "eval_wall_s": eval_s,
-            "n_params": sum(p.numel() for p in model.parameters()), "threads": cfg.threads,
-            "final_loss": loss_log[-1]["loss"] if loss_log else None,
-            "n_training_sequences": len(data), "n_multiple_choice_chats": n_mc, "n_fresh_mc": cfg.fresh_mc,
-            "n_drills": cfg.drills, "n_induction": cfg.induction, "warm_steps": cfg.warm_steps,
-            "warm_data": cfg.warm_data if cfg.warm_steps else None, "warm_loss_log": warm_log,
-            "copy_accuracy": copy, "drill_accuracy": drill_score}
-    toytrain._save_model(model, tok, out, {"model_key": build_key, "name": "deep", "seed": cfg.seed,
-                                           "loss_log": loss_log, "exact_reply": scores, **info})
+    info = {
+        "train_steps": cfg.steps,
+        "train_wall_s": train_s,
+        "eval_wall_s": eval_s,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "threads": cfg.threads,
+        "final_loss": loss_log[-1]["loss"] if loss_log else None,
+        "n_training_sequences": len(data),
+        "n_multiple_choice_chats": n_mc,
+        "n_fresh_mc": cfg.fresh_mc,
+        "n_drills": cfg.drills,
+        "n_induction": cfg.induction,
+        "warm_steps": cfg.warm_steps,
+        "warm_data": cfg.warm_data if cfg.warm_steps else None,
+        "warm_loss_log": warm_log,
+        "copy_accuracy": copy,
+        "drill_accuracy": drill_score,
+    }
+    toytrain._save_model(
+        model,
+        tok,
+        out,
+        {"model_key": build_key, "name": "deep", "seed": cfg.seed, "loss_log": loss_log, "exact_reply": scores, **info},
+    )
     rel_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
     pair_scores = pair["results"]["exact_reply"]
     n_samples = {name: {cond: len(r) for cond, r in conds.items()} for name, conds in sets.items()}
     return Report(
-        "toy_deep", config=cfg, inputs={"code_sha256": code_sha(), **inputs},
-        results={"exact_reply": {"deep": scores, **pair_scores}, "toy_arc": arc, "model": info,
-                 "mini": toytrain.is_mini(pair)},
-        n_samples=n_samples, seeds={"deep": cfg.seed}, wall_time_s=time.time() - t0, device="cpu", dtype="float32",
-        resume_key=build_key, files={rel: sha256_file(out / rel) for rel in rel_files},
+        "toy_deep",
+        config=cfg,
+        inputs={"code_sha256": code_sha(), **inputs},
+        results={
+            "exact_reply": {"deep": scores, **pair_scores},
+            "toy_arc": arc,
+            "model": info,
+            "mini": toytrain.is_mini(pair),
+        },
+        n_samples=n_samples,
+        seeds={"deep": cfg.seed},
+        wall_time_s=time.time() - t0,
+        device="cpu",
+        dtype="float32",
+        resume_key=build_key,
+        files={rel: sha256_file(out / rel) for rel in rel_files},
     ).write(out / MANIFEST)
 
 
 def _check_files(folder: Path, manifest: dict) -> None:
-    bad = [rel for rel, sha in manifest["files"].items()
-           if not (folder / rel).is_file() or sha256_file(folder / rel) != sha]
+    bad = [
+        rel
+        for rel, sha in manifest["files"].items()
+        if not (folder / rel).is_file() or sha256_file(folder / rel) != sha
+    ]
     if bad:
-        raise ValueError(f"{folder / bad[0]} differs from the deep model's manifest ({len(bad)} file(s)); "
-                         f"restore it (git checkout -- {folder}) or {TRAIN_HINT}")
+        raise ValueError(
+            f"{folder / bad[0]} differs from the deep model's manifest ({len(bad)} file(s)); "
+            f"restore it (git checkout -- {folder}) or {TRAIN_HINT}"
+        )
 
 
 def export_deep(world: str | Path, dest: str | Path = PACKAGED_DEEP, log: Callable[[str], None] = print) -> dict:
@@ -693,8 +808,10 @@ def install_deep(world: str | Path, packaged: str | Path = PACKAGED_DEEP, log: C
     here = {k: v for k, v in _world_inputs(world).items() if k in trained_on}
     if here != trained_on:
         field = next(k for k in trained_on if here[k] != trained_on[k])
-        raise ValueError(f"the toy world at {world} has another {field.removesuffix('_sha256')} than the one the deep "
-                         f"model was trained on; install the packaged pair there (make toy) or {TRAIN_HINT}")
+        raise ValueError(
+            f"the toy world at {world} has another {field.removesuffix('_sha256')} than the one the deep "
+            f"model was trained on; install the packaged pair there (make toy) or {TRAIN_HINT}"
+        )
     tmp = world / ".deep.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(packaged, tmp, ignore=shutil.ignore_patterns(MANIFEST))

@@ -11,7 +11,8 @@ The full pair ships with the code, in kvlingo/toy/pair/ (BF16 safetensors in sha
 while installing it takes seconds: `install_pair` regenerates the corpus from the seed recorded
 in the manifest, checks every corpus file against the sha256 the pair was trained on (so a
 changed generator is caught, not silently paired with stale weights), checks the packaged
-files, and copies them under artifacts/. `build_toy_world` is the command that reproduces it from scratch (`make toy-train`,
+files, and copies them under artifacts/. `build_toy_world` is the command that reproduces it from scratch (`make
+toy-train`,
 which re-exports into kvlingo/toy/pair/; same seed and thread count, same bits on one machine).
 
 `build_toy_world` writes a manifest holding a build key (the hash of config and code) and the
@@ -38,16 +39,17 @@ import math
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..inputs.models import local_weights_digest
 from ..io import atomic_write_json, not_ours, read_json, read_jsonl, sha256_file, sha256_json, sha256_tree
-from ..run.models import local_weights_digest
-from ..run.report import Report, fmt_table
+from ..records.report import Report, fmt_table
 from . import world as toyworld
 from .tokenizer import save_tokenizer, train_chat_tokenizer
 
@@ -110,10 +112,19 @@ def mini_config(seed: int = 0) -> ToyConfig:
     """Seconds instead of minutes: a few hundred chats, tiny models, a few dozen steps."""
     world = toyworld.WorldConfig(seed=seed, n_train=256, n_chats=48, n_ifeval=24, n_arc=24, n_gsm8k=24)
     return ToyConfig(
-        world=world, vocab_size=512, layers=2, kv_heads=2, head_dim=16,
+        world=world,
+        vocab_size=512,
+        layers=2,
+        kv_heads=2,
+        head_dim=16,
         large=ModelShape(hidden=64, intermediate=128, heads=4, rope_theta=10_000.0),
         small=ModelShape(hidden=32, intermediate=64, heads=2, rope_theta=50_000.0),
-        max_position_embeddings=1024, batch=8, large_minutes=0.0, small_minutes=0.0, min_steps=24, eval_per_kind=6,
+        max_position_embeddings=1024,
+        batch=8,
+        large_minutes=0.0,
+        small_minutes=0.0,
+        min_steps=24,
+        eval_per_kind=6,
         eval_task_items=8,
     )
 
@@ -122,12 +133,20 @@ def qwen3_config(cfg: ToyConfig, shape: ModelShape, tok):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=len(tok), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=cfg.layers, num_attention_heads=shape.heads, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+        vocab_size=len(tok),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
-        use_sliding_window=False, sliding_window=None, tie_word_embeddings=True,
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        use_sliding_window=False,
+        sliding_window=None,
+        tie_word_embeddings=True,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
         bos_token_id=None,
     )
 
@@ -149,12 +168,13 @@ def train_tokenizer(rows: list[dict], vocab_size: int):
 
 
 def render_prefix(tok, row: dict) -> str:
-    """The chat through the final generation prompt, as paper_data.py renders it."""
+    """The chat through the final generation prompt, as prepare.py renders it."""
     msgs = list(row["input"])
     if row.get("system_prompt"):
         msgs = [{"role": "system", "content": row["system_prompt"]}] + msgs
-    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
-                                   enable_thinking=row["reasoning"] == "on")
+    return tok.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True, enable_thinking=row["reasoning"] == "on"
+    )
 
 
 def _assistant_spans(prefix: str) -> list[tuple[int, int]]:
@@ -208,8 +228,8 @@ def batch_plan(lengths: list[int], batch: int, steps: int, seed: int) -> list[li
         epoch = []
         group = batch * 32
         for g in range(0, len(order), group):
-            chunk = sorted(order[g:g + group], key=lambda i: lengths[i])
-            epoch += [chunk[b:b + batch] for b in range(0, len(chunk) - batch + 1, batch)]
+            chunk = sorted(order[g : g + group], key=lambda i: lengths[i])
+            epoch += [chunk[b : b + batch] for b in range(0, len(chunk) - batch + 1, batch)]
         rng.shuffle(epoch)
         plan += epoch
     return plan[:steps]
@@ -255,9 +275,17 @@ def steps_for(cfg: ToyConfig, minutes: float, tokens_per_s: float, mean_len: flo
     return max(cfg.min_steps, int(minutes * 60 * tokens_per_s / (cfg.batch * mean_len)))
 
 
-def train_model(qcfg, data: list[Encoded], steps: int, cfg: ToyConfig, seed: int, pad_id: int,
-                desc: str = "train", progress: bool = True,
-                init: Callable[[Any], None] | None = None) -> tuple[Any, list[dict]]:
+def train_model(
+    qcfg,
+    data: list[Encoded],
+    steps: int,
+    cfg: ToyConfig,
+    seed: int,
+    pad_id: int,
+    desc: str = "train",
+    progress: bool = True,
+    init: Callable[[Any], None] | None = None,
+) -> tuple[Any, list[dict]]:
     """Train a fresh Qwen3ForCausalLM; return (model in eval mode, loss log). `init(model)`, when given,
     changes the freshly initialised weights before training."""
     from tqdm import tqdm
@@ -273,8 +301,11 @@ def train_model(qcfg, data: list[Encoded], steps: int, cfg: ToyConfig, seed: int
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
     plan = batch_plan([len(d.ids) for d in data], cfg.batch, steps, seed)
     log, running = [], []
     bar = tqdm(plan, desc=desc, disable=not progress, mininterval=5)
@@ -305,12 +336,12 @@ def reply_token_hits(model, data: list[Encoded], pad_id: int, batch: int = 32) -
     """Per sequence, per reply token: is it the argmax given everything before it?"""
     hits = []
     for b in range(0, len(data), batch):
-        chunk = data[b:b + batch]
+        chunk = data[b : b + batch]
         x, _ = collate(chunk, list(range(len(chunk))), pad_id)
         pred = model(input_ids=x, use_cache=False).logits.argmax(-1)  # [batch, T]
         for k, d in enumerate(chunk):
-            target = torch.tensor(d.ids[d.n_prefix:])  # [reply tokens]
-            hits.append((pred[k, d.n_prefix - 1: len(d.ids) - 1] == target).tolist())
+            target = torch.tensor(d.ids[d.n_prefix :])  # [reply tokens]
+            hits.append((pred[k, d.n_prefix - 1 : len(d.ids) - 1] == target).tolist())
     return hits
 
 
@@ -322,9 +353,15 @@ def exact_replies(model, tok, rows: list[dict], batch: int = 32) -> list[bool]:
 
 def _task_rows(files: dict[str, Path], n: int) -> dict[str, list[dict]]:
     """The first n rows of each evaluation file as Nemotron rows holding their reference reply."""
+
     def row(prompt: str, reply: str) -> dict:
-        return {"input": [{"role": "user", "content": prompt}], "output": reply, "reasoning": "off",
-                "system_prompt": "", "category": "chat"}
+        return {
+            "input": [{"role": "user", "content": prompt}],
+            "output": reply,
+            "reasoning": "off",
+            "system_prompt": "",
+            "category": "chat",
+        }
 
     refs = {r["key"]: r["reply"] for r in read_jsonl(files["ifeval.ref"])}
     arc_refs = {r["id"]: r["reply"] for r in read_jsonl(files["arc.ref"])}
@@ -344,16 +381,24 @@ def evaluation_sets(files: dict[str, Path], cfg: ToyConfig) -> dict[str, dict[st
         rows = [r for r, m in zip(chats, meta) if m["kind"] == kind and m["context_dependent"]][: cfg.eval_per_kind]
         # The wrong document: the next chat's context in front of this chat's final question.
         wrong = [{**r, "input": rows[(i + 1) % len(rows)]["input"][:-1] + r["input"][-1:]} for i, r in enumerate(rows)]
-        sets[f"chat_{kind}"] = {"context": rows, "no_context": [toyworld.drop_context(r) for r in rows],
-                                "wrong_context": wrong}
+        sets[f"chat_{kind}"] = {
+            "context": rows,
+            "no_context": [toyworld.drop_context(r) for r in rows],
+            "wrong_context": wrong,
+        }
     for name, rows in _task_rows(files, cfg.eval_task_items).items():
         sets[name] = {"context": rows}
     return sets
 
 
 def score_model(model, tok, sets: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, float]]:
-    return {name: {cond: (sum(h := exact_replies(model, tok, rows)) / len(h) if rows else float("nan"))
-                   for cond, rows in conds.items()} for name, conds in sets.items()}
+    return {
+        name: {
+            cond: (sum(h := exact_replies(model, tok, rows)) / len(h) if rows else float("nan"))
+            for cond, rows in conds.items()
+        }
+        for name, conds in sets.items()
+    }
 
 
 # --------------------------------------------------------------------------- the build
@@ -411,12 +456,21 @@ def check_world_folder(out: Path) -> None:
         raise ValueError(f"--out {out} is a file; give a new or empty folder, or a toy world")
     shown = not_ours(out, WORLD_ENTRIES, "manifest.json", "stage", "toy_world")  # ours cut short: replaced
     if shown:
-        raise ValueError(f"--out {out} holds what is not a toy world's ({shown}); building or installing there would "
-                         "replace or delete it. Give a new or empty folder, or a toy world")
+        raise ValueError(
+            f"--out {out} holds what is not a toy world's ({shown}); building or installing there would "
+            "replace or delete it. Give a new or empty folder, or a toy world"
+        )
 
 
-def build_toy_world(out: str | Path, seed: int = 0, mini: bool = False, minutes_per_model: float | None = None,
-                    force: bool = False, progress: bool = True, log: Callable[[str], None] = print) -> dict:
+def build_toy_world(
+    out: str | Path,
+    seed: int = 0,
+    mini: bool = False,
+    minutes_per_model: float | None = None,
+    force: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Build (or verify and reuse) the toy world under `out`; return the manifest.
 
     Writes out/corpus/*.jsonl, out/tokenizer/, out/large/, out/small/ and out/manifest.json (last).
@@ -458,22 +512,55 @@ def build_toy_world(out: str | Path, seed: int = 0, mini: bool = False, minutes_
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        _build_models(out, cfg, build_key, tok, data, mean_len, corpus_sha, tok_sha, sets, seed, force, progress,
-                      log, results, model_info)
+        _build_models(
+            out,
+            cfg,
+            build_key,
+            tok,
+            data,
+            mean_len,
+            corpus_sha,
+            tok_sha,
+            sets,
+            seed,
+            force,
+            progress,
+            log,
+            results,
+            model_info,
+        )
     finally:
         torch.set_num_threads(threads_before)
 
     # --- manifest (written last: its presence with matching hashes means "built")
-    rel_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*")
-                       if p.is_file() and p.name != "manifest.json" and not p.name.startswith("."))
+    rel_files = sorted(
+        p.relative_to(out).as_posix()
+        for p in out.rglob("*")
+        if p.is_file() and p.name != "manifest.json" and not p.name.startswith(".")
+    )
     n_samples = {name: {cond: len(rows) for cond, rows in conds.items()} for name, conds in sets.items()}
     return Report(
-        "toy_world", config=cfg, inputs={"code_sha256": code_sha()},
-        results={"exact_reply": results, "models": model_info, "mini": mini,
-                 "paths": {"large": "large", "small": "small", "tokenizer": "tokenizer",
-                           **{name: f"corpus/{p.name}" for name, p in files.items()}}},
-        n_samples=n_samples, seeds={"world": seed, "large": seed, "small": seed + 1}, wall_time_s=time.time() - t0,
-        device="cpu", dtype="float32", resume_key=build_key, files={rel: sha256_file(out / rel) for rel in rel_files},
+        "toy_world",
+        config=cfg,
+        inputs={"code_sha256": code_sha()},
+        results={
+            "exact_reply": results,
+            "models": model_info,
+            "mini": mini,
+            "paths": {
+                "large": "large",
+                "small": "small",
+                "tokenizer": "tokenizer",
+                **{name: f"corpus/{p.name}" for name, p in files.items()},
+            },
+        },
+        n_samples=n_samples,
+        seeds={"world": seed, "large": seed, "small": seed + 1},
+        wall_time_s=time.time() - t0,
+        device="cpu",
+        dtype="float32",
+        resume_key=build_key,
+        files={rel: sha256_file(out / rel) for rel in rel_files},
     ).write(manifest_path)
 
 
@@ -486,53 +573,100 @@ def is_mini(manifest: dict) -> bool:
     return bool(manifest.get("results", {}).get("mini", manifest.get("mini")))
 
 
-def _build_models(out: Path, cfg: ToyConfig, build_key: str, tok, data: list[Encoded], mean_len: float,
-                  corpus_sha: dict, tok_sha: str, sets: dict, seed: int, force: bool, progress: bool,
-                  log: Callable[[str], None], results: dict, model_info: dict) -> None:
+def _build_models(
+    out: Path,
+    cfg: ToyConfig,
+    build_key: str,
+    tok,
+    data: list[Encoded],
+    mean_len: float,
+    corpus_sha: dict,
+    tok_sha: str,
+    sets: dict,
+    seed: int,
+    force: bool,
+    progress: bool,
+    log: Callable[[str], None],
+    results: dict,
+    model_info: dict,
+) -> None:
     """Train (or reuse, by key and weights hash) each model, score it, and fill results/model_info."""
-    for i, (name, shape, minutes, rate) in enumerate([
-        ("large", cfg.large, cfg.large_minutes, cfg.large_tokens_per_s),
-        ("small", cfg.small, cfg.small_minutes, cfg.small_tokens_per_s),
-    ]):
+    for i, (name, shape, minutes, rate) in enumerate(
+        [
+            ("large", cfg.large, cfg.large_minutes, cfg.large_tokens_per_s),
+            ("small", cfg.small, cfg.small_minutes, cfg.small_tokens_per_s),
+        ]
+    ):
         qcfg = qwen3_config(cfg, shape, tok)
         steps = steps_for(cfg, minutes, rate, mean_len)
-        model_key = sha256_json({"build_key": build_key, "name": name, "steps": steps, "corpus": corpus_sha,
-                                 "tokenizer": tok_sha})
+        model_key = sha256_json(
+            {"build_key": build_key, "name": name, "steps": steps, "corpus": corpus_sha, "tokenizer": tok_sha}
+        )
         path = out / name
         meta_path = path / "meta.json"
         meta = read_json(meta_path) if meta_path.is_file() else {}
-        reuse = (not force and meta.get("model_key") == model_key and any(path.glob("*.safetensors"))
-                 and local_weights_digest(path) == meta.get("weights_sha256"))
+        reuse = (
+            not force
+            and meta.get("model_key") == model_key
+            and any(path.glob("*.safetensors"))
+            and local_weights_digest(path) == meta.get("weights_sha256")
+        )
         if reuse:
             log(f"{name}: reusing trained weights ({meta['train_steps']} steps)")
         else:
-            log(f"{name}: training {steps} steps (hidden {shape.hidden}, {qcfg.num_attention_heads} heads, "
-                f"rope_theta {shape.rope_theta:g})")
+            log(
+                f"{name}: training {steps} steps (hidden {shape.hidden}, {qcfg.num_attention_heads} heads, "
+                f"rope_theta {shape.rope_theta:g})"
+            )
             t1 = time.time()
-            model, loss_log = train_model(qcfg, data, steps, cfg, seed + i, tok.pad_token_id, desc=name,
-                                          progress=progress)
+            model, loss_log = train_model(
+                qcfg, data, steps, cfg, seed + i, tok.pad_token_id, desc=name, progress=progress
+            )
             train_s = time.time() - t1
             round_to_bf16(model)  # scored exactly as stored
             t2 = time.time()
             scores = score_model(model, tok, sets)
-            meta = {"model_key": model_key, "name": name, "train_steps": steps, "train_wall_s": train_s,
-                    "eval_wall_s": time.time() - t2, "n_params": sum(p.numel() for p in model.parameters()),
-                    "threads": torch.get_num_threads(), "seed": seed + i, "loss_log": loss_log,
-                    "exact_reply": scores, "config": asdict(cfg)}
+            meta = {
+                "model_key": model_key,
+                "name": name,
+                "train_steps": steps,
+                "train_wall_s": train_s,
+                "eval_wall_s": time.time() - t2,
+                "n_params": sum(p.numel() for p in model.parameters()),
+                "threads": torch.get_num_threads(),
+                "seed": seed + i,
+                "loss_log": loss_log,
+                "exact_reply": scores,
+                "config": asdict(cfg),
+            }
             _save_model(model, tok, path, meta)
         results[name] = meta["exact_reply"]
         model_info[name] = {k: meta[k] for k in ("train_steps", "train_wall_s", "eval_wall_s", "n_params", "threads")}
         model_info[name]["final_loss"] = meta["loss_log"][-1]["loss"] if meta["loss_log"] else None
-        model_info[name]["qwen3_config"] = {k: getattr(qcfg, k) for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "rope_parameters", "tie_word_embeddings", "max_position_embeddings")}
+        model_info[name]["qwen3_config"] = {
+            k: getattr(qcfg, k)
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "rope_parameters",
+                "tie_word_embeddings",
+                "max_position_embeddings",
+            )
+        }
 
 
 # --------------------------------------------------------------------------- the packaged pair
 PACKAGED = Path(__file__).with_name("pair")  # the committed full build: tokenizer, BF16 models, manifest
 PACKAGED_PARTS = ("tokenizer", "large", "small")
-RETRAIN_HINT = ("retrain and re-export the pair with `make toy-train` "
-                "(python toy_world.py --out artifacts/toy --train --export kvlingo/toy/pair; ~26 CPU-minutes)")
+RETRAIN_HINT = (
+    "retrain and re-export the pair with `make toy-train` "
+    "(python toy_world.py --out artifacts/toy --train --export kvlingo/toy/pair; ~26 CPU-minutes)"
+)
 
 
 def _copy_tree_atomic(src: Path, dest: Path) -> None:
@@ -549,7 +683,9 @@ def export_pair(built: str | Path, dest: str | Path = PACKAGED, log: Callable[[s
     manifest = read_json(built / "manifest.json")
     if is_mini(manifest):
         raise ValueError(f"{built} is a mini build; only a full build is exported")
-    bad = [rel for rel, sha in manifest["files"].items() if not (built / rel).is_file() or sha256_file(built / rel) != sha]
+    bad = [
+        rel for rel, sha in manifest["files"].items() if not (built / rel).is_file() or sha256_file(built / rel) != sha
+    ]
     if bad:
         raise ValueError(f"{built}: {len(bad)} file(s) differ from its manifest (first: {bad[0]}); rebuild it first")
     dest.mkdir(parents=True, exist_ok=True)
@@ -579,21 +715,30 @@ def install_pair(out: str | Path, packaged: str | Path = PACKAGED, log: Callable
         if build_key_of(old) == build_key_of(manifest) and _files_ok(out, files):
             log(f"toy world at {out} is up to date (build key {build_key_of(manifest)[:12]}); nothing to do")
             return old
-    bad = [rel for rel, sha in files.items() if rel.split("/")[0] in PACKAGED_PARTS
-           and (not (packaged / rel).is_file() or sha256_file(packaged / rel) != sha)]
+    bad = [
+        rel
+        for rel, sha in files.items()
+        if rel.split("/")[0] in PACKAGED_PARTS
+        and (not (packaged / rel).is_file() or sha256_file(packaged / rel) != sha)
+    ]
     if bad:
-        raise ValueError(f"{packaged / bad[0]} differs from the packaged manifest ({len(bad)} file(s)); "
-                         f"restore it (git checkout -- {packaged}) or {RETRAIN_HINT}")
-    world = toyworld.WorldConfig(**{**manifest["config"]["world"],
-                                    "kind_weights": tuple(manifest["config"]["world"]["kind_weights"])})
+        raise ValueError(
+            f"{packaged / bad[0]} differs from the packaged manifest ({len(bad)} file(s)); "
+            f"restore it (git checkout -- {packaged}) or {RETRAIN_HINT}"
+        )
+    world = toyworld.WorldConfig(
+        **{**manifest["config"]["world"], "kind_weights": tuple(manifest["config"]["world"]["kind_weights"])}
+    )
     staging = out.parent / f".{out.name}.corpus.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     written = toyworld.write_world(staging, world)
     changed = [f"corpus/{p.name}" for p in written.values() if sha256_file(p) != files.get(f"corpus/{p.name}")]
     if changed:
         shutil.rmtree(staging, ignore_errors=True)
-        raise ValueError(f"the corpus generator no longer reproduces the corpus the packaged pair was trained on "
-                         f"({', '.join(changed)} differ); {RETRAIN_HINT}")
+        raise ValueError(
+            f"the corpus generator no longer reproduces the corpus the packaged pair was trained on "
+            f"({', '.join(changed)} differ); {RETRAIN_HINT}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)  # incomplete until the new one is written
     shutil.rmtree(out / "corpus", ignore_errors=True)

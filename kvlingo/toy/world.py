@@ -27,7 +27,7 @@ training items that collide with them are skipped, so the two are disjoint.
 
 Files written by `write_world(out_dir, cfg)`:
     train_chats.jsonl   training conversations for the toy models (Nemotron chat format)
-    chats.jsonl         held-out conversations (Nemotron chat format; paper_data.py --source)
+    chats.jsonl         held-out conversations (Nemotron chat format; prepare.py --source)
     chats.meta.jsonl    one line per chats.jsonl row: kind, subkind, context_dependent
     ifeval.jsonl        google/IFEval format: key, prompt, instruction_id_list, kwargs
     ifeval.ref.jsonl    the reference reply for each ifeval.jsonl key
@@ -182,8 +182,9 @@ def _distractor(rng: random.Random) -> tuple[str, str]:
     return f"Please repeat this phrase: {phrase}.", f"{_cap(phrase)}."
 
 
-def _with_context(rng: random.Random, setup: list[tuple[str, str]], final_user: str, max_distractors: int,
-                  shuffle_setup: bool = True) -> list[dict[str, str]]:
+def _with_context(
+    rng: random.Random, setup: list[tuple[str, str]], final_user: str, max_distractors: int, shuffle_setup: bool = True
+) -> list[dict[str, str]]:
     """Setup exchanges and 0..max_distractors distractor exchanges, then the final user turn.
 
     With shuffle_setup the distractors may also come before the facts; otherwise the setup
@@ -221,26 +222,55 @@ def _facts(rng: random.Random) -> dict[str, tuple[str, list[str], str, str]]:
     list_pick = rng.randrange(2)
     shopping_a = [f"Your shopping list is {glist}.", f"The {ORDINALS[k]} item is {groceries[k]}."][list_pick]
     return {
-        "name": (f"My name is {name}.", ["What is my name?", "Do you remember my name?"],
-                 f"Your name is {name}.", f"The user told me their name is {name}."),
-        "friend": (f"My best friend is called {friend}.", ["What is my best friend called?"],
-                   f"Your best friend is called {friend}.", f"The user said their best friend is {friend}."),
-        "city": (f"I live in {city}.", ["Where do I live?", "Which city do I live in?"],
-                 f"You live in {city}.", f"The user said they live in {city}."),
-        "pet": (f"I have a {animal} called {pet}.", [f"What is my {animal} called?"],
-                f"Your {animal} is called {pet}.", f"The user has a {animal} named {pet}."),
-        "number": (f"My {num_thing} is {num}.", [f"What is my {num_thing}?"],
-                   f"Your {num_thing} is {num}.", f"The user said their {num_thing} is {num}."),
-        "password": (f"The password for the {pass_thing} is {password}.",
-                     [f"What is the password for the {pass_thing}?"],
-                     f"The password for the {pass_thing} is {password}.",
-                     f"The user gave the {pass_thing} password {password}."),
-        "color": (f"My favorite color is {color}.", ["What is my favorite color?"],
-                  f"Your favorite color is {color}.", f"The user likes the color {color}."),
-        "meeting": (f"The meeting is on {day} at {hour} o'clock.", ["When is the meeting?"],
-                    f"The meeting is on {day} at {hour} o'clock.", f"The user said the meeting is {day} at {hour}."),
-        "shopping": (f"My shopping list is {glist}.", [shopping_q[list_pick]], shopping_a,
-                     f"The user listed {glist}."),
+        "name": (
+            f"My name is {name}.",
+            ["What is my name?", "Do you remember my name?"],
+            f"Your name is {name}.",
+            f"The user told me their name is {name}.",
+        ),
+        "friend": (
+            f"My best friend is called {friend}.",
+            ["What is my best friend called?"],
+            f"Your best friend is called {friend}.",
+            f"The user said their best friend is {friend}.",
+        ),
+        "city": (
+            f"I live in {city}.",
+            ["Where do I live?", "Which city do I live in?"],
+            f"You live in {city}.",
+            f"The user said they live in {city}.",
+        ),
+        "pet": (
+            f"I have a {animal} called {pet}.",
+            [f"What is my {animal} called?"],
+            f"Your {animal} is called {pet}.",
+            f"The user has a {animal} named {pet}.",
+        ),
+        "number": (
+            f"My {num_thing} is {num}.",
+            [f"What is my {num_thing}?"],
+            f"Your {num_thing} is {num}.",
+            f"The user said their {num_thing} is {num}.",
+        ),
+        "password": (
+            f"The password for the {pass_thing} is {password}.",
+            [f"What is the password for the {pass_thing}?"],
+            f"The password for the {pass_thing} is {password}.",
+            f"The user gave the {pass_thing} password {password}.",
+        ),
+        "color": (
+            f"My favorite color is {color}.",
+            ["What is my favorite color?"],
+            f"Your favorite color is {color}.",
+            f"The user likes the color {color}.",
+        ),
+        "meeting": (
+            f"The meeting is on {day} at {hour} o'clock.",
+            ["When is the meeting?"],
+            f"The meeting is on {day} at {hour} o'clock.",
+            f"The user said the meeting is {day} at {hour}.",
+        ),
+        "shopping": (f"My shopping list is {glist}.", [shopping_q[list_pick]], shopping_a, f"The user listed {glist}."),
     }
 
 
@@ -273,18 +303,28 @@ IFEVAL_IDS = {
     "bullets": "detectable_format:number_bullet_lists",
 }
 RULE_TEXT = {
-    "capital": ("Your entire reply must be in English and in capital letters only.",
-                "Write the whole answer in all capital letters."),
-    "lowercase": ("Use only lowercase letters in your entire reply, no capitals at all.",
-                  "Your whole answer must be in English and in lowercase letters."),
+    "capital": (
+        "Your entire reply must be in English and in capital letters only.",
+        "Write the whole answer in all capital letters.",
+    ),
+    "lowercase": (
+        "Use only lowercase letters in your entire reply, no capitals at all.",
+        "Your whole answer must be in English and in lowercase letters.",
+    ),
     "keywords": ("Include the keywords {kw} in your reply.", "Make sure the answer mentions {kw}."),
-    "end": ('End your reply with the exact phrase "{end}" and nothing after it.',
-            'Finish with the phrase "{end}" with no other words after it.'),
+    "end": (
+        'End your reply with the exact phrase "{end}" and nothing after it.',
+        'Finish with the phrase "{end}" with no other words after it.',
+    ),
     "no_comma": ("Do not use any commas in your reply.", "Avoid commas completely."),
-    "title": ("Give your answer a title wrapped in double angular brackets, such as <<my title>>.",
-              "Put a title in double angular brackets like <<title>> at the top."),
-    "bullets": ("Your answer must have exactly {n} bullet points, using markdown bullets like * this.",
-                "Use exactly {n} markdown bullet points such as * point."),
+    "title": (
+        "Give your answer a title wrapped in double angular brackets, such as <<my title>>.",
+        "Put a title in double angular brackets like <<title>> at the top.",
+    ),
+    "bullets": (
+        "Your answer must have exactly {n} bullet points, using markdown bullets like * this.",
+        "Use exactly {n} markdown bullet points such as * point.",
+    ),
 }
 
 
@@ -297,7 +337,12 @@ def _note(topic: tuple[str, str, str], rules: dict[str, Any]) -> str:
     """
     t, adj, clause = topic
     if "bullets" in rules:
-        lines = [f"I think {t} is {adj}.", f"I know that {clause}.", f"Many people enjoy {t}.", f"I like to read about {t}."]
+        lines = [
+            f"I think {t} is {adj}.",
+            f"I know that {clause}.",
+            f"Many people enjoy {t}.",
+            f"I like to read about {t}.",
+        ]
         body = "\n".join(f"* {line}" for line in lines[: rules["bullets"]])
     else:
         comma = "" if "no_comma" in rules else ","
@@ -376,8 +421,11 @@ def make_ifeval(rng: random.Random, context: bool, max_distractors: int, plain: 
     else:
         prompt = f"{request} {rule_text}"
         msgs = _inline(rng, prompt, max_distractors)
-        task = {"prompt": prompt, "instruction_id_list": [IFEVAL_IDS[r] for r in order],
-                "kwargs": [_ifeval_kwargs(r, rules[r]) for r in order]}
+        task = {
+            "prompt": prompt,
+            "instruction_id_list": [IFEVAL_IDS[r] for r in order],
+            "kwargs": [_ifeval_kwargs(r, rules[r]) for r in order],
+        }
     return Item("ifeval", "plain" if plain else "+".join(sorted(order)), msgs, reply, reasoning, context, task)
 
 
@@ -389,31 +437,58 @@ def _math_problem(rng: random.Random) -> tuple[str, str, str, str, int]:
     # Small operands: a tiny model has to memorise its addition and times tables.
     if form == "add":
         a, b = rng.randint(2, 20), rng.randint(2, 20)
-        return (form, f"{name} has {a} {item}.", f"{name} buys {b} more {item}. How many {item} does {name} have now?",
-                f"{name} has {a} {item} and buys {b} more, so {a} + {b} = {a + b}.", a + b)
+        return (
+            form,
+            f"{name} has {a} {item}.",
+            f"{name} buys {b} more {item}. How many {item} does {name} have now?",
+            f"{name} has {a} {item} and buys {b} more, so {a} + {b} = {a + b}.",
+            a + b,
+        )
     if form == "sub":
         a = rng.randint(6, 30)
         b = rng.randint(1, a - 1)
-        return (form, f"{name} has {a} {item}.", f"{name} gives away {b} {item}. How many {item} does {name} have left?",
-                f"{name} has {a} {item} and gives away {b}, so {a} - {b} = {a - b}.", a - b)
+        return (
+            form,
+            f"{name} has {a} {item}.",
+            f"{name} gives away {b} {item}. How many {item} does {name} have left?",
+            f"{name} has {a} {item} and gives away {b}, so {a} - {b} = {a - b}.",
+            a - b,
+        )
     a, b = rng.randint(2, 9), rng.randint(2, 9)
     if form == "mul":
-        return (form, f"{name} has {a} boxes with {b} {item} in each box.", f"How many {item} does {name} have?",
-                f"{a} boxes with {b} {item} each is {a} * {b} = {a * b}.", a * b)
+        return (
+            form,
+            f"{name} has {a} boxes with {b} {item} in each box.",
+            f"How many {item} does {name} have?",
+            f"{a} boxes with {b} {item} each is {a} * {b} = {a * b}.",
+            a * b,
+        )
     if form == "mul_add":
         c = rng.randint(1, 10)
-        return (form, f"{name} has {a} boxes with {b} {item} in each box.",
-                f"{name} finds {c} more {item}. How many {item} does {name} have now?",
-                f"{a} * {b} = {a * b} {item}. Then {a * b} + {c} = {a * b + c}.", a * b + c)
+        return (
+            form,
+            f"{name} has {a} boxes with {b} {item} in each box.",
+            f"{name} finds {c} more {item}. How many {item} does {name} have now?",
+            f"{a} * {b} = {a * b} {item}. Then {a * b} + {c} = {a * b + c}.",
+            a * b + c,
+        )
     if form == "mul_sub":
         c = rng.randint(1, min(10, a * b - 1))
-        return (form, f"{name} has {a} boxes with {b} {item} in each box.",
-                f"{name} gives away {c} {item}. How many {item} does {name} have left?",
-                f"{a} * {b} = {a * b} {item}. Then {a * b} - {c} = {a * b - c}.", a * b - c)
+        return (
+            form,
+            f"{name} has {a} boxes with {b} {item} in each box.",
+            f"{name} gives away {c} {item}. How many {item} does {name} have left?",
+            f"{a} * {b} = {a * b} {item}. Then {a * b} - {c} = {a * b - c}.",
+            a * b - c,
+        )
     a, b, c = rng.randint(2, 12), rng.randint(2, 12), rng.randint(2, 12)
-    return (form, f"{name} reads {a} pages on Monday and {b} pages on Tuesday.",
-            f"On Wednesday {name} reads {c} pages. How many pages does {name} read in total?",
-            f"{name} reads {a} + {b} + {c} = {a + b + c} pages.", a + b + c)
+    return (
+        form,
+        f"{name} reads {a} pages on Monday and {b} pages on Tuesday.",
+        f"On Wednesday {name} reads {c} pages. How many pages does {name} read in total?",
+        f"{name} reads {a} + {b} + {c} = {a + b + c} pages.",
+        a + b + c,
+    )
 
 
 def make_math(rng: random.Random, context: bool, max_distractors: int) -> Item:
@@ -421,8 +496,9 @@ def make_math(rng: random.Random, context: bool, max_distractors: int) -> Item:
     reply = f"{worked}\nAnswer: {answer}"
     task: dict[str, Any] = {}
     if context:
-        msgs = _with_context(rng, [(f"Here is a word problem. {setup}", ACK_MATH)], rest, max_distractors,
-                             shuffle_setup=False)
+        msgs = _with_context(
+            rng, [(f"Here is a word problem. {setup}", ACK_MATH)], rest, max_distractors, shuffle_setup=False
+        )
     else:
         task = {"question": f"{setup} {rest}", "answer": f"{worked}\n#### {answer}"}  # GSM8K's own format
         msgs = _inline(rng, gsm8k_prompt(task), max_distractors)
@@ -439,34 +515,64 @@ def _mc_problem(rng: random.Random) -> tuple[str, str, str, list[str], str, str]
         c1, c2, c3, c4 = rng.sample(COLORS, 4)
         name = rng.choice(NAMES)
         obj, col = rng.choice([(o1, c1), (o2, c2)])
-        return (form, f"{name} put the {o1} in the {c1} box and the {o2} in the {c2} box.",
-                f"Which box holds the {obj}?", [f"the {c} box" for c in (c1, c2, c3, c4)], f"the {col} box",
-                f"The {obj} is in the {col} box.")
+        return (
+            form,
+            f"{name} put the {o1} in the {c1} box and the {o2} in the {c2} box.",
+            f"Which box holds the {obj}?",
+            [f"the {c} box" for c in (c1, c2, c3, c4)],
+            f"the {col} box",
+            f"The {obj} is in the {col} box.",
+        )
     if form == "older":
         a, b, c, d = rng.sample(NAMES, 4)
         which = rng.choice(["older", "younger"])
         right = a if which == "older" else b
-        return (form, f"{a} is older than {b}.", f"Who is {which}?", [a, b, c, d], right,
-                f"{a} is older than {b}, so {right} is {which}.")
+        return (
+            form,
+            f"{a} is older than {b}.",
+            f"Who is {which}?",
+            [a, b, c, d],
+            right,
+            f"{a} is older than {b}, so {right} is {which}.",
+        )
     if form == "lives":
         a, b = rng.sample(NAMES, 2)
         ca, cb, cc, cd = rng.sample(CITIES, 4)
         person, city = rng.choice([(a, ca), (b, cb)])
-        return (form, f"{a} lives in {ca}. {b} lives in {cb}.", f"Where does {person} live?", [ca, cb, cc, cd], city,
-                f"{person} lives in {city}.")
+        return (
+            form,
+            f"{a} lives in {ca}. {b} lives in {cb}.",
+            f"Where does {person} live?",
+            [ca, cb, cc, cd],
+            city,
+            f"{person} lives in {city}.",
+        )
     if form == "count":
         name = rng.choice(NAMES)
         x, y = rng.randint(1, 9), rng.randint(1, 9)
         total = x + y
         wrong = rng.sample([v for v in range(max(1, total - 4), total + 5) if v != total], 3)
-        return (form, f"{name} has {x} red balls and {y} blue balls.", f"How many balls does {name} have in total?",
-                [str(total)] + [str(v) for v in wrong], str(total), f"{x} + {y} = {total} balls.")
+        return (
+            form,
+            f"{name} has {x} red balls and {y} blue balls.",
+            f"How many balls does {name} have in total?",
+            [str(total)] + [str(v) for v in wrong],
+            str(total),
+            f"{x} + {y} = {total} balls.",
+        )
     cat = rng.choice(sorted(CATEGORIES))
     right = rng.choice(CATEGORIES[cat])
     others = rng.sample([c for c in sorted(CATEGORIES) if c != cat], 3)
     wrong = [rng.choice(CATEGORIES[o]) for o in others]
     article = "an" if cat[0] in "aeiou" else "a"
-    return (form, "", f"Which of these is {article} {cat}?", [right] + wrong, right, f"{_cap(right)} is {article} {cat}.")
+    return (
+        form,
+        "",
+        f"Which of these is {article} {cat}?",
+        [right] + wrong,
+        right,
+        f"{_cap(right)} is {article} {cat}.",
+    )
 
 
 def arc_prompt(row: dict[str, Any]) -> str:
@@ -507,16 +613,19 @@ def make_mc(rng: random.Random, context: bool, max_distractors: int) -> Item:
     letter = LETTERS[options.index(right)]
     task: dict[str, Any] = {}
     full_q = f"{facts} {question}".strip()
-    row = {"question": question if context else full_q,
-           "choices": {"text": options, "label": list(LETTERS)}, "answerKey": letter}
+    row = {
+        "question": question if context else full_q,
+        "choices": {"text": options, "label": list(LETTERS)},
+        "answerKey": letter,
+    }
     if context:
-        msgs = _with_context(rng, [(f"Here is a short story. {facts}", ACK_STORY)], arc_prompt(row), max_distractors,
-                             shuffle_setup=False)
+        msgs = _with_context(
+            rng, [(f"Here is a short story. {facts}", ACK_STORY)], arc_prompt(row), max_distractors, shuffle_setup=False
+        )
     else:
         msgs = _inline(rng, arc_prompt(row), max_distractors)
         task = row
-    return Item("mc", form, msgs, arc_reply(row, why), f"{why} That is option {letter}.", context, task,
-                arc_reply(row))
+    return Item("mc", form, msgs, arc_reply(row, why), f"{why} That is option {letter}.", context, task, arc_reply(row))
 
 
 # --------------------------------------------------------------------------- corpus rows
@@ -524,8 +633,13 @@ def nemotron_row(item: Item, reasoning_on: bool) -> dict[str, Any]:
     """A Llama-Nemotron chat row: input ends with the user turn; output is the final reply."""
     answer = item.reply_after_reasoning or item.reply
     output = f"<think>\n{item.reasoning}\n</think>\n\n{answer}" if reasoning_on else item.reply
-    return {"input": [dict(m) for m in item.messages], "output": output, "reasoning": "on" if reasoning_on else "off",
-            "system_prompt": "", "category": "chat"}
+    return {
+        "input": [dict(m) for m in item.messages],
+        "output": output,
+        "reasoning": "on" if reasoning_on else "off",
+        "system_prompt": "",
+        "category": "chat",
+    }
 
 
 def drop_context(row: dict[str, Any]) -> dict[str, Any]:
@@ -609,11 +723,11 @@ class World:
 def _eval_items(cfg: WorldConfig) -> tuple[list[Item], list[Item], list[Item], set[str]]:
     """The IFEval, ARC and GSM8K items, each from its own seed stream, and their final prompts."""
     eval_prompts: set[str] = set()
-    ifeval_items = _task_stream(random.Random(f"toyworld/{cfg.seed}/eval/ifeval"), cfg, "ifeval", cfg.n_ifeval,
-                                eval_prompts)
+    ifeval_items = _task_stream(
+        random.Random(f"toyworld/{cfg.seed}/eval/ifeval"), cfg, "ifeval", cfg.n_ifeval, eval_prompts
+    )
     arc_items = _task_stream(random.Random(f"toyworld/{cfg.seed}/eval/arc"), cfg, "mc", cfg.n_arc, eval_prompts)
-    gsm_items = _task_stream(random.Random(f"toyworld/{cfg.seed}/eval/gsm8k"), cfg, "math", cfg.n_gsm8k,
-                             eval_prompts)
+    gsm_items = _task_stream(random.Random(f"toyworld/{cfg.seed}/eval/gsm8k"), cfg, "math", cfg.n_gsm8k, eval_prompts)
     return ifeval_items, arc_items, gsm_items, eval_prompts
 
 
@@ -631,8 +745,16 @@ def generate_world(cfg: WorldConfig) -> World:
     arc = [{"id": f"Toy_{i:05d}", **it.task} for i, it in enumerate(arc_items)]
     arc_ref = [{"id": row["id"], "reply": it.reply} for row, it in zip(arc, arc_items)]
     gsm8k = [dict(it.task) for it in gsm_items]
-    return World(train=[r for r, _ in train], chats=[r for r, _ in chats], chats_meta=[m for _, m in chats],
-                 ifeval=ifeval, ifeval_ref=ifeval_ref, arc=arc, arc_ref=arc_ref, gsm8k=gsm8k)
+    return World(
+        train=[r for r, _ in train],
+        chats=[r for r, _ in chats],
+        chats_meta=[m for _, m in chats],
+        ifeval=ifeval,
+        ifeval_ref=ifeval_ref,
+        arc=arc,
+        arc_ref=arc_ref,
+        gsm8k=gsm8k,
+    )
 
 
 def more_chats(cfg: WorldConfig, n: int) -> tuple[list[dict], list[dict]]:
@@ -666,6 +788,14 @@ def write_world(out_dir: str | Path, cfg: WorldConfig) -> dict[str, Path]:
     """Write every corpus and evaluation file (atomically); return {name: path}."""
     world = generate_world(cfg)
     out_dir = Path(out_dir)
-    rows = {"train_chats": world.train, "chats": world.chats, "chats.meta": world.chats_meta, "ifeval": world.ifeval,
-            "ifeval.ref": world.ifeval_ref, "arc": world.arc, "arc.ref": world.arc_ref, "gsm8k": world.gsm8k}
+    rows = {
+        "train_chats": world.train,
+        "chats": world.chats,
+        "chats.meta": world.chats_meta,
+        "ifeval": world.ifeval,
+        "ifeval.ref": world.ifeval_ref,
+        "arc": world.arc,
+        "arc.ref": world.arc_ref,
+        "gsm8k": world.gsm8k,
+    }
     return {name: atomic_write_jsonl(out_dir / f"{name}.jsonl", rows[name]) for name in WORLD_FILES}

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -53,8 +54,9 @@ def load_checkpoint(path: str | Path, marker: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path.name}: unreadable ({type(e).__name__}: {e})") from e
     got = sha256_bytes(data)
     if got != want:
-        raise CheckpointError(f"{path.name}: sha256 {got[:12]}… does not match its DONE marker {want[:12]}… "
-                              "(truncated or corrupted)")
+        raise CheckpointError(
+            f"{path.name}: sha256 {got[:12]}… does not match its DONE marker {want[:12]}… (truncated or corrupted)"
+        )
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 — any unpickling failure means a damaged file
@@ -97,8 +99,7 @@ def newest_checkpoint(folder: str | Path, warn: Callable[[str], None] = print) -
         return state
     if problems:
         raise CheckpointError(
-            f"no intact checkpoint in {folder}: " + "; ".join(problems)
-            + ". Start a fresh run (drop --resume)."
+            f"no intact checkpoint in {folder}: " + "; ".join(problems) + ". Start a fresh run (drop --resume)."
         )
     return None
 

@@ -26,7 +26,8 @@ on the same conversations (`ranking.rank_layers`: a first pass), then fit with t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -39,8 +40,15 @@ from .ranking import rank_layers
 from .weighting import FIT_WEIGHTINGS, attention_fit_weights, capture_with_queries, scored_attention
 
 
-def normal_equations(source, target, translator: LinearFamily, rows: list[dict], weighting: str = "uniform",
-                     progress: Callable | None = None, kind: str = "preallocated") -> NormalEquations:
+def normal_equations(
+    source,
+    target,
+    translator: LinearFamily,
+    rows: list[dict],
+    weighting: str = "uniform",
+    progress: Callable | None = None,
+    kind: str = "preallocated",
+) -> NormalEquations:
     """The FP64 normal equations of `translator`'s least-squares blocks over all of `rows` (not yet solved).
 
     This is one rank's part of the fit: data-parallel callers pass their share of the rows and
@@ -49,14 +57,23 @@ def normal_equations(source, target, translator: LinearFamily, rows: list[dict],
     if weighting not in FIT_WEIGHTINGS:
         raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
     ne = _equations(translator, source)
-    for row in (progress(rows) if progress else rows):
+    for row in progress(rows) if progress else rows:
         _accumulate(ne, source, target, translator, row, weighting, kind)
     return ne
 
 
-def fit_closed_form(source, target, translator: LinearFamily, rows: list[dict], weighting: str = "uniform",
-                    ridge: float | str = 0.0, progress: Callable | None = None, held_out_every: int = 5,
-                    world: World = SINGLE, kind: str = "preallocated") -> dict[str, Any]:
+def fit_closed_form(
+    source,
+    target,
+    translator: LinearFamily,
+    rows: list[dict],
+    weighting: str = "uniform",
+    ridge: float | str = 0.0,
+    progress: Callable | None = None,
+    held_out_every: int = 5,
+    world: World = SINGLE,
+    kind: str = "preallocated",
+) -> dict[str, Any]:
     """FP64 least squares of `translator` (bound to source/target) over `rows`, solved into its parameters.
 
     `ridge` is λ, or "auto" (chosen per block on held-out conversations). With a distributed
@@ -67,19 +84,26 @@ def fit_closed_form(source, target, translator: LinearFamily, rows: list[dict], 
         raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
     if not isinstance(translator, LinearFamily):
         raise ValueError(f"the {translator.family} family has no closed form")
-    stats: dict[str, Any] = {"n_conversations": len(rows), "family": translator.family,
-                             "key_space": translator.key_space, "weighting": weighting, "ridge": ridge}
+    stats: dict[str, Any] = {
+        "n_conversations": len(rows),
+        "family": translator.family,
+        "key_space": translator.key_space,
+        "weighting": weighting,
+        "ridge": ridge,
+    }
     if translator.needs_plan:
         ranked = rank_layers(source, target, translator, rows, held_out_every, progress, world, kind)
         translator.set_plan(ranked.pop("plan"))
         stats["layer_ranking"] = {**ranked, "plan": translator.plan.tolist()}
     auto = ridge == "auto"
     if auto and len(rows) < 2 * held_out_every:
-        raise ValueError(f"--ridge auto holds out 1 in {held_out_every} fit conversations and needs at least "
-                         f"{2 * held_out_every}; got {len(rows)}. Raise --n-fit or pass a number")
+        raise ValueError(
+            f"--ridge auto holds out 1 in {held_out_every} fit conversations and needs at least "
+            f"{2 * held_out_every}; got {len(rows)}. Raise --n-fit or pass a number"
+        )
     parts = [_equations(translator, source), _equations(translator, source) if auto else None]
     mine = [(i, row) for i, row in enumerate(rows) if i % world.size == world.rank]
-    for i, row in (progress(mine) if progress else mine):
+    for i, row in progress(mine) if progress else mine:
         part = int(auto and i % held_out_every == held_out_every - 1)
         _accumulate(parts[part], source, target, translator, row, weighting, kind)
     for part in parts:
@@ -101,8 +125,9 @@ def _equations(translator: LinearFamily, source) -> NormalEquations:
     return NormalEquations(L, B, d_in, d_out, device="cuda" if device.type == "cuda" else "cpu")
 
 
-def _accumulate(ne: NormalEquations, source, target, translator: LinearFamily, row: dict, weighting: str,
-                kind: str) -> None:
+def _accumulate(
+    ne: NormalEquations, source, target, translator: LinearFamily, row: dict, weighting: str, kind: str
+) -> None:
     """Add one conversation's tokens (source design, target features, weights) to `ne`."""
     device = next(source.parameters()).device
     space, prenorm = translator.space, translator.needs_prenorm

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..run.models import PairConfig
-from ..run.report import Metric
+from ..inputs.models import PairConfig
+from ..records.report import Metric
 
-def family_settings(family: str, k: int = 2, rank: int = 0, pairing: str = "ranked", base: str = "headwise",
-                    hidden: int = 64, key_rank: int | None = None, token_rank: int = 0, window: int = 1) -> dict:
+
+def family_settings(
+    family: str,
+    k: int = 2,
+    rank: int = 0,
+    pairing: str = "ranked",
+    base: str = "headwise",
+    hidden: int = 64,
+    key_rank: int | None = None,
+    token_rank: int = 0,
+    window: int = 1,
+) -> dict:
     """A family's settings from the training flags (--k, --rank, --key-rank, --pairing, --base, --hidden,
     --token-rank, --window)."""
     keys = {} if key_rank is None else {"key_rank": key_rank}  # without it the keys take `rank`
@@ -18,15 +28,21 @@ def family_settings(family: str, k: int = 2, rank: int = 0, pairing: str = "rank
         return {"rank": rank, **keys}
     if family == "residual":
         if base == "residual":
-            raise ValueError("--base residual: the residual family sits on a linear family (headwise, crosshead, "
-                             "crosslayer)")
-        return {"base": {"family": base, "settings": family_settings(base, k, rank, pairing, key_rank=key_rank)},
-                "hidden": hidden}
+            raise ValueError(
+                "--base residual: the residual family sits on a linear family (headwise, crosshead, crosslayer)"
+            )
+        return {
+            "base": {"family": base, "settings": family_settings(base, k, rank, pairing, key_rank=key_rank)},
+            "hidden": hidden,
+        }
     if family == "tokeninput":
         if base == "residual":
             raise ValueError("--base residual: token input sits on a linear family (headwise, crosshead, crosslayer)")
-        return {"base": {"family": base, "settings": family_settings(base, k, rank, pairing, key_rank=key_rank)},
-                "rank": token_rank, "window": window}
+        return {
+            "base": {"family": base, "settings": family_settings(base, k, rank, pairing, key_rank=key_rank)},
+            "rank": token_rank,
+            "window": window,
+        }
     return {}
 
 
@@ -52,7 +68,9 @@ class TrainConfig:
     family: str  # translator family (kvlingo.core.families)
     family_settings: dict = field(default_factory=dict)  # the family's own settings (k, rank, base family ...)
     key_space: str = "prenorm"  # prenorm or cache: what the key maps read and write (kvlingo.core.keyspace)
-    fit_weighting: str = "uniform"  # uniform, or attention: context positions weighted by the target's reply-time attention
+    fit_weighting: str = (
+        "uniform"  # uniform, or attention: context positions weighted by the target's reply-time attention
+    )
     ridge: float | str = "auto"  # ridge λ of the closed-form fit, or "auto": chosen per block on held-out conversations
     aux_attn_weight: float = 0.0  # weight of the attention-output MSE next to the KL (0: KL only)
     refresh: str = "none"  # refresh setting the translated cache is trained (and validated) under, e.g. exact:0
@@ -64,7 +82,9 @@ class TrainConfig:
     updates: int = 0  # distillation optimiser updates
     batch: int = 1  # conversations accumulated per update (the adapter is batch-one)
     lr: float = 1e-4  # AdamW learning rate, constant
-    weight_decay: float = 0.0  # AdamW decoupled weight decay; 0 so that the maps are not pulled toward zero, away from the fit
+    weight_decay: float = (
+        0.0  # AdamW decoupled weight decay; 0 so that the maps are not pulled toward zero, away from the fit
+    )
     max_grad_norm: float = 1.0  # clip of the translator's gradient norm per update; 0 turns it off
     val_every: int = 1  # validation KL every N updates (and at the end)
     checkpoint_every: int = 1  # checkpoint every N updates (and at the end); a resume may change it (RESUME_SAFE)
@@ -73,9 +93,16 @@ class TrainConfig:
 
     def fit_settings(self) -> dict:
         """What the closed form depends on (besides data, code and the pair)."""
-        return {"family": self.family, "family_settings": self.family_settings, "key_space": self.key_space,
-                "fit_weighting": self.fit_weighting, "ridge": self.ridge, "n_fit": self.n_fit, "seed": self.seed,
-                **({"n_train": self.n_train} if self.n_train else {})}
+        return {
+            "family": self.family,
+            "family_settings": self.family_settings,
+            "key_space": self.key_space,
+            "fit_weighting": self.fit_weighting,
+            "ridge": self.ridge,
+            "n_fit": self.n_fit,
+            "seed": self.seed,
+            **({"n_train": self.n_train} if self.n_train else {}),
+        }
 
 
 @dataclass
@@ -94,7 +121,11 @@ class TrainResults:
     best: dict | None = None  # with keep_best: the update whose translator was saved, and its validation KL
 
     METRICS = (
-        Metric("closed_form_val_kl", False, "mean over validation conversations of the mean reply-token "
-               "KL(native target || target on the closed-form translated cache), nats"),
+        Metric(
+            "closed_form_val_kl",
+            False,
+            "mean over validation conversations of the mean reply-token "
+            "KL(native target || target on the closed-form translated cache), nats",
+        ),
         Metric("distilled_val_kl", False, "the same for the distilled translator"),
     )

@@ -28,8 +28,8 @@ the single process's. Validation sums the ranks' KL sums.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
 
 import torch
 
@@ -42,9 +42,17 @@ from .objectives import context_change, context_weights, onpolicy_at, onpolicy_r
 from .rng import preserved_rng
 
 
-def distill_loss(source, target, translator: Translator, row: dict, dtype: torch.dtype,
-                 aux_weight: float = 0.0, refresh=None, context_weight: float = 0.0,
-                 kind: str = "preallocated") -> torch.Tensor:
+def distill_loss(
+    source,
+    target,
+    translator: Translator,
+    row: dict,
+    dtype: torch.dtype,
+    aux_weight: float = 0.0,
+    refresh=None,
+    context_weight: float = 0.0,
+    kind: str = "preallocated",
+) -> torch.Tensor:
     """Mean over reply tokens of KL(native target || target on the translated cache) (weighted by the context's
     change of each prediction when context_weight > 0), plus the weighted attention-output term when
     aux_weight > 0; FP32 scalar with grad."""
@@ -52,8 +60,9 @@ def distill_loss(source, target, translator: Translator, row: dict, dtype: torch
     native_attn, ours_attn = [], []
     with torch.no_grad(), attention_outputs(target, len(new), native_attn) if aux_weight else nullcontext():
         # The native arm reads the real prefix and the reply; its last len(new) positions predict the reply.
-        native = target(input_ids=as_ids(context + new, device_of(target)), use_cache=False,
-                        logits_to_keep=len(new)).logits[0]
+        native = target(
+            input_ids=as_ids(context + new, device_of(target)), use_cache=False, logits_to_keep=len(new)
+        ).logits[0]
     # [layers, kv_heads, context, head_dim] each, differentiable
     kv = translate(source, translator, context, dtype, refresh=refresh, target=target, kind=kind)
     with attention_outputs(target, len(new), ours_attn) if aux_weight else nullcontext():
@@ -63,16 +72,31 @@ def distill_loss(source, target, translator: Translator, row: dict, dtype: torch
         kl = kl * context_weights(context_change(target, new, native), context_weight)
     loss = kl.mean()
     if aux_weight:
-        rel = [(a - b).pow(2).sum() / b.pow(2).sum().clamp_min(1e-12)  # FP32 (attention_outputs)
-               for a, b in zip(ours_attn, native_attn)]
+        rel = [
+            (a - b).pow(2).sum() / b.pow(2).sum().clamp_min(1e-12)  # FP32 (attention_outputs)
+            for a, b in zip(ours_attn, native_attn)
+        ]
         loss = loss + aux_weight * torch.stack(rel).mean()
     return loss
 
 
-def distill_step(source, target, translator: Translator, rows: list[dict], optimizer, dtype: torch.dtype,
-                 max_grad_norm: float = 0.0, world: World = SINGLE, aux_weight: float = 0.0, refresh=None,
-                 context_weight: float = 0.0, onpolicy: float = 0.0, first_index: int = 0,
-                 eos_ids: set[int] | None = None, kind: str = "preallocated") -> float:
+def distill_step(
+    source,
+    target,
+    translator: Translator,
+    rows: list[dict],
+    optimizer,
+    dtype: torch.dtype,
+    max_grad_norm: float = 0.0,
+    world: World = SINGLE,
+    aux_weight: float = 0.0,
+    refresh=None,
+    context_weight: float = 0.0,
+    onpolicy: float = 0.0,
+    first_index: int = 0,
+    eos_ids: set[int] | None = None,
+    kind: str = "preallocated",
+) -> float:
     """One optimiser update over the batch `rows` (gradient accumulation); returns the batch's mean loss.
 
     `first_index`: the position of rows[0] in the data order (the on-policy schedule's index).
@@ -80,11 +104,16 @@ def distill_step(source, target, translator: Translator, rows: list[dict], optim
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     if onpolicy:
-        rows = [onpolicy_row(source, target, translator, r, dtype, refresh, eos_ids=eos_ids, kind=kind)
-                if onpolicy_at(first_index + i, onpolicy) else r for i, r in enumerate(rows)]
+        rows = [
+            onpolicy_row(source, target, translator, r, dtype, refresh, eos_ids=eos_ids, kind=kind)
+            if onpolicy_at(first_index + i, onpolicy)
+            else r
+            for i, r in enumerate(rows)
+        ]
     for row in world.share(rows):
-        loss = distill_loss(source, target, translator, row, dtype, aux_weight, refresh, context_weight,
-                            kind) / len(rows)
+        loss = distill_loss(source, target, translator, row, dtype, aux_weight, refresh, context_weight, kind) / len(
+            rows
+        )
         loss.backward()
         total += loss.item()
     world.sum_grads(translator)
@@ -95,14 +124,24 @@ def distill_step(source, target, translator: Translator, rows: list[dict], optim
     return total
 
 
-def validation_kl(source, target, translator: Translator, rows: list[dict], dtype: torch.dtype,
-                  progress: Callable | None = None, world: World = SINGLE, refresh=None,
-                  kind: str = "preallocated") -> float:
+def validation_kl(
+    source,
+    target,
+    translator: Translator,
+    rows: list[dict],
+    dtype: torch.dtype,
+    progress: Callable | None = None,
+    world: World = SINGLE,
+    refresh=None,
+    kind: str = "preallocated",
+) -> float:
     """Mean over conversations of the per-conversation mean reply-token KL. Leaves every RNG as it found it."""
     mine = world.share(rows)
     with preserved_rng(), torch.no_grad():
-        kls = [distill_loss(source, target, translator, r, dtype, refresh=refresh, kind=kind).item()
-               for r in (progress(mine) if progress else mine)]
+        kls = [
+            distill_loss(source, target, translator, r, dtype, refresh=refresh, kind=kind).item()
+            for r in (progress(mine) if progress else mine)
+        ]
     return world.sum_float(sum(kls)) / len(rows)
 
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ class World:
 
     def share(self, items: Sequence[T]) -> list[T]:
         """This rank's items: every size-th from position rank (lengths differ by at most one)."""
-        return list(items[self.rank::self.size])
+        return list(items[self.rank :: self.size])
 
     def barrier(self) -> None:
         if self.distributed:
@@ -87,7 +88,7 @@ class World:
         flat = self.sum_(torch.cat([p.grad.reshape(-1) for p in params]))
         offset = 0
         for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
             offset += p.numel()
 
     def sum_normal_equations(self, ne) -> None:
@@ -133,12 +134,16 @@ def init(device: str) -> World:
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = device.startswith("cuda")
     if cuda and ":" in device:
-        raise WorldRefused(f"--device {device} names one GPU, but under torchrun each rank takes cuda:LOCAL_RANK; "
-                           "pass --device cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs)")
+        raise WorldRefused(
+            f"--device {device} names one GPU, but under torchrun each rank takes cuda:LOCAL_RANK; "
+            "pass --device cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs)"
+        )
     if cuda:
         if local >= torch.cuda.device_count():
-            raise WorldRefused(f"rank {rank} wants cuda:{local}, but this node shows {torch.cuda.device_count()} "
-                               "GPU(s); lower --nproc-per-node (NPROC) to the GPU count")
+            raise WorldRefused(
+                f"rank {rank} wants cuda:{local}, but this node shows {torch.cuda.device_count()} "
+                "GPU(s); lower --nproc-per-node (NPROC) to the GPU count"
+            )
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")

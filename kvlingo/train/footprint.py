@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import RunRefused
-from ..run.argtypes import number, whole
+from ..inputs.argtypes import number
 
-GIB = 1024 ** 3
+GIB = 1024**3
 RESERVE = {"cuda": 1.0 * GIB, "mps": 1.0 * GIB, "cpu": 1.0 * GIB}  # runtime outside the tensors, per process
 FRAGMENTATION = 1.10  # allocator slack on the tensors' total
 MFU = 0.35  # sustained share of a GPU's dense peak: eager transformers, batch one, long sequences
@@ -62,8 +62,11 @@ DEVICES: dict[str, dict[str, float]] = {
 }
 # Sustained TFLOP/s assumed where no table entry applies: a CPU (measured ~0.18 FP32 / 0.40 BF16
 # on a 2-core AVX-512 host), Apple GPUs, and unnamed CUDA devices.
-FALLBACK_TFLOPS = {"cpu": {"bf16": 0.40, "fp32": 0.18}, "mps": {"bf16": 10.0, "fp32": 5.0},
-                   "cuda": {"bf16": 100.0 * MFU, "fp32": 15.0 * MFU}}
+FALLBACK_TFLOPS = {
+    "cpu": {"bf16": 0.40, "fp32": 0.18},
+    "mps": {"bf16": 10.0, "fp32": 5.0},
+    "cuda": {"bf16": 100.0 * MFU, "fp32": 15.0 * MFU},
+}
 
 
 class DoesNotFit(RunRefused):
@@ -85,12 +88,20 @@ class Shape:
     tied: bool
 
     @classmethod
-    def of(cls, cfg: Any) -> "Shape":
+    def of(cls, cfg: Any) -> Shape:
         """From a transformers config or a dict of its fields."""
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
-        return cls(get("num_hidden_layers"), get("hidden_size"), get("intermediate_size"), get("num_attention_heads"),
-                   get("num_key_value_heads"), head_dim, get("vocab_size"), bool(get("tie_word_embeddings", False)))
+        return cls(
+            get("num_hidden_layers"),
+            get("hidden_size"),
+            get("intermediate_size"),
+            get("num_attention_heads"),
+            get("num_key_value_heads"),
+            head_dim,
+            get("vocab_size"),
+            bool(get("tie_word_embeddings", False)),
+        )
 
     @property
     def layer_matmul_params(self) -> int:
@@ -134,8 +145,14 @@ class Device:
     basis: str  # where the throughput figure comes from, for the printout
 
 
-def describe_device(kind: str, dtype_bytes: int, local_rank: int = 0, memory_gib: float | None = None,
-                    tflops: float | None = None, name: str | None = None) -> Device:
+def describe_device(
+    kind: str,
+    dtype_bytes: int,
+    local_rank: int = 0,
+    memory_gib: float | None = None,
+    tflops: float | None = None,
+    name: str | None = None,
+) -> Device:
     """The device a run will use, its memory and an assumed throughput; `memory_gib`, `tflops` and
     `name` override what is read or assumed (a planned device, or a share of a busy one)."""
     precision = "fp32" if dtype_bytes == 4 else "bf16"
@@ -157,8 +174,10 @@ def describe_device(kind: str, dtype_bytes: int, local_rank: int = 0, memory_gib
         memory = memory_gib * GIB
     elif memory is None:
         if entry is None:
-            raise RunRefused(f"no memory figure for a planned {name!r}: name one of {', '.join(DEVICES)}, "
-                             "or pass --memory-limit-gib (and --assume-tflops)")
+            raise RunRefused(
+                f"no memory figure for a planned {name!r}: name one of {', '.join(DEVICES)}, "
+                "or pass --memory-limit-gib (and --assume-tflops)"
+            )
         memory = entry["memory_gib"] * GIB
     if tflops is not None:
         rate, basis = tflops, "given (--assume-tflops)"
@@ -188,9 +207,20 @@ class Estimate:
         return self.host_bytes <= self.device.memory_bytes
 
 
-def estimate(source: Shape, target: Shape, translator_params: int, translator_flops_per_token: float, *,
-             prefix_cap: int, reply_cap: int, batch: int, dtype_bytes: int, prenorm: bool, nproc: int,
-             device: Device) -> Estimate:
+def estimate(
+    source: Shape,
+    target: Shape,
+    translator_params: int,
+    translator_flops_per_token: float,
+    *,
+    prefix_cap: int,
+    reply_cap: int,
+    batch: int,
+    dtype_bytes: int,
+    prenorm: bool,
+    nproc: int,
+    device: Device,
+) -> Estimate:
     b, C, n = dtype_bytes, prefix_cap - 1, reply_cap
     kv_s, kv_t, kv_grown = source.cache_elements(C), target.cache_elements(C), target.cache_elements(C + n)
     logits = n * target.vocab
@@ -206,12 +236,24 @@ def estimate(source: Shape, target: Shape, translator_params: int, translator_fl
     tensors = sum(memory.values())
     peak = tensors * FRAGMENTATION + RESERVE[device.kind]
     host = peak * nproc if device.kind == "cpu" else peak
-    forward = (target.dense_flops(C + n) + target.head_flops(n) + target.attention_flops(C + n, 0)  # native arm
-               + source.dense_flops(C) + source.head_flops(1) + source.attention_flops(C, 0)  # source prefill
-               + translator_flops_per_token * C  # translation
-               + target.dense_flops(n) + target.head_flops(n) + target.attention_flops(n, C))  # target on it
-    backward = (2 * translator_flops_per_token * C
-                + target.dense_flops(n) + target.head_flops(n) + 2.5 * target.attention_flops(n, C))
+    forward = (
+        target.dense_flops(C + n)
+        + target.head_flops(n)
+        + target.attention_flops(C + n, 0)  # native arm
+        + source.dense_flops(C)
+        + source.head_flops(1)
+        + source.attention_flops(C, 0)  # source prefill
+        + translator_flops_per_token * C  # translation
+        + target.dense_flops(n)
+        + target.head_flops(n)
+        + target.attention_flops(n, C)
+    )  # target on it
+    backward = (
+        2 * translator_flops_per_token * C
+        + target.dense_flops(n)
+        + target.head_flops(n)
+        + 2.5 * target.attention_flops(n, C)
+    )
     flops = forward + backward
     rate, overhead = device.tflops * 1e12, PASS_OVERHEAD_S[device.kind]
     per_rank = math.ceil(batch / nproc)
@@ -219,7 +261,8 @@ def estimate(source: Shape, target: Shape, translator_params: int, translator_fl
     seconds = per_rank * (flops / rate + PASSES_PER_CONVERSATION * overhead) + allreduce
     validation = forward / rate + (PASSES_PER_CONVERSATION - 1) * overhead
     assumptions = [
-        f"one conversation at the caps: context {C:,} + new {n:,} tokens (prefix cap {prefix_cap:,}, reply cap {reply_cap:,})",
+        f"one conversation at the caps: context {C:,} + new {n:,} tokens (prefix cap {prefix_cap:,}, "
+        f"reply cap {reply_cap:,})",
         f"throughput {device.tflops:.3g} TFLOP/s sustained: {device.basis}",
         f"+{PASS_OVERHEAD_S[device.kind] * 1000:.0f} ms per model pass ({PASSES_PER_CONVERSATION} per conversation), "
         f"+{RESERVE[device.kind] / GIB:.1f} GiB runtime reserve, ×{FRAGMENTATION:.2f} allocator slack",
@@ -251,7 +294,9 @@ def report_lines(est: Estimate, nproc: int, batch: int, updates: int, validation
 def refusal(est: Estimate, fits_with: list[str], dtype_bytes: int) -> str:
     """The one-line refusal of a run that does not fit, with what to change."""
     dev = est.device
-    need = f"{fmt_bytes(est.host_bytes)}" + (" (all ranks on one host)" if dev.kind == "cpu" and est.host_bytes != est.peak_bytes else "")
+    need = f"{fmt_bytes(est.host_bytes)}" + (
+        " (all ranks on one host)" if dev.kind == "cpu" and est.host_bytes != est.peak_bytes else ""
+    )
     fixes = []
     if dtype_bytes == 4:
         fixes.append("--dtype bfloat16 (halves weights, caches and activations)")
@@ -259,40 +304,74 @@ def refusal(est: Estimate, fits_with: list[str], dtype_bytes: int) -> str:
     if fits_with:
         fixes.append("a profile with shorter caps that fits: " + ", ".join(fits_with))
     fixes.append("--memory-limit-gib to plan against another figure, or --no-memory-check to try anyway")
-    return (f"estimated peak {need} exceeds the {fmt_bytes(dev.memory_bytes)} of {dev.name}; use " + "; or ".join(fixes))
+    return f"estimated peak {need} exceeds the {fmt_bytes(dev.memory_bytes)} of {dev.name}; use " + "; or ".join(fixes)
 
 
 def add_estimate_args(parser) -> None:
-    parser.add_argument("--memory-limit-gib", type=number(above=0), default=None,
-                        help="memory per rank to plan against (default: the device's own)")
-    parser.add_argument("--assume-tflops", type=number(above=0), default=None,
-                        help="sustained TFLOP/s for the time estimate (default: a share of the device's dense peak)")
-    parser.add_argument("--no-memory-check", action="store_true",
-                        help="run even when the estimated peak memory exceeds the device's")
+    parser.add_argument(
+        "--memory-limit-gib",
+        type=number(above=0),
+        default=None,
+        help="memory per rank to plan against (default: the device's own)",
+    )
+    parser.add_argument(
+        "--assume-tflops",
+        type=number(above=0),
+        default=None,
+        help="sustained TFLOP/s for the time estimate (default: a share of the device's dense peak)",
+    )
+    parser.add_argument(
+        "--no-memory-check", action="store_true", help="run even when the estimated peak memory exceeds the device's"
+    )
 
 
 # --------------------------------------------------------------------------- before a run
 def shapes_of(pair_cfg) -> tuple[Shape, Shape]:
     """(source, target) shapes of a resolved pair, from its configs (no weights)."""
-    from ..run.models import load_config
+    from ..inputs.models import load_config
 
     return tuple(Shape.of(load_config(spec)) for spec in pair_cfg.specs())
 
 
-def check_run(source: Shape, target: Shape, translator, *, profile, batch: int, updates: int, val_every: int,
-              n_validation: int, dtype_bytes: int,
-              device_kind: str, nproc: int, local_rank: int = 0, memory_limit_gib: float | None = None,
-              assume_tflops: float | None = None, device_name: str | None = None, memory_check: bool = True,
-              say=print) -> Estimate:
+def check_run(
+    source: Shape,
+    target: Shape,
+    translator,
+    *,
+    profile,
+    batch: int,
+    updates: int,
+    val_every: int,
+    n_validation: int,
+    dtype_bytes: int,
+    device_kind: str,
+    nproc: int,
+    local_rank: int = 0,
+    memory_limit_gib: float | None = None,
+    assume_tflops: float | None = None,
+    device_name: str | None = None,
+    memory_check: bool = True,
+    say=print,
+) -> Estimate:
     """Print the estimate for `profile`'s caps; raise DoesNotFit (naming what to change) when it cannot fit."""
-    from ..run.profiles import PROFILES
+    from ..inputs.profiles import PROFILES
 
     device = describe_device(device_kind, dtype_bytes, local_rank, memory_limit_gib, assume_tflops, device_name)
 
     def at(prefix_cap: int, reply_cap: int) -> Estimate:
-        return estimate(source, target, translator.n_params(), translator.flops_per_token(), prefix_cap=prefix_cap,
-                        reply_cap=reply_cap, batch=batch, dtype_bytes=dtype_bytes, prenorm=translator.needs_prenorm,
-                        nproc=nproc, device=device)
+        return estimate(
+            source,
+            target,
+            translator.n_params(),
+            translator.flops_per_token(),
+            prefix_cap=prefix_cap,
+            reply_cap=reply_cap,
+            batch=batch,
+            dtype_bytes=dtype_bytes,
+            prenorm=translator.needs_prenorm,
+            nproc=nproc,
+            device=device,
+        )
 
     est = at(profile.prefix_cap, profile.reply_cap)
     validations = 1 + updates // val_every + (updates % val_every != 0)  # before the first update, then every val_every
@@ -300,8 +379,11 @@ def check_run(source: Shape, target: Shape, translator, *, profile, batch: int, 
         say(line)
     if memory_check and not est.fits:
         smaller = [p for p in PROFILES.values() if p.prefix_cap < profile.prefix_cap]
-        fits_with = [f"{p.name} (prefix cap {p.prefix_cap:,})" for p in sorted(smaller, key=lambda p: -p.prefix_cap)
-                     if at(p.prefix_cap, p.reply_cap).fits]
+        fits_with = [
+            f"{p.name} (prefix cap {p.prefix_cap:,})"
+            for p in sorted(smaller, key=lambda p: -p.prefix_cap)
+            if at(p.prefix_cap, p.reply_cap).fits
+        ]
         raise DoesNotFit(refusal(est, fits_with[:2], dtype_bytes))
     return est
 
@@ -310,17 +392,31 @@ def before_training(pair_cfg, translator, cfg, profile, world, args, say=print) 
     """train_translator's check before weights load: the ranks against the batch, then the printed
     estimate of distillation at the profile's caps, refused when it cannot fit (None: nothing to
     distil). `args` holds the flags of `add_estimate_args`."""
-    from ..run.models import resolve_dtype
+    from ..inputs.models import resolve_dtype
     from .distributed import WorldRefused
 
     distils = cfg.updates > 0 and not args.closed_form_only
     if distils and world.size > cfg.batch:
-        raise WorldRefused(f"{world.size} ranks but {cfg.batch} conversations per update: ranks would idle; "
-                           f"use at most {cfg.batch} processes (NPROC / --nproc-per-node)")
+        raise WorldRefused(
+            f"{world.size} ranks but {cfg.batch} conversations per update: ranks would idle; "
+            f"use at most {cfg.batch} processes (NPROC / --nproc-per-node)"
+        )
     if not distils:
         return None
-    return check_run(*shapes_of(pair_cfg), translator, profile=profile, batch=cfg.batch, updates=cfg.updates,
-                     val_every=cfg.val_every, n_validation=profile.n_validation,
-                     dtype_bytes=resolve_dtype(pair_cfg.dtype).itemsize, device_kind=pair_cfg.device.split(":")[0],
-                     nproc=world.size, local_rank=world.local_rank, memory_limit_gib=args.memory_limit_gib,
-                     assume_tflops=args.assume_tflops, memory_check=not args.no_memory_check, say=say)
+    return check_run(
+        *shapes_of(pair_cfg),
+        translator,
+        profile=profile,
+        batch=cfg.batch,
+        updates=cfg.updates,
+        val_every=cfg.val_every,
+        n_validation=profile.n_validation,
+        dtype_bytes=resolve_dtype(pair_cfg.dtype).itemsize,
+        device_kind=pair_cfg.device.split(":")[0],
+        nproc=world.size,
+        local_rank=world.local_rank,
+        memory_limit_gib=args.memory_limit_gib,
+        assume_tflops=args.assume_tflops,
+        memory_check=not args.no_memory_check,
+        say=say,
+    )

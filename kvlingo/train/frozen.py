@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import Failure
-from ..run.models import weights_fingerprint
+from ..inputs.models import weights_fingerprint
 
 
 class FrozenWeightsChanged(Failure, RuntimeError):
@@ -27,7 +27,9 @@ def verify_frozen(models: dict[str, Any], before: dict[str, str]) -> dict[str, A
     """Fingerprints after training against `before`; raises FrozenWeightsChanged on any difference."""
     check_frozen(models)
     after = fingerprints(models)
-    report = {name: {"before": before[name], "after": after[name], "match": before[name] == after[name]} for name in before}
+    report = {
+        name: {"before": before[name], "after": after[name], "match": before[name] == after[name]} for name in before
+    }
     changed = [f"{n} {r['before'][:12]}… → {r['after'][:12]}…" for n, r in report.items() if not r["match"]]
     if changed:
         raise FrozenWeightsChanged("frozen model weights changed during training: " + "; ".join(changed))

@@ -56,9 +56,18 @@ def onpolicy_at(index: int, share: float) -> bool:
 
 
 @torch.no_grad()
-def onpolicy_row(source, target, translator, row: dict, dtype: torch.dtype, refresh=None,
-                 max_new_tokens: int | None = None, eos_ids: set[int] | None = None, temperature: float = 1.0,
-                 kind: str = "preallocated") -> dict:
+def onpolicy_row(
+    source,
+    target,
+    translator,
+    row: dict,
+    dtype: torch.dtype,
+    refresh=None,
+    max_new_tokens: int | None = None,
+    eos_ids: set[int] | None = None,
+    temperature: float = 1.0,
+    kind: str = "preallocated",
+) -> dict:
     """`row` with its reply replaced by one the target samples on the translated cache of prefix[:-1] (the
     handoff's convention, a cache of `kind`), up to the data reply's length (or `max_new_tokens`), its stop token
     kept."""

@@ -16,7 +16,7 @@ which is all a ranking needs, and it bounds the memory of B at L_s·L_t·(d_in+1
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -63,30 +63,42 @@ class LayerStats:
         return 1 - sse / (Yh - mean_sq)
 
 
-def rank_layers(source, target, translator, rows: list[dict], held_out_every: int = 5,
-                progress: Callable | None = None, world=None, kind: str = "preallocated") -> dict:
+def rank_layers(
+    source,
+    target,
+    translator,
+    rows: list[dict],
+    held_out_every: int = 5,
+    progress: Callable | None = None,
+    world=None,
+    kind: str = "preallocated",
+) -> dict:
     """Rank source layers per target layer by held-out R²; returns {"plan": [2, L_t, k], "r2": [2, L_s, L_t], ...}.
 
     With a distributed `world` (kvlingo.train.distributed), each rank reads every N-th conversation and
     the statistics are summed across ranks (held-out conversations chosen by position, as in one process).
     """
     if len(rows) < 2 * held_out_every:
-        raise ValueError(f"ranking source layers needs at least {2 * held_out_every} fit conversations "
-                         f"(1 in {held_out_every} is held out); got {len(rows)}. Raise --n-fit")
+        raise ValueError(
+            f"ranking source layers needs at least {2 * held_out_every} fit conversations "
+            f"(1 in {held_out_every} is held out); got {len(rows)}. Raise --n-fit"
+        )
     g, space, k = translator.geometry, translator.space, translator.k
-    stats = LayerStats(g.source_layers, g.source_kv_heads * g.source_head_dim, g.target_layers,
-                       g.target_kv_heads * g.target_head_dim)
+    stats = LayerStats(
+        g.source_layers, g.source_kv_heads * g.source_head_dim, g.target_layers, g.target_kv_heads * g.target_head_dim
+    )
     device = next(source.parameters()).device
     size, rank = (world.size, world.rank) if world is not None else (1, 0)
     mine = [(i, row) for i, row in enumerate(rows) if i % size == rank]
-    for i, row in (progress(mine) if progress else mine):
+    for i, row in progress(mine) if progress else mine:
         ids = as_ids(row["prefix_ids"] + row["reply_ids"], device)
         with torch.no_grad():
             src = capture(source, ids, want_prenorm=translator.needs_prenorm, logits_to_keep=1, kind=kind)
             tgt = capture(target, ids, want_prenorm=translator.needs_prenorm, logits_to_keep=1, kind=kind)
             part = int(i % held_out_every == held_out_every - 1)
-            for which, (x, y) in enumerate(((space.source_keys(src), space.target_keys(tgt)),
-                                            (src.values.float(), tgt.values.float()))):
+            for which, (x, y) in enumerate(
+                ((space.source_keys(src), space.target_keys(tgt)), (src.values.float(), tgt.values.float()))
+            ):
                 stats.update(part, which, _heads_last(x), _heads_last(y))
     if world is not None and world.distributed:
         for t in (stats.A, stats.B, stats.Y):
@@ -94,8 +106,12 @@ def rank_layers(source, target, translator, rows: list[dict], held_out_every: in
     r2 = stats.r2()  # [2, L_s, L_t]
     top = r2.transpose(1, 2).topk(k, dim=-1).indices  # [2, L_t, k], best first
     plan = top.sort(dim=-1).values  # concatenated in layer order
-    return {"plan": plan, "r2": r2.tolist(), "held_out_every": held_out_every,
-            "projected_to": None if stats.proj is None else stats.proj.shape[1]}
+    return {
+        "plan": plan,
+        "r2": r2.tolist(),
+        "held_out_every": held_out_every,
+        "projected_to": None if stats.proj is None else stats.proj.shape[1],
+    }
 
 
 def _heads_last(x: torch.Tensor) -> torch.Tensor:

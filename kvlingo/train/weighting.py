@@ -12,7 +12,8 @@ The last prefix token and the reply positions are never read from a handed-over 
 this split, so no attention measures them; they weigh 1, the context average.
 
 The probabilities are computed here from the target's own pre-RoPE queries (hooked on
-q_norm, or on q_proj in families without one; RoPE re-applied in FP32) and its cached keys, only for the scored rows, in FP32
+q_norm, or on q_proj in families without one; RoPE re-applied in FP32) and its cached keys, only for the scored rows,
+in FP32
 softmax. That equals eager attention's `output_attentions` (tested against it) without an
 eager copy of the target and without materialising [heads, T, T] for every layer, which at a
 16k-token prefix would not fit in memory.
@@ -29,8 +30,9 @@ from ..core.rope import RopeCache, apply_rope
 FIT_WEIGHTINGS = ("uniform", "attention")
 
 
-def capture_with_queries(model, ids: torch.Tensor, want_prenorm: bool, q_start: int, n_q: int,
-                         kind: str = "preallocated") -> tuple[Capture, torch.Tensor]:
+def capture_with_queries(
+    model, ids: torch.Tensor, want_prenorm: bool, q_start: int, n_q: int, kind: str = "preallocated"
+) -> tuple[Capture, torch.Tensor]:
     """`cache.capture` plus each layer's pre-RoPE queries (post q_norm where the family has one) at
     positions q_start..q_start+n_q-1.
 
@@ -39,9 +41,12 @@ def capture_with_queries(model, ids: torch.Tensor, want_prenorm: bool, q_start: 
     rows: list[torch.Tensor] = []
     d = arch.head_dim(model.config)
     # The hooked output is [1, tokens, q_heads, head_dim] or [1, tokens, q_heads·head_dim]: keep the scored rows.
-    hooks = [arch.query_module(layer).register_forward_hook(
-        lambda _m, _i, out: rows.append(out[0, q_start:q_start + n_q].reshape(n_q, -1, d)))
-        for layer in model.model.layers]
+    hooks = [
+        arch.query_module(layer).register_forward_hook(
+            lambda _m, _i, out: rows.append(out[0, q_start : q_start + n_q].reshape(n_q, -1, d))
+        )
+        for layer in model.model.layers
+    ]
     try:
         cap = capture(model, ids, want_prenorm=want_prenorm, logits_to_keep=1, kind=kind)
     finally:
@@ -50,8 +55,9 @@ def capture_with_queries(model, ids: torch.Tensor, want_prenorm: bool, q_start: 
     return cap, torch.stack(rows).transpose(1, 2)
 
 
-def scored_attention(model, keys: torch.Tensor, queries: torch.Tensor, q_start: int, n_keys: int,
-                     rope: RopeCache, chunk: int = 256) -> torch.Tensor:
+def scored_attention(
+    model, keys: torch.Tensor, queries: torch.Tensor, q_start: int, n_keys: int, rope: RopeCache, chunk: int = 256
+) -> torch.Tensor:
     """Mean attention probability from the scored queries to each of the first `n_keys` positions.
 
     keys [layers, kv_heads, tokens, head_dim] (cached: post-norm, post-RoPE);

@@ -25,17 +25,17 @@ MAX_NEW_TOKENS = 16
 def main(out: Path) -> None:
     import torch
     from safetensors.torch import save_file
+    from serve.exports import export_run
+    from tinypair import corpus
 
     from kvlingo import Relay
     from kvlingo.core.handoff import capture_source, greedy_generate, stop_ids
+    from kvlingo.inputs.data import prepare, read_split
+    from kvlingo.inputs.models import render_ids, resolve_pair
+    from kvlingo.inputs.profiles import get_profile
     from kvlingo.io import atomic_write_json
-    from kvlingo.run.data import prepare, read_split
-    from kvlingo.run.models import render_ids, resolve_pair
-    from kvlingo.run.profiles import get_profile
     from kvlingo.toy import train as toytrain
     from kvlingo.toy.tokenizer import save_tokenizer, train_chat_tokenizer
-    from serve.exports import export_run
-    from tinypair import corpus
 
     torch.set_num_threads(1)
     toy = out / "toy"
@@ -49,8 +49,9 @@ def main(out: Path) -> None:
     save_tokenizer(train_chat_tokenizer(corpus(), vocab_size=320, min_frequency=1), out / "other-tokenizer")
 
     chats = [json.loads(line) for line in (toy / "corpus" / "chats.jsonl").read_text().splitlines()]
-    prompts = sorted((p for p in (render_ids(tok, chat["input"], False) for chat in chats[:200]) if 40 <= len(p) <= 400),
-                     key=len)
+    prompts = sorted(
+        (p for p in (render_ids(tok, chat["input"], False) for chat in chats[:200]) if 40 <= len(p) <= 400), key=len
+    )
     prompts = [prompts[round(i * (len(prompts) - 1) / 3)] for i in range(4)]  # four lengths, shortest to longest
     stops = stop_ids(tok)
     refs, verdicts = {}, {}
@@ -58,16 +59,32 @@ def main(out: Path) -> None:
         relay = Relay.load(folder, device="cpu", dtype="float32", allow_unproven=True)
         verdicts[space] = relay.verdict.passed
         # Relay.reply_ids on ids: the source reads all but the last token, the target reads it and decodes
-        refs[space] = [greedy_generate(relay.target, ids[-1:], relay.translate(ids), max_new_tokens=MAX_NEW_TOKENS,
-                                       eos_ids=stops)[0] for ids in prompts]
-    native = [greedy_generate(relay.target, ids, None, max_new_tokens=MAX_NEW_TOKENS, eos_ids=stops)[0]
-              for ids in prompts]
+        refs[space] = [
+            greedy_generate(relay.target, ids[-1:], relay.translate(ids), max_new_tokens=MAX_NEW_TOKENS, eos_ids=stops)[
+                0
+            ]
+            for ids in prompts
+        ]
+    native = [
+        greedy_generate(relay.target, ids, None, max_new_tokens=MAX_NEW_TOKENS, eos_ids=stops)[0] for ids in prompts
+    ]
     cap = capture_source(relay.source, prompts[0], [])
     save_file({"keys": cap.keys.contiguous(), "values": cap.values.contiguous()}, str(out / "source-cache.safetensors"))
-    atomic_write_json(out / "fixtures.json", {
-        "large": str(large), "small": str(small), "exports": {k: str(v) for k, v in exports.items()},
-        "other_tokenizer": str(out / "other-tokenizer"), "prompts": prompts, "relay": refs, "native": native,
-        "gate_passed": verdicts, "max_new_tokens": MAX_NEW_TOKENS, "stop_ids": sorted(stops)})
+    atomic_write_json(
+        out / "fixtures.json",
+        {
+            "large": str(large),
+            "small": str(small),
+            "exports": {k: str(v) for k, v in exports.items()},
+            "other_tokenizer": str(out / "other-tokenizer"),
+            "prompts": prompts,
+            "relay": refs,
+            "native": native,
+            "gate_passed": verdicts,
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "stop_ids": sorted(stops),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -12,28 +12,72 @@ from dataclasses import asdict
 from pathlib import Path
 
 
-def export_run(root: Path, run: str, large: Path, small: Path, train: list[dict], data: Path, key_space: str,
-               family: str = "crosshead", direction: str = "l2s", refresh: str = "none") -> Path:
+def export_run(
+    root: Path,
+    run: str,
+    large: Path,
+    small: Path,
+    train: list[dict],
+    data: Path,
+    key_space: str,
+    family: str = "crosshead",
+    direction: str = "l2s",
+    refresh: str = "none",
+) -> Path:
     """Closed-form maps of the pair fitted on `train`, benchmarked on `data`'s test split and exported; returns
     the export folder (its gate verdict is whatever the figures say)."""
     import benchmark
     import export
-    from kvlingo.core.folder import build, save_translator
     from kvlingo.core.translator import Geometry
-    from kvlingo.run.models import load_pair, resolve_pair
+    from kvlingo.inputs.models import load_pair, resolve_pair
+    from kvlingo.records.saved import build, save_translator
     from kvlingo.train.closed_form import fit_closed_form
 
     cfg, tok = resolve_pair(str(large), str(small), direction, "cpu", "float32")
     pair = load_pair(cfg, tok)
-    translator = build({"family": family, "key_space": key_space, "settings": {},
-                        "geometry": asdict(Geometry.of(pair.source, pair.target))}).bind(pair.source, pair.target)
+    translator = build(
+        {
+            "family": family,
+            "key_space": key_space,
+            "settings": {},
+            "geometry": asdict(Geometry.of(pair.source, pair.target)),
+        }
+    ).bind(pair.source, pair.target)
     fit_closed_form(pair.source, pair.target, translator, train)
-    save_translator(root / "artifacts" / run / "distilled", translator,
-                    {"direction": direction, "models": pair.identities(), "stage": "distilled"})
+    save_translator(
+        root / "artifacts" / run / "distilled",
+        translator,
+        {"direction": direction, "models": pair.identities(), "stage": "distilled"},
+    )
     flags = ["--run", run, "--artifacts", str(root / "artifacts"), "--results", str(root / "results")]
-    pair_flags = ["--large", str(large), "--small", str(small), "--direction", direction, "--device", "cpu",
-                  "--dtype", "float32"]
-    benchmark.main(["--profile", "tiny", *flags, *pair_flags, "--data", str(data), "--skip-missing",
-                    "--timing-conversations", "0", "--control-dtypes", "float32", "--refresh", refresh])
+    pair_flags = [
+        "--large",
+        str(large),
+        "--small",
+        str(small),
+        "--direction",
+        direction,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
+    benchmark.main(
+        [
+            "--profile",
+            "tiny",
+            *flags,
+            *pair_flags,
+            "--data",
+            str(data),
+            "--skip-missing",
+            "--timing-conversations",
+            "0",
+            "--control-dtypes",
+            "float32",
+            "--refresh",
+            refresh,
+        ]
+    )
     export.main(flags)
     return root / "artifacts" / run / "export"

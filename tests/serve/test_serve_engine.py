@@ -20,8 +20,9 @@ import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engines share this process and its store
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: the serving tests run in .venv-serve "
-                                          "(make serve-env test-serve)")
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed here: the serving tests run in .venv-serve (make serve-env test-serve)"
+)
 
 import torch  # noqa: E402
 
@@ -37,13 +38,20 @@ SUITE_PY = ROOT / ".venv" / "bin" / "python"
 def fx(tmp_path_factory):
     """The references, built by the suite's environment."""
     if not SUITE_PY.is_file():
-        pytest.fail(f"{SUITE_PY} is missing: the serving tests take their references from the suite's environment; "
-                    "run `make venv` first")
+        pytest.fail(
+            f"{SUITE_PY} is missing: the serving tests take their references from the suite's environment; "
+            "run `make venv` first"
+        )
     out = tmp_path_factory.mktemp("serve_fixtures")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("VIRTUAL_ENV", None)
-    run = subprocess.run([str(SUITE_PY), str(ROOT / "tests" / "serve" / "build_fixtures.py"), str(out)], cwd=ROOT,
-                         env=env, capture_output=True, text=True)
+    run = subprocess.run(
+        [str(SUITE_PY), str(ROOT / "tests" / "serve" / "build_fixtures.py"), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if run.returncode:
         pytest.fail(f"build_fixtures.py failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
     return {**json.loads((out / "fixtures.json").read_text()), "root": out}
@@ -56,9 +64,11 @@ def engines(fx):
     def engine(model, export=None, **kw):
         return LLM(model=model, dtype="float32", max_model_len=1024, seed=0, **engine_args(export, **kw))
 
-    return {"large": engine(fx["large"]),
-            "small": engine(fx["small"], fx["exports"]["cache"], allow_unproven=True),
-            "small-model": engine(fx["small"], fx["exports"]["prenorm"], source="model", allow_unproven=True)}
+    return {
+        "large": engine(fx["large"]),
+        "small": engine(fx["small"], fx["exports"]["cache"], allow_unproven=True),
+        "small-model": engine(fx["small"], fx["exports"]["prenorm"], source="model", allow_unproven=True),
+    }
 
 
 def decisions_since(mark: int, kind: str = "mode") -> list[dict]:
@@ -68,7 +78,7 @@ def decisions_since(mark: int, kind: str = "mode") -> list[dict]:
 def until_stop(ids, stops) -> list[int]:
     """A reply's ids before its first stop token (transformers' decoding drops it, vLLM's keeps it)."""
     ids = list(ids)
-    return ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
+    return ids[: next((i for i, t in enumerate(ids) if t in stops), len(ids))]
 
 
 # --------------------------------------------------------------------------- the save side and the write path
@@ -81,7 +91,7 @@ def test_saved_cache_is_the_models_own(fx, engines):
     ids = fx["prompts"][0]
     bench.first_token(engines["large"], ids)
     (entry,) = STORE.entries.values()
-    assert entry.exact and entry.n == len(ids) and entry.ids[:entry.n].tolist() == ids
+    assert entry.exact and entry.n == len(ids) and entry.ids[: entry.n].tolist() == ids
     ref = load_file(str(fx["root"] / "source-cache.safetensors"))
     keys, values = entry.prefix(len(ids))
     for got, want in ((keys, ref["keys"]), (values, ref["values"])):
@@ -132,8 +142,12 @@ def test_requests_the_contract_refuses_are_prefilled_with_the_reason_logged(fx, 
     small, ids = engines["small"], fx["prompts"][2]
     native = bench.greedy(small, ids, fx["max_new_tokens"], bench.OFF)
     STORE.clear()
-    other = {"name": "/elsewhere", "identity": {"path": "/elsewhere", "weights_sha256": "0" * 64},
-             "geometry": [4, 2, 32], "tokenizer_sha256": "1" * 64}
+    other = {
+        "name": "/elsewhere",
+        "identity": {"path": "/elsewhere", "weights_sha256": "0" * 64},
+        "geometry": [4, 2, 32],
+        "tokenizer_sha256": "1" * 64,
+    }
     entry = STORE.entry_for("other", "r", other, True, (4, 2, 32), torch.float32, len(ids))
     entry.write(0, ids, torch.randn(4, 2, len(ids), 32), torch.randn(4, 2, len(ids), 32))
     cases = [("the source cache is elsewhere", bench.NO_SAVE), ("off for this request", bench.OFF)]
@@ -164,13 +178,15 @@ def connector(llm, export=None, *, prefix_caching=False, tokenizer=None, **extra
         config.model_config.tokenizer = tokenizer
     config.kv_transfer_config = copy.copy(config.kv_transfer_config)
     config.kv_transfer_config.kv_connector_extra_config = engine_args(export, **extra)["kv_transfer_config"][
-        "kv_connector_extra_config"]
+        "kv_connector_extra_config"
+    ]
     return KvlingoConnector(config, KVConnectorRole.SCHEDULER)
 
 
 def claim(conn, ids) -> tuple[int, bool, str]:
-    request = SimpleNamespace(request_id=f"probe-{len(DECISIONS)}", prompt_token_ids=ids, all_token_ids=ids,
-                              kv_transfer_params=None)
+    request = SimpleNamespace(
+        request_id=f"probe-{len(DECISIONS)}", prompt_token_ids=ids, all_token_ids=ids, kv_transfer_params=None
+    )
     mark = len(DECISIONS)
     n, asynchronous = conn.get_num_new_matched_tokens(request, 0)
     return n, asynchronous, decisions_since(mark)[0]["reason"]
@@ -183,7 +199,7 @@ def test_engines_the_contract_refuses_load_nothing_and_say_why(fx, engines, tmp_
     blocks, leave the tail of the context to vLLM."""
     import shutil
 
-    from kvlingo.core.folder import sealed
+    from kvlingo.records.saved import sealed
 
     def refreshed(name: str, setting: str, seal: bool = True) -> str:
         """The cache export with another refresh setting: exported so (sealed), or edited by hand."""
@@ -199,14 +215,20 @@ def test_engines_the_contract_refuses_load_nothing_and_say_why(fx, engines, tmp_
     assert not fx["gate_passed"]["cache"]  # six conversations of closed-form fit do not pass the default gate
     cases = {
         "unproven": (connector(small, exports["cache"]), "is unproven"),
-        "tokenizer": (connector(small, exports["cache"], tokenizer=fx["other_tokenizer"], allow_unproven=True),
-                      "served tokenizer"),
+        "tokenizer": (
+            connector(small, exports["cache"], tokenizer=fx["other_tokenizer"], allow_unproven=True),
+            "served tokenizer",
+        ),
         "target": (connector(large, exports["cache"], allow_unproven=True), "is not the translator's target"),
         "refresh": (connector(small, refreshed("layers", "layers:1"), allow_unproven=True), "refresh layers:1"),
-        "edited": (connector(small, refreshed("by-hand", "tail:5", seal=False), allow_unproven=True),
-                   "was edited after it was written"),
-        "prefix caching": (connector(small, exports["cache"], prefix_caching=True, allow_unproven=True),
-                           "prefix caching is on"),
+        "edited": (
+            connector(small, refreshed("by-hand", "tail:5", seal=False), allow_unproven=True),
+            "was edited after it was written",
+        ),
+        "prefix caching": (
+            connector(small, exports["cache"], prefix_caching=True, allow_unproven=True),
+            "prefix caching is on",
+        ),
         "prenorm": (connector(small, exports["prenorm"], allow_unproven=True), "pre-norm key features"),
     }
     for name, (conn, reason) in cases.items():

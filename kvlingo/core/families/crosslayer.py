@@ -57,13 +57,23 @@ class CrossLayer(LinearFamily):
     family = "crosslayer"
     fast_paths = True  # map casts its parameters; map_into (the base's) copies into strided outputs
 
-    def __init__(self, geometry: Geometry, key_space: str = "prenorm", k: int = 2, rank: int = 0,
-                 pairing: str = "ranked", layers: list | None = None, key_rank: int | None = None):
+    def __init__(
+        self,
+        geometry: Geometry,
+        key_space: str = "prenorm",
+        k: int = 2,
+        rank: int = 0,
+        pairing: str = "ranked",
+        layers: list | None = None,
+        key_rank: int | None = None,
+    ):
         super().__init__(geometry, key_space)
         g = geometry
         if not 1 <= k <= g.source_layers:
-            raise TranslatorError(f"k={k} source layers per target layer, but the source has {g.source_layers}; "
-                                  f"pass --k between 1 and {g.source_layers}")
+            raise TranslatorError(
+                f"k={k} source layers per target layer, but the source has {g.source_layers}; "
+                f"pass --k between 1 and {g.source_layers}"
+            )
         if pairing not in PAIRINGS:
             raise TranslatorError(f"pairing {pairing!r} is not one of {PAIRINGS}")
         self.k, self.rank, self.pairing = k, rank, pairing
@@ -72,8 +82,9 @@ class CrossLayer(LinearFamily):
         self.d_in, self.d_out = k * g.source_kv_heads * g.source_head_dim, g.target_kv_heads * g.target_head_dim
         for name, r in (("rank", rank), ("key rank", self.key_rank)):
             if r < 0 or r > min(self.d_in, self.d_out):
-                raise TranslatorError(f"{name} {r} must be 0 (full) or at most min(d_in, d_out) = "
-                                      f"{min(self.d_in, self.d_out)}")
+                raise TranslatorError(
+                    f"{name} {r} must be 0 (full) or at most min(d_in, d_out) = {min(self.d_in, self.d_out)}"
+                )
         L = g.target_layers
         if layers is None:
             layers = [[proportional_layers(t, L, g.source_layers, k) for t in range(L)]] * 2
@@ -123,8 +134,13 @@ class CrossLayer(LinearFamily):
         return self._plan_read[2][which]
 
     def settings(self) -> dict[str, Any]:
-        return {"k": self.k, "rank": self.rank, "key_rank": self.key_rank, "pairing": self.pairing,
-                "layers": self.plan.tolist()}
+        return {
+            "k": self.k,
+            "rank": self.rank,
+            "key_rank": self.key_rank,
+            "pairing": self.pairing,
+            "layers": self.plan.tolist(),
+        }
 
     def flops_per_token(self, which: int | None = None) -> float:
         L = self.geometry.target_layers
@@ -137,8 +153,13 @@ class CrossLayer(LinearFamily):
         L, H, d = g.target_layers, g.target_kv_heads, g.target_head_dim
         f = [t.detach() for t in self.factors(1)]
         weight = f[-1].view(L, f[-1].shape[1], H, d).permute(0, 2, 1, 3)  # [L, H_t, d_in or rank, d_t]
-        return ValueMaps(self.plan_layers(1), per_head=False, weight=weight, bias=self.bias[1].detach().view(L, H, d),
-                         down=f[0] if len(f) == 2 else None)
+        return ValueMaps(
+            self.plan_layers(1),
+            per_head=False,
+            weight=weight,
+            bias=self.bias[1].detach().view(L, H, d),
+            down=f[0] if len(f) == 2 else None,
+        )
 
     # ------------------------------------------------------------------ translation
     def inputs(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
@@ -196,8 +217,14 @@ class CrossLayer(LinearFamily):
 class CrossHead(CrossLayer):
     family = "crosshead"
 
-    def __init__(self, geometry: Geometry, key_space: str = "prenorm", rank: int = 0, layers: list | None = None,
-                 key_rank: int | None = None):
+    def __init__(
+        self,
+        geometry: Geometry,
+        key_space: str = "prenorm",
+        rank: int = 0,
+        layers: list | None = None,
+        key_rank: int | None = None,
+    ):
         super().__init__(geometry, key_space, k=1, rank=rank, pairing="proportional", layers=layers, key_rank=key_rank)
 
     def settings(self) -> dict[str, Any]:

@@ -32,13 +32,14 @@ class Headwise(LinearFamily):
                 f"head-wise maps pair layer l, head h of the source with layer l, head h of the target, but the "
                 f"source has {geometry.source_layers} layers × {geometry.source_kv_heads} KV heads and the target "
                 f"{geometry.target_layers} × {geometry.target_kv_heads}; use --family crosslayer (any depths and "
-                "head counts) or crosshead (the source layer at the same relative depth)")
+                "head counts) or crosshead (the source layer at the same relative depth)"
+            )
         L, H = geometry.target_layers, geometry.target_kv_heads
         self.weight = nn.Parameter(torch.zeros(2, L, H, geometry.source_head_dim, geometry.target_head_dim))
         self.bias = nn.Parameter(torch.zeros(2, L, H, geometry.target_head_dim))
 
     @classmethod
-    def identity(cls, geometry: Geometry, key_space: str = "prenorm") -> "Headwise":
+    def identity(cls, geometry: Geometry, key_space: str = "prenorm") -> Headwise:
         m = cls(geometry, key_space)
         with torch.no_grad():
             m.weight.copy_(torch.eye(geometry.source_head_dim, geometry.target_head_dim).expand_as(m.weight))

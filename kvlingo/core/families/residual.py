@@ -26,13 +26,21 @@ from ..translator import FAMILIES, Geometry, LinearFamily, TranslatorError, fami
 class Residual(LinearFamily):
     family = "residual"
 
-    def __init__(self, geometry: Geometry, key_space: str = "prenorm", base: dict | None = None, hidden: int = 64,
-                 init_seed: int = 0):
+    def __init__(
+        self,
+        geometry: Geometry,
+        key_space: str = "prenorm",
+        base: dict | None = None,
+        hidden: int = 64,
+        init_seed: int = 0,
+    ):
         super().__init__(geometry, key_space)
         base = base or {"family": "headwise", "settings": {}}
         if base.get("family") not in FAMILIES or base["family"] == self.family:
-            raise TranslatorError(f"the residual family needs a linear base family, not {base.get('family')!r}; "
-                                  "pass --base headwise, crosshead or crosslayer")
+            raise TranslatorError(
+                f"the residual family needs a linear base family, not {base.get('family')!r}; "
+                "pass --base headwise, crosshead or crosslayer"
+            )
         self.base = FAMILIES[base["family"]].from_spec(geometry, key_space, base.get("settings", {}))
         if not isinstance(self.base, LinearFamily):
             raise TranslatorError(f"the residual family's base must have a closed form; {base['family']} has none")
@@ -45,15 +53,18 @@ class Residual(LinearFamily):
         self.c2 = nn.Parameter(torch.zeros(2, L, d))
 
     def settings(self) -> dict[str, Any]:
-        return {"base": {"family": self.base.family, "settings": self.base.settings()}, "hidden": self.hidden,
-                "init_seed": self.init_seed}
+        return {
+            "base": {"family": self.base.family, "settings": self.base.settings()},
+            "hidden": self.hidden,
+            "init_seed": self.init_seed,
+        }
 
     def flops_per_token(self, which: int | None = None) -> float:
         g = self.geometry
         mlp = 2.0 * g.target_layers * g.target_kv_heads * 2 * g.target_head_dim * self.hidden  # keys or values
         return self.base.flops_per_token(which) + mlp * (2 if which is None else 1)
 
-    def bind(self, source, target) -> "Residual":
+    def bind(self, source, target) -> Residual:
         super().bind(source, target)
         self.base.space = self.space
         return self

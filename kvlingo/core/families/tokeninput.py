@@ -9,7 +9,8 @@ tokens before each token are appended (zeros before the first), for keys that en
 previous token. Every target layer's map reads them beside the source's features:
 
     y_l = base_l(x) + T_l(t)      T_l(t) = t M_l            (full: M_l [w·d_t, H_t·d_t])
-                                  T_l(t) = (t P) Q_l        (rank r: P [w·d_t, r] shared by the layers, Q_l [r, H_t·d_t])
+                                  T_l(t) = (t P) Q_l        (rank r: P [w·d_t, r] shared by the layers, Q_l [r,
+                                  H_t·d_t])
 
 separately for keys and values. The base is headwise, crosshead or crosslayer.
 
@@ -43,13 +44,16 @@ BASES = ("headwise", "crosshead", "crosslayer")
 class TokenInput(LinearFamily):
     family = "tokeninput"
 
-    def __init__(self, geometry: Geometry, key_space: str = "prenorm", base: dict | None = None, rank: int = 0,
-                 window: int = 1):
+    def __init__(
+        self, geometry: Geometry, key_space: str = "prenorm", base: dict | None = None, rank: int = 0, window: int = 1
+    ):
         super().__init__(geometry, key_space)
         base = base or {"family": "crosshead", "settings": {}}
         if base.get("family") not in BASES:
-            raise TranslatorError(f"token input needs a linear base family ({', '.join(BASES)}), not "
-                                  f"{base.get('family')!r}; pass --base crosshead (or headwise, crosslayer)")
+            raise TranslatorError(
+                f"token input needs a linear base family ({', '.join(BASES)}), not "
+                f"{base.get('family')!r}; pass --base crosshead (or headwise, crosslayer)"
+            )
         self.base = FAMILIES[base["family"]].from_spec(geometry, key_space, base.get("settings", {}))
         g = geometry
         self.d_tok = window * 2 * g.target_kv_heads * g.target_head_dim
@@ -57,8 +61,9 @@ class TokenInput(LinearFamily):
         if window < 1:
             raise TranslatorError(f"window {window}: give at least 1 token")
         if rank < 0 or rank > min(self.d_tok, g.target_layers * self.d_out):
-            raise TranslatorError(f"token rank {rank} must be 0 (full) or at most "
-                                  f"{min(self.d_tok, g.target_layers * self.d_out)}")
+            raise TranslatorError(
+                f"token rank {rank} must be 0 (full) or at most {min(self.d_tok, g.target_layers * self.d_out)}"
+            )
         self.rank, self.window = rank, window
         L = g.target_layers
         if rank:
@@ -70,8 +75,11 @@ class TokenInput(LinearFamily):
         self._memo: tuple | None = None  # (ids, features) of the capture being translated
 
     def settings(self) -> dict[str, Any]:
-        return {"base": {"family": self.base.family, "settings": self.base.settings()}, "rank": self.rank,
-                "window": self.window}
+        return {
+            "base": {"family": self.base.family, "settings": self.base.settings()},
+            "rank": self.rank,
+            "window": self.window,
+        }
 
     def flops_per_token(self, which: int | None = None) -> float:
         L = self.geometry.target_layers
@@ -81,7 +89,7 @@ class TokenInput(LinearFamily):
             tok = 2.0 * L * self.d_tok * self.d_out
         return self.base.flops_per_token(which) + tok * (2 if which is None else 1)
 
-    def bind(self, source, target) -> "TokenInput":
+    def bind(self, source, target) -> TokenInput:
         from ..layer0 import ContextFree, NotContextFree
 
         super().bind(source, target)
@@ -96,9 +104,11 @@ class TokenInput(LinearFamily):
     def features(self, cap: Capture) -> torch.Tensor:
         """The token features t [tokens, w · 2 · kv width], FP32 (computed once per capture)."""
         if cap.ids is None:
-            raise TranslatorError("token input needs the captured token ids (Capture.ids), which a bare cache lacks: "
-                                  "hand over from the messages or ids, or capture with relay.capture(ids) or "
-                                  "kvlingo.core.cache.capture")
+            raise TranslatorError(
+                "token input needs the captured token ids (Capture.ids), which a bare cache lacks: "
+                "hand over from the messages or ids, or capture with relay.capture(ids) or "
+                "kvlingo.core.cache.capture"
+            )
         if self._memo is not None and self._memo[0] is cap.ids:
             return self._memo[1]
         t = self.layer0.token_features(cap.ids).float()  # [T, 2·kvw]
@@ -158,13 +168,13 @@ class TokenInput(LinearFamily):
         keep = list(range(d_in)) + [ne.d_in]  # the base's rows and the bias
         base_sol = sol[..., keep, :]
         base_A = ne.A.cpu()[..., keep, :][..., keep]
-        tok = sol[..., d_in:ne.d_in, :]  # [2, L, B, d_tok, d_out_block]
+        tok = sol[..., d_in : ne.d_in, :]  # [2, L, B, d_tok, d_out_block]
         _set_base(self.base, base_sol, base_A)
         two, L, B, dt, db = tok.shape
         m = tok.permute(0, 3, 1, 2, 4).reshape(two, dt, L, B * db)  # [2, d_tok, L, d_out]: heads side by side
         with torch.no_grad():
             if self.rank:
-                A_tok = ne.A.cpu()[:, 0, 0, d_in:ne.d_in, d_in:ne.d_in]  # the features' second moment (any block)
+                A_tok = ne.A.cpu()[:, 0, 0, d_in : ne.d_in, d_in : ne.d_in]  # the features' second moment (any block)
                 down, up = reduced_rank(m.reshape(two, dt, L * B * db), A_tok, self.rank)
                 self.tok_down.copy_(down.float())
                 self.tok_up.copy_(up.view(two, self.rank, L, B * db).transpose(1, 2).float())

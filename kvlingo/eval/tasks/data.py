@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from ...inputs.models import hub_offline
 from ...io import atomic_write_json, atomic_write_jsonl, read_json, sha256_file
-from ...run.models import hub_offline
 from .parsers import parse_gold_number
 
 
@@ -78,7 +79,9 @@ def check_gsm8k_row(row: dict[str, Any], where: str) -> None:
 
 
 CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
-    "ifeval": check_ifeval_row, "arc": check_arc_row, "gsm8k": check_gsm8k_row,
+    "ifeval": check_ifeval_row,
+    "arc": check_arc_row,
+    "gsm8k": check_gsm8k_row,
 }
 
 
@@ -133,24 +136,32 @@ def prepare_data(data: HubData, root: str | os.PathLike, source: str | None = No
         origin = {"local_source": str(Path(source).resolve()), "source_sha256": sha256_file(source)}
     else:
         rows, commit = fetch_hub_rows(data)
-        origin = {"repo_id": data.repo_id, "config": data.config, "split": data.split,
-                  "revision_requested": data.revision, "commit": commit}
+        origin = {
+            "repo_id": data.repo_id,
+            "config": data.config,
+            "split": data.split,
+            "revision_requested": data.revision,
+            "commit": commit,
+        }
     path = atomic_write_jsonl(folder / f"{data.name}.jsonl", rows)
     manifest = {"data": data.name, "origin": origin, "rows": len(rows), "file": path.name, "sha256": sha256_file(path)}
     atomic_write_json(folder / "manifest.json", manifest)
     return manifest
 
 
-def load_data(data: HubData, root: str | os.PathLike,
-              source: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def load_data(
+    data: HubData, root: str | os.PathLike, source: str | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(rows, data provenance) from --source, else from the prepared copy under `root`."""
     if source:
         return read_source(source, data.name), {"source": str(Path(source).resolve()), "sha256": sha256_file(source)}
     folder = Path(root) / data.name
     mpath = folder / "manifest.json"
     if not mpath.exists():
-        raise ValueError(f"{folder} holds no prepared {data.name} data; run the stage with --prepare "
-                         "(needs Hub access), or pass a local JSONL with --source PATH")
+        raise ValueError(
+            f"{folder} holds no prepared {data.name} data; run the stage with --prepare "
+            "(needs Hub access), or pass a local JSONL with --source PATH"
+        )
     manifest = read_json(mpath)
     path = folder / manifest["file"]
     digest = sha256_file(path)

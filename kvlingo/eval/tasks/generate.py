@@ -20,8 +20,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ...core.handoff import greedy_generate, translate
 from .prompts import plain_ids
@@ -39,7 +39,7 @@ def answer_text(tok, ids: Sequence[int]) -> str:
     ids = list(ids)
     if close in ids:
         last = len(ids) - 1 - ids[::-1].index(close)
-        return tok.decode(ids[last + 1:], skip_special_tokens=True).lstrip()
+        return tok.decode(ids[last + 1 :], skip_special_tokens=True).lstrip()
     if opened in ids:
         return ""
     return tok.decode(ids, skip_special_tokens=True)
@@ -59,8 +59,16 @@ def control_partner(i: int, n: int) -> int:
     return (i + 1) % n
 
 
-def generate(path: str, pair, translator, prompt_ids: Sequence[int], max_new_tokens: int, eos: set[int],
-             other_ids: Sequence[int] | None = None, refresh=None) -> Generated:
+def generate(
+    path: str,
+    pair,
+    translator,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos: set[int],
+    other_ids: Sequence[int] | None = None,
+    refresh=None,
+) -> Generated:
     """Greedy answer of one path (see the module docstring) to a prompt of token ids.
 
     `other_ids` is the control's stand-in prefix (another item's); `translator` (and `refresh`,
@@ -77,8 +85,9 @@ def generate(path: str, pair, translator, prompt_ids: Sequence[int], max_new_tok
         cached = prompt_ids if path == "translated" else list(other_ids or [])
         if len(cached) < 2:
             raise ValueError(f"the {path} path needs a prefix of at least 2 tokens to hand over")
-        kv = translate(pair.source, translator, cached[:-1], pair.dtype, refresh=refresh, target=pair.target,
-                       kind=pair.cache)
+        kv = translate(
+            pair.source, translator, cached[:-1], pair.dtype, refresh=refresh, target=pair.target, kind=pair.cache
+        )
         start = prompt_ids[-1:]
     elif path == "no_context":
         start = prompt_ids[-1:]
@@ -94,8 +103,9 @@ class Trace:
     seconds: float
 
 
-def reasoning_trace(model, tok, prompt_ids: Sequence[int], trace_tokens: int, eos: set[int],
-                    kind: str = "preallocated") -> Trace:
+def reasoning_trace(
+    model, tok, prompt_ids: Sequence[int], trace_tokens: int, eos: set[int], kind: str = "preallocated"
+) -> Trace:
     """Greedy reasoning inside a think block (on a cache of `kind`), closed by us; see the module docstring."""
     close = tok.convert_tokens_to_ids(THINK_CLOSE)
     start = list(prompt_ids) + plain_ids(tok, THINK_OPEN + "\n")

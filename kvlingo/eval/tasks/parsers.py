@@ -13,8 +13,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .prompts import TaskItem
@@ -33,7 +34,7 @@ def _choice_ok(text: str, m: re.Match, labels: Sequence[str]) -> str | None:
         return None
     if letter.islower():
         # "a" followed by a word is the article ("the answer is a plant"), not a choice.
-        rest = text[m.end(1):]
+        rest = text[m.end(1) :]
         if re.match(r"\s*[A-Za-z]", rest) and not re.match(r"\s*[\)\]]", rest):
             return None
     return letter.upper()

@@ -58,7 +58,7 @@ ITEM_BUILDERS = {"arc": arc_item, "gsm8k": gsm8k_item}
 
 def user_prompt_ids(tok, text: str, enable_thinking: bool) -> list[int]:
     """One user turn through the chat template, up to and including the generation prompt."""
-    from ...run.models import render_ids
+    from ...inputs.models import render_ids
 
     return render_ids(tok, [{"role": "user", "content": text}], enable_thinking)
 

@@ -20,8 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import Failure, Refusal
-from ..io import (ROOT, DamagedFile, atomic_write_json, atomic_write_jsonl, atomic_write_text, read_json, sha256_file,
-                  sha256_json, to_jsonable)
+from ..io import (
+    ROOT,
+    DamagedFile,
+    atomic_write_json,
+    atomic_write_jsonl,
+    atomic_write_text,
+    read_json,
+    sha256_file,
+    sha256_json,
+    to_jsonable,
+)
 
 SCHEMA_VERSION = 2
 
@@ -59,7 +68,7 @@ def huge_pages(setting: str | os.PathLike = THP_SETTING) -> dict[str, Any]:
     CPU timings depend on both."""
     try:
         text = Path(setting).read_text()
-        kernel = text[text.index("[") + 1:text.index("]")]
+        kernel = text[text.index("[") + 1 : text.index("]")]
     except (OSError, ValueError):
         kernel = None
     return {"torch_allocator": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1", "kernel": kernel}
@@ -99,7 +108,7 @@ class Report:
     device: str | None = None
     dtype: str | None = None
     seeds: Any = None
-    resume_key: str | None = None  # the resume key (kvlingo.run.resume) the outputs were made under
+    resume_key: str | None = None  # the resume key (kvlingo.records.resume) the outputs were made under
     metrics: tuple[Metric, ...] = ()  # directions of the headline numbers in `results`
     files: dict[str, str] = field(default_factory=dict)  # output files beside the report → sha256
 
@@ -116,8 +125,9 @@ class Report:
             "n_samples": to_jsonable(self.n_samples),
             "wall_time_s": self.wall_time_s,
             "resume_key": self.resume_key,
-            "metrics": {m.name: {"higher_is_better": m.higher_is_better, "definition": m.definition}
-                        for m in self.metrics},
+            "metrics": {
+                m.name: {"higher_is_better": m.higher_is_better, "definition": m.definition} for m in self.metrics
+            },
             "files": dict(self.files),
             "results": to_jsonable(self.results),
         }
@@ -129,8 +139,14 @@ class Report:
         return data
 
 
-def publish(report: Report, path: str | os.PathLike, rows: list | None = None, markdown: str | None = None,
-            echo: bool = True, checks: dict | None = None) -> dict[str, Any]:
+def publish(
+    report: Report,
+    path: str | os.PathLike,
+    rows: list | None = None,
+    markdown: str | None = None,
+    echo: bool = True,
+    checks: dict | None = None,
+) -> dict[str, Any]:
     """A stage's outputs in order: the rows file and the markdown summary beside the report, then the
     report itself (last: its presence marks a finished stage, and it holds the rows file's sha256).
 
@@ -162,8 +178,9 @@ class ReportError(Refusal, ValueError):
 def read_report(path: str | os.PathLike, stage: str | None = None) -> dict[str, Any]:
     """A report from disk, refusing one of another stage. ReportError names the file, the problem and the fix."""
     if Path(path).is_dir():
-        raise ReportError(f"{path} is a folder, not a report: remove it (rmdir {path}) and rerun the stage that "
-                          "writes it")
+        raise ReportError(
+            f"{path} is a folder, not a report: remove it (rmdir {path}) and rerun the stage that writes it"
+        )
     try:
         data = read_json(path)
     except DamagedFile as e:

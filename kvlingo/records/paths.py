@@ -4,7 +4,7 @@
     ARTIFACTS/RUN/distilled/     the same after distillation
     ARTIFACTS/RUN/checkpoints/   distillation checkpoints
     RESULTS/RUN/<stage>.json     each stage's report (with .md, .png and .rows.jsonl beside it)
-    DATA/<profile>/              prepared chat data (paper_data.py)
+    DATA/<profile>/              prepared chat data (prepare.py)
 
 RUN defaults to PROFILE-DIRECTION (`default_run`); every stage takes the same three flags
 (`add_run_args`: --run, --artifacts, --results) and builds its folders with `RunPaths`.
@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from ..core.folder import MANIFEST_FILE
 from ..errors import RunRefused
 from ..io import mib
+
+MAPS_FILE = "maps.safetensors"  # a translator folder's state dict
+MANIFEST_FILE = "manifest.json"  # written after it, last: its presence marks a complete translator folder
 
 TRANSLATORS = ("closed_form", "distilled")  # the translator folders a training run writes
 
@@ -43,8 +46,10 @@ class RunPaths:
     def __post_init__(self):
         parts = Path(self.run).parts
         if not self.run.strip() or Path(self.run).is_absolute() or ".." in parts or "." in self.run.split("/"):
-            raise RunRefused(f"run name {self.run!r} must be a relative name such as pilot-l2s or qwen/lr1e-3 (no "
-                             "leading '/', no '.' or '..' parts): a run's files stay under --artifacts and --results")
+            raise RunRefused(
+                f"run name {self.run!r} must be a relative name such as pilot-l2s or qwen/lr1e-3 (no "
+                "leading '/', no '.' or '..' parts): a run's files stay under --artifacts and --results"
+            )
 
     @property
     def art(self) -> Path:
@@ -75,7 +80,7 @@ class RunPaths:
         """A file next to a report: results/RUN/<stem><suffix> (.md, .png, .rows.jsonl)."""
         return self.res / f"{stem}{suffix}"
 
-    def nested(self, name: str) -> "RunPaths":
+    def nested(self, name: str) -> RunPaths:
         return RunPaths(f"{self.run}/{name}", self.artifacts_root, self.results_root)
 
 
@@ -88,7 +93,9 @@ def writable(folder: str | Path, flag: str) -> Path:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
             pass
     except OSError as e:
-        raise RunRefused(f"cannot write to {folder} ({e.strerror or e}); give {flag} a folder you can write to") from None
+        raise RunRefused(
+            f"cannot write to {folder} ({e.strerror or e}); give {flag} a folder you can write to"
+        ) from None
     return folder
 
 
@@ -100,8 +107,9 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-def check_outputs(files: Iterable[str | Path] = (), folders: Iterable[str | Path] = (), flag: str = "--results",
-                  need_bytes: int = 0) -> None:
+def check_outputs(
+    files: Iterable[str | Path] = (), folders: Iterable[str | Path] = (), flag: str = "--results", need_bytes: int = 0
+) -> None:
     """Refuse (RunRefused, one line naming the path and `flag`, the flag that chose it) outputs a stage could
     not write, before any model loads and without making anything: a file path that is a folder, a folder
     path (or a file's folder) that is a file, a folder that cannot be written (read-only, no permission:
@@ -110,34 +118,53 @@ def check_outputs(files: Iterable[str | Path] = (), folders: Iterable[str | Path
     files, folders = [Path(f) for f in files], [Path(f) for f in folders]
     for f in files:
         if f.is_dir():
-            raise RunRefused(f"{f} is a folder, but the stage writes a file there: remove it (rmdir {f}) or give "
-                             f"{flag} or --run another name")
+            raise RunRefused(
+                f"{f} is a folder, but the stage writes a file there: remove it (rmdir {f}) or give "
+                f"{flag} or --run another name"
+            )
     for d in folders + [f.parent for f in files]:
         above = next((p for p in [d, *d.parents] if p.exists()), None)
         if above is not None and not above.is_dir():
-            raise RunRefused(f"{above} is a file, but the stage writes into a folder there: move it away or give "
-                             f"{flag} another folder")
+            raise RunRefused(
+                f"{above} is a file, but the stage writes into a folder there: move it away or give "
+                f"{flag} another folder"
+            )
     roots = {_existing_ancestor(d) for d in folders + [f.parent for f in files]}
     for root in sorted(roots):
         try:
             with tempfile.NamedTemporaryFile(dir=root, prefix=".write-check-"):
                 pass
         except OSError as e:
-            raise RunRefused(f"cannot write to {root} ({e.strerror or e}); give {flag} a folder you can write "
-                             "to") from None
+            raise RunRefused(
+                f"cannot write to {root} ({e.strerror or e}); give {flag} a folder you can write to"
+            ) from None
     if need_bytes > 0:
         for root in sorted(roots):
             free = shutil.disk_usage(root).free
             if free < need_bytes:
-                raise RunRefused(f"{root} has {mib(free)} free, but this stage writes about {mib(need_bytes)} "
-                                 f"there; free some space or give {flag} a folder on a larger disk")
+                raise RunRefused(
+                    f"{root} has {mib(free)} free, but this stage writes about {mib(need_bytes)} "
+                    f"there; free some space or give {flag} a folder on a larger disk"
+                )
 
 
 # The Makefile's defaults for the pair variables: PROFILE=demo runs on the toy world on the CPU.
-MAKE_DEFAULTS = {"demo": {"LARGE": "artifacts/toy/large", "SMALL": "artifacts/toy/small", "DIRECTION": "l2s",
-                          "DEVICE": "cpu", "DTYPE": "float32"},
-                 None: {"LARGE": "Qwen/Qwen3-1.7B", "SMALL": "Qwen/Qwen3-0.6B", "DIRECTION": "l2s", "DEVICE": "auto",
-                        "DTYPE": "bfloat16"}}
+MAKE_DEFAULTS = {
+    "demo": {
+        "LARGE": "artifacts/toy/large",
+        "SMALL": "artifacts/toy/small",
+        "DIRECTION": "l2s",
+        "DEVICE": "cpu",
+        "DTYPE": "float32",
+    },
+    None: {
+        "LARGE": "Qwen/Qwen3-1.7B",
+        "SMALL": "Qwen/Qwen3-0.6B",
+        "DIRECTION": "l2s",
+        "DEVICE": "auto",
+        "DTYPE": "bfloat16",
+    },
+}
 
 
 def make_command(targets: str, run: str, profile: str | None, pair: Any = None) -> str:
@@ -148,16 +175,25 @@ def make_command(targets: str, run: str, profile: str | None, pair: Any = None) 
     if pair is not None:
         get = pair.get if isinstance(pair, dict) else lambda k: getattr(pair, k)
         defaults = MAKE_DEFAULTS.get(profile, MAKE_DEFAULTS[None])
-        given = {"LARGE": get("large"), "SMALL": get("small"), "DIRECTION": get("direction"),
-                 "DEVICE": str(get("device")).split(":")[0], "DTYPE": get("dtype")}
+        given = {
+            "LARGE": get("large"),
+            "SMALL": get("small"),
+            "DIRECTION": get("direction"),
+            "DEVICE": str(get("device")).split(":")[0],
+            "DTYPE": get("dtype"),
+        }
         words += [f"{k}={v}" for k, v in given.items() if k in ("LARGE", "SMALL") or v != defaults[k]]
     return " ".join(words)
 
 
 def add_run_args(parser, required: bool = False) -> None:
     """--run, --artifacts and --results: the same three flags on every stage."""
-    parser.add_argument("--run", required=required, default=None,
-                        help="run name: files go to ARTIFACTS/RUN/ and RESULTS/RUN/ (default PROFILE-DIRECTION)")
+    parser.add_argument(
+        "--run",
+        required=required,
+        default=None,
+        help="run name: files go to ARTIFACTS/RUN/ and RESULTS/RUN/ (default PROFILE-DIRECTION)",
+    )
     parser.add_argument("--artifacts", default="artifacts", help="artifacts root: translators and checkpoints")
     parser.add_argument("--results", default="results", help="results root: reports")
 

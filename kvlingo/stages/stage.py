@@ -15,17 +15,17 @@ import fcntl
 import functools
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from ..bench.timing import CV_LIMIT
 from ..core.cache import CACHE_KINDS
 from ..errors import Failure, Refusal, RunRefused
+from ..inputs.argtypes import number, whole
+from ..inputs.models import add_pair_args
+from ..inputs.profiles import PROFILES
 from ..progress import quiet_in_logs
-from ..run.argtypes import number, whole
-from ..run.models import add_pair_args
-from ..run.paths import add_run_args
-from ..run.profiles import PROFILES
+from ..records.paths import add_run_args
 
 INTERRUPTED_STATUS = 130  # a stage ended by Ctrl-C exits with the shell's status for it (128 + SIGINT)
 
@@ -58,8 +58,11 @@ def refusals_exit(stage: str, resumable: bool = False) -> Callable:
             except KeyboardInterrupt:
                 if _depth > 1:  # an inner stage: the interrupt belongs to the stage that runs it
                     raise
-                say(stage, "interrupted; every file it wrote is whole (writes are atomic)"
-                    + ("; run the same command with --resume to go on from where it stopped" if resumable else ""))
+                say(
+                    stage,
+                    "interrupted; every file it wrote is whole (writes are atomic)"
+                    + ("; run the same command with --resume to go on from where it stopped" if resumable else ""),
+                )
                 raise SystemExit(INTERRUPTED_STATUS) from None
             finally:
                 _depth -= 1
@@ -96,14 +99,17 @@ def lock_run(folder: str | Path, name: str, elsewhere: str = "--run", root_flag:
         folder.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a")
     except OSError as e:
-        raise RunRefused(f"cannot write to {folder} ({e.strerror or e}); give {root_flag} a folder you can "
-                         "write to") from None
+        raise RunRefused(
+            f"cannot write to {folder} ({e.strerror or e}); give {root_flag} a folder you can write to"
+        ) from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise RunRefused(f"another {name} is still running in {folder} (it holds {path}); wait for it to finish, "
-                         f"or give this one another {elsewhere}") from None
+        raise RunRefused(
+            f"another {name} is still running in {folder} (it holds {path}); wait for it to finish, "
+            f"or give this one another {elsewhere}"
+        ) from None
     _run_locks.append(handle)
 
 
@@ -140,7 +146,9 @@ def unknown_flag(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
     options = sorted({o for a in parser._actions for o in a.option_strings if o.startswith("--")})
     longer = [o for o in options if o.startswith(given)]
     if longer:  # an abbreviation, which argparse would otherwise have expanded
-        return f"no flag {given} (flags are spelled out in full, never abbreviated); did you mean {' or '.join(longer)}?"
+        return (
+            f"no flag {given} (flags are spelled out in full, never abbreviated); did you mean {' or '.join(longer)}?"
+        )
     near = difflib.get_close_matches(given, options, n=1, cutoff=0.6)
     return f"no flag {given}" + (f"; did you mean {near[0]}?" if near else "")
 
@@ -148,8 +156,11 @@ def unknown_flag(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
 def stage_parser(doc: str, examples: list[str], common: bool = False, data: bool = False) -> argparse.ArgumentParser:
     """A stage's parser (`StageParser`): the first paragraph of its docstring, `--help` ending with examples,
     and (with `common`) the flags every stage shares (`add_common_args`)."""
-    parser = StageParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                         epilog="examples:\n" + "".join(f"  {e}\n" for e in examples))
+    parser = StageParser(
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n" + "".join(f"  {e}\n" for e in examples),
+    )
     if common:
         add_common_args(parser, data)
     return parser
@@ -160,6 +171,7 @@ def check_passthrough(parser: argparse.ArgumentParser, tokens: Sequence[str], sc
     flag or a bad value raises ValueError naming it before anything runs, rather than when the stage starts
     (perhaps hours into a recipe). Flags must be spelled out in full: the stage would expand an abbreviation
     silently, past any check on the exact names."""
+
     def fail(message: str):
         raise ValueError(f"{message} (see python {script} --help)")
 
@@ -174,21 +186,37 @@ def check_passthrough(parser: argparse.ArgumentParser, tokens: Sequence[str], sc
 
 
 def add_timing_args(parser, warmups: str = "the profile's", repeats: str = "the profile's") -> None:
-    """The timing flags: new-turn length, warm-ups, trials and the CV screen (`warmups`/`repeats`: their defaults, in words)."""
-    parser.add_argument("--new-turn-tokens", type=whole(1), default=16, help="k: tokens of the new turn after the context")
-    parser.add_argument("--timing-warmups", type=whole(0), default=None, help=f"untimed warm-ups per path (default: {warmups})")
-    parser.add_argument("--timing-repeats", type=whole(1), default=None, help=f"timed trials per path (default: {repeats})")
-    parser.add_argument("--cv-limit", type=number(at_least=0), default=CV_LIMIT, help="flag timings whose CV exceeds this")
-    parser.add_argument("--allow-cv", action="store_true",
-                        help="do not fail the run on CV flags; they stay in the report (default: the profile's)")
+    """The timing flags: new-turn length, warm-ups, trials and the CV screen (`warmups`/`repeats`: their defaults, in
+    words)."""
+    parser.add_argument(
+        "--new-turn-tokens", type=whole(1), default=16, help="k: tokens of the new turn after the context"
+    )
+    parser.add_argument(
+        "--timing-warmups", type=whole(0), default=None, help=f"untimed warm-ups per path (default: {warmups})"
+    )
+    parser.add_argument(
+        "--timing-repeats", type=whole(1), default=None, help=f"timed trials per path (default: {repeats})"
+    )
+    parser.add_argument(
+        "--cv-limit", type=number(at_least=0), default=CV_LIMIT, help="flag timings whose CV exceeds this"
+    )
+    parser.add_argument(
+        "--allow-cv",
+        action="store_true",
+        help="do not fail the run on CV flags; they stay in the report (default: the profile's)",
+    )
 
 
 def add_refresh_arg(parser) -> None:
-    parser.add_argument("--refresh", default="none", type=refresh_setting,
-                        help="recompute part of the translated context natively: none, tail:W, layers:K "
-                        "(W, K: a count or a percentage), select:R (a fraction), layer:l (diagnostic: target layer l "
-                        "native, the rest translated), or exact:0 (the target's layer 0 from the token ids); see "
-                        "kvlingo/core/refresh.py")
+    parser.add_argument(
+        "--refresh",
+        default="none",
+        type=refresh_setting,
+        help="recompute part of the translated context natively: none, tail:W, layers:K "
+        "(W, K: a count or a percentage), select:R (a fraction), layer:l (diagnostic: target layer l "
+        "native, the rest translated), or exact:0 (the target's layer 0 from the token ids); see "
+        "kvlingo/core/refresh.py",
+    )
 
 
 def refresh_setting(text: str):
@@ -205,10 +233,15 @@ GENERATIVE_TASKS = ("ifeval", "gsm8k")
 
 def add_task_data_args(parser) -> None:
     """--data-root, --skip-tasks and --resume of the stages that run IFEval and GSM8K as cells (ablate, frontier)."""
-    parser.add_argument("--data-root", default="data", help="prepared IFEval and GSM8K data root (ROOT/ifeval, ROOT/gsm8k)")
-    parser.add_argument("--skip-tasks", nargs="*", choices=GENERATIVE_TASKS, default=[],
-                        help="generative evaluations to leave out")
-    parser.add_argument("--resume", action="store_true", help="keep finished cells whose key matches; refuse changed ones")
+    parser.add_argument(
+        "--data-root", default="data", help="prepared IFEval and GSM8K data root (ROOT/ifeval, ROOT/gsm8k)"
+    )
+    parser.add_argument(
+        "--skip-tasks", nargs="*", choices=GENERATIVE_TASKS, default=[], help="generative evaluations to leave out"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="keep finished cells whose key matches; refuse changed ones"
+    )
 
 
 def generative_tasks(args) -> tuple[str, ...]:
@@ -217,18 +250,27 @@ def generative_tasks(args) -> tuple[str, ...]:
     for t in tasks:
         if not (Path(args.data_root) / t / "manifest.json").is_file():
             how = "ifeval.py --prepare" if t == "ifeval" else "task_eval.py --task gsm8k --prepare"
-            raise Refusal(f"no prepared {t} data under {args.data_root}/{t}: prepare it ({how}) "
-                          f"or pass --skip-tasks {t}")
+            raise Refusal(
+                f"no prepared {t} data under {args.data_root}/{t}: prepare it ({how}) or pass --skip-tasks {t}"
+            )
     return tasks
 
 
 def add_common_args(parser, data: bool = False, default_profile: str = "pilot") -> None:
     """--profile, the pair flags, the run-folder flags and --cache (and --data for stages that read prepared chats)."""
-    parser.add_argument("--profile", default=default_profile, choices=sorted(PROFILES),
-                        help=f"run profile: budgets and settings (default {default_profile})")
-    parser.add_argument("--cache", choices=CACHE_KINDS, default=CACHE_KINDS[0],
-                        help="preallocated: the translation writes the target's cache, no copies, attention without "
-                             "repeated K/V; dynamic: transformers' DynamicCache and sdpa as shipped (default preallocated)")
+    parser.add_argument(
+        "--profile",
+        default=default_profile,
+        choices=sorted(PROFILES),
+        help=f"run profile: budgets and settings (default {default_profile})",
+    )
+    parser.add_argument(
+        "--cache",
+        choices=CACHE_KINDS,
+        default=CACHE_KINDS[0],
+        help="preallocated: the translation writes the target's cache, no copies, attention without "
+        "repeated K/V; dynamic: transformers' DynamicCache and sdpa as shipped (default preallocated)",
+    )
     add_pair_args(parser)
     add_run_args(parser)
     if data:

@@ -3,7 +3,8 @@
 A model is named by a Hub id plus a pinned commit revision, or by a local folder saved
 with `save_pretrained`. A Hub id without a pinned commit (no `id@sha`, not in
 `PINNED_REVISIONS`) has its branch resolved to a commit at run time; that commit is what loads,
-what every manifest records, and a warning says how to pin it. `resolve_pair` reads only the two configs and tokenizers, refuses a
+what every manifest records, and a warning says how to pin it. `resolve_pair` reads only the two configs and
+tokenizers, refuses a
 pair no translator can join (`check_pair`: each refusal names the field, both values and
 the fix), and returns a `PairConfig` of resolved values (device, dtype, model identities,
 tokenizer digest) that every stage config nests and every resume key includes.
@@ -17,9 +18,10 @@ import json
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -59,20 +61,25 @@ class ModelSpec:
         return Path(self.name_or_path).exists()
 
     @classmethod
-    def parse(cls, text: str, revision: str | None = None) -> "ModelSpec":
+    def parse(cls, text: str, revision: str | None = None) -> ModelSpec:
         """`id`, `id@revision` or a local path. Known Hub ids get their pinned revision."""
         if Path(text).exists():
             return cls(str(Path(text)), None)
         if text.startswith(("/", ".", "~")) or text.count("/") > 1:  # a path, never a Hub id (owner/name)
-            raise PairError(f"no model folder at {text}: give a folder saved with save_pretrained, or a Hub id "
-                            "such as Qwen/Qwen3-0.6B")
+            raise PairError(
+                f"no model folder at {text}: give a folder saved with save_pretrained, or a Hub id "
+                "such as Qwen/Qwen3-0.6B"
+            )
         name, _, rev = text.partition("@")
         return cls(name, revision or rev or PINNED_REVISIONS.get(name, "main"))
 
     def identity(self) -> dict[str, Any]:
         """What a resume compares: id + revision for the Hub, a weights digest for folders."""
         if self.is_local:
-            return {"path": str(Path(self.name_or_path).resolve()), "weights_sha256": local_weights_digest(self.name_or_path)}
+            return {
+                "path": str(Path(self.name_or_path).resolve()),
+                "weights_sha256": local_weights_digest(self.name_or_path),
+            }
         return {"id": self.name_or_path, "revision": self.revision}
 
     @property
@@ -90,13 +97,18 @@ def pin_revision(spec: ModelSpec) -> ModelSpec:
 
     sha = getattr(resolve_revision(spec.name_or_path, spec.revision), "resolved", None)
     if not sha:
-        print(f"warning: {spec.name_or_path} has no pinned revision and {spec.revision!r} could not be resolved to "
-              f"a commit; this run records the branch name only. Pin it: {spec.name_or_path}@<commit sha>",
-              file=sys.stderr)
+        print(
+            f"warning: {spec.name_or_path} has no pinned revision and {spec.revision!r} could not be resolved to "
+            f"a commit; this run records the branch name only. Pin it: {spec.name_or_path}@<commit sha>",
+            file=sys.stderr,
+        )
         return spec
-    print(f"warning: {spec.name_or_path} has no pinned revision; {spec.revision!r} resolved to {sha} at run time "
-          f"(recorded in every manifest). Pin it: pass {spec.name_or_path}@{sha}, or add it to PINNED_REVISIONS "
-          "in kvlingo/run/models.py", file=sys.stderr)
+    print(
+        f"warning: {spec.name_or_path} has no pinned revision; {spec.revision!r} resolved to {sha} at run time "
+        f"(recorded in every manifest). Pin it: pass {spec.name_or_path}@{sha}, or add it to PINNED_REVISIONS "
+        "in kvlingo/inputs/models.py",
+        file=sys.stderr,
+    )
     return replace(spec, revision=sha)
 
 
@@ -125,7 +137,9 @@ def resolve_device(device: str | None = None) -> str:
     """'auto' (or None/'') picks cuda, then mps, then cpu."""
     if device and device != "auto":
         if not (device in ("cpu", "cuda", "mps") or (device.startswith("cuda:") and device[5:].isdigit())):
-            raise PairError(f"DEVICE={device} is not a device this suite runs on; use cuda (or cuda:N), mps, cpu or auto")
+            raise PairError(
+                f"DEVICE={device} is not a device this suite runs on; use cuda (or cuda:N), mps, cpu or auto"
+            )
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise PairError(f"DEVICE={device} but torch sees no CUDA device; use DEVICE=cpu or DEVICE=auto")
         if device == "mps" and not torch.backends.mps.is_available():
@@ -138,8 +152,14 @@ def resolve_device(device: str | None = None) -> str:
     return "cpu"
 
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -161,12 +181,14 @@ def hub_offline() -> bool:
     return any(os.environ.get(v, "").strip().lower() in on for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
-def _hub_hint(spec: ModelSpec, err: Exception) -> "PairError":
+def _hub_hint(spec: ModelSpec, err: Exception) -> PairError:
     if spec.is_local:  # nothing to download: the folder itself is incomplete or damaged
         first = (str(err).strip().splitlines() or [""])[0]
-        return PairError(f"could not load the model folder {spec.name_or_path}: {type(err).__name__}: {first}\n"
-                         "A model folder holds config.json, the tokenizer files and *.safetensors, as "
-                         "save_pretrained writes them; save or copy the model there again.")
+        return PairError(
+            f"could not load the model folder {spec.name_or_path}: {type(err).__name__}: {first}\n"
+            "A model folder holds config.json, the tokenizer files and *.safetensors, as "
+            "save_pretrained writes them; save or copy the model there again."
+        )
     offline = hub_offline()
     return PairError(
         f"could not load {spec.name_or_path} (revision {spec.revision}): {type(err).__name__}: {err}\n"
@@ -294,15 +316,25 @@ def check_pair(src_cfg, tgt_cfg, src_tok=None, tgt_tok=None) -> None:
     if src_tok is not None and tgt_tok is not None:
         a, b = tokenizer_digest(src_tok), tokenizer_digest(tgt_tok)
         if a != b:
-            _refuse(f"tokenizer ({tokenizer_difference(src_tok, tgt_tok)})", a[:16], b[:16],
-                    "a cache is indexed by token ids, so both models must share one tokenizer.")
+            _refuse(
+                f"tokenizer ({tokenizer_difference(src_tok, tgt_tok)})",
+                a[:16],
+                b[:16],
+                "a cache is indexed by token ids, so both models must share one tokenizer.",
+            )
         for thinking in (True, False):
-            ra, rb = render_ids(src_tok, PROBE_CONVERSATION, thinking), render_ids(tgt_tok, PROBE_CONVERSATION, thinking)
+            ra, rb = (
+                render_ids(src_tok, PROBE_CONVERSATION, thinking),
+                render_ids(tgt_tok, PROBE_CONVERSATION, thinking),
+            )
             if ra != rb:
                 first = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
-                _refuse(f"chat template rendering (enable_thinking={thinking}, first differing token {first})",
-                        ra[first:first + 8], rb[first:first + 8],
-                        "both chat templates must render identical token ids; use the same chat_template.")
+                _refuse(
+                    f"chat template rendering (enable_thinking={thinking}, first differing token {first})",
+                    ra[first : first + 8],
+                    rb[first : first + 8],
+                    "both chat templates must render identical token ids; use the same chat_template.",
+                )
 
 
 # --------------------------------------------------------------------------- the resolved pair
@@ -325,8 +357,10 @@ class PairConfig:
     def specs(self) -> tuple[ModelSpec, ModelSpec]:
         """(source, target) specs at the commits this pair resolved to (for Hub ids given without one)."""
         src, tgt = pair_specs(self.direction, ModelSpec.parse(self.large), ModelSpec.parse(self.small))
-        return tuple(s if s.is_local else replace(s, revision=ident.get("revision", s.revision))
-                     for s, ident in ((src, self.source), (tgt, self.target)))
+        return tuple(
+            s if s.is_local else replace(s, revision=ident.get("revision", s.revision))
+            for s, ident in ((src, self.source), (tgt, self.target))
+        )
 
     def identities(self) -> dict[str, Any]:
         return {"source": self.source, "target": self.target}
@@ -347,8 +381,14 @@ def load_config(spec: ModelSpec):
         raise _hub_hint(spec, err) from err
 
 
-def resolve_pair(large: str, small: str, direction: str = "l2s", device: str = "auto",
-                 dtype: str = "bfloat16", cache: str = "preallocated") -> tuple[PairConfig, Any]:
+def resolve_pair(
+    large: str,
+    small: str,
+    direction: str = "l2s",
+    device: str = "auto",
+    dtype: str = "bfloat16",
+    cache: str = "preallocated",
+) -> tuple[PairConfig, Any]:
     """Check a pair from its configs and tokenizers alone (no weights), and resolve it.
 
     Returns (PairConfig, the target's tokenizer). Raises PairError before any weights load.
@@ -364,11 +404,19 @@ def resolve_pair(large: str, small: str, direction: str = "l2s", device: str = "
     from ..core.translator import Geometry
     from ..io import sha256_json
 
-    cfg = PairConfig(large=as_named(large), small=as_named(small), direction=direction, device=device, dtype=dtype_name(dt),
-                     source=src_spec.identity(), target=tgt_spec.identity(),
-                     tokenizer_sha256=tokenizer_digest(tgt_tok),
-                     chat_template_sha256=sha256_json(getattr(tgt_tok, "chat_template", None)),
-                     geometry=asdict(Geometry.of(src_cfg, tgt_cfg)), cache=cache)
+    cfg = PairConfig(
+        large=as_named(large),
+        small=as_named(small),
+        direction=direction,
+        device=device,
+        dtype=dtype_name(dt),
+        source=src_spec.identity(),
+        target=tgt_spec.identity(),
+        tokenizer_sha256=tokenizer_digest(tgt_tok),
+        chat_template_sha256=sha256_json(getattr(tgt_tok, "chat_template", None)),
+        geometry=asdict(Geometry.of(src_cfg, tgt_cfg)),
+        cache=cache,
+    )
     return cfg, tgt_tok
 
 
@@ -421,21 +469,36 @@ def load_pair(cfg: PairConfig, tokenizer=None, attn: str = "sdpa") -> Pair:
 
 def add_pair_args(parser, default_dtype: str = "bfloat16") -> None:
     """The flags every stage uses to name its pair."""
-    parser.add_argument("--large", default=LARGE_ID, help=f"larger model: Hub id[@rev] or local folder (default {LARGE_ID} @ pinned rev)")
-    parser.add_argument("--small", default=SMALL_ID, help=f"smaller model: Hub id[@rev] or local folder (default {SMALL_ID} @ pinned rev)")
-    parser.add_argument("--direction", choices=DIRECTIONS, default="l2s", help="l2s: large builds the cache, small continues; s2l the reverse")
+    parser.add_argument(
+        "--large",
+        default=LARGE_ID,
+        help=f"larger model: Hub id[@rev] or local folder (default {LARGE_ID} @ pinned rev)",
+    )
+    parser.add_argument(
+        "--small",
+        default=SMALL_ID,
+        help=f"smaller model: Hub id[@rev] or local folder (default {SMALL_ID} @ pinned rev)",
+    )
+    parser.add_argument(
+        "--direction",
+        choices=DIRECTIONS,
+        default="l2s",
+        help="l2s: large builds the cache, small continues; s2l the reverse",
+    )
     parser.add_argument("--device", default="auto", help="cuda, mps, cpu or auto (cuda, then mps, then cpu)")
     parser.add_argument("--dtype", default=default_dtype, help="model dtype: bfloat16 or float32")
 
 
 def pair_config_from_args(args, refresh: Sequence[Any] = ()) -> tuple[PairConfig, Any]:
-    """`resolve_pair` of the --large/--small/--direction/--device/--dtype (and --cache) flags. A stage's --refresh setting, and
+    """`resolve_pair` of the --large/--small/--direction/--device/--dtype (and --cache) flags. A stage's --refresh
+    setting, and
     any other `refresh` settings (the frontier's grid), are checked against the target's depth here, before
     any work."""
     from ..core.refresh import Refresh
 
-    cfg, tok = resolve_pair(args.large, args.small, args.direction, args.device, args.dtype,
-                            getattr(args, "cache", "preallocated"))
+    cfg, tok = resolve_pair(
+        args.large, args.small, args.direction, args.device, args.dtype, getattr(args, "cache", "preallocated")
+    )
     for setting in (getattr(args, "refresh", None), *refresh):
         if setting is not None:
             Refresh.parse(str(setting)).check_layers(cfg.geometry["target_layers"])

@@ -1,8 +1,8 @@
 """Running the recipe's cells: in turn, as concurrent local processes, or as SLURM job arrays (submitit).
 
-A cell (kvlingo.drive.cells.Cell) is run as a `CellJob`: picklable and self-contained (its two
+A cell (kvlingo.stages.cells.Cell) is run as a `CellJob`: picklable and self-contained (its two
 command lines, report, ledger entry and log), executed wherever it lands, a thread of the
-recipe's process or a SLURM job. The job records itself in the ledger (kvlingo.drive.ledger, under
+recipe's process or a SLURM job. The job records itself in the ledger (kvlingo.stages.ledger, under
 its file lock): running, then done or failed. A launcher runs one dependency level's cells (the
 recipe builds the next level from their reports) and returns one `Outcome` per cell.
 
@@ -27,14 +27,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..errors import Failure, RunRefused
+from ..inputs.argtypes import number, whole
 from ..io import ROOT, read_json
-from ..run.argtypes import number, whole
 from .ledger import Ledger
 
 PREEMPT_SIGNAL = signal.SIGUSR2  # what submitit (and SLURM's --signal) send before a preemption or the time limit
@@ -59,9 +60,15 @@ def stage_command(argv: Sequence[str], nproc: int = 1) -> list[str]:
     return torchrun_command(str(torchrun) if torchrun.is_file() else "torchrun", nproc, argv)
 
 
-def run_stage(argv: Sequence[str], report: str | os.PathLike, log: str | os.PathLike | None = None,
-              env: dict[str, str] | None = None, nproc: int = 1, hold: Callable | None = None,
-              ignore: Sequence[int] = ()) -> dict[str, Any]:
+def run_stage(
+    argv: Sequence[str],
+    report: str | os.PathLike,
+    log: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+    nproc: int = 1,
+    hold: Callable | None = None,
+    ignore: Sequence[int] = (),
+) -> dict[str, Any]:
     """Run one stage script as a subprocess, then read the report it wrote last.
 
     Its output goes to `log` (appended) or to this terminal; `hold(proc)` sees the process while it
@@ -77,8 +84,7 @@ def run_stage(argv: Sequence[str], report: str | os.PathLike, log: str | os.Path
         out.flush()
     saved = {s: signal.signal(s, signal.SIG_IGN) for s in ignore}  # inherited through fork and exec
     try:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                env=env)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
@@ -125,7 +131,7 @@ def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
 @dataclass
 class CellJob:
     name: str  # the cell's ledger entry
-    entry: dict[str, Any]  # what the ledger records when it starts (kvlingo.drive.ledger.entry_of)
+    entry: dict[str, Any]  # what the ledger records when it starts (kvlingo.stages.ledger.entry_of)
     argv: tuple[str, ...]  # script and flags of a first run
     resume_argv: tuple[str, ...]  # the same with the stage's resume flag (a requeue, or a resumed recipe)
     report: str  # the report the stage writes last
@@ -151,8 +157,15 @@ class CellJob:
                 report = self.runner(argv, Path(self.report))
             else:
                 main = threading.current_thread() is threading.main_thread()
-                report = run_stage(argv, self.report, self.log, env, self.nproc, self._keep,
-                                   ignore=(PREEMPT_SIGNAL,) if self.preemptible and main else ())
+                report = run_stage(
+                    argv,
+                    self.report,
+                    self.log,
+                    env,
+                    self.nproc,
+                    self._keep,
+                    ignore=(PREEMPT_SIGNAL,) if self.preemptible and main else (),
+                )
         except StageFailed as e:
             ledger.fail(self.name, str(e))
             raise
@@ -183,19 +196,28 @@ class Outcome:
 class LocalLauncher:
     """Cells as processes on this machine, at most `max_parallel` at once, each with its own GPU group."""
 
-    def __init__(self, max_parallel: int = 1, gpus: Sequence[str] = (), gpus_per_cell: int = 1, max_requeues: int = 1,
-                 say: Callable[[str], None] = print):
+    def __init__(
+        self,
+        max_parallel: int = 1,
+        gpus: Sequence[str] = (),
+        gpus_per_cell: int = 1,
+        max_requeues: int = 1,
+        say: Callable[[str], None] = print,
+    ):
         if max_parallel < 1 or gpus_per_cell < 1 or max_requeues < 0:
             raise RunRefused("--max-parallel and --gpus-per-cell must be ≥ 1, --max-requeues ≥ 0")
         gpus = list(gpus)
         if len(set(gpus)) != len(gpus):
             twice = sorted({g for g in gpus if gpus.count(g) > 1})
-            raise RunRefused(f"--gpus names {', '.join(twice)} more than once: two cells would share a GPU; "
-                             "name each GPU once")
-        self.groups = [gpus[i:i + gpus_per_cell] for i in range(0, len(gpus) - gpus_per_cell + 1, gpus_per_cell)]
+            raise RunRefused(
+                f"--gpus names {', '.join(twice)} more than once: two cells would share a GPU; name each GPU once"
+            )
+        self.groups = [gpus[i : i + gpus_per_cell] for i in range(0, len(gpus) - gpus_per_cell + 1, gpus_per_cell)]
         if gpus and not self.groups:
-            raise RunRefused(f"--gpus-per-cell {gpus_per_cell} but only {len(gpus)} GPU(s) are visible "
-                             f"({','.join(gpus)}); lower --gpus-per-cell or pass --gpus")
+            raise RunRefused(
+                f"--gpus-per-cell {gpus_per_cell} but only {len(gpus)} GPU(s) are visible "
+                f"({','.join(gpus)}); lower --gpus-per-cell or pass --gpus"
+            )
         self.width = min(max_parallel, len(self.groups)) if self.groups else max_parallel
         self.nproc, self.max_requeues, self.say = gpus_per_cell, max_requeues, say
 
@@ -209,7 +231,7 @@ class LocalLauncher:
             group = self.groups[0] if self.groups else []
             return [self._one(job, group) for job in jobs]
         free: queue.Queue = queue.Queue()
-        for g in (self.groups or [[]] * self.width)[:self.width]:
+        for g in (self.groups or [[]] * self.width)[: self.width]:
             free.put(g)
 
         def one(job: CellJob) -> Outcome:
@@ -250,11 +272,20 @@ class SlurmSettings:
 
     def parameters(self) -> dict[str, Any]:
         """submitit AutoExecutor parameters (slurm_* apply on SLURM only)."""
-        params: dict[str, Any] = {"name": "kvlrelay-cell", "timeout_min": self.time_limit_min, "nodes": 1,
-                                  "tasks_per_node": 1, "gpus_per_node": self.gpus_per_cell,
-                                  "slurm_array_parallelism": self.max_parallel}
-        for key, value in (("slurm_partition", self.partition), ("slurm_account", self.account),
-                           ("cpus_per_task", self.cpus_per_cell), ("mem_gb", self.mem_gb)):
+        params: dict[str, Any] = {
+            "name": "kvlrelay-cell",
+            "timeout_min": self.time_limit_min,
+            "nodes": 1,
+            "tasks_per_node": 1,
+            "gpus_per_node": self.gpus_per_cell,
+            "slurm_array_parallelism": self.max_parallel,
+        }
+        for key, value in (
+            ("slurm_partition", self.partition),
+            ("slurm_account", self.account),
+            ("cpus_per_task", self.cpus_per_cell),
+            ("mem_gb", self.mem_gb),
+        ):
             if value is not None:
                 params[key] = value
         return params
@@ -266,16 +297,22 @@ class SlurmLauncher:
 
     writes_logs = False  # the stage's output is the job's, in submitit's folder
 
-    def __init__(self, folder: str | os.PathLike, settings: SlurmSettings, cluster: str = "slurm",
-                 say: Callable[[str], None] = print):
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        settings: SlurmSettings,
+        cluster: str = "slurm",
+        say: Callable[[str], None] = print,
+    ):
         self.folder, self.settings, self.cluster, self.say = Path(folder), settings, cluster, say
         self.nproc = settings.gpus_per_cell
 
     def executor(self):
         import submitit
 
-        ex = submitit.AutoExecutor(folder=self.folder / "%j", cluster=self.cluster,
-                                   slurm_max_num_timeout=self.settings.max_requeues)
+        ex = submitit.AutoExecutor(
+            folder=self.folder / "%j", cluster=self.cluster, slurm_max_num_timeout=self.settings.max_requeues
+        )
         ex.update_parameters(**self.settings.parameters())
         return ex
 
@@ -297,8 +334,10 @@ class SlurmLauncher:
 
     def run(self, jobs: list[CellJob]) -> list[Outcome]:
         handles = self.submit(jobs)
-        self.say(f"[recipe] submitted {len(jobs)} cell(s) ({self.cluster}): "
-                 + ", ".join(f"{j.name} = job {h.job_id}" for j, h in zip(jobs, handles)))
+        self.say(
+            f"[recipe] submitted {len(jobs)} cell(s) ({self.cluster}): "
+            + ", ".join(f"{j.name} = job {h.job_id}" for j, h in zip(jobs, handles))
+        )
         outcomes = []
         for job, h in zip(jobs, handles):
             log = f"{h.paths.stdout} and {h.paths.stderr}"
@@ -306,8 +345,9 @@ class SlurmLauncher:
                 outcomes.append(Outcome(job.name, h.result(), log=log))
             except Exception as e:  # noqa: BLE001 — submitit raises the job's error in several wrappers
                 lines = [x for x in str(e).splitlines() if x.strip()]
-                outcomes.append(Outcome(job.name, None, f"job {h.job_id}: {lines[-1] if lines else type(e).__name__}",
-                                        log))
+                outcomes.append(
+                    Outcome(job.name, None, f"job {h.job_id}: {lines[-1] if lines else type(e).__name__}", log)
+                )
         return outcomes
 
 
@@ -324,28 +364,54 @@ def visible_gpus() -> list[str]:
 
 def add_launch_args(parser) -> None:
     g = parser.add_argument_group("launching cells (settings of the run, not of its results: a resume may change them)")
-    g.add_argument("--launcher", choices=("local", "slurm"), default="local",
-                   help="local: cells as processes on this machine; slurm: each level's cells as a job array")
+    g.add_argument(
+        "--launcher",
+        choices=("local", "slurm"),
+        default="local",
+        help="local: cells as processes on this machine; slurm: each level's cells as a job array",
+    )
     g.add_argument("--max-parallel", type=whole(1), default=1, help="cells (or array tasks) running at once")
-    g.add_argument("--gpus-per-cell", type=whole(1), default=1,
-                   help="GPUs of each cell; a training cell runs under torchrun with one rank per GPU")
+    g.add_argument(
+        "--gpus-per-cell",
+        type=whole(1),
+        default=1,
+        help="GPUs of each cell; a training cell runs under torchrun with one rank per GPU",
+    )
     g.add_argument("--gpus", nargs="+", default=None, help="local: GPU ids to hand out (default: all visible)")
-    g.add_argument("--max-requeues", type=whole(0), default=1,
-                   help="local: reruns of a cell killed by a signal; slurm: requeues after the time limit")
+    g.add_argument(
+        "--max-requeues",
+        type=whole(0),
+        default=1,
+        help="local: reruns of a cell killed by a signal; slurm: requeues after the time limit",
+    )
     g.add_argument("--partition", default=None, help="slurm: partition")
     g.add_argument("--account", default=None, help="slurm: account")
-    g.add_argument("--time-limit", type=whole(1), default=24 * 60, help="slurm: minutes per job (requeued from its checkpoint)")
+    g.add_argument(
+        "--time-limit", type=whole(1), default=24 * 60, help="slurm: minutes per job (requeued from its checkpoint)"
+    )
     g.add_argument("--cpus-per-cell", type=whole(1), default=None, help="slurm: CPUs per job")
     g.add_argument("--mem-gb", type=number(above=0), default=None, help="slurm: host memory per job, GB")
     g.add_argument("--slurm-folder", default=None, help="slurm: submitit's folder (default RESULTS/RUN/slurm)")
-    g.add_argument("--submitit-cluster", choices=("slurm", "local", "debug"), default="slurm",
-                   help="slurm: run the jobs through submitit's local or debug executor instead (checks, no cluster)")
+    g.add_argument(
+        "--submitit-cluster",
+        choices=("slurm", "local", "debug"),
+        default="slurm",
+        help="slurm: run the jobs through submitit's local or debug executor instead (checks, no cluster)",
+    )
 
 
 def launcher_from_args(args, results_dir: Path, say: Callable[[str], None] = print):
     if args.launcher == "local":
         gpus = args.gpus if args.gpus is not None else visible_gpus()
         return LocalLauncher(args.max_parallel, gpus, args.gpus_per_cell, args.max_requeues, say)
-    settings = SlurmSettings(args.partition, args.account, args.gpus_per_cell, args.time_limit, args.max_parallel,
-                             args.cpus_per_cell, args.mem_gb, args.max_requeues)
+    settings = SlurmSettings(
+        args.partition,
+        args.account,
+        args.gpus_per_cell,
+        args.time_limit,
+        args.max_parallel,
+        args.cpus_per_cell,
+        args.mem_gb,
+        args.max_requeues,
+    )
     return SlurmLauncher(args.slurm_folder or results_dir / "slurm", settings, args.submitit_cluster, say)

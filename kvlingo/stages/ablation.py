@@ -37,8 +37,14 @@ from typing import Any
 MAX_COST_FRACTION = 0.10  # the default's handoff FLOPs, at most this fraction of re-prefill at the real shapes
 LONG_FACTOR = 0  # a longer budget for the best two settings, in multiples of the profile's updates (0: none)
 # Validation metrics whose rank correlation with task retention is measured, and whether higher is better.
-METRICS = {"val_kl": False, "val_context_kl": False, "val_context_weighted_kl": False, "val_top1": True,
-           "val_context_top1": True, "val_attention_cosine": True}
+METRICS = {
+    "val_kl": False,
+    "val_context_kl": False,
+    "val_context_weighted_kl": False,
+    "val_top1": True,
+    "val_context_top1": True,
+    "val_attention_cosine": True,
+}
 # The direction's default before this ablation: always scored on test beside the new choice.
 BEFORE = {"l2s": "crosshead", "s2l": "crosslayer-k4-rhalf"}
 
@@ -66,31 +72,79 @@ class Setting:
 # The target's layer-0 features of each token and the two before it, beside head-wise maps; rank half the toy width.
 TOKEN = ("--base", "headwise", "--window", "3", "--token-rank", "32")
 SETTINGS = (
-    Setting("crosshead", "crosshead", (), "all source heads → all target heads, same relative depth (l2s default before)"),
-    Setting("crosslayer-k4-rhalf", "crosslayer", ("--k", "4", "--rank", "32"),
-            "the top-4 source layers through a rank of half the target width (s2l default before)"),
-    Setting("crosshead-exact0", "crosshead", (), "cross-head maps, the target's own layer 0 from the token ids",
-            "exact:0"),
-    Setting("token-w3", "tokeninput", TOKEN, "head-wise maps plus the target's layer-0 features of the token and the "
-            "two before it (rank 32), own layer 0", "exact:0"),
-    Setting("token-w3-context", "tokeninput", (*TOKEN, "--context-weight", "0.5"),
-            "token-w3, each reply token's KL weighted by how much the context moves it (α 0.5)", "exact:0"),
-    Setting("token-w3-onpolicy", "tokeninput", (*TOKEN, "--onpolicy", "0.5"),
-            "token-w3, half the conversations scored on replies the target samples from the translation", "exact:0"),
-    Setting("token-w3-reg", "tokeninput", (*TOKEN, "--weight-decay", "0.01", "--keep-best"),
-            "token-w3, weight decay 0.01 and the translator of the best validation KL", "exact:0"),
+    Setting(
+        "crosshead", "crosshead", (), "all source heads → all target heads, same relative depth (l2s default before)"
+    ),
+    Setting(
+        "crosslayer-k4-rhalf",
+        "crosslayer",
+        ("--k", "4", "--rank", "32"),
+        "the top-4 source layers through a rank of half the target width (s2l default before)",
+    ),
+    Setting(
+        "crosshead-exact0", "crosshead", (), "cross-head maps, the target's own layer 0 from the token ids", "exact:0"
+    ),
+    Setting(
+        "token-w3",
+        "tokeninput",
+        TOKEN,
+        "head-wise maps plus the target's layer-0 features of the token and the two before it (rank 32), own layer 0",
+        "exact:0",
+    ),
+    Setting(
+        "token-w3-context",
+        "tokeninput",
+        (*TOKEN, "--context-weight", "0.5"),
+        "token-w3, each reply token's KL weighted by how much the context moves it (α 0.5)",
+        "exact:0",
+    ),
+    Setting(
+        "token-w3-onpolicy",
+        "tokeninput",
+        (*TOKEN, "--onpolicy", "0.5"),
+        "token-w3, half the conversations scored on replies the target samples from the translation",
+        "exact:0",
+    ),
+    Setting(
+        "token-w3-reg",
+        "tokeninput",
+        (*TOKEN, "--weight-decay", "0.01", "--keep-best"),
+        "token-w3, weight decay 0.01 and the translator of the best validation KL",
+        "exact:0",
+    ),
     # Run with --settings: the seed design, the exact layer 0 on head-wise maps, cheaper cross-head key maps, token
     # identity without the window, and the token maps at full rank (a capacity ceiling that costs more than the cap).
-    Setting("headwise-ridge0", "headwise", ("--ridge", "0"), "the seed design: head-wise maps, plain least squares",
-            default_run=False),
+    Setting(
+        "headwise-ridge0",
+        "headwise",
+        ("--ridge", "0"),
+        "the seed design: head-wise maps, plain least squares",
+        default_run=False,
+    ),
     Setting("headwise-exact0", "headwise", (), "head-wise maps, own layer 0", "exact:0", default_run=False),
-    Setting("crosshead-key-rquarter", "crosshead", ("--key-rank", "16"),
-            "cross-head maps, the keys' through a rank of a quarter of the target width (values full)",
-            default_run=False),
-    Setting("token-w1", "tokeninput", ("--base", "headwise", "--token-rank", "32"),
-            "token identity of each token alone (rank 32), own layer 0", "exact:0", default_run=False),
-    Setting("token-w3-full", "tokeninput", ("--base", "headwise", "--window", "3"),
-            "token-w3 at full rank", "exact:0", default_run=False),
+    Setting(
+        "crosshead-key-rquarter",
+        "crosshead",
+        ("--key-rank", "16"),
+        "cross-head maps, the keys' through a rank of a quarter of the target width (values full)",
+        default_run=False,
+    ),
+    Setting(
+        "token-w1",
+        "tokeninput",
+        ("--base", "headwise", "--token-rank", "32"),
+        "token identity of each token alone (rank 32), own layer 0",
+        "exact:0",
+        default_run=False,
+    ),
+    Setting(
+        "token-w3-full",
+        "tokeninput",
+        ("--base", "headwise", "--window", "3"),
+        "token-w3 at full rank",
+        "exact:0",
+        default_run=False,
+    ),
 )
 
 
@@ -120,10 +174,15 @@ def real_cost(setting: Setting, direction: str, toy_target_width: int) -> dict[s
     translate = translator.flops_per_token() * ((L - 1) / L if exact else 1.0)
     own_layer0 = layer0.flops_per_token(tgt_cfg) if exact or setting.family == "tokeninput" else 0.0
     flops, reprefill = translate + own_layer0, prefill_flops(target, 1)
-    return {"translate_flops_per_token": translate, "layer0_flops_per_token": own_layer0,
-            "handoff_flops_per_token": flops, "reprefill_flops_per_token": reprefill,
-            "fraction_of_reprefill": flops / reprefill, "ceiling_speedup": reprefill / flops,
-            "real_settings": real_settings(settings, _width(tgt_cfg) / toy_target_width)}
+    return {
+        "translate_flops_per_token": translate,
+        "layer0_flops_per_token": own_layer0,
+        "handoff_flops_per_token": flops,
+        "reprefill_flops_per_token": reprefill,
+        "fraction_of_reprefill": flops / reprefill,
+        "ceiling_speedup": reprefill / flops,
+        "real_settings": real_settings(settings, _width(tgt_cfg) / toy_target_width),
+    }
 
 
 def _width(cfg) -> int:
@@ -144,8 +203,11 @@ def metric_correlations(rows: list[dict]) -> dict[str, dict]:
 
     out = {}
     for name, higher_better in METRICS.items():
-        pairs = [(r[name], retention(r, "val")) for r in rows
-                 if isinstance(r.get(name), (int, float)) and math.isfinite(r[name]) and retention(r, "val") is not None]
+        pairs = [
+            (r[name], retention(r, "val"))
+            for r in rows
+            if isinstance(r.get(name), (int, float)) and math.isfinite(r[name]) and retention(r, "val") is not None
+        ]
         c = spearman([a for a, _ in pairs], [b for _, b in pairs])
         out[name] = {**c, "tracking": c["rho"] if higher_better else -c["rho"]}
     return out
@@ -160,18 +222,30 @@ def choose_metric(correlations: dict[str, dict]) -> str:
 def choose_default(rows: list[dict], metric: str = "val_kl") -> dict[str, Any]:
     """The admissible setting (cost ≤ MAX_COST_FRACTION) best by `metric` on validation; ties to the cheaper."""
     higher = METRICS.get(metric, False)
-    ok = [r for r in rows if r["real"]["fraction_of_reprefill"] <= MAX_COST_FRACTION
-          and isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
+    ok = [
+        r
+        for r in rows
+        if r["real"]["fraction_of_reprefill"] <= MAX_COST_FRACTION
+        and isinstance(r.get(metric), (int, float))
+        and math.isfinite(r[metric])
+    ]
     if not ok:
-        return {"setting": None, "metric": metric,
-                "why": f"no setting costs at most {MAX_COST_FRACTION:.0%} of re-prefill with a finite {metric}"}
+        return {
+            "setting": None,
+            "metric": metric,
+            "why": f"no setting costs at most {MAX_COST_FRACTION:.0%} of re-prefill with a finite {metric}",
+        }
     ranked = sorted(ok, key=lambda r: ((-1 if higher else 1) * r[metric], r["real"]["fraction_of_reprefill"]))
     best = ranked[0]
-    return {"setting": best["name"], "metric": metric, "value": best[metric],
-            "runner_up": ranked[1]["name"] if len(ranked) > 1 else None,
-            "fraction_of_reprefill": best["real"]["fraction_of_reprefill"],
-            "why": f"best {metric} on validation among the {len(ok)} settings costing ≤ {MAX_COST_FRACTION:.0%} of "
-                   "re-prefill at the real shapes (the test split and test items take no part)"}
+    return {
+        "setting": best["name"],
+        "metric": metric,
+        "value": best[metric],
+        "runner_up": ranked[1]["name"] if len(ranked) > 1 else None,
+        "fraction_of_reprefill": best["real"]["fraction_of_reprefill"],
+        "why": f"best {metric} on validation among the {len(ok)} settings costing ≤ {MAX_COST_FRACTION:.0%} of "
+        "re-prefill at the real shapes (the test split and test items take no part)",
+    }
 
 
 def kept(translated: dict, native: dict, comparison: dict) -> dict[str, float]:
@@ -181,12 +255,21 @@ def kept(translated: dict, native: dict, comparison: dict) -> dict[str, float]:
     a, b = translated["mean"], native["mean"]
     only_a, only_b = comparison["mcnemar"]["a_only"], comparison["mcnemar"]["b_only"]
     d_mean = (only_a - only_b) / n
-    d_var = ((only_a + only_b) / n - d_mean ** 2) * n / max(1, n - 1)
+    d_var = ((only_a + only_b) / n - d_mean**2) * n / max(1, n - 1)
     both = a - only_a / n  # right on both paths
     cov = (both - a * b) * n / max(1, n - 1)
     va, vb = a * (1 - a) * n / max(1, n - 1), b * (1 - b) * n / max(1, n - 1)
     ratio = a / b if b else float("nan")
     se = ratio * math.sqrt(max(0.0, va / a**2 + vb / b**2 - 2 * cov / (a * b)) / n) if a and b else float("nan")
-    return {"kept": ratio, "kept_se": se, "delta_points": 100 * d_mean, "delta_se_points": 100 * math.sqrt(d_var / n),
-            "mcnemar_p": comparison["mcnemar"]["p"], "n": n, "accuracy": a, "accuracy_se": translated["se"],
-            "native": b, "native_se": native["se"]}
+    return {
+        "kept": ratio,
+        "kept_se": se,
+        "delta_points": 100 * d_mean,
+        "delta_se_points": 100 * math.sqrt(d_var / n),
+        "mcnemar_p": comparison["mcnemar"]["p"],
+        "n": n,
+        "accuracy": a,
+        "accuracy_se": translated["se"],
+        "native": b,
+        "native_se": native["se"],
+    }

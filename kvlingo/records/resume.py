@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import ast
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import Refusal
 from ..io import ROOT, sha256_json, sha256_tree, to_jsonable
@@ -136,7 +137,7 @@ def changed_files(report_path: str | os.PathLike, report: dict[str, Any]) -> str
     from ..io import sha256_file
 
     files = report.get("files")
-    for name, sha in (files.items() if isinstance(files, dict) else []):
+    for name, sha in files.items() if isinstance(files, dict) else []:
         path = Path(report_path).parent / str(name)
         if not path.is_file():
             return f"{path}, which {Path(report_path).name} lists, is missing"
@@ -188,8 +189,7 @@ def diff(old: Any, new: Any, prefix: str = "", ignore: Iterable[str] = ()) -> li
 
 def describe(changes: list[str]) -> str:
     """Group `diff` lines by what changed (settings, inputs, pair, code) for a refusal message."""
-    words = {"settings": "settings changed", "inputs": "data changed", "pair": "models changed",
-             "code": "code changed"}
+    words = {"settings": "settings changed", "inputs": "data changed", "pair": "models changed", "code": "code changed"}
     parts = []
     for line in changes:
         head = line.split(".")[0].split(":")[0]
@@ -197,9 +197,13 @@ def describe(changes: list[str]) -> str:
     return "; ".join(parts)
 
 
-def check(saved: dict[str, Any] | None, current: dict[str, Any], what: str,
-          fix: str = "start a fresh run (drop --resume) or restore the original inputs",
-          ignore: Iterable[str] = ()) -> None:
+def check(
+    saved: dict[str, Any] | None,
+    current: dict[str, Any],
+    what: str,
+    fix: str = "start a fresh run (drop --resume) or restore the original inputs",
+    ignore: Iterable[str] = (),
+) -> None:
     """Raise ResumeRefused unless `saved` equals `current` (up to `ignore`), naming every change."""
     if saved is None:
         raise ResumeRefused(f"refusing to resume {what}: it records no identity (made by older code); {fix}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+from collections.abc import Callable
 
 
 def whole(minimum: int) -> Callable[[str], int]:

@@ -14,7 +14,7 @@ Learning-rate grid
   added and trained, so the chosen rate ends up with a measured neighbour on both sides,
   or the number of extensions reaches its cap (reported as `cap_hit`).
 
-Levels (recipe.py builds each from the reports of the one before, as cells: kvlingo.drive.cells):
+Levels (recipe.py builds each from the reports of the one before, as cells: kvlingo.stages.cells):
   the native rows, then the closed form, then each round of the learning-rate grid, then the
   other seeds' training, then every evaluation of every seed.
 """
@@ -22,11 +22,12 @@ Levels (recipe.py builds each from the reports of the one before, as cells: kvli
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ..eval.stats import mean_se
-from ..run.report import fmt_pm, fmt_table
+from ..records.report import fmt_pm, fmt_table
 
 SELECTION_METRIC = "distilled_val_kl"  # train.json results key: final validation KL of the distilled maps
 
@@ -58,8 +59,10 @@ def select_step(val_kl: dict[int, Any]) -> int:
         raise ValueError("no learning rate has a validation KL to choose from")
     best = min(val_kl, key=lambda k: (_score(val_kl[k]), abs(k), k))
     if _score(val_kl[best]) == math.inf:
-        raise ValueError("every learning rate in the grid diverged or has no validation KL; "
-                         "lower --lr-center or check the training reports")
+        raise ValueError(
+            "every learning rate in the grid diverged or has no validation KL; "
+            "lower --lr-center or check the training reports"
+        )
     return best
 
 
@@ -172,33 +175,49 @@ HEADLINE = (  # (stage, metric, label, scale) rows of the per-seed table
     ("ifeval", "translated.prompt_level_strict_acc", "IFEval prompt strict %, translated", 100.0),
     ("ifeval", "translated.inst_level_strict_acc", "IFEval instruction strict %, translated", 100.0),
     ("ifeval", "native_target.prompt_level_strict_acc", "IFEval prompt strict %, native target", 100.0),
-    ("ifeval", "translated_vs_native_target.prompt_level_strict_acc.delta_points",
-     "IFEval prompt strict Δ points (translated − native)", 1.0),
+    (
+        "ifeval",
+        "translated_vs_native_target.prompt_level_strict_acc.delta_points",
+        "IFEval prompt strict Δ points (translated − native)",
+        1.0,
+    ),
 )
 
 
 def summary_markdown(run: str, results: dict[str, Any], cells: list[dict[str, Any]], plot_name: str) -> str:
     search, text = results["lr_search"], [f"# recipe: {run}\n\n"]
-    text.append(f"{results['pair']} ({results['direction']}), profile {results['profile']}; "
-                f"seeds {', '.join(map(str, results['seeds']))}.\n\n## Learning-rate search (validation split only)\n\n")
-    rows = [[c["lr"], c["step"], c["val_kl"], c["closed_form_val_kl"], "← chosen" if c["lr"] == search["chosen_lr"] else ""]
-            for c in sorted(search["cells"], key=lambda c: c["step"])]
+    text.append(
+        f"{results['pair']} ({results['direction']}), profile {results['profile']}; "
+        f"seeds {', '.join(map(str, results['seeds']))}.\n\n## Learning-rate search (validation split only)\n\n"
+    )
+    rows = [
+        [c["lr"], c["step"], c["val_kl"], c["closed_form_val_kl"], "← chosen" if c["lr"] == search["chosen_lr"] else ""]
+        for c in sorted(search["cells"], key=lambda c: c["step"])
+    ]
     text.append(fmt_table(["lr", "step", "val KL (distilled)", "val KL (closed form)", ""], rows))
-    text.append(f"\nChosen rate: **{search['chosen_lr']:g}** (lowest final validation KL; centre {search['center']:g}, "
-                f"{search['extensions']} extension(s) of at most {search['max_extensions']}).")
+    text.append(
+        f"\nChosen rate: **{search['chosen_lr']:g}** (lowest final validation KL; centre {search['center']:g}, "
+        f"{search['extensions']} extension(s) of at most {search['max_extensions']})."
+    )
     if search["cap_hit"]:
-        text.append(" **The winner is still at an edge of the grid: the extension cap was hit**; "
-                    "raise --max-extensions or move --lr-center.")
+        text.append(
+            " **The winner is still at an edge of the grid: the extension cap was hit**; "
+            "raise --max-extensions or move --lr-center."
+        )
     text.append(f"\n\n![validation KL against learning rate]({plot_name})\n")
     native = results.get("native", {})
     if native:
         text.append("\n## Native rows\n\n")
-        rows = [[f"benchmark {arm}", m.get("kl_token_mean"), m.get("top1_agreement"), m.get("perplexity")]
-                for arm, m in native.get("benchmark", {}).items()]
+        rows = [
+            [f"benchmark {arm}", m.get("kl_token_mean"), m.get("top1_agreement"), m.get("perplexity")]
+            for arm, m in native.get("benchmark", {}).items()
+        ]
         if rows:
             text.append(fmt_table(["row", "test KL/token", "top-1", "ppl"], rows) + "\n")
-        rows = [[f"IFEval {p}", _fmt(s.get("prompt_level_strict_acc"), 100), _fmt(s.get("inst_level_strict_acc"), 100)]
-                for p, s in native.get("ifeval", {}).items()]
+        rows = [
+            [f"IFEval {p}", _fmt(s.get("prompt_level_strict_acc"), 100), _fmt(s.get("inst_level_strict_acc"), 100)]
+            for p, s in native.get("ifeval", {}).items()
+        ]
         if rows:
             text.append(fmt_table(["row", "prompt strict %", "instruction strict %"], rows))
     seeds = [str(s) for s in results["seeds"]]
@@ -208,13 +227,29 @@ def summary_markdown(run: str, results: dict[str, Any], cells: list[dict[str, An
         vals = [per_seed.get(s, {}).get(stage, {}).get(metric) for s in seeds]
         if all(v is None for v in vals):
             continue
-        rows.append([label, *[None if v is None else scale * v for v in vals], _fmt(agg.get(stage, {}).get(metric), scale)])
+        rows.append(
+            [label, *[None if v is None else scale * v for v in vals], _fmt(agg.get(stage, {}).get(metric), scale)]
+        )
     text.append(f"\n## Seeds at lr {search['chosen_lr']:g} (test split; mean ± SE across seeds)\n\n")
     text.append(fmt_table(["metric", *[f"seed {s}" for s in seeds], "mean ± SE"], rows))
     text.append("\nIFEval: each seed's item-level mean (prompts, or instructions); ± is the SE across seeds.\n")
     text.append("\n## Cells\n\n")
-    text.append(fmt_table(["cell", "stage", "this run", "key", "runs", "wall s", "report"],
-                          [[c["cell"], c["stage"], c["action"], c["key"][:12], c["runs"], c["wall_time_s"],
-                            "/".join(Path(c["report"]).parts[-2:])]
-                           for c in cells], ".3g"))
+    text.append(
+        fmt_table(
+            ["cell", "stage", "this run", "key", "runs", "wall s", "report"],
+            [
+                [
+                    c["cell"],
+                    c["stage"],
+                    c["action"],
+                    c["key"][:12],
+                    c["runs"],
+                    c["wall_time_s"],
+                    "/".join(Path(c["report"]).parts[-2:]),
+                ]
+                for c in cells
+            ],
+            ".3g",
+        )
+    )
     return "".join(text)

@@ -9,20 +9,21 @@ checked first (`Session`), which is all a stage needs to know whether its report
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ..core.folder import MANIFEST_FILE, load_translator, read_manifest
 from ..core.handoff import stop_ids
 from ..errors import Refusal
 from ..eval.itemrows import ItemRows
 from ..eval.tasks.data import ITEM_SPLITS, HubData, prepare_data
 from ..eval.tasks.generate import CONTROL_PATHS
+from ..inputs.argtypes import whole
+from ..inputs.models import load_pair, pair_config_from_args
 from ..io import sha256_file
-from ..run import resume
-from ..run.argtypes import whole
-from ..run.models import load_pair, pair_config_from_args
-from ..run.paths import TRANSLATORS, RunPaths, writable
+from ..records import resume
+from ..records.paths import TRANSLATORS, RunPaths, writable
+from ..records.saved import MANIFEST_FILE, load_translator, read_manifest
 from .stage import add_common_args, add_refresh_arg
 
 # Stage settings a resume may change: they pick which rows are reported, never what a row holds.
@@ -33,29 +34,60 @@ def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None
     """The flags IFEval and the task evaluation share (besides --profile, the pair and the run folders)."""
     add_common_args(ap)
     ap.add_argument("--limit", type=whole(1), default=None, help=f"{items_help} (default: the profile's)")
-    ap.add_argument("--split", choices=ITEM_SPLITS, default="all",
-                    help="items scored: all of the data set, its first half (validation: where choices are made) or "
-                    "its second half (test: where claims are made); reports get a -validation/-test suffix")
+    ap.add_argument(
+        "--split",
+        choices=ITEM_SPLITS,
+        default="all",
+        help="items scored: all of the data set, its first half (validation: where choices are made) or "
+        "its second half (test: where claims are made); reports get a -validation/-test suffix",
+    )
     ap.add_argument("--native", action="store_true", help="score the native paths only (native source, native target)")
-    ap.add_argument("--translator", choices=TRANSLATORS, default="distilled",
-                    help="which translator of the run answers: ARTIFACTS/RUN/{distilled,closed_form}")
-    ap.add_argument("--max-new-tokens", type=whole(1), default=None,
-                    help="greedy generation cap per answer (default: the profile's max_new_tokens)")
-    ap.add_argument("--thinking", action="store_true",
-                    help="render the prompt with enable_thinking=True (default False: an empty think block)")
-    ap.add_argument("--resume", action="store_true",
-                    help="keep finished rows whose input hash matches; refuse if a setting, input or the code changed")
-    ap.add_argument("--force", action="store_true",
-                    help="run again even when the report is up to date (same settings, inputs, models and code)")
-    ap.add_argument("--source", default=None, metavar="PATH",
-                    help="local JSONL of the data set's rows (offline); with --prepare, copied into the data root")
+    ap.add_argument(
+        "--translator",
+        choices=TRANSLATORS,
+        default="distilled",
+        help="which translator of the run answers: ARTIFACTS/RUN/{distilled,closed_form}",
+    )
+    ap.add_argument(
+        "--max-new-tokens",
+        type=whole(1),
+        default=None,
+        help="greedy generation cap per answer (default: the profile's max_new_tokens)",
+    )
+    ap.add_argument(
+        "--thinking",
+        action="store_true",
+        help="render the prompt with enable_thinking=True (default False: an empty think block)",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep finished rows whose input hash matches; refuse if a setting, input or the code changed",
+    )
+    ap.add_argument(
+        "--force",
+        action="store_true",
+        help="run again even when the report is up to date (same settings, inputs, models and code)",
+    )
+    ap.add_argument(
+        "--source",
+        default=None,
+        metavar="PATH",
+        help="local JSONL of the data set's rows (offline); with --prepare, copied into the data root",
+    )
     ap.add_argument("--data-root", default="data", help=f"prepared data root: DATA_ROOT/{data_folder}/")
-    ap.add_argument("--prepare", action="store_true",
-                    help=f"fetch {data_help} into DATA_ROOT/{data_folder}/ (or copy --source there) and exit")
+    ap.add_argument(
+        "--prepare",
+        action="store_true",
+        help=f"fetch {data_help} into DATA_ROOT/{data_folder}/ (or copy --source there) and exit",
+    )
     add_refresh_arg(ap)
-    ap.add_argument("--no-controls", action="store_true",
-                    help="translated runs: skip the control (another item's translated cache) and no-context "
-                    "(target from the last prompt token alone) paths, which double the generation work")
+    ap.add_argument(
+        "--no-controls",
+        action="store_true",
+        help="translated runs: skip the control (another item's translated cache) and no-context "
+        "(target from the last prompt token alone) paths, which double the generation work",
+    )
 
 
 def prepare_and_exit(data: HubData, args) -> None:
@@ -100,7 +132,9 @@ class Session:
         self.pair = load_pair(self.pair_cfg, self._tokenizer)
         if self.translator_dir is not None:
             self.translator, info = load_translator(self.translator_dir, self.pair)
-            self.translator_info = {k: info[k] for k in ("path", "family", "key_space", "maps_sha256", "manifest_sha256")}
+            self.translator_info = {
+                k: info[k] for k in ("path", "family", "key_space", "maps_sha256", "manifest_sha256")
+            }
         self.eos = stop_ids(self.pair.tokenizer)
 
     @property
@@ -126,8 +160,11 @@ class Session:
         if force or self.up_to_date(report, ident) is None:
             return False
         md = report.with_suffix(".md")
-        print(f"{report} is up to date (same settings, inputs, models and code); --force re-runs it\n"
-              + (md.read_text() if md.is_file() else ""), end="")
+        print(
+            f"{report} is up to date (same settings, inputs, models and code); --force re-runs it\n"
+            + (md.read_text() if md.is_file() else ""),
+            end="",
+        )
         return True
 
     def open_rows(self, path: Path, ident: dict[str, Any], resume_: bool, sibling: Path) -> ItemRows:

@@ -22,12 +22,13 @@ import fcntl
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..io import DamagedFile, atomic_write_json, read_json, sha256_file, to_jsonable
-from ..run.resume import ResumeRefused, diff
+from ..records.resume import ResumeRefused, diff
 
 LEDGER_FILE = "recipe-state.json"
 LEDGER_FORMAT = 1
@@ -59,9 +60,16 @@ def outputs_sha256(report: str | os.PathLike, outputs) -> dict[str, str]:
 
 
 def entry_of(cell) -> dict[str, Any]:
-    """The ledger fields a cell (kvlingo.drive.cells.Cell) is recorded with when it starts."""
-    return {"stage": cell.stage, "key": cell.key, "flags": cell.flags, "extra": list(cell.extra),
-            "inputs": cell.inputs, "report": str(cell.report), "outputs": list(cell.outputs)}
+    """The ledger fields a cell (kvlingo.stages.cells.Cell) is recorded with when it starts."""
+    return {
+        "stage": cell.stage,
+        "key": cell.key,
+        "flags": cell.flags,
+        "extra": list(cell.extra),
+        "inputs": cell.inputs,
+        "report": str(cell.report),
+        "outputs": list(cell.outputs),
+    }
 
 
 class Ledger:
@@ -82,20 +90,36 @@ class Ledger:
                     raise ResumeRefused(f"{e.problem}: move it away and start a fresh recipe (drop --resume)") from None
                 if not isinstance(old, dict) or old.get("format") != LEDGER_FORMAT:
                     found = old.get("format") if isinstance(old, dict) else type(old).__name__
-                    raise ResumeRefused(f"{self.path} has ledger format {found}, not {LEDGER_FORMAT}; "
-                                        "start a fresh recipe (drop --resume) or use another --run")
+                    raise ResumeRefused(
+                        f"{self.path} has ledger format {found}, not {LEDGER_FORMAT}; "
+                        "start a fresh recipe (drop --resume) or use another --run"
+                    )
                 cells = old.get("cells")
-                bad = ("cells" if not isinstance(cells, dict) else
-                       next((f"cells.{n}" for n, e in cells.items()
-                             if not isinstance(e, dict) or not {"key", "status"} <= set(e)), None))
+                bad = (
+                    "cells"
+                    if not isinstance(cells, dict)
+                    else next(
+                        (
+                            f"cells.{n}"
+                            for n, e in cells.items()
+                            if not isinstance(e, dict) or not {"key", "status"} <= set(e)
+                        ),
+                        None,
+                    )
+                )
                 if bad is not None:
-                    raise ResumeRefused(f"{self.path}: {bad} is not a ledger entry (edited by hand?); move the file "
-                                        "away and start a fresh recipe (drop --resume), or use another --run")
+                    raise ResumeRefused(
+                        f"{self.path}: {bad} is not a ledger entry (edited by hand?); move the file "
+                        "away and start a fresh recipe (drop --resume), or use another --run"
+                    )
                 changed = diff(old.get("config"), config)
                 if changed:
-                    raise ResumeRefused("refusing to resume: settings changed: " + "; ".join(changed)
-                                        + f" (recorded in {self.path}); re-run with the original settings, "
-                                        "drop --resume to start over, or use another --run")
+                    raise ResumeRefused(
+                        "refusing to resume: settings changed: "
+                        + "; ".join(changed)
+                        + f" (recorded in {self.path}); re-run with the original settings, "
+                        "drop --resume to start over, or use another --run"
+                    )
             self.state = old or {"format": LEDGER_FORMAT, "config": config, "created_unix": time.time(), "cells": {}}
             self.state.setdefault("invocations", []).append({"started_unix": time.time(), "resume": resume})
             atomic_write_json(self.path, self.state)
@@ -107,15 +131,22 @@ class Ledger:
             old = read_json(self.path) if self.path.is_file() else None
         except DamagedFile:
             return None
-        if not isinstance(old, dict) or old.get("format") != LEDGER_FORMAT or diff(old.get("config"), config) \
-                or not isinstance(old.get("cells"), dict):
+        if (
+            not isinstance(old, dict)
+            or old.get("format") != LEDGER_FORMAT
+            or diff(old.get("config"), config)
+            or not isinstance(old.get("cells"), dict)
+        ):
             return None
-        cells = {n: e for n, e in old["cells"].items()
-                 if isinstance(e, dict) and e.get("status") == "done" and {"key", "report"} <= set(e)}
+        cells = {
+            n: e
+            for n, e in old["cells"].items()
+            if isinstance(e, dict) and e.get("status") == "done" and {"key", "report"} <= set(e)
+        }
         return {**old, "cells": cells}
 
     @classmethod
-    def attach(cls, path: str | os.PathLike) -> "Ledger":
+    def attach(cls, path: str | os.PathLike) -> Ledger:
         """The ledger a running recipe keeps, for a cell's job to record itself in (no settings check)."""
         self = cls.__new__(cls)
         self.path, self.resume = Path(path), True
@@ -152,11 +183,15 @@ class Ledger:
         if entry["key"] != cell.key and not self.resume:
             return "run", "its inputs or settings changed since it finished"
         if entry["key"] != cell.key:
-            changed = diff({"flags": entry.get("flags"), "extra": entry.get("extra"), "inputs": entry.get("inputs")},
-                           {"flags": cell.flags, "extra": list(cell.extra), "inputs": cell.inputs})
-            raise ResumeRefused(f"refusing to resume: cell {cell.name} was recorded with other inputs or settings: "
-                                + "; ".join(changed or ["its key differs"])
-                                + "; restore them, drop --resume to start a fresh recipe, or use another --run")
+            changed = diff(
+                {"flags": entry.get("flags"), "extra": entry.get("extra"), "inputs": entry.get("inputs")},
+                {"flags": cell.flags, "extra": list(cell.extra), "inputs": cell.inputs},
+            )
+            raise ResumeRefused(
+                f"refusing to resume: cell {cell.name} was recorded with other inputs or settings: "
+                + "; ".join(changed or ["its key differs"])
+                + "; restore them, drop --resume to start a fresh recipe, or use another --run"
+            )
         if entry["status"] != "done":
             return "run", f"interrupted while {entry['status']}"
         report = Path(cell.report)
@@ -176,11 +211,18 @@ class Ledger:
 
     def start(self, name: str, entry: dict[str, Any], where: dict[str, Any] | None = None) -> None:
         """Mark a cell running (one more run when its key is unchanged)."""
+
         def update(old):
             old = old or {}
             runs = old.get("runs", 0) + 1 if old.get("key") == entry["key"] else 1
-            return {**entry, "status": "running", "started_unix": time.time(), "runs": runs,
-                    "where": {"host": socket.gethostname(), "pid": os.getpid(), **(where or {})}}
+            return {
+                **entry,
+                "status": "running",
+                "started_unix": time.time(),
+                "runs": runs,
+                "where": {"host": socket.gethostname(), "pid": os.getpid(), **(where or {})},
+            }
+
         self.change(name, update)
 
     def fail(self, name: str, error: str) -> None:
@@ -188,8 +230,15 @@ class Ledger:
 
     def finish(self, name: str, report: str | os.PathLike, wall_time_s: float) -> None:
         def update(old):
-            new = {**old, "status": "done", "report_sha256": sha256_file(report), "finished_unix": time.time(),
-                   "outputs_sha256": outputs_sha256(report, old.get("outputs", [])), "wall_time_s": wall_time_s}
+            new = {
+                **old,
+                "status": "done",
+                "report_sha256": sha256_file(report),
+                "finished_unix": time.time(),
+                "outputs_sha256": outputs_sha256(report, old.get("outputs", [])),
+                "wall_time_s": wall_time_s,
+            }
             new.pop("error", None)
             return new
+
         self.change(name, update)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlingo.run.data import (
+from kvlingo.inputs.data import (
     SPLITS,
     VARIANTS,
     SplitIntegrityError,
@@ -26,7 +26,7 @@ from kvlingo.run.data import (
     tokenizer_digest,
     verify_split,
 )
-from kvlingo.run.profiles import get_profile
+from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import read_json, read_jsonl, sha256_file
 from kvlingo.toy.tokenizer import save_tokenizer, train_chat_tokenizer
 
@@ -35,6 +35,7 @@ def load_split(data_dir, split, variant):
     """Rows of one prepared file after checking the folder against its manifest (what every stage does)."""
     open_prepared(data_dir)
     return read_jsonl(split_path(data_dir, split, variant))
+
 
 TOPICS = "apple river stone cloud lamp garden violin copper meadow harbor pepper candle".split()
 SYSTEM = "You are concise."
@@ -48,8 +49,10 @@ def good_row(i: int) -> dict:
     answer = f"The {a} sits by the {b} number {i}."
     messages = [{"role": "user", "content": f"Question {i}: where is the {a} and the {b}?"}]
     if i % 7 == 1:  # a short multi-turn chat
-        messages = [{"role": "user", "content": f"Earlier {i}: hello about the {a}."},
-                    {"role": "assistant", "content": f"Hello, the {a} is fine."}] + messages
+        messages = [
+            {"role": "user", "content": f"Earlier {i}: hello about the {a}."},
+            {"role": "assistant", "content": f"Hello, the {a} is fine."},
+        ] + messages
     return {
         "input": messages,
         "output": f"<think>\nThe user asks about the {a} {i}.\n</think>\n\n{answer}" if on else answer,
@@ -72,8 +75,10 @@ def crop_row(i: int) -> dict:
     history = []
     for k in range(4):
         words = " ".join(TOPICS[(k + j) % 12] for j in range(12))
-        history += [{"role": "user", "content": f"Earlier {i}.{k}: {words}"},
-                    {"role": "assistant", "content": f"Reply {k}: {words}"}]
+        history += [
+            {"role": "user", "content": f"Earlier {i}.{k}: {words}"},
+            {"role": "assistant", "content": f"Reply {k}: {words}"},
+        ]
     row["input"] = history + [row["input"][-1]]
     row["system_prompt"] = SYSTEM
     return row
@@ -98,8 +103,11 @@ def bad_lines() -> tuple[list[str], Counter]:
 
 
 def all_rows() -> list[dict]:
-    return ([good_row(i) for i in range(N_GOOD)] + [long_row(N_GOOD + i) for i in range(N_LONG)]
-            + [crop_row(N_GOOD + N_LONG + i) for i in range(N_CROP)])
+    return (
+        [good_row(i) for i in range(N_GOOD)]
+        + [long_row(N_GOOD + i) for i in range(N_LONG)]
+        + [crop_row(N_GOOD + N_LONG + i) for i in range(N_CROP)]
+    )
 
 
 def fixture_row(i: int) -> dict:
@@ -168,7 +176,7 @@ def test_same_seed_same_files_other_seed_differs(world, tmp_path):
 
 def test_caps_and_token_ids(world):
     tok = world["tok"]
-    for (s, v), rows in world["rows"].items():
+    for rows in world["rows"].values():
         for r in rows:
             assert 0 < len(r["prefix_ids"]) <= PROFILE.prefix_cap
             assert 0 < len(r["reply_ids"]) <= PROFILE.reply_cap
@@ -211,9 +219,16 @@ def test_natural_and_packed_shapes(world):
             assert len(r["source_ids"]) == 1
             row = fixture_row(question(r["prefix_text"]))
             on = row["reasoning"] == "on"
-            reply = (f"<think>\n{row['output'].split('<think>')[1].split('</think>')[0].strip()}\n</think>\n\n"
-                     if on else "") + (row["output"].split("</think>\n\n")[-1]) + "<|im_end|>"
-            want = ids(tok, r["prefix_text"] + reply)[len(r["prefix_ids"]):][: PROFILE.reply_cap]
+            reply = (
+                (
+                    f"<think>\n{row['output'].split('<think>')[1].split('</think>')[0].strip()}\n</think>\n\n"
+                    if on
+                    else ""
+                )
+                + (row["output"].split("</think>\n\n")[-1])
+                + "<|im_end|>"
+            )
+            want = ids(tok, r["prefix_text"] + reply)[len(r["prefix_ids"]) :][: PROFILE.reply_cap]
             assert r["reply_ids"] == want
         for r in rows[s, "packed"]:
             assert len(r["source_ids"]) >= 2
@@ -326,7 +341,7 @@ def test_hub_without_network_fails_fast_naming_source(world, tmp_path, monkeypat
 
 
 def test_hub_path_streams_until_pools_fill_and_records_commit(world, tmp_path, monkeypatch):
-    import kvlingo.run.data as data
+    import kvlingo.inputs.data as data
 
     consumed = []
 
@@ -350,7 +365,7 @@ def test_hub_path_streams_until_pools_fill_and_records_commit(world, tmp_path, m
 def test_hub_unreachable_fails_with_clear_message(monkeypatch):
     import huggingface_hub
 
-    from kvlingo.run.data import NEMOTRON, resolve_hub_revision
+    from kvlingo.inputs.data import NEMOTRON, resolve_hub_revision
 
     def unreachable(self, *a, **k):
         raise ConnectionError("no route to host")
@@ -363,8 +378,7 @@ def test_hub_unreachable_fails_with_clear_message(monkeypatch):
 
 
 def test_check_tokenizer(world):
-    from kvlingo.run.data import check_tokenizer
-
+    from kvlingo.inputs.data import check_tokenizer
     from kvlingo.io import sha256_json
 
     tok = world["tok"]
@@ -376,26 +390,34 @@ def test_check_tokenizer(world):
 
 
 def test_cli_builds_then_reports_up_to_date(world, tmp_path, capsys):
-    import paper_data
+    import prepare
 
     tok_dir = save_tokenizer(world["tok"], tmp_path / "tok")
-    argv = ["--profile", "tiny", "--source", str(world["source"]), "--tokenizer", str(tok_dir),
-            "--out", str(tmp_path / "out")]
-    paper_data.main(argv)
+    argv = [
+        "--profile",
+        "tiny",
+        "--source",
+        str(world["source"]),
+        "--tokenizer",
+        str(tok_dir),
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    prepare.main(argv)
     assert "built" in capsys.readouterr().out
-    paper_data.main(argv)
+    prepare.main(argv)
     out = capsys.readouterr().out
     assert "up to date" in out and "train.packed" in out
     # same bytes as the library call with the same tokenizer and seed
     assert read_json(tmp_path / "out" / "tiny" / "manifest.json")["files"] == world["result"].manifest["files"]
     with pytest.raises(SystemExit) as e:
-        paper_data.main(["--profile", "tiny", "--tokenizer", str(tok_dir), "--out", str(tmp_path / "hub")])
+        prepare.main(["--profile", "tiny", "--tokenizer", str(tok_dir), "--out", str(tmp_path / "hub")])
     assert e.value.code == 2 and "--source PATH" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- hardening: edge cases and rebuilds
 def test_row_edge_cases_are_refused_by_reason():
-    from kvlingo.run.data import _InvalidJson, parse_row
+    from kvlingo.inputs.data import _InvalidJson, parse_row
 
     g = good_row(0)  # reasoning on
     assert parse_row({**g, "output": "<think>\na\n</think>\n\nb<think>c</think>d"}) == "malformed_think_block"
@@ -405,7 +427,7 @@ def test_row_edge_cases_are_refused_by_reason():
 
 
 def test_a_byte_order_mark_does_not_lose_the_first_row(tmp_path):
-    from kvlingo.run.data import local_rows, parse_row
+    from kvlingo.inputs.data import local_rows, parse_row
 
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(good_row(0)) + "\n" + json.dumps(good_row(1)) + "\n").encode())
@@ -439,7 +461,7 @@ def test_a_template_that_drops_reasoning_is_counted(world, tmp_path):
 
 
 def test_a_killed_rebuild_keeps_the_old_set_and_leftovers_go(world, tmp_path, monkeypatch):
-    import kvlingo.run.data as data
+    import kvlingo.inputs.data as data
 
     out = tmp_path / "out"
     prepare(world["tok"], PROFILE, source=world["source"], out_root=out, seed=0)
@@ -473,7 +495,7 @@ def test_a_killed_rebuild_keeps_the_old_set_and_leftovers_go(world, tmp_path, mo
 def test_a_build_killed_between_its_two_renames_keeps_the_new_set(world, tmp_path, monkeypatch):
     """`_swap_in` renames the old set aside, then the new one in; a kill between the two leaves no data folder.
     The next run puts the complete new set in place (not the old one, and no rebuild from the source)."""
-    import kvlingo.run.data as data
+    import kvlingo.inputs.data as data
 
     out = tmp_path / "out"
     prepare(world["tok"], PROFILE, source=world["source"], out_root=out, seed=0)
@@ -491,7 +513,9 @@ def test_a_build_killed_between_its_two_renames_keeps_the_new_set(world, tmp_pat
         data._swap_in(_copy_as_new_build(folder, out), folder)
     monkeypatch.undo()
     assert not folder.exists() and {p.name.split("-")[0] for p in out.iterdir()} == {
-        f".{PROFILE.name}.retired", f".{PROFILE.name}.building"}
+        f".{PROFILE.name}.retired",
+        f".{PROFILE.name}.building",
+    }
     new_manifest = next(out.glob(f".{PROFILE.name}.building-*")).joinpath("manifest.json").read_bytes()
     (out / f".{PROFILE.name}.building-999").mkdir()  # a half-built staging folder of another killed run
 

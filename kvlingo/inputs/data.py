@@ -80,18 +80,30 @@ import shutil
 import statistics
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
-from ..io import (DamagedFile, atomic_write_jsonl, not_ours, read_json, read_jsonl, remove_stale_temps, sha256_bytes,
-                  sha256_file, sha256_json, sha256_tree, to_jsonable)
 from ..errors import Refusal
+from ..io import (
+    DamagedFile,
+    atomic_write_jsonl,
+    not_ours,
+    read_json,
+    read_jsonl,
+    remove_stale_temps,
+    sha256_bytes,
+    sha256_file,
+    sha256_json,
+    sha256_tree,
+    to_jsonable,
+)
+from ..records.report import Metric, Report
+from ..records.resume import diff, resume_key
 from . import models
 from .models import tokenizer_digest
 from .profiles import Profile
-from .report import Metric, Report
-from .resume import diff, resume_key
 
 SPLITS = ("train", "validation", "test")
 VARIANTS = ("natural", "packed")
@@ -113,9 +125,7 @@ class HubSource:
 # The revision is "main" because this dataset's commit sha could not be checked offline
 # when this was written: pin it to a commit sha before a paper run. Each run resolves the
 # revision to a commit sha, streams that commit, and records it in the manifest.
-NEMOTRON = HubSource(
-    repo_id="nvidia/Llama-Nemotron-Post-Training-Dataset", config="SFT", split="chat", revision="main"
-)
+NEMOTRON = HubSource(repo_id="nvidia/Llama-Nemotron-Post-Training-Dataset", config="SFT", split="chat", revision="main")
 
 
 @dataclass(frozen=True)
@@ -130,11 +140,16 @@ class DataConfig:
     seed: int  # split assignment and per-split sampling
 
     @classmethod
-    def from_profile(cls, profile: Profile, seed: int = 0) -> "DataConfig":
+    def from_profile(cls, profile: Profile, seed: int = 0) -> DataConfig:
         return cls(
-            profile=profile.name, n_train=profile.n_train, n_validation=profile.n_validation,
-            n_test=profile.n_test, n_packed=profile.n_packed, prefix_cap=profile.prefix_cap,
-            reply_cap=profile.reply_cap, seed=seed,
+            profile=profile.name,
+            n_train=profile.n_train,
+            n_validation=profile.n_validation,
+            n_test=profile.n_test,
+            n_packed=profile.n_packed,
+            prefix_cap=profile.prefix_cap,
+            reply_cap=profile.reply_cap,
+            seed=seed,
         )
 
     def requested(self, split: str, variant: str) -> int:
@@ -253,8 +268,12 @@ def parse_row(row: Any) -> Conversation | str:
     system = system if system.strip() else ""
     content = {"system": system, "messages": messages, "reasoning": flag, "thought": thought or "", "answer": answer}
     return Conversation(
-        id=sha256_json(content), system=system, messages=tuple(messages), reasoning=flag == "on",
-        thought=thought or "", answer=answer,
+        id=sha256_json(content),
+        system=system,
+        messages=tuple(messages),
+        reasoning=flag == "on",
+        thought=thought or "",
+        answer=answer,
     )
 
 
@@ -283,7 +302,9 @@ def resolve_hub_revision(hub: HubSource = NEMOTRON, timeout_s: float = 10.0) -> 
     try:
         info = HfApi().dataset_info(hub.repo_id, revision=hub.revision, timeout=timeout_s)
     except Exception as e:  # network, auth or a bad revision: all end the same way
-        raise ValueError(f"cannot reach {hub.repo_id}@{hub.revision} on the Hub ({type(e).__name__}: {e}). {fix}") from e
+        raise ValueError(
+            f"cannot reach {hub.repo_id}@{hub.revision} on the Hub ({type(e).__name__}: {e}). {fix}"
+        ) from e
     return info.sha
 
 
@@ -315,7 +336,11 @@ def assign_split(split_key: str, seed: int, weights: dict[str, int]) -> str:
 
 
 def collect_pools(
-    rows: Iterable[Any], cfg: DataConfig, *, stop_when_full: bool = False, max_rows: int | None = None,
+    rows: Iterable[Any],
+    cfg: DataConfig,
+    *,
+    stop_when_full: bool = False,
+    max_rows: int | None = None,
     progress: bool = False,
 ) -> tuple[dict[str, list[Conversation]], dict[str, Any]]:
     """Validate, deduplicate and assign rows to split pools (each sorted by id).
@@ -351,10 +376,16 @@ def collect_pools(
     for pool in pools.values():
         pool.sort(key=lambda c: c.id)
     counts = {
-        "read": n_read, "unique": len(seen), "duplicates": duplicates, "skipped": dict(sorted(skipped.items())),
+        "read": n_read,
+        "unique": len(seen),
+        "duplicates": duplicates,
+        "skipped": dict(sorted(skipped.items())),
         "pool": {
-            s: {"conversations": len(p), "reasoning_on": sum(c.reasoning for c in p),
-                "reasoning_off": sum(not c.reasoning for c in p)}
+            s: {
+                "conversations": len(p),
+                "reasoning_on": sum(c.reasoning for c in p),
+                "reasoning_off": sum(not c.reasoning for c in p),
+            }
             for s, p in pools.items()
         },
     }
@@ -388,9 +419,7 @@ def _render(tok, system: str, messages: list[tuple[str, str]], thinking: bool, f
     chat += [{"role": r, "content": c} for r, c in messages]
     if final is not None:
         chat.append(final)
-    return tok.apply_chat_template(
-        chat, tokenize=False, add_generation_prompt=final is None, enable_thinking=thinking
-    )
+    return tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=final is None, enable_thinking=thinking)
 
 
 def _flat(turns) -> list[tuple[str, str]]:
@@ -420,7 +449,7 @@ def make_example(tok, conversations: list[Conversation], cfg: DataConfig, counts
         last_turn["reasoning_content"] = final.thought
     full_text = _render(tok, final.system, _flat(kept), final.reasoning, final=last_turn)
     if full_text.startswith(prefix_text):
-        rest = full_text[len(prefix_text):]
+        rest = full_text[len(prefix_text) :]
         cut = rest.find(TURN_END)
         if cut < 0:
             raise ValueError(f"the chat template does not close assistant turns with {TURN_END}: not a ChatML template")
@@ -434,7 +463,7 @@ def make_example(tok, conversations: list[Conversation], cfg: DataConfig, counts
 
     joint = _encode(tok, prefix_text + reply_text)
     if joint[: len(prefix_ids)] == prefix_ids:
-        reply_ids = joint[len(prefix_ids):]
+        reply_ids = joint[len(prefix_ids) :]
     else:
         reply_ids = _encode(tok, reply_text)
         counts["boundary_merges"] += 1
@@ -445,7 +474,7 @@ def make_example(tok, conversations: list[Conversation], cfg: DataConfig, counts
 
     source_ids = list(dict.fromkeys(cid for cid, _ in kept))
     return {
-        "id": sha256_bytes(f"{prefix_text}\0{reply_text}".encode("utf-8")),
+        "id": sha256_bytes(f"{prefix_text}\0{reply_text}".encode()),
         "prefix_ids": prefix_ids,
         "reply_ids": reply_ids,
         "prefix_text": prefix_text,
@@ -510,7 +539,12 @@ def build_variant(
 def _length_stats(values: list[int]) -> dict[str, float] | None:
     if not values:
         return None
-    return {"min": min(values), "median": statistics.median(values), "mean": statistics.fmean(values), "max": max(values)}
+    return {
+        "min": min(values),
+        "median": statistics.median(values),
+        "mean": statistics.fmean(values),
+        "max": max(values),
+    }
 
 
 def _variant_summary(rows: list[dict], counts: Counter, requested: int) -> dict[str, Any]:
@@ -521,9 +555,18 @@ def _variant_summary(rows: list[dict], counts: Counter, requested: int) -> dict[
         "short": max(0, requested - len(rows)),
         "reasoning_on": sum(r["reasoning"] for r in rows),
         "reasoning_off": sum(not r["reasoning"] for r in rows),
-        **{k: counts.get(k, 0) for k in (
-            "prefix_cropped", "dropped_prefix_too_long", "reply_cropped", "boundary_merges", "reply_from_turn_text",
-            "pack_without_history", "think_dropped_by_template")},
+        **{
+            k: counts.get(k, 0)
+            for k in (
+                "prefix_cropped",
+                "dropped_prefix_too_long",
+                "reply_cropped",
+                "boundary_merges",
+                "reply_from_turn_text",
+                "pack_without_history",
+                "think_dropped_by_template",
+            )
+        },
         "prefix_tokens": _length_stats([len(r["prefix_ids"]) for r in rows]),
         "reply_tokens": _length_stats([len(r["reply_ids"]) for r in rows]),
         "conversations_per_example": _length_stats(n_conv),
@@ -539,11 +582,13 @@ def check_tokenizer(manifest: dict[str, Any], digest: str, chat_template_sha256:
         raise SplitIntegrityError(
             f"the data was tokenized with {want['name']!r} (tokenizer digest {want['digest'][:16]}…), but {name}'s "
             f"tokenizer has digest {digest[:16]}…: its ids would decode to other text. Prepare the data again with "
-            "the pair's tokenizer (paper_data.py --tokenizer ..., or make prepare)")
+            "the pair's tokenizer (prepare.py --tokenizer ..., or make prepare)"
+        )
     if want["chat_template_sha256"] != chat_template_sha256:
         raise SplitIntegrityError(
             f"the data was rendered with another chat template (sha256 {want['chat_template_sha256'][:16]}… vs "
-            f"{name}'s {chat_template_sha256[:16]}…); prepare the data again with the pair's tokenizer")
+            f"{name}'s {chat_template_sha256[:16]}…); prepare the data again with the pair's tokenizer"
+        )
 
 
 def open_prepared(data_dir: str | os.PathLike, pair=None) -> dict[str, Any]:
@@ -581,38 +626,47 @@ def verify_split(data_dir: str | os.PathLike) -> dict[str, Any]:
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
     if not path.is_file():
-        raise SplitIntegrityError(f"{path} not found: prepare the data first (python paper_data.py --profile ...)")
+        raise SplitIntegrityError(f"{path} not found: prepare the data first (python prepare.py --profile ...)")
     manifest = read_json(path)
     files = manifest.get("files")
     if manifest.get("stage") != "prepare" or not isinstance(files, dict):
-        raise SplitIntegrityError(f"{path} is not a data-preparation manifest; rerun paper_data.py --force")
+        raise SplitIntegrityError(f"{path} is not a data-preparation manifest; rerun prepare.py --force")
     for name, digest in files.items():
         f = data_dir / name
         if not f.is_file():
-            raise SplitIntegrityError(f"{f} is listed in {path} but missing; rerun paper_data.py --force")
+            raise SplitIntegrityError(f"{f} is listed in {path} but missing; rerun prepare.py --force")
         actual = sha256_file(f)
         if actual != digest:
             raise SplitIntegrityError(
                 f"{f} was changed after preparation: sha256 {actual[:12]}… != {digest[:12]}… in {path}. "
-                "Rerun paper_data.py --force to rebuild it."
+                "Rerun prepare.py --force to rebuild it."
             )
     return manifest
 
 
-def read_split(data_dir: str | os.PathLike, split: str, variant: str = "natural", vocab_size: int | None = None,
-               limit: int | None = None) -> list[dict]:
+def read_split(
+    data_dir: str | os.PathLike,
+    split: str,
+    variant: str = "natural",
+    vocab_size: int | None = None,
+    limit: int | None = None,
+) -> list[dict]:
     """Rows of one prepared file (the first `limit`), each checked for what a handoff reads: a prefix of
     at least 2 ids, a non-empty reply, ids inside the vocabulary."""
     path = split_path(data_dir, split, variant)
     if not path.is_file():
-        raise SplitIntegrityError(f"{path} not found; prepare the data first (python paper_data.py --profile ...)")
+        raise SplitIntegrityError(f"{path} not found; prepare the data first (python prepare.py --profile ...)")
     rows = read_jsonl(path)[:limit]
     if not rows:
-        raise SplitIntegrityError(f"{path} holds no rows; prepare the data again (python paper_data.py --profile ... --force)")
+        raise SplitIntegrityError(
+            f"{path} holds no rows; prepare the data again (python prepare.py --profile ... --force)"
+        )
     for n, r in enumerate(rows, 1):
         p, q = r.get("prefix_ids"), r.get("reply_ids")
         if not isinstance(p, list) or len(p) < 2 or not isinstance(q, list) or not q:
-            raise SplitIntegrityError(f"{path} line {n}: needs prefix_ids (≥2 ids) and reply_ids (≥1 id); re-run paper_data.py")
+            raise SplitIntegrityError(
+                f"{path} line {n}: needs prefix_ids (≥2 ids) and reply_ids (≥1 id); re-run prepare.py"
+            )
         if vocab_size is not None and max(p + q) >= vocab_size:
             raise SplitIntegrityError(
                 f"{path} line {n}: token id {max(p + q)} ≥ vocabulary {vocab_size}: the data was tokenized "
@@ -642,7 +696,9 @@ def _up_to_date(data_dir: Path, identity: dict) -> tuple[bool, str]:
         return True, "up to date"
     old = manifest.get("results", {}).get("identity")
     changed = diff(old, identity)
-    return False, "inputs changed: " + ("; ".join(changed) if changed and old else "the manifest was made by older code")
+    return False, "inputs changed: " + (
+        "; ".join(changed) if changed and old else "the manifest was made by older code"
+    )
 
 
 def _clear_leftovers(out_root: Path, name: str) -> list[Path]:
@@ -655,8 +711,12 @@ def _clear_leftovers(out_root: Path, name: str) -> list[Path]:
     gone = []
     data_dir = out_root / name
     if not data_dir.exists():
-        sets = [p for kind in (".building-", ".retired-") for p in sorted(
-            out_root.glob(f".{name}.*"), key=lambda q: q.stat().st_mtime, reverse=True) if kind in p.name]
+        sets = [
+            p
+            for kind in (".building-", ".retired-")
+            for p in sorted(out_root.glob(f".{name}.*"), key=lambda q: q.stat().st_mtime, reverse=True)
+            if kind in p.name
+        ]
         for p in sets:
             try:
                 verify_split(p)
@@ -681,8 +741,10 @@ def _check_ours(data_dir: Path) -> None:
     ours = {MANIFEST} | {split_path(data_dir, s, v).name for s in SPLITS for v in VARIANTS}
     shown = not_ours(data_dir, ours, MANIFEST, "stage", "prepare")  # our manifest cut short: rebuilt
     if shown:
-        raise ValueError(f"{data_dir} holds files this suite did not prepare ({shown}); building there would delete "
-                         "them. Move them away or give another --out")
+        raise ValueError(
+            f"{data_dir} holds files this suite did not prepare ({shown}); building there would delete "
+            "them. Move them away or give another --out"
+        )
 
 
 def _swap_in(staging: Path, data_dir: Path) -> None:
@@ -696,9 +758,17 @@ def _swap_in(staging: Path, data_dir: Path) -> None:
 
 
 def prepare(
-    tok, profile: Profile, *, source: str | os.PathLike | None = None, out_root: str | os.PathLike = "data",
-    seed: int = 0, tokenizer_name: str | None = None, force: bool = False, hub: HubSource = NEMOTRON,
-    max_rows: int | None = None, progress: bool = False,
+    tok,
+    profile: Profile,
+    *,
+    source: str | os.PathLike | None = None,
+    out_root: str | os.PathLike = "data",
+    seed: int = 0,
+    tokenizer_name: str | None = None,
+    force: bool = False,
+    hub: HubSource = NEMOTRON,
+    max_rows: int | None = None,
+    progress: bool = False,
 ) -> PrepareResult:
     """Build (or confirm) `<out_root>/<profile>/`: six split files, then the manifest.
 
@@ -716,14 +786,26 @@ def prepare(
         src_key = {k: v for k, v in src.items() if k != "path"}  # same bytes elsewhere: same data
     else:
         commit = resolve_hub_revision(hub)
-        src = {"kind": "hub", **asdict(hub), "revision_requested": hub.revision, "revision": commit,
-               "max_rows": max_rows}
+        src = {
+            "kind": "hub",
+            **asdict(hub),
+            "revision_requested": hub.revision,
+            "revision": commit,
+            "max_rows": max_rows,
+        }
         src_key = src
-    tok_info = {"name": tokenizer_name, "digest": tokenizer_digest(tok),
-                "chat_template_sha256": sha256_json(tok.chat_template)}
+    tok_info = {
+        "name": tokenizer_name,
+        "digest": tokenizer_digest(tok),
+        "chat_template_sha256": sha256_json(tok.chat_template),
+    }
     code = data_code_hash()
-    identity = {"settings": cfg, "inputs": {"source": src_key}, "code": code,
-                "tokenizer": {k: tok_info[k] for k in ("digest", "chat_template_sha256")}}
+    identity = {
+        "settings": cfg,
+        "inputs": {"source": src_key},
+        "code": code,
+        "tokenizer": {k: tok_info[k] for k in ("digest", "chat_template_sha256")},
+    }
     identity = to_jsonable(identity)
     _clear_leftovers(Path(out_root), profile.name)
     _check_ours(data_dir)
@@ -735,13 +817,13 @@ def prepare(
     # The new set is built in a staging folder and swapped in whole: a killed rebuild leaves the
     # old set (and its manifest) exactly as it was, and the next run clears the staging folder.
     rows = local_rows(path) if source is not None else hub_rows(hub, commit)
-    pools, row_counts = collect_pools(
-        rows, cfg, stop_when_full=source is None, max_rows=max_rows, progress=progress
-    )
+    pools, row_counts = collect_pools(rows, cfg, stop_when_full=source is None, max_rows=max_rows, progress=progress)
     if not row_counts["unique"]:
         kept = f"; the existing set in {data_dir} is kept" if data_dir.exists() else ""
-        raise ValueError(f"the source yields no usable conversations ({row_counts['read']} rows read, skipped by "
-                         f"reason: {row_counts['skipped'] or 'none'}){kept}. Check --source (Nemotron chat format)")
+        raise ValueError(
+            f"the source yields no usable conversations ({row_counts['read']} rows read, skipped by "
+            f"reason: {row_counts['skipped'] or 'none'}){kept}. Check --source (Nemotron chat format)"
+        )
     staging = data_dir.with_name(f".{data_dir.name}.building-{os.getpid()}")
     try:
         examples: dict[str, Any] = {}
@@ -753,18 +835,25 @@ def prepare(
                 atomic_write_jsonl(target, built)
                 files[target.name] = sha256_file(target)
                 examples[f"{split}.{variant}"] = _variant_summary(built, counts, cfg.requested(split, variant))
-        empty = [name for name, e in examples.items() if e["requested"] and not e["kept"]
-                 and name.endswith(".natural")]
+        empty = [name for name, e in examples.items() if e["requested"] and not e["kept"] and name.endswith(".natural")]
         if empty:
             kept = f"; the existing set in {data_dir} is kept" if data_dir.exists() else ""
-            raise ValueError(f"the source yields no examples for {', '.join(empty)} ({row_counts['unique']} usable "
-                             f"conversations){kept}. Use a larger source or a smaller profile")
+            raise ValueError(
+                f"the source yields no examples for {', '.join(empty)} ({row_counts['unique']} usable "
+                f"conversations){kept}. Use a larger source or a smaller profile"
+            )
 
         manifest = Report(
-            "prepare", config=cfg, inputs={"source": src, "tokenizer": tok_info, "code_sha256": code},
+            "prepare",
+            config=cfg,
+            inputs={"source": src, "tokenizer": tok_info, "code_sha256": code},
             results=PrepareResults(rows=row_counts, examples=examples, identity=identity),
-            n_samples={name: e["kept"] for name, e in examples.items()}, seeds={"seed": seed},
-            wall_time_s=time.time() - t0, resume_key=resume_key(identity), files=files, metrics=PrepareResults.METRICS,
+            n_samples={name: e["kept"] for name, e in examples.items()},
+            seeds={"seed": seed},
+            wall_time_s=time.time() - t0,
+            resume_key=resume_key(identity),
+            files=files,
+            metrics=PrepareResults.METRICS,
         ).write(staging / MANIFEST)
     except BaseException:  # a refusal (a full disk), an error or an interrupt: no staging folder is left behind
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,11 +1,11 @@
 """Cells: one run of one stage script with fixed flags, resumable by key, run a dependency level at a time.
 
 No tensor maths here: every number comes from a stage report, and every stage runs as its own
-process (kvlingo.drive.launch) or, for the toy world's small cells, in this interpreter
+process (kvlingo.stages.launch) or, for the toy world's small cells, in this interpreter
 (`run_in_process`). The recipe, the ablation and the frontier are built of cells.
 
 A cell's key is the sha256 of its stage, flags and input hashes (data, code, model identities,
-upstream maps). The ledger (kvlingo.drive.ledger: locked, atomic, shared by concurrent cells)
+upstream maps). The ledger (kvlingo.stages.ledger: locked, atomic, shared by concurrent cells)
 records each cell's key, status, report path and report sha256. A cell counts as finished only
 when the ledger says "done" under the same key AND its report and output files are still there
 with the recorded hash. On `--resume`, a cell the ledger holds under another key is refused,
@@ -20,9 +20,10 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..io import atomic_write_json, read_json, sha256_file, sha256_json
 from .launch import CellJob, LocalLauncher, StageFailed, run_stage
@@ -46,8 +47,15 @@ class Cell:
 
     @property
     def key(self) -> str:
-        return sha256_json({"stage": self.stage, "script": Path(self.script).name, "flags": self.flags,
-                            "extra": list(self.extra), "inputs": self.inputs})
+        return sha256_json(
+            {
+                "stage": self.stage,
+                "script": Path(self.script).name,
+                "flags": self.flags,
+                "extra": list(self.extra),
+                "inputs": self.inputs,
+            }
+        )
 
     def argv(self, resume: bool) -> list[str]:
         """The command line after the interpreter: script, flags, pass-through args, then resume/fresh."""
@@ -92,8 +100,15 @@ class Cells:
     """Runs cells through the ledger and a launcher: finished cells are read back, the rest are run,
     a dependency level at a time (`ensure_all`), and each records itself in the ledger."""
 
-    def __init__(self, ledger: Ledger, resume: bool, runner: Callable[[Sequence[str], Path], dict] = run_stage,
-                 say: Callable[[str], None] = print, launcher=None, logs: str | Path | None = None):
+    def __init__(
+        self,
+        ledger: Ledger,
+        resume: bool,
+        runner: Callable[[Sequence[str], Path], dict] = run_stage,
+        say: Callable[[str], None] = print,
+        launcher=None,
+        logs: str | Path | None = None,
+    ):
         self.ledger, self.resume, self.say = ledger, resume, say
         self.runner = None if runner is run_stage else runner  # None: each cell is a stage process
         self.launcher = launcher if launcher is not None else LocalLauncher(say=say)
@@ -128,15 +143,25 @@ class Cells:
 
     def _read_back(self, cell: Cell) -> dict[str, Any]:
         """The report of a cell the ledger holds as finished under the same key (nothing runs)."""
-        self.say(f"[recipe] {cell.name}: up to date (finished with the same key {cell.key[:12]}…; its report is unchanged)")
+        self.say(
+            f"[recipe] {cell.name}: up to date (finished with the same key {cell.key[:12]}…; its report is unchanged)"
+        )
         self.log.append({"cell": cell.name, "action": "skipped (finished)"})
         return read_json(cell.report)
 
     def job(self, cell: Cell) -> CellJob:
         log = str(self.logs / f"{cell.name}.log") if self.launcher.writes_logs else None
-        return CellJob(cell.name, entry_of(cell), tuple(cell.argv(resume=self.resume)), tuple(cell.argv(resume=True)),
-                       str(cell.report), str(self.ledger.path), log, self.launcher.nproc if cell.stage == "train" else 1,
-                       runner=self.runner)
+        return CellJob(
+            cell.name,
+            entry_of(cell),
+            tuple(cell.argv(resume=self.resume)),
+            tuple(cell.argv(resume=True)),
+            str(cell.report),
+            str(self.ledger.path),
+            log,
+            self.launcher.nproc if cell.stage == "train" else 1,
+            runner=self.runner,
+        )
 
     def ensure_all(self, cells: Sequence[Cell]) -> list[dict[str, Any]]:
         """Every cell's report, in order; the unfinished ones run together (they must not depend on each other).
@@ -157,8 +182,10 @@ class Cells:
             # Under --resume a stage continues what it had begun (a training from its newest checkpoint);
             # a fresh recipe starts every stage fresh.
             job = self.job(cell)
-            self.say(f"[recipe] {cell.name}: queued ({why}): {' '.join(job.resume_argv if self.resume else job.argv)}"
-                     + (f" > {job.log}" if job.log else ""))
+            self.say(
+                f"[recipe] {cell.name}: queued ({why}): {' '.join(job.resume_argv if self.resume else job.argv)}"
+                + (f" > {job.log}" if job.log else "")
+            )
             if cell.before is not None:
                 cell.before()
             jobs.append(job)
@@ -168,8 +195,9 @@ class Cells:
         failed = []
         for (cell, why), out in zip(todo, outcomes):
             if out.report is None:
-                failed.append(f"{cell.name}: {out.error}" + (f" [log: {out.log}]" if out.log and out.log not in out.error
-                                                             else ""))
+                failed.append(
+                    f"{cell.name}: {out.error}" + (f" [log: {out.log}]" if out.log and out.log not in out.error else "")
+                )
                 continue
             reports[cell.name] = out.report
             self.log.append({"cell": cell.name, "action": "ran", "reason": why, "wall_time_s": time.time() - t0})
@@ -181,9 +209,17 @@ class Cells:
 def stage_flags(profile: str, pair, artifacts: str, results: str) -> dict[str, str]:
     """The flags every cell's stage gets from the driver: its profile, its pair (a PairConfig, with the KV cache
     kind the driver was given) and output roots, so a cell runs what its driver was asked to."""
-    return {"--profile": profile, "--large": pair.large, "--small": pair.small, "--direction": pair.direction,
-            "--device": pair.device, "--dtype": pair.dtype, "--cache": pair.cache, "--artifacts": artifacts,
-            "--results": results}
+    return {
+        "--profile": profile,
+        "--large": pair.large,
+        "--small": pair.small,
+        "--direction": pair.direction,
+        "--device": pair.device,
+        "--dtype": pair.dtype,
+        "--cache": pair.cache,
+        "--artifacts": artifacts,
+        "--results": results,
+    }
 
 
 def copy_file(src: str | Path, dst: str | Path) -> None:
@@ -207,7 +243,8 @@ def data_hash(folder: str | Path) -> dict[str, Any]:
         return {"manifest_sha256": sha256_file(manifest)}
     files = {p.name: sha256_file(p) for p in sorted(folder.glob("*.jsonl"))}
     if not files:
-        raise ValueError(f"{folder} holds no prepared data (no manifest.json, no *.jsonl); "
-                         "prepare it first (python paper_data.py --profile ...) or pass --data")
+        raise ValueError(
+            f"{folder} holds no prepared data (no manifest.json, no *.jsonl); "
+            "prepare it first (python prepare.py --profile ...) or pass --data"
+        )
     return {"files": files}
-
