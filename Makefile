@@ -62,12 +62,12 @@ ABLATE_THREADS    ?= 1
 EXPORT_ARGS  ?=
 # perf: float32 on a CPU (the CPU goal is FP32; BF16 is fast only where the CPU has AVX512-BF16 or AMX), bfloat16 on a GPU
 PERF_DTYPE   ?= auto
-# The toy pair(s) make demo runs: toy = large ↔ small (head-wise maps); deep = large ↔ deep, then deep ↔ small
-# (the deep model's 3 layers × 4 KV heads × head_dim 32 against the pair's 4 × 2 × 32: cross-layer maps).
+# The toy pair(s) make demo runs: toy = large ↔ small; mismatched = large ↔ mismatched, then mismatched ↔ small
+# (the mismatched model's 3 layers × 4 KV heads × head_dim 32 against the pair's 4 × 2 × 32: cross-layer maps).
 PAIR ?= toy
 DEMO_PAIRS_toy  := large:small
-DEMO_PAIRS_deep := large:deep deep:small
-DEMO_FAMILY_deep := crosslayer
+DEMO_PAIRS_mismatched := large:mismatched mismatched:small
+DEMO_FAMILY_mismatched := crosslayer
 
 # Python caches compiled modules in .venv even where the environment turns that off: without the
 # cache every process recompiles torch and transformers (seconds per stage, minutes per test run).
@@ -91,7 +91,7 @@ TRAIN_PY = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --npr
 TRAIN_SEP = $(if $(filter-out 1,$(NPROC)),--)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv lint format test test-fast run demo toy toy-train toy-train-deep toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf gpu-check recipe summary ablate frontier export
+.PHONY: help venv lint format test test-fast run demo toy toy-train toy-train-deep toy-train-mismatched toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf gpu-check recipe summary ablate frontier export
 
 help: ## list the targets
 	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(or $(RUN),PROFILE-DIRECTION)):"
@@ -138,14 +138,17 @@ run: $(VENV)/.synced ## the pilot: prepare → train → benchmark → IFEval (n
 	if [ $$status -ne 0 ]; then echo "make run: a stage failed (see above); its report is still written"; fi; \
 	exit $$status
 
-toy: $(VENV)/.synced ## install the offline toy world: packaged toy Qwen3 pair and deep model + regenerated, verified corpus → artifacts/toy (seconds)
+toy: $(VENV)/.synced ## install the offline toy world: packaged toy Qwen3 pair and mismatched model + regenerated, verified corpus → artifacts/toy (seconds)
 	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) $(TOY_ARGS)
 
 toy-train: $(VENV)/.synced ## retrain the toy pair from scratch (~26 CPU-minutes) and re-package it into kvlingo/toy/pair
 	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) --train --export kvlingo/toy/pair $(TOY_ARGS)
 
-toy-train-deep: $(VENV)/.synced ## retrain the deep toy model (3 layers, 4 KV heads, about an hour of one core) on the packaged pair's corpus and re-package it into kvlingo/toy/deep
+toy-train-deep: $(VENV)/.synced ## retrain the deep toy pair (28 layers each, about 3 hours of one core) on the packaged pair's corpus and re-package it into kvlingo/toy/deep
 	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) --train-deep --export-deep kvlingo/toy/deep $(TOY_ARGS)
+
+toy-train-mismatched: $(VENV)/.synced ## retrain the mismatched toy model (3 layers, 4 KV heads, about an hour of one core) on the packaged pair's corpus and re-package it into kvlingo/toy/mismatched
+	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) --train-mismatched --export-mismatched kvlingo/toy/mismatched $(TOY_ARGS)
 
 # Every stage on a toy pair, offline, on the CPU. The demo profile holds every setting (learning
 # rate, fit weighting, switch lengths, the recipe's budget; timing CV flags reported, not fatal).
@@ -163,8 +166,8 @@ define demo_pair
 	$(MAKE) recipe $(call demo_vars,$(1),$(2)) RUN=demo-$(if $(filter toy,$(PAIR)),,$(1)-$(2)-)$(DIRECTION)-recipe || status=1; \
 	$(MAKE) summary $(call demo_vars,$(1),$(2)) || status=1;
 endef
-demo: toy ## the whole suite offline on a CPU with a toy pair (PAIR=toy: large ↔ small; PAIR=deep: large ↔ deep, deep ↔ small), ending in summary tables
-	@$(if $(DEMO_PAIRS_$(PAIR)),,echo "make demo: PAIR=$(PAIR) is not one of toy, deep"; exit 2;) status=0; \
+demo: toy ## the whole suite offline on a CPU with a toy pair (PAIR=toy: large ↔ small; PAIR=mismatched: large ↔ mismatched, mismatched ↔ small), ending in summary tables
+	@$(if $(DEMO_PAIRS_$(PAIR)),,echo "make demo: PAIR=$(PAIR) is not one of toy, mismatched"; exit 2;) status=0; \
 	$(foreach p,$(DEMO_PAIRS_$(PAIR)),$(call demo_pair,$(word 1,$(subst :, ,$(p))),$(word 2,$(subst :, ,$(p))))) \
 	exit $$status
 

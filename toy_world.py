@@ -1,18 +1,18 @@
 """Install (or train) the offline toy world: a procedural chat corpus, evaluation files, a shared
 tokenizer, a toy Qwen3 pair ("large" and "small") and a third model of another depth and KV-head
-count ("deep": 3 layers, 4 KV heads, head_dim 32), so every stage runs on a CPU without the Hub.
+count ("mismatched": 3 layers, 4 KV heads, head_dim 32), so every stage runs on a CPU without the Hub.
 
 Usage:
     python toy_world.py --out artifacts/toy                  # install the packaged pair: seconds
     python toy_world.py --out artifacts/toy --train          # train it from scratch: ~26 CPU-minutes
     python toy_world.py --out artifacts/toy --train --export kvlingo/toy/pair   # ... and re-package it
     python toy_world.py --out /tmp/toy --mini                # seconds: tiny corpus and models
-    python toy_world.py --out artifacts/toy --train-deep --export-deep kvlingo/toy/deep   # retrain the deep model
+    python toy_world.py --out artifacts/toy --train-mismatched --export-mismatched kvlingo/toy/mismatched   # retrain the mismatched model
     python toy_world.py --out artifacts/toy --chats 10240    # ... and corpus/chats.10240.jsonl: more held-out chats
 
 Writes under --out: corpus/{train_chats,chats,chats.meta,ifeval,ifeval.ref,arc,arc.ref,gsm8k}.jsonl,
 tokenizer/, large/, small/ (save_pretrained folders with the tokenizer and meta.json), and
-manifest.json last; then deep/ (with its own manifest.json, kvlingo/toy/deep.py). The install regenerates the corpus
+manifest.json last; then mismatched/ (with its own manifest.json, kvlingo/toy/mismatched.py). The install regenerates the corpus
 from the seed and checks it against the
 hashes the packaged pair was trained on. Re-running with the same settings verifies the
 manifest's hashes and does nothing; --force retrains.
@@ -29,6 +29,7 @@ from kvlingo.inputs.argtypes import number, whole
 from kvlingo.records.paths import writable
 from kvlingo.stages.stage import StageParser, refusals_exit
 from kvlingo.toy.deep import PACKAGED_DEEP, build_deep, export_deep, install_deep
+from kvlingo.toy.mismatched import PACKAGED_MISMATCHED, build_mismatched, export_mismatched, install_mismatched
 from kvlingo.toy.train import PACKAGED, build_toy_world, export_pair, install_pair, summary_table
 from kvlingo.toy.world import WorldConfig, write_more_chats
 
@@ -43,7 +44,7 @@ def main(argv=None) -> None:
         "  python toy_world.py --out artifacts/toy --train --export kvlingo/toy/pair\n"
         "  python toy_world.py --out /tmp/toy-short --train --minutes-per-model 6\n"
         "  python toy_world.py --out /tmp/toy-mini --mini\n"
-        "  python toy_world.py --out artifacts/toy --train-deep --export-deep kvlingo/toy/deep",
+        "  python toy_world.py --out artifacts/toy --train-mismatched --export-mismatched kvlingo/toy/mismatched",
     )
     parser.add_argument("--out", required=True, type=Path, help="output folder, e.g. artifacts/toy")
     parser.add_argument(
@@ -72,17 +73,17 @@ def main(argv=None) -> None:
         "step count (default: 18 for the large model and 7 for the small one)",
     )
     parser.add_argument(
-        "--train-deep",
+        "--train-mismatched",
         action="store_true",
-        help="train the deep model on the world at --out (installed first unless --train/--mini) "
-        f"instead of installing the packaged one ({PACKAGED_DEEP})",
+        help="train the mismatched model on the world at --out (installed first unless --train/--mini) "
+        f"instead of installing the packaged one ({PACKAGED_MISMATCHED})",
     )
     parser.add_argument(
-        "--export-deep",
+        "--export-mismatched",
         type=Path,
         default=None,
         metavar="DIR",
-        help="after --train-deep on a full world, copy the deep model into DIR (e.g. kvlingo/toy/deep)",
+        help="after --train-mismatched on a full world, copy the mismatched model into DIR (e.g. kvlingo/toy/mismatched)",
     )
     parser.add_argument("--mini", action="store_true", help="tiny corpus and models for tests (seconds)")
     parser.add_argument(
@@ -95,12 +96,29 @@ def main(argv=None) -> None:
         "models' training conversations (for translator training at scale; seconds)",
     )
     parser.add_argument(
+        "--train-deep",
+        action="store_true",
+        help="train the deep pair (28 layers each) on the world at --out (installed first unless --train/--mini) "
+        f"instead of installing the packaged one ({PACKAGED_DEEP}; about 3 hours of one core)",
+    )
+    parser.add_argument(
+        "--export-deep",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="after --train-deep on a full world, copy the deep pair into DIR (e.g. kvlingo/toy/deep)",
+    )
+    parser.add_argument(
         "--force", action="store_true", help="with --train/--mini: retrain even if the manifest matches"
     )
     args = parser.parse_args(argv)
 
     training = args.train or args.mini
-    if not training and (args.seed != 0 or args.minutes_per_model is not None or (args.force and not args.train_deep)):
+    if not training and (
+        args.seed != 0
+        or args.minutes_per_model is not None
+        or (args.force and not (args.train_mismatched or args.train_deep))
+    ):
         raise Refusal(
             "--seed, --minutes-per-model and --force change a training run; add --train "
             "(the packaged pair is seed 0 with the default budgets)"
@@ -109,10 +127,18 @@ def main(argv=None) -> None:
         raise Refusal("--export needs a full --train build (not --mini)")
     if args.export_deep is not None and (args.mini or not args.train_deep):
         raise Refusal("--export-deep needs --train-deep on a full world (not --mini)")
+    if args.export_mismatched is not None and (args.mini or not args.train_mismatched):
+        raise Refusal("--export-mismatched needs --train-mismatched on a full world (not --mini)")
     if os.environ.get("HF_HUB_OFFLINE") != "1":
         print("note: HF_HUB_OFFLINE is not set; the toy world never needs the Hub (set HF_HUB_OFFLINE=1)")
     try:
-        for folder, flag in ((args.out, "--out"), (args.export, "--export"), (args.export_deep, "--export-deep")):
+        outputs = (
+            (args.out, "--out"),
+            (args.export, "--export"),
+            (args.export_mismatched, "--export-mismatched"),
+            (args.export_deep, "--export-deep"),
+        )
+        for folder, flag in outputs:
             if folder is not None:
                 writable(folder, flag)  # before any training: a folder that cannot be written is named now
         if training:
@@ -124,12 +150,19 @@ def main(argv=None) -> None:
         else:
             manifest = install_pair(args.out)
         deep = None
+        if args.train_mismatched:
+            deep = build_mismatched(args.out, force=args.force)
+            if args.export_mismatched is not None:
+                export_mismatched(args.out, args.export_mismatched)
+        elif not training:
+            deep = install_mismatched(args.out)
+        deep_pair = None
         if args.train_deep:
-            deep = build_deep(args.out, force=args.force)
+            deep_pair = build_deep(args.out, force=args.force)
             if args.export_deep is not None:
                 export_deep(args.out, args.export_deep)
-        elif not training:
-            deep = install_deep(args.out)
+        elif not training and (PACKAGED_DEEP / "manifest.json").is_file():
+            deep_pair = install_deep(args.out)
         if args.chats:
             world = WorldConfig(
                 **{**manifest["config"]["world"], "kind_weights": tuple(manifest["config"]["world"]["kind_weights"])}
@@ -162,7 +195,7 @@ def main(argv=None) -> None:
         info = deep["results"]["model"]
         print(
             f"deep: {info['n_params']:,} parameters, {info['train_steps']} steps, train {info['train_wall_s']:.0f}s, "
-            f"final loss {info['final_loss']:.3f}; manifest: {args.out / 'deep' / 'manifest.json'}"
+            f"final loss {info['final_loss']:.3f}; manifest: {args.out / 'mismatched' / 'manifest.json'}"
         )
         arc = deep["results"].get("toy_arc")
         if arc:  # greedy letter accuracy, as task_eval.py scores the native path
@@ -170,6 +203,18 @@ def main(argv=None) -> None:
                 f"toy ARC (greedy, first {arc['deep']['n']} items, chance 25%): "
                 + ", ".join(f"{name} {a['accuracy']:.1%} ± {a['se']:.1%}" for name, a in arc.items())
             )
+
+    if deep_pair is not None:
+        print()
+        for name, info in deep_pair["results"]["models"].items():
+            greedy = ", ".join(
+                f"{task} {g['accuracy']:.1%} ± {g['se']:.1%} (n {g['n']})" for task, g in info["greedy"].items()
+            )
+            print(
+                f"deep {name}: {info['n_params']:,} parameters, {info['train_steps']} steps, final loss "
+                f"{info['final_loss']:.3f}; greedy {greedy}"
+            )
+        print(f"manifest: {args.out / 'deep' / 'manifest.json'}")
 
 
 if __name__ == "__main__":

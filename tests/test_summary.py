@@ -47,13 +47,13 @@ PAIRS = {
     "deep": (
         {
             "large": "artifacts/toy/large",
-            "small": "artifacts/toy/deep",
+            "small": "artifacts/toy/mismatched",
             "direction": "l2s",
             "device": "cpu",
             "dtype": "float32",
         },
         "demo-large-deep-l2s",
-        "make benchmark PROFILE=demo RUN=demo-large-deep-l2s LARGE=artifacts/toy/large SMALL=artifacts/toy/deep",
+        "make benchmark PROFILE=demo RUN=demo-large-deep-l2s LARGE=artifacts/toy/large SMALL=artifacts/toy/mismatched",
     ),
     "pilot": (
         {

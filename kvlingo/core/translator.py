@@ -1,16 +1,23 @@
-"""The translator interface: what every family is, and the registry that loads one by name.
+"""The translator interface: what every family is, declares and provides, and the registry that loads one by name.
 
 A translator turns a source capture (`cache.Capture`) into the target's K/V, ready for
-`cache.build_cache`. Every family (head-wise, cross-head, cross-layer, residual, ...) is a
-`Translator` subclass registered with `@family`; it owns:
+`cache.build_cache`. Every family (head-wise, cross-head, cross-layer, residual, token input) is a
+`Translator` subclass registered with `@family`. It declares, in its own module:
 
-- its key space (`KeySpace`: what it reads from the source's keys, how its key output is
-  finished into the target's cached keys), and so whether a capture needs pre-norm features;
-- its state (an `nn.Module`: parameters and buffers, saved as maps.safetensors);
-- its spec (`family`, `key_space` and `settings()`, saved in the manifest);
+- `options`: its settings, each an `Option` (flag, default, help; a default may depend on the pair's
+  shapes, as a rank of half the target's KV width does). The training flags, a run's settings
+  (`settings_from`), the profiles' defaults and the settings carried to other shapes (`carry`) are
+  made from them, so no code outside the module lists a family's settings;
+- `variants`: named settings worth comparing (`Variant`), the rows of `make ablate`;
+
+and provides (the abstract methods below, shapes in their docstrings):
+
+- its state (an `nn.Module`: parameters and buffers, saved as maps.safetensors) and `settings()`;
+- `map(part, cap, layers)`: FP32 target features of the keys or the values (`Part`) of a run of
+  target layers, differentiable; `map_into` the same written into a buffer;
 - its cost (`flops_per_token`, of keys and values apart or together);
-- `map(which, cap, layers)`: FP32 target features of keys (0) or values (1) for a run of
-  target layers, differentiable; `map_into` the same written into a buffer.
+- its key space (`KeySpace`: what it reads from the source's keys, how its key output is finished into
+  the target's cached keys), and so whether a capture needs pre-norm features.
 
 A family with a closed form is a `LinearFamily`: it also lays its maps out as least-squares
 blocks (kvlingo.train.closed_form fits them). Translation itself (`forward`) is shared: with
@@ -20,8 +27,11 @@ The folder format and the one loader are kvlingo.records.saved. Callers never br
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from enum import IntEnum
 from typing import Any, ClassVar
 
 import torch
@@ -35,6 +45,16 @@ from .keyspace import KeySpace
 from .preallocated import ValueMaps
 
 FAMILIES: dict[str, type[Translator]] = {}  # family name → class, filled by @family
+
+
+class Part(IntEnum):
+    """The half of a KV cache a map makes; its value indexes every [2, ...] parameter of a family."""
+
+    KEYS = 0
+    VALUES = 1
+
+
+PARTS = (Part.KEYS, Part.VALUES)
 
 
 class TranslatorError(Refusal, ValueError):
@@ -70,6 +90,63 @@ class Geometry:
         """Layer for layer and head for head the same shapes (what head-wise maps need)."""
         return (self.source_layers, self.source_kv_heads) == (self.target_layers, self.target_kv_heads)
 
+    @property
+    def target_width(self) -> int:
+        """The target's KV width per layer: kv_heads · head_dim (1,024 for Qwen3-0.6B and 1.7B)."""
+        return self.target_kv_heads * self.target_head_dim
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting of a family: its settings key, its training flag, its default and its help."""
+
+    name: str  # the key in the family's settings, e.g. "rank"
+    help: str  # one line of the training flag's --help
+    default: Any = None  # a value, or a function of the Geometry (a rank of half the target width)
+    type: Callable[[str], Any] = int  # what parses the flag's text
+    flag: str = ""  # the training flag; default --NAME, underscores as dashes
+    choices: tuple = ()  # the values the flag takes, if a fixed set
+    width_scaled: bool = False  # a rank: carried to other shapes in proportion to the target's KV width
+    base: bool = False  # the name of a linear family beside which this one works; its settings come from the same flags
+
+    @property
+    def flag_name(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse stores the flag under (what `settings_from` reads)."""
+        return self.flag_name[2:].replace("-", "_")
+
+    def default_for(self, geometry: Geometry | None) -> Any:
+        if callable(self.default):
+            if geometry is None:
+                raise ValueError(f"{self.name}'s default depends on the pair's shapes; give a geometry")
+            return self.default(geometry)
+        return self.default
+
+
+def half_target_width(geometry: Geometry) -> int:
+    """A rank of half the target's KV width (32 on the toy pair, 512 on Qwen3-1.7B ↔ 0.6B)."""
+    return geometry.target_width // 2
+
+
+def quarter_target_width(geometry: Geometry) -> int:
+    """A rank of a quarter of the target's KV width (16 on the toy pair, 256 on Qwen3-1.7B ↔ 0.6B)."""
+    return geometry.target_width // 4
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Named settings of a family worth comparing: a row of `make ablate` (kvlingo.stages.ablation)."""
+
+    name: str  # also the row's run folder
+    flags: dict = field(default_factory=dict)  # option values by flag dest (`Option.dest`); the rest: defaults
+    note: str = ""  # what the row tests
+    refresh: str = "none"  # the refresh it is trained and evaluated under (exact:0: the target's own layer 0)
+    default_run: bool = True  # trained by a plain `make ablate` (the others with --settings)
+    train_flags: tuple[str, ...] = ()  # training flags beside the family's (objectives, regularisation)
+
 
 def family(cls: type[Translator]) -> type[Translator]:
     """Class decorator: make a family loadable by its name."""
@@ -77,8 +154,12 @@ def family(cls: type[Translator]) -> type[Translator]:
     return cls
 
 
-class Translator(nn.Module):
+class Translator(nn.Module, ABC):
+    """A family's maps from a source's cache to a target's (see the module docstring)."""
+
     family: ClassVar[str] = ""
+    options: ClassVar[tuple[Option, ...]] = ()  # its settings (`Option`), in the order its flags are listed
+    variants: ClassVar[tuple[Variant, ...]] = ()  # named settings worth comparing (`make ablate`'s rows)
     # True when map_into reads `source` features in the compute dtype, takes parameters through
     # `cast`, and writes strided outputs (a cache's context view): then the engine's `fast` path applies.
     fast_paths: ClassVar[bool] = False
@@ -91,22 +172,62 @@ class Translator(nn.Module):
         self._compute = torch.float32  # dtype of map inputs while the engine runs
         self._casts: dict = {}  # (parameter id, dtype) → (version, data pointer, cast copy)
 
+    # ------------------------------------------------------------------ what a family declares
+    @classmethod
+    def settings_from(cls, flags: dict[str, Any], geometry: Geometry | None = None) -> dict[str, Any]:
+        """The family's settings from flag values (by `Option.dest`; None or absent: the option's default, which
+        may need the pair's `geometry`). A `base` option names a linear family whose own settings come from
+        the same flags."""
+        out: dict[str, Any] = {}
+        for option in cls.options:
+            value = flags.get(option.dest)
+            value = option.default_for(geometry) if value is None else value
+            if value is None:  # an option whose absence means something (a key rank: the rank's)
+                continue
+            if option.base:
+                if value not in FAMILIES or not issubclass(FAMILIES[value], LinearFamily) or value == cls.family:
+                    linear = ", ".join(sorted(n for n, c in FAMILIES.items() if issubclass(c, LinearFamily)))
+                    raise TranslatorError(f"{cls.family} sits on a linear family ({linear}), not {value!r}")
+                value = {"family": value, "settings": FAMILIES[value].settings_from(flags, geometry)}
+            out[option.name] = value
+        return out
+
+    @classmethod
+    def carry(cls, settings: dict[str, Any], width_ratio: float, source_layers: int | None = None) -> dict[str, Any]:
+        """Settings carried to other shapes: what `settings()` derives from data (a layer plan) dropped, the ranks
+        scaled by `width_ratio` (the ratio of the target KV widths, so that half the width stays half), and a
+        base family's settings carried alike. `source_layers` (the other source's depth) caps a count of them."""
+        out = {}
+        for option in cls.options:
+            if option.name not in settings:
+                continue
+            value = settings[option.name]
+            if option.width_scaled and value:
+                value = max(1, round(value * width_ratio))
+            elif option.base and isinstance(value, dict):
+                base = FAMILIES[value["family"]]
+                value = {**value, "settings": base.carry(value.get("settings", {}), width_ratio, source_layers)}
+            out[option.name] = value
+        return out
+
     # ------------------------------------------------------------------ what a family provides
     def settings(self) -> dict[str, Any]:
         """The family's own settings (beyond geometry and key space), JSON-able; saved in the manifest."""
         return {}
 
-    def map(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
-        """FP32 target features [n, target kv_heads, tokens, target head_dim] of target `layers`."""
-        raise NotImplementedError
+    @abstractmethod
+    def map(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
+        """FP32 target features of the keys or the values (`part`) of target `layers`:
+        [n layers, target kv_heads, tokens, target head_dim] (keys before the target's norm and RoPE)."""
 
-    def map_into(self, which: int, cap: Capture, layers: slice, out: torch.Tensor) -> None:
-        out.copy_(self.map(which, cap, layers))
+    def map_into(self, part: Part, cap: Capture, layers: slice, out: torch.Tensor) -> None:
+        """`map` written into `out` [n layers, target kv_heads, tokens, target head_dim] (maybe strided)."""
+        out.copy_(self.map(part, cap, layers))
 
-    def flops_per_token(self, which: int | None = None) -> float:
-        """Multiply-adds × 2 per context token of the key (0) or value (1) maps, or of both (None); norm and
-        RoPE excluded."""
-        raise NotImplementedError
+    @abstractmethod
+    def flops_per_token(self, part: Part | None = None) -> float:
+        """Multiply-adds × 2 per context token of the key or value maps (`part`), or of both (None); norm
+        and RoPE excluded."""
 
     def value_maps(self) -> ValueMaps | None:
         """Every target value as an affine map of source values (`preallocated.ValueMaps`, FP32 and
@@ -156,10 +277,10 @@ class Translator(nn.Module):
             self.space.to(self.device)
         return out
 
-    def source(self, which: int, cap: Capture, layers=slice(None)) -> torch.Tensor:
-        """Source features of keys (0) or values (1) for source `layers`: [n, heads, tokens, d_in], in FP32
-        (in the compute dtype while a `fast` translation runs)."""
-        if which == 1:
+    def source(self, part: Part, cap: Capture, layers=slice(None)) -> torch.Tensor:
+        """Source features of the keys or the values (`part`) of source `layers`: [n, heads, tokens, d_in], in
+        FP32 (in the compute dtype while a `fast` translation runs)."""
+        if part == Part.VALUES:
             return cap.values[layers].to(self._compute)
         return self.space.source_keys(cap, layers, dtype=self._compute)
 
@@ -187,8 +308,8 @@ class Translator(nn.Module):
     def translate_layers(self, cap: Capture, layers: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """FP32 target keys and values for a run of target layers: [n, heads, tokens, head_dim] each."""
         with torch.autocast(device_type=cap.keys.device.type, enabled=False):
-            yk = self.map(0, cap, layers)
-            yv = self.map(1, cap, layers)
+            yk = self.map(Part.KEYS, cap, layers)
+            yv = self.map(Part.VALUES, cap, layers)
             return self.space.finish_keys(yk, layers), yv
 
     def forward(
@@ -217,29 +338,29 @@ class LinearFamily(Translator):
 
     needs_plan: ClassVar[bool] = False  # whether the closed form must rank source layers first (`set_plan`)
 
+    @abstractmethod
     def fit_blocks(self) -> tuple[int, int, int, int]:
         """(layers, blocks per layer, d_in, d_out) of the least-squares blocks."""
-        raise NotImplementedError
 
-    def design(self, which: int, cap: Capture) -> torch.Tensor:
-        """Regression inputs of keys (0) or values (1) per block: [layers, blocks, tokens, d_in]."""
-        raise NotImplementedError
+    @abstractmethod
+    def design(self, part: Part, cap: Capture) -> torch.Tensor:
+        """Regression inputs of the keys or the values per block: [layers, blocks, tokens, d_in]."""
 
+    @abstractmethod
     def block_targets(self, y: torch.Tensor) -> torch.Tensor:
         """Target features [layers, heads, tokens, d] laid out per block: [layers, blocks, tokens, d_out]."""
-        raise NotImplementedError
 
+    @abstractmethod
     def block_weights(self, w: torch.Tensor | None) -> torch.Tensor | None:
         """Per-position weights [layers, heads, tokens] laid out per block (None: uniform)."""
-        raise NotImplementedError
 
     def set_plan(self, layers: torch.Tensor) -> None:
         """The ranked source layers per target layer (families whose `needs_plan`)."""
         raise NotImplementedError(f"the {self.family} family has no layer plan")
 
     def set_solution(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
-        """The FP64 solution per block into the FP32 maps."""
-        raise NotImplementedError
+        """The FP64 solution per block into the FP32 maps (a family that solves otherwise overrides `solve_from`)."""
+        raise NotImplementedError(f"the {self.family} family solves its blocks in solve_from")
 
     def solve_from(self, ne, ridge) -> None:
         """Solve streamed normal equations (kvlingo.core.fit) into the parameters."""

@@ -35,6 +35,7 @@ pass per conversation replaces token-by-token generation.
 
 from __future__ import annotations
 
+import io
 import math
 import random
 import shutil
@@ -48,7 +49,16 @@ import torch
 import torch.nn.functional as F
 
 from ..inputs.models import local_weights_digest
-from ..io import atomic_write_json, not_ours, read_json, read_jsonl, sha256_file, sha256_json, sha256_tree
+from ..io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    not_ours,
+    read_json,
+    read_jsonl,
+    sha256_file,
+    sha256_json,
+    sha256_tree,
+)
 from ..records.report import Report, fmt_table
 from . import world as toyworld
 from .tokenizer import save_tokenizer, train_chat_tokenizer
@@ -285,9 +295,18 @@ def train_model(
     desc: str = "train",
     progress: bool = True,
     init: Callable[[Any], None] | None = None,
+    checkpoint: Path | None = None,
+    checkpoint_key: str = "",
+    checkpoint_every: int = 200,
 ) -> tuple[Any, list[dict]]:
     """Train a fresh Qwen3ForCausalLM; return (model in eval mode, loss log). `init(model)`, when given,
-    changes the freshly initialised weights before training."""
+    changes the freshly initialised weights before training.
+
+    With `checkpoint` (a file), the weights, the optimiser state and the loss log are written there
+    atomically every `checkpoint_every` steps under `checkpoint_key`, and a training that finds a
+    checkpoint of the same key goes on from it: nothing else is random (the batch plan is fixed by the
+    seed, dropout is off), so a killed and resumed training ends with the same weights as one that ran
+    through. A checkpoint of another key is ignored and replaced."""
     from tqdm import tqdm
     from transformers import Qwen3ForCausalLM
 
@@ -307,9 +326,15 @@ def train_model(
         betas=(0.9, 0.95),
     )
     plan = batch_plan([len(d.ids) for d in data], cfg.batch, steps, seed)
-    log, running = [], []
-    bar = tqdm(plan, desc=desc, disable=not progress, mininterval=5)
-    for step, idx in enumerate(bar):
+    log, running, start = [], [], 0
+    if checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        if state.get("key") == checkpoint_key:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            log, running, start = state["log"], state["running"], state["step"]
+    bar = tqdm(plan, desc=desc, disable=not progress, mininterval=5, initial=start, total=steps)
+    for step, idx in enumerate(plan[start:], start):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, cfg)
         x, y = collate(data, idx, pad_id)
@@ -326,6 +351,20 @@ def train_model(
             log.append({"step": step + 1, "loss": sum(running) / len(running), "lr": opt.param_groups[0]["lr"]})
             bar.set_postfix(loss=f"{log[-1]['loss']:.3f}")
             running = []
+        bar.update(1)
+        if checkpoint is not None and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+            state = {
+                "key": checkpoint_key,
+                "step": step + 1,
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "log": log,
+                "running": running,
+            }
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            atomic_write_bytes(checkpoint, buf.getvalue())
+    bar.close()
     model.eval()
     return model, log
 
@@ -443,7 +482,15 @@ def _save_model(model, tok, path: Path, meta: dict) -> None:
     tmp.rename(path)
 
 
-WORLD_ENTRIES = ("manifest.json", "corpus", "tokenizer", "large", "small", "deep")  # what a toy world folder holds
+WORLD_ENTRIES = (
+    "manifest.json",
+    "corpus",
+    "tokenizer",
+    "large",
+    "small",
+    "mismatched",
+    "deep",
+)  # what a toy world folder holds
 
 
 def check_world_folder(out: Path) -> None:

@@ -8,8 +8,8 @@ target KV heads at once, y_l [tokens, H_t·d_t]:
     y_l = (x_l D_l) U_l + b_l                 (rank r: D_l [k·H_s·d_s, r], U_l [r, H_t·d_t])
 
 `rank` sets the values' map and, unless `key_rank` is given, the keys' (0: full). Keys and
-values that share a rank keep one [2, layers, ...] tensor per factor (index 0 = keys, 1 =
-values); with a `key_rank` of their own, the keys' factors are `key_*` and the values' `value_*`.
+values that share a rank keep one [2, layers, ...] tensor per factor (index Part.KEYS, Part.VALUES); with a
+`key_rank` of their own, the keys' factors are `key_*` and the values' `value_*`.
 
 so neither the depths, the KV-head counts nor head_dim need to match. The plan (which source
 layers feed each target layer, [2, target layers, k]) is a buffer saved with the state and
@@ -39,7 +39,18 @@ from torch import nn
 from ..cache import Capture
 from ..fit import NormalEquations, reduced_rank
 from ..preallocated import ValueMaps
-from ..translator import Geometry, LinearFamily, TranslatorError, family
+from ..translator import (
+    PARTS,
+    Geometry,
+    LinearFamily,
+    Option,
+    Part,
+    TranslatorError,
+    Variant,
+    family,
+    half_target_width,
+    quarter_target_width,
+)
 
 PAIRINGS = ("ranked", "proportional")
 
@@ -55,6 +66,25 @@ def proportional_layers(l_target: int, n_target: int, n_source: int, k: int = 1)
 @family
 class CrossLayer(LinearFamily):
     family = "crosslayer"
+    options = (
+        Option("k", "source layers per target layer", 2),
+        Option("rank", "rank of each layer's maps (0: full; the keys' too unless --key-rank)", 0, width_scaled=True),
+        Option("key_rank", "rank of the key maps alone (0: full; default: --rank's)", None, width_scaled=True),
+        Option(
+            "pairing",
+            "source layers ranked by held-out R², or nearest by relative depth",
+            "ranked",
+            str,
+            choices=PAIRINGS,
+        ),
+    )
+    variants = (
+        Variant(
+            "crosslayer-k4-rhalf",
+            {"k": 4, "rank": half_target_width},
+            "the top-4 source layers through a rank of half the target width (the s2l default before tokeninput)",
+        ),
+    )
     fast_paths = True  # map casts its parameters; map_into (the base's) copies into strided outputs
 
     def __init__(
@@ -105,14 +135,14 @@ class CrossLayer(LinearFamily):
         else:
             setattr(self, prefix + "weight", nn.Parameter(torch.zeros(*stack, L, self.d_in, self.d_out)))
 
-    def factors(self, which: int, cast: bool = False) -> list[torch.Tensor]:
-        """The key (0) or value (1) map's factors, each [target layers, ...]: [W] (full) or [D, U] (a rank);
+    def factors(self, part: Part, cast: bool = False) -> list[torch.Tensor]:
+        """The key or value map's factors (`part`), each [target layers, ...]: [W] (full) or [D, U] (a rank);
         `cast`: in the compute dtype (`Translator.cast`)."""
-        names = ("down", "up") if self.ranks[which] else ("weight",)
+        names = ("down", "up") if self.ranks[part] else ("weight",)
         get = self.cast if cast else (lambda p: p)
         if self.key_rank == self.rank:
-            return [get(getattr(self, name))[which] for name in names]
-        prefix = ("key_", "value_")[which]
+            return [get(getattr(self, name))[part] for name in names]
+        prefix = ("key_", "value_")[part]
         return [get(getattr(self, prefix + name)) for name in names]
 
     @property
@@ -125,13 +155,20 @@ class CrossLayer(LinearFamily):
         with torch.no_grad():
             self.plan.copy_(torch.as_tensor(layers, dtype=torch.long).view_as(self.plan))
 
-    def plan_layers(self, which: int) -> tuple[tuple[int, ...], ...]:
-        """The plan of keys (0) or values (1) as Python ints, read from the device once per change of the
+    def plan_layers(self, part: Part) -> tuple[tuple[int, ...], ...]:
+        """The plan of the keys or the values (`part`) as Python ints, read from the device once per change of the
         plan (so no later call waits for the device, and a CUDA graph capture may call it)."""
         stamp = (self.plan.data_ptr(), self.plan._version)
         if self._plan_read is None or self._plan_read[:2] != stamp:
             self._plan_read = (*stamp, tuple(tuple(map(tuple, p)) for p in self.plan.tolist()))
-        return self._plan_read[2][which]
+        return self._plan_read[2][part]
+
+    @classmethod
+    def carry(cls, settings: dict[str, Any], width_ratio: float, source_layers: int | None = None) -> dict[str, Any]:
+        out = super().carry(settings, width_ratio, source_layers)
+        if source_layers is not None and out.get("k", 0) > source_layers:
+            out["k"] = source_layers
+        return out
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -142,19 +179,19 @@ class CrossLayer(LinearFamily):
             "layers": self.plan.tolist(),
         }
 
-    def flops_per_token(self, which: int | None = None) -> float:
+    def flops_per_token(self, part: Part | None = None) -> float:
         L = self.geometry.target_layers
         per = [2.0 * L * (r * (self.d_in + self.d_out) if r else self.d_in * self.d_out) for r in self.ranks]
-        return sum(per) if which is None else per[which]
+        return sum(per) if part is None else per[part]
 
     def value_maps(self) -> ValueMaps:
         """Every target head reads every source head of the layers in the plan: W_l's columns per target head."""
         g = self.geometry
         L, H, d = g.target_layers, g.target_kv_heads, g.target_head_dim
-        f = [t.detach() for t in self.factors(1)]
+        f = [t.detach() for t in self.factors(Part.VALUES)]
         weight = f[-1].view(L, f[-1].shape[1], H, d).permute(0, 2, 1, 3)  # [L, H_t, d_in or rank, d_t]
         return ValueMaps(
-            self.plan_layers(1),
+            self.plan_layers(Part.VALUES),
             per_head=False,
             weight=weight,
             bias=self.bias[1].detach().view(L, H, d),
@@ -162,19 +199,19 @@ class CrossLayer(LinearFamily):
         )
 
     # ------------------------------------------------------------------ translation
-    def inputs(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
+    def inputs(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
         """x [n, tokens, k·H_s·d_s] for target `layers`: each one's source layers, heads concatenated."""
-        idx = self.plan[which, layers]  # [n, k]
+        idx = self.plan[part, layers]  # [n, k]
         n, k = idx.shape
-        x = self.source(which, cap, idx.reshape(-1).to(cap.values.device))  # [n·k, H_s, T, d_s] FP32
+        x = self.source(part, cap, idx.reshape(-1).to(cap.values.device))  # [n·k, H_s, T, d_s] FP32
         H, T, d = x.shape[1:]
         return x.view(n, k, H, T, d).permute(0, 3, 1, 2, 4).reshape(n, T, k * H * d)
 
-    def map(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
+    def map(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
         """In the compute dtype (the maps cast once per change: `Translator.cast`); FP32 under gradients."""
-        x = self.inputs(which, cap, layers)
-        b = self.cast(self.bias)[which, layers][:, None, :]  # [n, 1, d_out]
-        f = self.factors(which, cast=True)
+        x = self.inputs(part, cap, layers)
+        b = self.cast(self.bias)[part, layers][:, None, :]  # [n, 1, d_out]
+        f = self.factors(part, cast=True)
         if len(f) == 2:
             y = torch.baddbmm(b, torch.bmm(x, f[0][layers]), f[1][layers])
         else:
@@ -186,8 +223,8 @@ class CrossLayer(LinearFamily):
     def fit_blocks(self) -> tuple[int, int, int, int]:
         return self.geometry.target_layers, 1, self.d_in, self.d_out
 
-    def design(self, which: int, cap: Capture) -> torch.Tensor:
-        return self.inputs(which, cap, slice(None))[:, None]  # [L_t, 1, T, d_in]
+    def design(self, part: Part, cap: Capture) -> torch.Tensor:
+        return self.inputs(part, cap, slice(None))[:, None]  # [L_t, 1, T, d_in]
 
     @staticmethod
     def block_targets(y: torch.Tensor) -> torch.Tensor:
@@ -201,21 +238,40 @@ class CrossLayer(LinearFamily):
     def solve_from(self, ne: NormalEquations, ridge) -> None:
         sol = ne.solve_augmented(ridge)[:, :, 0]  # [2, L_t, d_in+1, d_out]
         with torch.no_grad():
-            for which, rank in enumerate(self.ranks):
-                f = self.factors(which)  # views of the parameters
+            for part, rank in zip(PARTS, self.ranks):
+                f = self.factors(part)  # views of the parameters
                 if rank:
-                    left, right = reduced_rank(sol[which], ne.A.cpu()[which, :, 0], rank)
+                    left, right = reduced_rank(sol[part], ne.A.cpu()[part, :, 0], rank)
                     f[0].copy_(left[..., :-1, :].float())
                     f[1].copy_(right.float())
-                    self.bias[which].copy_((left[..., -1:, :] @ right)[..., 0, :].float())
+                    self.bias[part].copy_((left[..., -1:, :] @ right)[..., 0, :].float())
                 else:
-                    f[0].copy_(sol[which, :, :-1, :].float())
-                    self.bias[which].copy_(sol[which, :, -1, :].float())
+                    f[0].copy_(sol[part, :, :-1, :].float())
+                    self.bias[part].copy_(sol[part, :, -1, :].float())
 
 
 @family
 class CrossHead(CrossLayer):
     family = "crosshead"
+    options = (
+        Option("rank", "rank of each layer's maps (0: full; the keys' too unless --key-rank)", 0, width_scaled=True),
+        Option("key_rank", "rank of the key maps alone (0: full; default: --rank's)", None, width_scaled=True),
+    )
+    variants = (
+        Variant(
+            "crosshead",
+            note="all source heads → all target heads, same relative depth (the l2s default before tokeninput)",
+        ),
+        Variant(
+            "crosshead-exact0", note="cross-head maps, the target's own layer 0 from the token ids", refresh="exact:0"
+        ),
+        Variant(
+            "crosshead-key-rquarter",
+            {"key_rank": quarter_target_width},
+            "cross-head maps, the keys' through a rank of a quarter of the target width (values full)",
+            default_run=False,
+        ),
+    )
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """The head-wise family: one affine map per (K/V, layer, KV head).
 
-    weight [2, layers, kv_heads, d_in, d_out]   (index 0 = keys, 1 = values)
+    weight [2, layers, kv_heads, d_in, d_out]   (index Part.KEYS, Part.VALUES)
     bias   [2, layers, kv_heads, d_out]
 
 applied to a run of layers and every head at once with one batched matmul per K/V, never
@@ -17,12 +17,23 @@ from torch import nn
 
 from ..cache import Capture
 from ..preallocated import ValueMaps
-from ..translator import Geometry, LinearFamily, TranslatorError, family
+from ..translator import Geometry, LinearFamily, Part, TranslatorError, Variant, family
 
 
 @family
 class Headwise(LinearFamily):
     family = "headwise"
+    variants = (
+        Variant(
+            "headwise-ridge0",
+            note="the seed design: head-wise maps, plain least squares",
+            train_flags=("--ridge", "0"),
+            default_run=False,
+        ),
+        Variant(
+            "headwise-exact0", note="head-wise maps, the target's own layer 0", refresh="exact:0", default_run=False
+        ),
+    )
     fast_paths = True  # _affine casts its maps, and writes strided outputs through view + baddbmm(out=)
 
     def __init__(self, geometry: Geometry, key_space: str = "prenorm"):
@@ -45,41 +56,43 @@ class Headwise(LinearFamily):
             m.weight.copy_(torch.eye(geometry.source_head_dim, geometry.target_head_dim).expand_as(m.weight))
         return m
 
-    def flops_per_token(self, which: int | None = None) -> float:
+    def flops_per_token(self, part: Part | None = None) -> float:
         g = self.geometry
         one = 2.0 * g.target_layers * g.target_kv_heads * g.source_head_dim * g.target_head_dim  # keys or values
-        return one * (2 if which is None else 1)
+        return one * (2 if part is None else 1)
 
     def value_maps(self) -> ValueMaps:
         """Head j of layer l reads head j of layer l: the per-head case of `ValueMaps`."""
         layers = tuple((layer,) for layer in range(self.geometry.target_layers))
-        return ValueMaps(layers, per_head=True, weight=self.weight[1].detach(), bias=self.bias[1].detach())
+        return ValueMaps(
+            layers, per_head=True, weight=self.weight[Part.VALUES].detach(), bias=self.bias[Part.VALUES].detach()
+        )
 
     # ------------------------------------------------------------------ translation
-    def _affine(self, which: int, x: torch.Tensor, layers: slice, out: torch.Tensor | None) -> torch.Tensor:
+    def _affine(self, part: Part, x: torch.Tensor, layers: slice, out: torch.Tensor | None) -> torch.Tensor:
         """x [n, heads, tokens, d_in] → [n, heads, tokens, d_out], into `out` when given (x's dtype; contiguous
         within each head, e.g. a cache's context view)."""
         L, H, T, d_in = x.shape
-        w = self.cast(self.weight)[which, layers].reshape(L * H, d_in, -1)  # [L*H, d_in, d_out]
-        b = self.cast(self.bias)[which, layers].reshape(L * H, 1, -1)  # [L*H, 1, d_out]
+        w = self.cast(self.weight)[part, layers].reshape(L * H, d_in, -1)  # [L*H, d_in, d_out]
+        b = self.cast(self.bias)[part, layers].reshape(L * H, 1, -1)  # [L*H, 1, d_out]
         if out is None:
             return torch.baddbmm(b, x.reshape(L * H, T, d_in), w).view(L, H, T, -1)
         torch.baddbmm(b, x.reshape(L * H, T, d_in), w, out=out.view(L * H, T, -1))
         return out
 
-    def map(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
-        return self._affine(which, self.source(which, cap, layers), layers, None)
+    def map(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
+        return self._affine(part, self.source(part, cap, layers), layers, None)
 
-    def map_into(self, which: int, cap: Capture, layers: slice, out: torch.Tensor) -> None:
-        self._affine(which, self.source(which, cap, layers), layers, out)
+    def map_into(self, part: Part, cap: Capture, layers: slice, out: torch.Tensor) -> None:
+        self._affine(part, self.source(part, cap, layers), layers, out)
 
     # ------------------------------------------------------------------ closed form
     def fit_blocks(self) -> tuple[int, int, int, int]:
         g = self.geometry
         return g.target_layers, g.target_kv_heads, g.source_head_dim, g.target_head_dim
 
-    def design(self, which: int, cap: Capture) -> torch.Tensor:
-        return self.source(which, cap)  # [layers, heads, tokens, d_in]: one block per head
+    def design(self, part: Part, cap: Capture) -> torch.Tensor:
+        return self.source(part, cap)  # [layers, heads, tokens, d_in]: one block per head
 
     @staticmethod
     def block_targets(y: torch.Tensor) -> torch.Tensor:

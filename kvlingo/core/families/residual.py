@@ -19,12 +19,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import Capture
-from ..translator import FAMILIES, Geometry, LinearFamily, TranslatorError, family
+from ..translator import FAMILIES, Geometry, LinearFamily, Option, Part, TranslatorError, family
 
 
 @family
 class Residual(LinearFamily):
     family = "residual"
+    options = (
+        Option("base", "the linear family under the MLP", "headwise", str, base=True),
+        Option("hidden", "the MLP's hidden width", 64),
+    )
 
     def __init__(
         self,
@@ -59,20 +63,20 @@ class Residual(LinearFamily):
             "init_seed": self.init_seed,
         }
 
-    def flops_per_token(self, which: int | None = None) -> float:
+    def flops_per_token(self, part: Part | None = None) -> float:
         g = self.geometry
         mlp = 2.0 * g.target_layers * g.target_kv_heads * 2 * g.target_head_dim * self.hidden  # keys or values
-        return self.base.flops_per_token(which) + mlp * (2 if which is None else 1)
+        return self.base.flops_per_token(part) + mlp * (2 if part is None else 1)
 
     def bind(self, source, target) -> Residual:
         super().bind(source, target)
         self.base.space = self.space
         return self
 
-    def map(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
-        z = self.base.map(which, cap, layers)  # [n, H, T, d]
-        h = F.gelu(torch.einsum("nhtd,ndk->nhtk", z, self.w1[which, layers]) + self.c1[which, layers][:, None, None])
-        return z + torch.einsum("nhtk,nkd->nhtd", h, self.w2[which, layers]) + self.c2[which, layers][:, None, None]
+    def map(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
+        z = self.base.map(part, cap, layers)  # [n, H, T, d]
+        h = F.gelu(torch.einsum("nhtd,ndk->nhtk", z, self.w1[part, layers]) + self.c1[part, layers][:, None, None])
+        return z + torch.einsum("nhtk,nkd->nhtd", h, self.w2[part, layers]) + self.c2[part, layers][:, None, None]
 
     # ------------------------------------------------------------------ closed form: the base's
     @property
@@ -85,8 +89,8 @@ class Residual(LinearFamily):
     def fit_blocks(self):
         return self.base.fit_blocks()
 
-    def design(self, which: int, cap: Capture) -> torch.Tensor:
-        return self.base.design(which, cap)
+    def design(self, part: Part, cap: Capture) -> torch.Tensor:
+        return self.base.design(part, cap)
 
     def block_targets(self, y: torch.Tensor) -> torch.Tensor:
         return self.base.block_targets(y)

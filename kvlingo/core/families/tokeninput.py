@@ -35,7 +35,18 @@ from torch import nn
 
 from ..cache import Capture
 from ..fit import NormalEquations, reduced_rank
-from ..translator import FAMILIES, Geometry, LinearFamily, Translator, TranslatorError, family
+from ..translator import (
+    FAMILIES,
+    Geometry,
+    LinearFamily,
+    Option,
+    Part,
+    Translator,
+    TranslatorError,
+    Variant,
+    family,
+    half_target_width,
+)
 
 BASES = ("headwise", "crosshead", "crosslayer")
 
@@ -43,12 +54,46 @@ BASES = ("headwise", "crosshead", "crosslayer")
 @family
 class TokenInput(LinearFamily):
     family = "tokeninput"
+    options = (
+        Option("base", "the linear family beside the token features", "headwise", str, choices=BASES, base=True),
+        Option(
+            "rank",
+            "rank of the token-feature maps, one down-projection shared by the layers (0: full; default "
+            "half the target's KV width)",
+            half_target_width,
+            flag="--token-rank",
+            width_scaled=True,
+        ),
+        Option("window", "each token's features and those of the window − 1 tokens before it", 3),
+    )
+    variants = (
+        Variant(
+            "token-w3",
+            note="head-wise maps plus the target's layer-0 features of the token and the two before "
+            "it (rank half the target width), own layer 0",
+            refresh="exact:0",
+        ),
+        Variant(
+            "token-w1",
+            {"window": 1},
+            "token identity of each token alone, own layer 0",
+            refresh="exact:0",
+            default_run=False,
+        ),
+        Variant("token-w3-full", {"token_rank": 0}, "token-w3 at full rank", refresh="exact:0", default_run=False),
+    )
 
     def __init__(
-        self, geometry: Geometry, key_space: str = "prenorm", base: dict | None = None, rank: int = 0, window: int = 1
+        self,
+        geometry: Geometry,
+        key_space: str = "prenorm",
+        base: dict | None = None,
+        rank: int | None = None,
+        window: int = 3,
     ):
         super().__init__(geometry, key_space)
-        base = base or {"family": "crosshead", "settings": {}}
+        base = base or {"family": "headwise", "settings": {}}
+        rank = half_target_width(geometry) if rank is None else rank
         if base.get("family") not in BASES:
             raise TranslatorError(
                 f"token input needs a linear base family ({', '.join(BASES)}), not "
@@ -81,13 +126,13 @@ class TokenInput(LinearFamily):
             "window": self.window,
         }
 
-    def flops_per_token(self, which: int | None = None) -> float:
+    def flops_per_token(self, part: Part | None = None) -> float:
         L = self.geometry.target_layers
         if self.rank:
             tok = 2.0 * (self.d_tok * self.rank + L * self.rank * self.d_out)  # keys or values
         else:
             tok = 2.0 * L * self.d_tok * self.d_out
-        return self.base.flops_per_token(which) + tok * (2 if which is None else 1)
+        return self.base.flops_per_token(part) + tok * (2 if part is None else 1)
 
     def bind(self, source, target) -> TokenInput:
         from ..layer0 import ContextFree, NotContextFree
@@ -117,18 +162,18 @@ class TokenInput(LinearFamily):
         self._memo = (cap.ids, feats)
         return feats
 
-    def token_term(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
+    def token_term(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
         """T_l(t) for target `layers`: [n, heads, tokens, head_dim]."""
         t = self.features(cap).to(self._compute)
         if self.rank:
-            y = torch.einsum("tr,nro->nto", t @ self.cast(self.tok_down)[which], self.cast(self.tok_up)[which, layers])
+            y = torch.einsum("tr,nro->nto", t @ self.cast(self.tok_down)[part], self.cast(self.tok_up)[part, layers])
         else:
-            y = torch.einsum("td,ndo->nto", t, self.cast(self.tok_weight)[which, layers])
+            y = torch.einsum("td,ndo->nto", t, self.cast(self.tok_weight)[part, layers])
         g = self.geometry
         return y.view(y.shape[0], y.shape[1], g.target_kv_heads, g.target_head_dim).transpose(1, 2)
 
-    def map(self, which: int, cap: Capture, layers: slice) -> torch.Tensor:
-        return self.base.map(which, cap, layers) + self.token_term(which, cap, layers)
+    def map(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
+        return self.base.map(part, cap, layers) + self.token_term(part, cap, layers)
 
     # ------------------------------------------------------------------ closed form
     @property
@@ -151,8 +196,8 @@ class TokenInput(LinearFamily):
         L, B, d_in, d_out = self.base.fit_blocks()
         return L, B, d_in + self.d_tok, d_out
 
-    def design(self, which: int, cap: Capture) -> torch.Tensor:
-        x = self.base.design(which, cap)  # [L, B, T, d_in]
+    def design(self, part: Part, cap: Capture) -> torch.Tensor:
+        x = self.base.design(part, cap)  # [L, B, T, d_in]
         t = self.features(cap)  # [T, d_tok]
         return torch.cat([x, t.expand(*x.shape[:2], *t.shape)], -1)
 

@@ -1,4 +1,4 @@
-"""The deep toy model (kvlingo/toy/deep): packaged beside the pair within the size limits, trained on the
+"""The mismatched toy model (kvlingo/toy/mismatched): packaged beside the pair within the size limits, trained on the
 pair's own tokenizer and corpus, a geometry head-wise maps refuse; the build, export and install
 verify what they copy and refuse a world it was not trained on."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvlingo.io import read_json, read_jsonl, sha256_file
-from kvlingo.toy import deep as toydeep
+from kvlingo.toy import mismatched as toydeep
 from kvlingo.toy import train as toytrain
 from kvlingo.toy import world as toyworld
 
@@ -22,7 +22,7 @@ def quiet(_msg: str) -> None:
 
 
 def test_packaged_deep_model_is_complete_small_bf16_and_shares_the_pair_tokenizer():
-    pkg = toydeep.PACKAGED_DEEP
+    pkg = toydeep.PACKAGED_MISMATCHED
     manifest = read_json(pkg / toydeep.MANIFEST)
     assert manifest["stage"] == "toy_deep" and not manifest["results"]["mini"]
     shipped = {p.relative_to(pkg).as_posix() for p in pkg.rglob("*") if p.is_file()}
@@ -46,18 +46,18 @@ def test_packaged_deep_model_is_complete_small_bf16_and_shares_the_pair_tokenize
 
 
 def test_packaged_deep_model_answers_the_toy_arc(world, one_thread):
-    """The point of the deep model: unlike the pair it answers the toy ARC, scored greedily as task_eval.py
+    """The point of the mismatched model: unlike the pair it answers the toy ARC, scored greedily as task_eval.py
     scores the native path: 79.2% of the demo's 48 items on a 2-core x86 CPU (its manifest records 72.9% of
     the first 240; chance is 25%, the pair 27-29%)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     rows = read_jsonl(world / "corpus" / "arc.jsonl")[:48]  # the items the demo's ARC column scores
-    tok = AutoTokenizer.from_pretrained(toydeep.PACKAGED_DEEP)
-    model = AutoModelForCausalLM.from_pretrained(toydeep.PACKAGED_DEEP, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(toydeep.PACKAGED_MISMATCHED)
+    model = AutoModelForCausalLM.from_pretrained(toydeep.PACKAGED_MISMATCHED, dtype=torch.float32).eval()
     got = toydeep.arc_accuracy(model, tok, rows)
     assert got["n"] == 48 and got["unparsed"] < 0.1
     assert got["accuracy"] >= 0.6, got
-    recorded = read_json(toydeep.PACKAGED_DEEP / toydeep.MANIFEST)["results"]["toy_arc"]["deep"]
+    recorded = read_json(toydeep.PACKAGED_MISMATCHED / toydeep.MANIFEST)["results"]["toy_arc"]["deep"]
     assert recorded["n"] >= 240 and recorded["accuracy"] >= 0.6
 
 
@@ -234,7 +234,7 @@ def test_option_drills_take_the_reply_form_asked_for():
 def test_a_misspelt_setting_is_refused_before_any_work(world, bad, message):
     before = sorted(p.name for p in world.iterdir())
     with pytest.raises(ValueError, match=message):
-        toydeep.build_deep(world, replace(toydeep.mini_deep_config(), **bad), progress=False, log=quiet)
+        toydeep.build_mismatched(world, replace(toydeep.mini_mismatched_config(), **bad), progress=False, log=quiet)
     assert sorted(p.name for p in world.iterdir()) == before  # nothing written
 
 
@@ -300,7 +300,7 @@ def test_induction_sequences_repeat_a_span_of_ordinary_tokens_with_the_loss_on_t
     from kvlingo.io import read_jsonl
 
     rows = read_jsonl(world / "corpus" / "train_chats.jsonl")[:20]
-    cfg = replace(toydeep.mini_deep_config(), induction=0)
+    cfg = replace(toydeep.mini_mismatched_config(), induction=0)
     plain = toydeep.training_data(tok, rows, cfg, 10_000)
     more = toydeep.training_data(tok, rows, replace(cfg, induction=7), 10_000)
     assert more[: len(plain)] == plain and more[len(plain) :] == toydeep.induction_data(tok, 7, seed=0)
@@ -429,7 +429,7 @@ def test_unnamed_drills_name_their_text_in_the_reply_alone():
 
 def test_the_drill_phase_draws_from_its_own_stream_or_the_one_asked_for():
     cfg = replace(
-        toydeep.DeepConfig(), warm_data="drills", warm_steps=3, batch=4, seed=2, warm_seed=None, warm_drills_named=1.0
+        toydeep.MismatchedConfig(), warm_data="drills", warm_steps=3, batch=4, seed=2, warm_seed=None, warm_drills_named=1.0
     )
     assert toydeep.warm_drill_items(cfg) == toydeep.drill_items(12, seed=2 + toydeep.WARM_SEED)
     assert toydeep.warm_drill_items(replace(cfg, warm_seed=14)) == toydeep.drill_items(12, seed=14)
@@ -445,9 +445,9 @@ def test_a_drill_first_phase_is_recorded(world, tmp_path):
     """warm_data="drills": the first phase trains on option drills alone, and the manifest says how many
     held-out drills the model answered after it and after the whole build."""
     local = tmp_path / "toy"
-    shutil.copytree(world, local, ignore=shutil.ignore_patterns("deep"))
-    cfg = replace(toydeep.mini_deep_config(), warm_data="drills", mc_reply="keyed")
-    info = toydeep.build_deep(local, cfg, progress=False, log=quiet)["results"]["model"]
+    shutil.copytree(world, local, ignore=shutil.ignore_patterns("mismatched"))
+    cfg = replace(toydeep.mini_mismatched_config(), warm_data="drills", mc_reply="keyed")
+    info = toydeep.build_mismatched(local, cfg, progress=False, log=quiet)["results"]["model"]
     assert info["warm_data"] == "drills" and info["warm_loss_log"][-1]["step"] == cfg.warm_steps
     assert info["copy_accuracy"].keys() == {"final"}  # no copy phase ran
     drills = info["drill_accuracy"]
@@ -457,7 +457,7 @@ def test_a_drill_first_phase_is_recorded(world, tmp_path):
 
 @pytest.mark.slow
 def test_build_export_install_and_pair(world, tmp_path):
-    """A seconds-sized deep build on the packaged world: scored and saved, skipped when unchanged, exported,
+    """A seconds-sized mismatched build on the packaged world: scored and saved, skipped when unchanged, exported,
     installed into another world, refused on tampering or another tokenizer; it pairs with the packaged models."""
     from transformers import AutoModelForCausalLM
 
@@ -465,9 +465,9 @@ def test_build_export_install_and_pair(world, tmp_path):
     from kvlingo.core.translator import Geometry, TranslatorError
     from kvlingo.inputs.models import resolve_pair
 
-    cfg = toydeep.mini_deep_config()
-    manifest = toydeep.build_deep(world, cfg, progress=False, log=quiet)
-    deep = world / "deep"
+    cfg = toydeep.mini_mismatched_config()
+    manifest = toydeep.build_mismatched(world, cfg, progress=False, log=quiet)
+    deep = world / "mismatched"
     assert set(manifest["results"]["exact_reply"]) == {"deep", "large", "small"}
     n_mc = manifest["results"]["model"]["n_multiple_choice_chats"]
     assert manifest["results"]["model"]["n_training_sequences"] >= 24_000 - 100 + (cfg.mc_copies - 1) * n_mc > 24_000
@@ -483,29 +483,29 @@ def test_build_export_install_and_pair(world, tmp_path):
     assert next(model.parameters()).dtype == torch.bfloat16  # stored in BF16
     assert model.config.num_hidden_layers == cfg.layers
     messages: list[str] = []
-    toydeep.build_deep(world, cfg, progress=False, log=messages.append)
+    toydeep.build_mismatched(world, cfg, progress=False, log=messages.append)
     assert any("up to date" in m for m in messages)
 
     pkg = tmp_path / "pkg"
-    toydeep.export_deep(world, pkg, log=quiet)
+    toydeep.export_mismatched(world, pkg, log=quiet)
     other = tmp_path / "other"
-    shutil.copytree(world, other, ignore=shutil.ignore_patterns("deep"))
-    toydeep.install_deep(other, pkg, log=quiet)
-    assert sha256_file(other / "deep" / "model.safetensors") == sha256_file(deep / "model.safetensors")
+    shutil.copytree(world, other, ignore=shutil.ignore_patterns("mismatched"))
+    toydeep.install_mismatched(other, pkg, log=quiet)
+    assert sha256_file(other / "mismatched" / "model.safetensors") == sha256_file(deep / "model.safetensors")
 
     # a tampered packaged file is named and the installed model left alone
     (pkg / "config.json").write_text((pkg / "config.json").read_text() + " ")
-    before = sha256_file(other / "deep" / "config.json")
-    (other / "deep" / "meta.json").write_text("{}")  # forces a reinstall attempt
-    with pytest.raises(ValueError, match="config.json differs from the deep model's manifest"):
-        toydeep.install_deep(other, pkg, log=quiet)
-    assert sha256_file(other / "deep" / "config.json") == before
+    before = sha256_file(other / "mismatched" / "config.json")
+    (other / "mismatched" / "meta.json").write_text("{}")  # forces a reinstall attempt
+    with pytest.raises(ValueError, match="config.json differs from the mismatched model's manifest"):
+        toydeep.install_mismatched(other, pkg, log=quiet)
+    assert sha256_file(other / "mismatched" / "config.json") == before
     shutil.copy(deep / "config.json", pkg / "config.json")
     # a world with another tokenizer is refused
     tok = other / "tokenizer" / "tokenizer.json"
     tok.write_text(tok.read_text().replace('"<think>"', '"<thonk>"'))
     with pytest.raises(ValueError, match="another tokenizer"):
-        toydeep.install_deep(other, pkg, log=quiet)
+        toydeep.install_mismatched(other, pkg, log=quiet)
 
     cfg_pair, _ = resolve_pair(str(world / "large"), str(deep), "l2s", "cpu", "float32")
     geometry = Geometry(**cfg_pair.geometry)
