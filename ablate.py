@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvlingo.core.translator import Geometry
 from kvlingo.errors import Failure, Refusal
 from kvlingo.eval.tasks.data import split_suffix
 from kvlingo.inputs.argtypes import whole
@@ -91,14 +92,13 @@ def parse_args(argv=None):
         common=True,
         data=True,
     )
-    names = [s.name for s in A.SETTINGS]
     p.add_argument(
         "--settings",
         nargs="+",
         default=None,
-        choices=names,
-        help="settings to run (default: " + ", ".join(A.default_settings("l2s")) + " for l2s; s2l runs "
-        f"{A.BEFORE['s2l']} in place of {A.BEFORE['l2s']})",
+        help="rows to run: variants of the families (kvlingo/core/families) and the profile's default translator "
+        "under another objective (DEFAULT-context, -onpolicy, -reg); default: every default row, the other "
+        "direction's default before excepted",
     )
     p.add_argument(
         "--long-factor",
@@ -223,7 +223,7 @@ def arm_figures(report: dict, prefix: str) -> dict:
     }
 
 
-def summarise(plan: Plan, setting: A.Setting, sub: str, toy_width: int, long: bool) -> dict:
+def summarise(plan: Plan, setting: A.Setting, sub: str, toy_geometry, long: bool) -> dict:
     res = plan.paths.nested(sub).res
     train = read_json(res / "train.json")["results"]
     row = {
@@ -235,7 +235,7 @@ def summarise(plan: Plan, setting: A.Setting, sub: str, toy_width: int, long: bo
         "note": setting.note,
         "long_budget": long,
         "params": train["translator"]["n_params"],
-        "real": A.real_cost(setting, plan.cfg.pair.direction, toy_width),
+        "real": A.real_cost(setting, plan.cfg.pair.direction, toy_geometry),
         "closed_form_val_kl": train["closed_form_val_kl"],
         "distilled_val_kl": train["distilled_val_kl"],
         "best_update": (train.get("best") or {}).get("update"),
@@ -383,6 +383,18 @@ def plot(rows: list[dict], title: str) -> bytes:
     return figure_png(fig)
 
 
+def chosen_settings(args, profile, pair) -> tuple[str, ...]:
+    """--settings, each a row of this direction (refused with the names there are), or the default rows."""
+    geometry = Geometry(**pair.geometry)
+    if args.settings is None:
+        return tuple(A.default_settings(profile, pair.direction, geometry))
+    names = [s.name for s in A.settings_for(profile, pair.direction, geometry)]
+    unknown = [s for s in args.settings if s not in names]
+    if unknown:
+        raise Refusal(f"--settings {unknown[0]}: no such row; choose among {', '.join(names)}")
+    return tuple(args.settings)
+
+
 @refusals_exit("ablate", resumable=True)
 def main(argv=None) -> dict:
     args = parse_args(argv)
@@ -394,7 +406,7 @@ def main(argv=None) -> dict:
         run=args.run or f"{default_run(profile.name, pair.direction)}-ablate",
         profile=profile.name,
         data=str(args.data or default_data(profile.name)),
-        settings=tuple(args.settings or A.default_settings(pair.direction)),
+        settings=chosen_settings(args, profile, pair),
         long_factor=args.long_factor,
         eval_root=args.data_root,
         tasks=tasks,
@@ -414,9 +426,9 @@ def main(argv=None) -> dict:
     lock_run(plan.paths.res, "ablate")
     ledger = K.Ledger(plan.paths.res / LEDGER_FILE, asdict(cfg), args.resume)
     cells = K.Cells(ledger, args.resume, runner=K.run_in_process)
-    chosen = [s for s in A.SETTINGS if s.name in cfg.settings]
+    chosen = [s for s in A.settings_for(profile, pair.direction, Geometry(**pair.geometry)) if s.name in cfg.settings]
     by_name = {s.name: s for s in chosen}
-    toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
+    toy_geometry = Geometry(**pair.geometry)
     try:
         native: dict = {}
         for t in tasks:
@@ -437,7 +449,7 @@ def main(argv=None) -> dict:
             cells.ensure(plan.benchmark(setting, sub, "validation"))
             for t in tasks:
                 cells.ensure(plan.generative(t, sub, "validation", native=False, refresh=setting.refresh))
-            return summarise(plan, setting, sub, toy_width, long=updates is not None)
+            return summarise(plan, setting, sub, toy_geometry, long=updates is not None)
 
         rows = [validate(s, s.name) for s in chosen]
         if cfg.long_factor:
@@ -449,7 +461,7 @@ def main(argv=None) -> dict:
         correlations = A.metric_correlations(plain)
         metric = A.choose_metric(correlations)
         default = A.choose_default(plain, metric)
-        claims = [default.get("setting"), A.BEFORE.get(pair.direction)]
+        claims = [default.get("setting"), A.before(profile, pair.direction)]
         for name in dict.fromkeys(n for n in claims if n in by_name):  # in order, once each
             row = next(r for r in rows if r["name"] == name)
             cells.ensure(plan.benchmark(by_name[name], name, "test"))

@@ -81,7 +81,7 @@ def main(argv=None) -> Estimate:
         source.layers, source.kv_heads, source.head_dim, target.layers, target.kv_heads, target.head_dim
     )
     profile = get_profile(args.profile)
-    family, settings = resolve_family(profile, args.direction, args.family, {})
+    family, settings = resolve_family(profile, args.direction, args.family, {}, geometry)
     translator = build(
         {"family": family, "key_space": args.key_space, "geometry": asdict(geometry), "settings": settings}
     )

@@ -281,7 +281,7 @@ def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: 
             pair.target,
             spec["key_space"],
             family=spec["family"],
-            settings=real_settings(spec["settings"], width / toy_width),
+            settings=real_settings(spec["family"], spec["settings"], width / toy_width),
         )
         handoffs.update({f"{run}|{setting}": (tr, Refresh.parse(setting)) for setting in cfg.settings})
     mode = timing.mode_for(cfg.pair.cache)

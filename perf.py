@@ -56,7 +56,6 @@ from kvlingo.bench.shapes import (
     flop_ceiling,
     meta_model,
     preset_names,
-    real_pair_configs,
     real_settings,
     translator_at,
 )
@@ -75,7 +74,7 @@ from kvlingo.records import resume
 from kvlingo.records.paths import RunPaths
 from kvlingo.records.report import Metric, Report, figure, figure_png, fmt_interval, fmt_table, huge_pages, publish
 from kvlingo.stages.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
-from kvlingo.train.config import family_settings
+from kvlingo.train.config import add_family_args, family_flags, family_settings, resolve_family
 
 SCRIPT = Path(__file__).resolve()
 SWITCH = {"auto": None, "on": True, "off": False}  # --fuse-keys, --defer-values → None (the device's default) or a bool
@@ -195,22 +194,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"larger model's preset shape, with --small instead of --arch (one of: {', '.join(preset_names())})",
     )
     p.add_argument("--small", default=None, help="smaller model's preset shape, with --large")
-    p.add_argument(
-        "--family",
-        choices=sorted(FAMILIES),
-        default=None,
-        help="translator family of the random maps, at its own default settings (default: the pilot "
-        "profile's default for the direction, at its settings); head-wise maps need equal depth and "
-        "KV-head counts",
-    )
-    p.add_argument("--k", type=whole(1), default=None, help="crosslayer: source layers per target layer")
-    p.add_argument("--rank", type=whole(0), default=None, help="crosshead/crosslayer: rank of each map (0: full)")
-    p.add_argument(
-        "--key-rank",
-        type=whole(0),
-        default=None,
-        help="crosshead/crosslayer: rank of the key maps alone (0: full; default: --rank's)",
-    )
+    add_family_args(p)  # the random maps' family and its options (default: the pilot profile's, at these shapes)
     p.add_argument(
         "--full",
         action="store_true",
@@ -624,25 +608,27 @@ def family_label(family: str, settings: dict) -> str:
 
 def timed_family(args, profile, source: str, target: str) -> tuple[str, dict, str]:
     """(family, settings at the timed shapes, where they come from): --family at its own defaults, or the
-    profile's default for the direction, its ranks carried from the real pair's target width to the timed
-    target's (and k capped at the source's depth); --k, --rank and --key-rank, at the timed shapes, win."""
-    flags = {name: getattr(args, name) for name in ("k", "rank", "key_rank") if getattr(args, name) is not None}
-    if args.family is not None:
-        return args.family, family_settings(args.family, **flags), "--family"
-    family, defaults = profile.family_for(args.direction)
-    real_target = real_pair_configs(args.direction)[1]
+    profile's default for the direction, its shape-dependent settings (a rank of half the target's width) taken
+    at the timed shapes and k capped at the source's depth; --k, --rank, --key-rank and --token-rank win."""
+    flags = family_flags(args)
     src, tgt = arch_config(source), arch_config(target)
-    carried = real_settings(
-        family_settings(family, **defaults), width(tgt) / width(real_target), source_layers=src.num_hidden_layers
+    geometry = Geometry.of(src, tgt)
+    family, settings = resolve_family(profile, args.direction, args.family, flags, geometry)
+    if args.family is not None:
+        return family, settings, "--family"
+    # the profile's default, its k capped at the timed source's depth
+    return (
+        family,
+        real_settings(family, settings, 1.0, src.num_hidden_layers),
+        f"the {profile.name} profile's {args.direction} default",
     )
-    return family, {**carried, **flags}, f"the {profile.name} profile's {args.direction} default"
 
 
 def width(cfg) -> int:
     return cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
-def second_row_set(args, cfg: PerfConfig, refused: dict[str, str]) -> tuple[dict, ...]:
+def second_row_set(args, cfg: PerfConfig, refused: dict[str, str], geometry) -> tuple[dict, ...]:
     """The families timed at the longest length: --families as given ('default': the timed family), or with
     --full every family that maps the pair at its default settings but the timed one's."""
     if args.families is not None:
@@ -652,7 +638,7 @@ def second_row_set(args, cfg: PerfConfig, refused: dict[str, str]) -> tuple[dict
         )
     if not args.full:
         return ()
-    specs = [{"family": f, "settings": family_settings(f)} for f in sorted(FAMILIES) if f not in refused]
+    specs = [{"family": f, "settings": family_settings(f, {}, geometry)} for f in sorted(FAMILIES) if f not in refused]
     return tuple(s for s in specs if (s["family"], s["settings"]) != (cfg.family, cfg.family_settings))
 
 
@@ -857,7 +843,7 @@ def main(argv=None) -> None:
         return
     print(flops_md + "\n", flush=True)
     # the families' settings are checked at the timed shapes before any model is built
-    families = second_row_set(args, cfg, refused)
+    families = second_row_set(args, cfg, refused, Geometry.of(arch_config(source), arch_config(target)))
     for spec in ({"family": family, "settings": settings}, *families):
         try:
             translator_at(spec["family"], spec["settings"], arch_config(source), arch_config(target), args.key_space)

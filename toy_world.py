@@ -7,13 +7,14 @@ Usage:
     python toy_world.py --out artifacts/toy --train          # train it from scratch: ~26 CPU-minutes
     python toy_world.py --out artifacts/toy --train --export kvlingo/toy/pair   # ... and re-package it
     python toy_world.py --out /tmp/toy --mini                # seconds: tiny corpus and models
-    python toy_world.py --out artifacts/toy --train-mismatched --export-mismatched kvlingo/toy/mismatched   # retrain the mismatched model
+    python toy_world.py --out artifacts/toy --train-deep --export-deep kvlingo/toy/deep   # retrain the deep pair
+    python toy_world.py --out artifacts/toy --train-mismatched --export-mismatched kvlingo/toy/mismatched
     python toy_world.py --out artifacts/toy --chats 10240    # ... and corpus/chats.10240.jsonl: more held-out chats
 
 Writes under --out: corpus/{train_chats,chats,chats.meta,ifeval,ifeval.ref,arc,arc.ref,gsm8k}.jsonl,
 tokenizer/, large/, small/ (save_pretrained folders with the tokenizer and meta.json), and
-manifest.json last; then mismatched/ (with its own manifest.json, kvlingo/toy/mismatched.py). The install regenerates the corpus
-from the seed and checks it against the
+manifest.json last; then mismatched/ and deep/ (each with its own manifest.json: kvlingo/toy/mismatched.py,
+kvlingo/toy/deep.py). The install regenerates the corpus from the seed and checks it against the
 hashes the packaged pair was trained on. Re-running with the same settings verifies the
 manifest's hashes and does nothing; --force retrains.
 """
@@ -83,7 +84,8 @@ def main(argv=None) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="after --train-mismatched on a full world, copy the mismatched model into DIR (e.g. kvlingo/toy/mismatched)",
+        help="after --train-mismatched on a full world, copy the mismatched model into DIR "
+        "(e.g. kvlingo/toy/mismatched)",
     )
     parser.add_argument("--mini", action="store_true", help="tiny corpus and models for tests (seconds)")
     parser.add_argument(

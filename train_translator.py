@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvlingo.core.families import FAMILIES
 from kvlingo.core.handoff import stop_ids
 from kvlingo.core.refresh import Refresh
 from kvlingo.errors import Refusal
@@ -50,7 +49,7 @@ from kvlingo.stages.stage import add_refresh_arg, lock_run, refusals_exit, stage
 from kvlingo.train import checkpoints as ckpt
 from kvlingo.train import distributed
 from kvlingo.train.closed_form import fit_closed_form
-from kvlingo.train.config import RESUME_SAFE, TrainConfig, TrainResults, resolve_family
+from kvlingo.train.config import RESUME_SAFE, TrainConfig, TrainResults, add_family_args, family_flags, resolve_family
 from kvlingo.train.distill import distill_step, make_optimizer, validation_kl
 from kvlingo.train.footprint import add_estimate_args, before_training
 from kvlingo.train.frozen import FrozenWeightsChanged, check_frozen, fingerprints, verify_frozen
@@ -74,48 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         common=True,
         data=True,
     )
-    p.add_argument(
-        "--family",
-        choices=sorted(FAMILIES),
-        default=None,
-        help="translator family: headwise, crosshead, crosslayer, residual or tokeninput (default: the profile's)",
-    )
-    p.add_argument("--k", type=whole(1), default=None, help="crosslayer: source layers per target layer (default 2)")
-    p.add_argument(
-        "--rank", type=whole(0), default=None, help="crosshead/crosslayer: rank of each layer's map (0: full)"
-    )
-    p.add_argument(
-        "--key-rank",
-        type=whole(0),
-        default=None,
-        help="crosshead/crosslayer: rank of the key maps alone (0: full; default: --rank's)",
-    )
-    p.add_argument(
-        "--pairing",
-        choices=("ranked", "proportional"),
-        default=None,
-        help="crosslayer: source layers ranked by held-out R² (default), or nearest by relative depth",
-    )
-    p.add_argument(
-        "--base",
-        choices=("headwise", "crosshead", "crosslayer"),
-        default=None,
-        help="residual: the linear family under the MLP (default headwise); tokeninput: the family beside "
-        "the token features (default headwise)",
-    )
-    p.add_argument("--hidden", type=whole(1), default=None, help="residual: the MLP's hidden width (default 64)")
-    p.add_argument(
-        "--token-rank",
-        type=whole(0),
-        default=None,
-        help="tokeninput: rank of the token-feature maps, shared down-projection (default 0: full)",
-    )
-    p.add_argument(
-        "--window",
-        type=whole(1),
-        default=None,
-        help="tokeninput: each token's features and those of the window − 1 tokens before it (default 1)",
-    )
+    add_family_args(p)  # --family and every family's option flags (kvlingo/core/families)
     p.add_argument(
         "--aux-attn-weight",
         type=float,
@@ -212,18 +170,17 @@ def ridge_value(text):
         raise Refusal(f"--ridge {text} is invalid: give a number ≥ 0, or auto") from None
 
 
-def family_from_args(args, profile, direction: str) -> tuple[str, dict]:
+def family_from_args(args, profile, pair_cfg) -> tuple[str, dict]:
     """The family and its settings (`resolve_family`): --family with its own defaults and the flags given, or
-    the profile's default for the direction."""
-    flags = {
-        k: getattr(args, k)
-        for k in ("k", "rank", "key_rank", "pairing", "base", "hidden", "token_rank", "window")
-        if getattr(args, k) is not None
-    }
+    the profile's variant for the direction; defaults that depend on the shapes take the pair's."""
+    from kvlingo.core.translator import Geometry
+
     try:
-        return resolve_family(profile, direction, args.family, flags)
+        return resolve_family(
+            profile, pair_cfg.direction, args.family, family_flags(args), Geometry(**pair_cfg.geometry)
+        )
     except (TypeError, ValueError) as e:
-        raise Refusal(f"--family {args.family or profile.family_for(direction)[0]}: {e}") from None
+        raise Refusal(f"--family {args.family or profile.family_for(pair_cfg.direction)}: {e}") from None
 
 
 def positive(name: str, value, allow_zero: bool = False):
@@ -353,7 +310,7 @@ def main(argv=None) -> dict:
     world = distributed.init(pair_cfg.device)  # torchrun's ranks (kvlingo/train/distributed.py); else one process
     data_dir = Path(args.data) if args.data else default_data(profile.name)
     manifest = open_prepared(data_dir, pair_cfg)
-    family, settings = family_from_args(args, profile, pair_cfg.direction)
+    family, settings = family_from_args(args, profile, pair_cfg)
     data_hashes = {
         f: manifest["files"][f] for f in (split_path(data_dir, s, "natural").name for s in ("train", "validation"))
     }

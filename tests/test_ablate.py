@@ -10,45 +10,56 @@ import pytest
 import torch
 from tinypair import task_inputs
 
+from kvlingo.core.translator import Geometry
+from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import read_json
 from kvlingo.stages import ablation as A
 
+TOY = Geometry(4, 2, 32, 4, 2, 32)  # the packaged toy pair's caches: 4 layers × 2 KV heads × head_dim 32
+DEMO = get_profile("demo")
+
 
 def test_real_cost_counts_flops_at_the_real_shapes():
-    by = {s.name: s for s in A.SETTINGS}
-    head = A.real_cost(by["headwise-ridge0"], "l2s", 64)
+    by = {s.name: s for s in A.settings_for(DEMO, "l2s", TOY)}
+    head = A.real_cost(by["headwise-ridge0"], "l2s", TOY)
     assert abs(head["translate_flops_per_token"] - 14.68e6) < 0.01e6  # 2·2·28·8·128²
-    cross = A.real_cost(by["crosshead"], "l2s", 64)
+    cross = A.real_cost(by["crosshead"], "l2s", TOY)
     assert cross["translate_flops_per_token"] == pytest.approx(2 * 2 * 28 * 1024 * 1024)
-    keys = A.real_cost(by["crosshead-key-rquarter"], "l2s", 64)
+    keys = A.real_cost(by["crosshead-key-rquarter"], "l2s", TOY)
     assert keys["real_settings"] == {"rank": 0, "key_rank": 256}  # a quarter of the toy width → of the real one
     assert keys["translate_flops_per_token"] == pytest.approx(2 * 28 * 256 * 2048 + 2 * 28 * 1024 * 1024)
-    low = A.real_cost(by["crosslayer-k4-rhalf"], "l2s", 64)
+    low = A.real_cost(by["crosslayer-k4-rhalf"], "l2s", TOY)
     assert low["real_settings"]["rank"] == 512  # half the toy width (32 of 64) → half the real width (512 of 1024)
     # exact:0: the translator skips layer 0, which costs one k/v projection of the 0.6B's hidden state per token
-    exact = A.real_cost(by["crosshead-exact0"], "l2s", 64)
+    exact = A.real_cost(by["crosshead-exact0"], "l2s", TOY)
     assert exact["translate_flops_per_token"] == pytest.approx(cross["translate_flops_per_token"] * 27 / 28)
     assert exact["layer0_flops_per_token"] == 2 * 1024 * 2 * 1024
     # token identity at rank 32 of the toy's 64 → 512: head-wise maps + shared down-projection + per-layer up
-    tok = A.real_cost(by["token-w3"], "l2s", 64)
+    tok = A.real_cost(by["token-w3"], "l2s", TOY)
     assert tok["real_settings"]["rank"] == 512
     per = 14.68e6 + 2 * 2 * (3 * 2048 * 512 + 28 * 512 * 1024)
     assert tok["translate_flops_per_token"] == pytest.approx(per * 27 / 28, rel=1e-3)
     assert (
         tok["fraction_of_reprefill"]
         < A.MAX_COST_FRACTION
-        < A.real_cost(by["token-w3-full"], "l2s", 64)["fraction_of_reprefill"]
+        < A.real_cost(by["token-w3-full"], "l2s", TOY)["fraction_of_reprefill"]
     )
-    s2l = A.real_cost(by["crosshead"], "s2l", 64)
+    s2l = A.real_cost(by["crosshead"], "s2l", TOY)
     assert s2l["fraction_of_reprefill"] < cross["fraction_of_reprefill"]  # the 1.7B's re-prefill costs more
 
 
 def test_each_direction_runs_its_own_default_before_beside_the_levers():
-    l2s, s2l = A.default_settings("l2s"), A.default_settings("s2l")
+    l2s, s2l = A.default_settings(DEMO, "l2s", TOY), A.default_settings(DEMO, "s2l", TOY)
     assert "crosshead" in l2s and "crosslayer-k4-rhalf" not in l2s
     assert "crosslayer-k4-rhalf" in s2l and "crosshead" not in s2l
-    assert set(l2s) - {"crosshead"} == set(s2l) - {"crosslayer-k4-rhalf"} and "token-w3" in l2s
-    assert not {s.name for s in A.SETTINGS if not s.default_run} & set(l2s + s2l)
+    objectives = {f"{DEMO.family_for(d)}-{suffix}" for d in ("l2s", "s2l") for suffix, _, _ in A.OBJECTIVES}
+    assert set(l2s) - {"crosshead"} - objectives == set(s2l) - {"crosslayer-k4-rhalf"} - objectives
+    assert "token-w3" in l2s
+    rows = A.settings_for(DEMO, "l2s", TOY)
+    assert not {s.name for s in rows if not s.default_run} & set(l2s + s2l)
+    # the objective rows train the profile's default translator under each objective
+    default = DEMO.family_for("l2s")
+    assert {f"{default}-{suffix}" for suffix, _, _ in A.OBJECTIVES} <= set(l2s)
 
 
 def _row(name, cost, **metrics):

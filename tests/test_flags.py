@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,9 +45,6 @@ def test_family_flags_reach_the_translator_a_training_builds(flags, family, sett
     from kvlingo.inputs.profiles import get_profile
     from kvlingo.records.saved import build
 
-    args = train_translator.parse_args(flags)
-    got_family, got = train_translator.family_from_args(args, get_profile("tiny"), "l2s")
-    assert (got_family, got) == (family, settings)
     geometry = {
         "source_layers": 4,
         "source_kv_heads": 2,
@@ -55,6 +53,10 @@ def test_family_flags_reach_the_translator_a_training_builds(flags, family, sett
         "target_kv_heads": 2,
         "target_head_dim": 8,
     }
+    args = train_translator.parse_args(flags)
+    pair = SimpleNamespace(direction="l2s", geometry=geometry)
+    got_family, got = train_translator.family_from_args(args, get_profile("tiny"), pair)
+    assert (got_family, got) == (family, settings)
     spec = build({"family": family, "key_space": "prenorm", "settings": got, "geometry": geometry}).settings()
     maps = spec["base"]["settings"] if family == "residual" else spec
     maps.pop("layers")  # the plan, made from the settings

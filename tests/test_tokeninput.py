@@ -47,7 +47,7 @@ def fake(tr: TokenInput, tokens: int, seed: int = 0) -> Capture:
 @pytest.mark.parametrize("base,window", [("crosshead", 1), ("headwise", 2), ("crosslayer", 1)])
 def test_closed_form_matches_lstsq_on_source_and_token_features(base, window):
     settings = {"k": 2, "rank": 0, "pairing": "proportional"} if base == "crosslayer" else {}
-    tr = TokenInput(GEOM, base={"family": base, "settings": settings}, window=window)
+    tr = TokenInput(GEOM, base={"family": base, "settings": settings}, rank=0, window=window)
     cap = fake(tr, 240)
     L, B, d_in, d_out = tr.fit_blocks()
     x = tr.design(1, cap).double()  # [L, B, T, d_src + d_tok]: the values' design (keys need a bound key space)
@@ -103,7 +103,9 @@ def test_features_are_the_targets_layer0_and_the_family_trains_and_round_trips(t
     pair = load_tiny_pair(tiny_pair_paths)
     tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
     rows = chat_rows(tok, 12, 0, "r")
-    tr = TokenInput(Geometry.of(pair.source, pair.target), base={"family": "headwise", "settings": {}}, window=2)
+    tr = TokenInput(
+        Geometry.of(pair.source, pair.target), base={"family": "headwise", "settings": {}}, rank=0, window=2
+    )
     tr.bind(pair.source, pair.target)
     ids = torch.tensor([rows[0]["prefix_ids"]])
     with torch.no_grad():

@@ -429,7 +429,13 @@ def test_unnamed_drills_name_their_text_in_the_reply_alone():
 
 def test_the_drill_phase_draws_from_its_own_stream_or_the_one_asked_for():
     cfg = replace(
-        toydeep.MismatchedConfig(), warm_data="drills", warm_steps=3, batch=4, seed=2, warm_seed=None, warm_drills_named=1.0
+        toydeep.MismatchedConfig(),
+        warm_data="drills",
+        warm_steps=3,
+        batch=4,
+        seed=2,
+        warm_seed=None,
+        warm_drills_named=1.0,
     )
     assert toydeep.warm_drill_items(cfg) == toydeep.drill_items(12, seed=2 + toydeep.WARM_SEED)
     assert toydeep.warm_drill_items(replace(cfg, warm_seed=14)) == toydeep.drill_items(12, seed=14)

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..core.arch import head_dim
+from ..core.cache import Part
 
 
 def synchronize(device: str | torch.device) -> None:
@@ -130,7 +131,7 @@ def step_floor(flops: float, nbytes: float, peaks: Peaks) -> dict:
 
 def translation_flops(translator, n: int, defer_values: bool = False) -> float:
     """FLOPs of translating n context tokens; with the values deferred, the key maps' alone."""
-    return translator.flops_per_token(0 if defer_values else None) * n
+    return translator.flops_per_token(Part.KEYS if defer_values else None) * n
 
 
 def _bytes(tensors) -> int:
@@ -168,7 +169,7 @@ def deferred_work(
 def deferral_saves(translator, target, n: int, k: int) -> bool:
     """Whether deferring the values does fewer FLOPs than translating them, for a new turn of k tokens
     on n context tokens: the value maps' translation against what the turn's attention adds."""
-    return translator.flops_per_token(1) * n > deferred_work(translator, target, n, k, torch.float32)[0]
+    return translator.flops_per_token(Part.VALUES) * n > deferred_work(translator, target, n, k, torch.float32)[0]
 
 
 def handoff_work(

@@ -152,22 +152,12 @@ def prefill_flops(model, tokens: int) -> float:
     return 2.0 * n * tokens
 
 
-def real_settings(settings: dict, width_ratio: float, source_layers: int | None = None) -> dict:
-    """A family's settings carried to other shapes: the layer plan dropped (re-derived there), the ranks
-    scaled by the ratio of the target widths (so a rank that is half the width stays half), and k capped
-    at `source_layers` when given."""
-    out = {k: v for k, v in settings.items() if k != "layers"}
-    if source_layers is not None and out.get("k", 0) > source_layers:
-        out["k"] = source_layers
-    for name in ("rank", "key_rank"):
-        if out.get(name):
-            out[name] = max(1, round(out[name] * width_ratio))
-    if isinstance(out.get("base"), dict):
-        out["base"] = {
-            **out["base"],
-            "settings": real_settings(out["base"].get("settings", {}), width_ratio, source_layers),
-        }
-    return out
+def real_settings(family: str, settings: dict, width_ratio: float, source_layers: int | None = None) -> dict:
+    """A family's settings carried to other shapes (`Translator.carry`: ranks scaled by the ratio of the target
+    widths, so that half the width stays half; a layer plan dropped; k capped at `source_layers` when given)."""
+    from ..core.families import FAMILIES
+
+    return FAMILIES[family].carry(settings, width_ratio, source_layers)
 
 
 def translator_at(
@@ -182,7 +172,7 @@ def translator_at(
 
     geometry = Geometry.of(source_cfg, target_cfg)
     width = geometry.target_kv_heads * geometry.target_head_dim
-    carried = real_settings(settings, width / from_width if from_width else 1.0)
+    carried = real_settings(family, settings, width / from_width if from_width else 1.0)
     with torch.device("meta"):
         return build({"family": family, "key_space": key_space, "settings": carried, "geometry": asdict(geometry)})
 

@@ -31,6 +31,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .cache import Part
+
 DEFAULT_CHUNK_ELEMENTS = {"cpu": 1 << 22, "mps": 1 << 25, "cuda": 1 << 24}  # FP32 temporaries per chunk of layers
 TILE_ELEMENTS = {"cpu": 1 << 18}  # elements of a token tile of the keys' norm and RoPE (cache-sized); untiled elsewhere
 PRECISIONS = ("fp32", "fused", "fast", "fast-fused")
@@ -174,7 +176,7 @@ def _translate_into(
     n, compute, T = k_out.shape[0], translator._compute, k_out.shape[2]
     space = translator.space
     key_map = scratch.take("yk" if compute == torch.float32 else "low", n, compute)  # [n, heads, tokens, d_out]
-    translator.map_into(0, cap, layers, key_map)
+    translator.map_into(Part.KEYS, cap, layers, key_map)
     if not (fuse_keys and space.finish_keys_fused(key_map, layers, k_out)):
         yk = key_map
         if compute != torch.float32:  # widened once for the FP32 norm and RoPE
@@ -187,10 +189,10 @@ def _translate_into(
     if v_out is None:  # keys only: the values stay deferred
         return
     if v_out.dtype == compute and (translator.fast_paths or v_out.is_contiguous()):
-        translator.map_into(1, cap, layers, v_out)  # straight into the output (a cache's layout)
+        translator.map_into(Part.VALUES, cap, layers, v_out)  # straight into the output (a cache's layout)
     else:
         yv = scratch.take("yk", n) if compute == torch.float32 else scratch.take("low", n, compute)
-        translator.map_into(1, cap, layers, yv)  # the key buffers are free again
+        translator.map_into(Part.VALUES, cap, layers, yv)  # the key buffers are free again
         v_out.copy_(yv)
 
 

@@ -31,7 +31,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from enum import IntEnum
 from typing import Any, ClassVar
 
 import torch
@@ -40,21 +39,11 @@ from torch import nn
 from ..errors import Refusal
 from . import engine
 from .arch import head_dim
-from .cache import Capture
+from .cache import PARTS, Capture, Part  # noqa: F401  (Part and PARTS: re-exported for the families)
 from .keyspace import KeySpace
 from .preallocated import ValueMaps
 
 FAMILIES: dict[str, type[Translator]] = {}  # family name → class, filled by @family
-
-
-class Part(IntEnum):
-    """The half of a KV cache a map makes; its value indexes every [2, ...] parameter of a family."""
-
-    KEYS = 0
-    VALUES = 1
-
-
-PARTS = (Part.KEYS, Part.VALUES)
 
 
 class TranslatorError(Refusal, ValueError):
@@ -106,6 +95,7 @@ class Option:
     type: Callable[[str], Any] = int  # what parses the flag's text
     flag: str = ""  # the training flag; default --NAME, underscores as dashes
     choices: tuple = ()  # the values the flag takes, if a fixed set
+    minimum: int | None = None  # the least whole number the flag takes (a count or a rank)
     width_scaled: bool = False  # a rank: carried to other shapes in proportion to the target's KV width
     base: bool = False  # the name of a linear family beside which this one works; its settings come from the same flags
 
@@ -160,6 +150,9 @@ class Translator(nn.Module, ABC):
     family: ClassVar[str] = ""
     options: ClassVar[tuple[Option, ...]] = ()  # its settings (`Option`), in the order its flags are listed
     variants: ClassVar[tuple[Variant, ...]] = ()  # named settings worth comparing (`make ablate`'s rows)
+    # True when the maps read the target's layer-0 projections of the token ids (kvlingo.core.layer0): a handoff then
+    # computes them whatever its refresh, and its cost counts them.
+    reads_layer0: ClassVar[bool] = False
     # True when map_into reads `source` features in the compute dtype, takes parameters through
     # `cast`, and writes strided outputs (a cache's context view): then the engine's `fast` path applies.
     fast_paths: ClassVar[bool] = False
@@ -182,6 +175,8 @@ class Translator(nn.Module, ABC):
         for option in cls.options:
             value = flags.get(option.dest)
             value = option.default_for(geometry) if value is None else value
+            if callable(value):  # a variant's value that depends on the shapes (a rank of half the width)
+                value = value(geometry)
             if value is None:  # an option whose absence means something (a key rank: the rank's)
                 continue
             if option.base:

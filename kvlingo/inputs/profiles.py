@@ -33,10 +33,13 @@ class Profile:
     lr_grid_size: int  # learning rates in the recipe's first grid (half-decade spaced)
     recipe_seeds: tuple[int, ...]  # seeds trained at the chosen learning rate
     lr: tuple[float, float] = (1e-4, 1e-3)  # AdamW learning rate for (l2s, s2l)
-    # translator family trained by default for (l2s, s2l) (kvlingo.core.families), and its flags
-    # (k, rank, pairing, base, hidden, as train --family takes them)
+    # The default translator of (l2s, s2l): a variant's name (each family declares its variants in its module,
+    # kvlingo/core/families), the refresh its handoffs run under, and its training objective's flags.
     family: tuple[str, str] = ("headwise", "headwise")
-    family_args: tuple[dict, dict] = ({}, {})
+    refresh: tuple[str, str] = ("none", "none")
+    objective: tuple[dict, dict] = ({}, {})
+    # The default before the ablation's choice, per direction (variant names): scored on test beside it.
+    baseline: tuple[str, str] = ("crosshead", "crosslayer-k4-rhalf")
     ridge: float | str = "auto"  # closed-form ridge: a number, or "auto" (chosen per block on held-out conversations)
     fit_weighting: str = "uniform"  # closed-form weighting: uniform, or attention (the target's reply-time attention)
     recipe_lr_center: float | None = None  # centre of the recipe's rate grid (None: the profile's rate)
@@ -51,17 +54,22 @@ class Profile:
     def lr_for(self, direction: str) -> float:
         return self.lr[0] if direction == "l2s" else self.lr[1]
 
-    def family_for(self, direction: str) -> tuple[str, dict]:
-        """The default family of a direction and its flags."""
-        i = 0 if direction == "l2s" else 1
-        return self.family[i], dict(self.family_args[i])
+    def family_for(self, direction: str) -> str:
+        """The default translator variant of a direction."""
+        return self.family[0 if direction == "l2s" else 1]
+
+    def refresh_for(self, direction: str) -> str:
+        """The refresh setting a direction's handoffs run under by default (parsed by the stage: Refresh.parse)."""
+        return self.refresh[0 if direction == "l2s" else 1]
+
+    def objective_for(self, direction: str) -> dict:
+        """The default translator's training objective flags (context_weight, onpolicy, weight_decay, keep_best)."""
+        return dict(self.objective[0 if direction == "l2s" else 1])
 
 
-# The real pair's default families: the toy ablation's choices carried to the real shapes (the s2l rank is half the
-# target's KV width, as rank 32 is on the toy pair: 8 KV heads × 128 → 512). `make ablate PROFILE=pilot` on the
-# real pair is the measurement that should confirm or replace them.
-REAL_FAMILY = ("crosshead", "crosslayer")
-REAL_FAMILY_ARGS = ({}, {"k": 4, "rank": 512})
+# The default translators before the token-input ablation: cross-head maps (l2s) and the top-4 cross-layer maps
+# through a rank of half the target width (s2l).
+BEFORE = ("crosshead", "crosslayer-k4-rhalf")
 
 PROFILES: dict[str, Profile] = {
     p.name: p
@@ -86,8 +94,7 @@ PROFILES: dict[str, Profile] = {
             max_new_tokens=1024,
             lr_grid_size=5,
             recipe_seeds=(42, 43, 44),
-            family=REAL_FAMILY,
-            family_args=REAL_FAMILY_ARGS,
+            family=BEFORE,
         ),
         Profile(
             name="paper-budget",
@@ -109,8 +116,7 @@ PROFILES: dict[str, Profile] = {
             max_new_tokens=1024,
             lr_grid_size=5,
             recipe_seeds=(42, 43, 44),
-            family=REAL_FAMILY,
-            family_args=REAL_FAMILY_ARGS,
+            family=BEFORE,
         ),
         # The offline toy world on a 2-core CPU: every stage runs for real, in minutes. 256 validation and test
         # conversations (from corpus/chats.2048.jsonl), so that choices and claims can tell settings apart.
@@ -146,8 +152,7 @@ PROFILES: dict[str, Profile] = {
             allow_cv=True,
             # `make ablate PROFILE=demo` (README, "Choosing the family"): the lowest validation KL among the
             # settings whose translation costs ≤ 10% of a re-prefill at the real shapes.
-            family=("crosshead", "crosslayer"),
-            family_args=({}, {"k": 4, "rank": 32}),
+            family=BEFORE,
         ),
         # The demo at 8,192 training conversations (corpus/chats.10240.jsonl): the data-scale curve trains on its first
         # 512, 2,048 and 8,192 (train_translator.py --n-train) against one validation and one test split.
@@ -175,8 +180,7 @@ PROFILES: dict[str, Profile] = {
             fit_weighting="attention",
             switch_lengths=(250, 500, 1000),
             allow_cv=True,
-            family=("crosshead", "crosslayer"),
-            family_args=({}, {"k": 4, "rank": 32}),
+            family=BEFORE,
         ),
         # Seconds, for the test suite's end-to-end pass.
         Profile(

@@ -31,7 +31,7 @@ plus the exact layer 0's one projection per token where the setting reads or wri
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_COST_FRACTION = 0.10  # the default's handoff FLOPs, at most this fraction of re-prefill at the real shapes
@@ -45,134 +45,113 @@ METRICS = {
     "val_context_top1": True,
     "val_attention_cosine": True,
 }
-# The direction's default before this ablation: always scored on test beside the new choice.
-BEFORE = {"l2s": "crosshead", "s2l": "crosslayer-k4-rhalf"}
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str  # a short name: also the run folder under RUN/
-    family: str  # translator family
-    flags: tuple[str, ...] = ()  # train_translator.py flags besides --family and --refresh
-    note: str = ""  # what the setting tests
-    refresh: str = "none"  # refresh setting of training and every evaluation (exact:0: the target's own layer 0)
-    default_run: bool = True  # run by default (the others with --settings)
-
-    def family_args(self) -> dict[str, Any]:
-        """The family flags as train_translator.family_settings takes them."""
-        out, it = {}, iter(self.flags)
-        for flag in it:
-            if flag in ("--k", "--rank", "--key-rank", "--hidden", "--token-rank", "--window"):
-                out[flag[2:].replace("-", "_")] = int(next(it))
-            elif flag in ("--pairing", "--base"):
-                out[flag[2:]] = next(it)
-        return out
-
-
-# The target's layer-0 features of each token and the two before it, beside head-wise maps; rank half the toy width.
-TOKEN = ("--base", "headwise", "--window", "3", "--token-rank", "32")
-SETTINGS = (
-    Setting(
-        "crosshead", "crosshead", (), "all source heads → all target heads, same relative depth (l2s default before)"
+# The objective rows: the profile's default translator trained with another objective (suffix, flags, note).
+OBJECTIVES = (
+    ("context", ("--context-weight", "0.5"), "each reply token's KL weighted by how much the context moves it (α 0.5)"),
+    (
+        "onpolicy",
+        ("--onpolicy", "0.5"),
+        "half the conversations scored on replies the target samples from the translation",
     ),
-    Setting(
-        "crosslayer-k4-rhalf",
-        "crosslayer",
-        ("--k", "4", "--rank", "32"),
-        "the top-4 source layers through a rank of half the target width (s2l default before)",
-    ),
-    Setting(
-        "crosshead-exact0", "crosshead", (), "cross-head maps, the target's own layer 0 from the token ids", "exact:0"
-    ),
-    Setting(
-        "token-w3",
-        "tokeninput",
-        TOKEN,
-        "head-wise maps plus the target's layer-0 features of the token and the two before it (rank 32), own layer 0",
-        "exact:0",
-    ),
-    Setting(
-        "token-w3-context",
-        "tokeninput",
-        (*TOKEN, "--context-weight", "0.5"),
-        "token-w3, each reply token's KL weighted by how much the context moves it (α 0.5)",
-        "exact:0",
-    ),
-    Setting(
-        "token-w3-onpolicy",
-        "tokeninput",
-        (*TOKEN, "--onpolicy", "0.5"),
-        "token-w3, half the conversations scored on replies the target samples from the translation",
-        "exact:0",
-    ),
-    Setting(
-        "token-w3-reg",
-        "tokeninput",
-        (*TOKEN, "--weight-decay", "0.01", "--keep-best"),
-        "token-w3, weight decay 0.01 and the translator of the best validation KL",
-        "exact:0",
-    ),
-    # Run with --settings: the seed design, the exact layer 0 on head-wise maps, cheaper cross-head key maps, token
-    # identity without the window, and the token maps at full rank (a capacity ceiling that costs more than the cap).
-    Setting(
-        "headwise-ridge0",
-        "headwise",
-        ("--ridge", "0"),
-        "the seed design: head-wise maps, plain least squares",
-        default_run=False,
-    ),
-    Setting("headwise-exact0", "headwise", (), "head-wise maps, own layer 0", "exact:0", default_run=False),
-    Setting(
-        "crosshead-key-rquarter",
-        "crosshead",
-        ("--key-rank", "16"),
-        "cross-head maps, the keys' through a rank of a quarter of the target width (values full)",
-        default_run=False,
-    ),
-    Setting(
-        "token-w1",
-        "tokeninput",
-        ("--base", "headwise", "--token-rank", "32"),
-        "token identity of each token alone (rank 32), own layer 0",
-        "exact:0",
-        default_run=False,
-    ),
-    Setting(
-        "token-w3-full",
-        "tokeninput",
-        ("--base", "headwise", "--window", "3"),
-        "token-w3 at full rank",
-        "exact:0",
-        default_run=False,
+    (
+        "reg",
+        ("--weight-decay", "0.01", "--keep-best"),
+        "weight decay 0.01 and the translator of the best validation KL",
     ),
 )
 
 
-def default_settings(direction: str) -> list[str]:
-    """The settings a run of this direction trains by default: every default one, the other direction's default
-    before excepted (it answers another question and costs a row)."""
-    other = {v for k, v in BEFORE.items() if k != direction} - {BEFORE.get(direction)}
-    return [s.name for s in SETTINGS if s.default_run and s.name not in other]
+@dataclass(frozen=True)
+class Setting:
+    """One row of the ablation: a family's variant (kvlingo/core/families), its option values at the pair's shapes,
+    and the training flags beside them (an objective)."""
+
+    name: str  # a short name: also the run folder under RUN/
+    family: str  # translator family
+    options: dict = field(default_factory=dict)  # the variant's option values by flag dest, at the pair's shapes
+    option_flags: tuple[str, ...] = ()  # the same as train_translator.py flags
+    train_flags: tuple[str, ...] = ()  # train_translator.py flags beside the family's (objectives, regularisation)
+    note: str = ""  # what the setting tests
+    refresh: str = "none"  # refresh setting of training and every evaluation (exact:0: the target's own layer 0)
+    default_run: bool = True  # run by default (the others with --settings)
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """train_translator.py flags besides --family and --refresh."""
+        return (*self.option_flags, *self.train_flags)
 
 
-def real_cost(setting: Setting, direction: str, toy_target_width: int) -> dict[str, float]:
+def _option_flags(cls, values: dict) -> tuple[str, ...]:
+    """The training flags of option values by dest (a composite family's base options included)."""
+    from ..train.config import family_options
+
+    by_dest = {o.dest: o.flag_name for owners in family_options().values() for _, o in owners}
+    out: list[str] = []
+    for dest, value in values.items():
+        out += [by_dest[dest], str(value)]
+    return tuple(out)
+
+
+def _setting(cls, v, geometry, name: str | None = None, train_flags: tuple = (), note: str = "", default_run=None):
+    values = {dest: (value(geometry) if callable(value) else value) for dest, value in v.flags.items()}
+    return Setting(
+        name or v.name,
+        cls.family,
+        values,
+        _option_flags(cls, values),
+        (*v.train_flags, *train_flags),
+        note or v.note,
+        v.refresh,
+        v.default_run if default_run is None else default_run,
+    )
+
+
+def settings_for(profile, direction: str, geometry) -> tuple[Setting, ...]:
+    """The rows of a direction: every family's variants, then the direction's default translator
+    (`Profile.family_for`) trained with each objective of `OBJECTIVES`, at the pair's `geometry`."""
+    from ..core.families import variant, variants
+
+    rows = [_setting(cls, v, geometry) for cls, v in variants()]
+    cls, default = variant(profile.family_for(direction))
+    for suffix, flags, note in OBJECTIVES:
+        rows.append(
+            _setting(cls, default, geometry, f"{default.name}-{suffix}", flags, f"{default.name}, {note}", True)
+        )
+    return tuple(rows)
+
+
+def before(profile, direction: str) -> str:
+    """The direction's default before the ablation's choice (`Profile.baseline`): scored on test beside it."""
+    return profile.baseline[0 if direction == "l2s" else 1]
+
+
+def default_settings(profile, direction: str, geometry=None) -> list[str]:
+    """The rows a run of this direction trains by default: every default one, the other direction's default before
+    excepted (it answers another question and costs a row)."""
+    other = {before(profile, d) for d in ("l2s", "s2l") if d != direction} - {before(profile, direction)}
+    return [s.name for s in settings_for(profile, direction, geometry) if s.default_run and s.name not in other]
+
+
+def real_cost(setting: Setting, direction: str, toy_geometry) -> dict[str, float]:
     """Handoff FLOPs per context token at the real shapes, as a fraction of the target's re-prefill."""
     import torch
     from transformers import Qwen3ForCausalLM
 
     from ..bench.shapes import prefill_flops, real_pair_configs, real_settings, translator_at
     from ..core import layer0
+    from ..core.families import FAMILIES
     from ..train.config import family_settings
 
     src_cfg, tgt_cfg = real_pair_configs(direction)
-    settings = family_settings(setting.family, **setting.family_args())
+    settings = family_settings(setting.family, setting.options, toy_geometry)
+    toy_target_width = toy_geometry.target_width
     translator = translator_at(setting.family, settings, src_cfg, tgt_cfg, from_width=toy_target_width)
     with torch.device("meta"):
         target = Qwen3ForCausalLM(tgt_cfg)
     L = tgt_cfg.num_hidden_layers
     exact = setting.refresh == "exact:0"
     translate = translator.flops_per_token() * ((L - 1) / L if exact else 1.0)
-    own_layer0 = layer0.flops_per_token(tgt_cfg) if exact or setting.family == "tokeninput" else 0.0
+    own_layer0 = layer0.flops_per_token(tgt_cfg) if exact or FAMILIES[setting.family].reads_layer0 else 0.0
     flops, reprefill = translate + own_layer0, prefill_flops(target, 1)
     return {
         "translate_flops_per_token": translate,
@@ -181,7 +160,7 @@ def real_cost(setting: Setting, direction: str, toy_target_width: int) -> dict[s
         "reprefill_flops_per_token": reprefill,
         "fraction_of_reprefill": flops / reprefill,
         "ceiling_speedup": reprefill / flops,
-        "real_settings": real_settings(settings, _width(tgt_cfg) / toy_target_width),
+        "real_settings": real_settings(setting.family, settings, _width(tgt_cfg) / toy_target_width),
     }
 
 

@@ -770,7 +770,9 @@ def _check_files(folder: Path, manifest: dict) -> None:
         )
 
 
-def export_mismatched(world: str | Path, dest: str | Path = PACKAGED_MISMATCHED, log: Callable[[str], None] = print) -> dict:
+def export_mismatched(
+    world: str | Path, dest: str | Path = PACKAGED_MISMATCHED, log: Callable[[str], None] = print
+) -> dict:
     """Copy a verified full build of WORLD/mismatched into `dest` (manifest last)."""
     src, dest = Path(world) / "mismatched", Path(dest)
     manifest = read_json(src / MANIFEST)
@@ -787,7 +789,9 @@ def export_mismatched(world: str | Path, dest: str | Path = PACKAGED_MISMATCHED,
     return manifest
 
 
-def install_mismatched(world: str | Path, packaged: str | Path = PACKAGED_MISMATCHED, log: Callable[[str], None] = print) -> dict:
+def install_mismatched(
+    world: str | Path, packaged: str | Path = PACKAGED_MISMATCHED, log: Callable[[str], None] = print
+) -> dict:
     """Copy the packaged mismatched model into WORLD/mismatched; return its manifest.
 
     Refused (ValueError naming the file and the fix, before WORLD/mismatched is touched) when a packaged file

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..core.cache import capture
+from ..core.cache import Part, capture
 from ..core.fit import NormalEquations
 from ..core.handoff import as_ids
 from ..core.translator import LinearFamily
@@ -143,5 +143,5 @@ def _accumulate(
         else:
             tgt, weights = capture(target, ids, want_prenorm=prenorm, logits_to_keep=1, kind=kind), None
         w = translator.block_weights(weights)
-        ne.update(0, translator.design(0, src), translator.block_targets(space.target_keys(tgt)), w)
-        ne.update(1, translator.design(1, src), translator.block_targets(tgt.values), w)
+        ne.update(Part.KEYS, translator.design(Part.KEYS, src), translator.block_targets(space.target_keys(tgt)), w)
+        ne.update(Part.VALUES, translator.design(Part.VALUES, src), translator.block_targets(tgt.values), w)

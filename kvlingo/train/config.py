@@ -8,52 +8,74 @@ from ..inputs.models import PairConfig
 from ..records.report import Metric
 
 
-def family_settings(
-    family: str,
-    k: int = 2,
-    rank: int = 0,
-    pairing: str = "ranked",
-    base: str = "headwise",
-    hidden: int = 64,
-    key_rank: int | None = None,
-    token_rank: int = 0,
-    window: int = 1,
-) -> dict:
-    """A family's settings from the training flags (--k, --rank, --key-rank, --pairing, --base, --hidden,
-    --token-rank, --window)."""
-    keys = {} if key_rank is None else {"key_rank": key_rank}  # without it the keys take `rank`
-    if family == "crosslayer":
-        return {"k": k, "rank": rank, **keys, "pairing": pairing}
-    if family == "crosshead":
-        return {"rank": rank, **keys}
-    if family == "residual":
-        if base == "residual":
-            raise ValueError(
-                "--base residual: the residual family sits on a linear family (headwise, crosshead, crosslayer)"
-            )
-        return {
-            "base": {"family": base, "settings": family_settings(base, k, rank, pairing, key_rank=key_rank)},
-            "hidden": hidden,
-        }
-    if family == "tokeninput":
-        if base == "residual":
-            raise ValueError("--base residual: token input sits on a linear family (headwise, crosshead, crosslayer)")
-        return {
-            "base": {"family": base, "settings": family_settings(base, k, rank, pairing, key_rank=key_rank)},
-            "rank": token_rank,
-            "window": window,
-        }
-    return {}
+def family_options() -> dict[str, list]:
+    """Every family's options by training flag: {flag: [(family, Option), ...]} (families share flags: --rank)."""
+    from ..core.families import FAMILIES
+
+    out: dict[str, list] = {}
+    for name, cls in FAMILIES.items():
+        for option in cls.options:
+            out.setdefault(option.flag_name, []).append((name, option))
+    return out
 
 
-def resolve_family(profile, direction: str, family: str | None, flags: dict) -> tuple[str, dict]:
-    """The family and its settings for a run: an explicit `family` takes its own defaults plus `flags`
-    (the profile's settings belong to the profile's family, not to a family named on the command line:
-    `--family crosslayer --k 2` is full-rank even where the profile's default is a low-rank cross-layer
-    map); without one, the profile's default for the direction, with `flags` overriding its settings."""
-    default, default_args = profile.family_for(direction)
-    name = family or default
-    return name, family_settings(name, **({**default_args, **flags} if family is None else flags))
+def add_family_args(parser) -> None:
+    """--family and every family's option flags (declared in kvlingo/core/families), defaulting to the profile's
+    variant or the family's own defaults (`resolve_family`)."""
+    from ..core.families import FAMILIES
+    from ..inputs.argtypes import whole
+
+    parser.add_argument(
+        "--family",
+        choices=sorted(FAMILIES),
+        default=None,
+        help="translator family: " + ", ".join(sorted(FAMILIES)) + " (default: the profile's, with its settings)",
+    )
+    for flag, owners in family_options().items():
+        first = owners[0][1]
+        by_help: dict[str, list[str]] = {}  # families that share an option's meaning share its line
+        defaults: dict[str, list[str]] = {}
+        for name, option in owners:
+            by_help.setdefault(option.help, []).append(name)
+            if option.default is not None:
+                shown = option.default.__doc__.split(" (")[0].lower() if callable(option.default) else option.default
+                defaults.setdefault(str(shown), []).append(name)
+        helps = "; ".join(f"{', '.join(names)}: {text}" for text, names in by_help.items())
+        shown = "; ".join(f"{', '.join(names)} {value}" for value, names in defaults.items())
+        choices = sorted({c for _, o in owners for c in o.choices}) if all(o.choices for _, o in owners) else None
+        parser.add_argument(
+            flag,
+            type=whole(first.minimum) if first.minimum is not None else first.type,
+            choices=choices,
+            default=None,
+            help=helps + (f" (default: {shown})" if shown else ""),
+        )
+
+
+def family_flags(args) -> dict:
+    """The family option flags given on the command line, by `Option.dest`."""
+    dests = {option.dest for owners in family_options().values() for _, option in owners}
+    return {d: getattr(args, d) for d in dests if getattr(args, d, None) is not None}
+
+
+def family_settings(family: str, flags: dict | None = None, geometry=None) -> dict:
+    """A family's settings from option flags by dest (the rest: its defaults, which may need the pair's geometry)."""
+    from ..core.families import FAMILIES
+
+    return FAMILIES[family].settings_from(flags or {}, geometry)
+
+
+def resolve_family(profile, direction: str, family: str | None, flags: dict, geometry=None) -> tuple[str, dict]:
+    """The family and its settings for a run: an explicit `family` takes its own defaults plus `flags` (the
+    profile's variant belongs to the profile's family, not to a family named on the command line: `--family
+    crosslayer --k 2` is full-rank even where the profile's default is a low-rank cross-layer map); without one,
+    the profile's variant for the direction (`Profile.family`), with `flags` overriding its settings."""
+    from ..core.families import variant
+
+    if family is not None:
+        return family, family_settings(family, flags, geometry)
+    cls, v = variant(profile.family_for(direction))
+    return cls.family, family_settings(cls.family, {**v.flags, **flags}, geometry)
 
 
 # Settings that decide only when checkpoints are written, never the translator or a reported figure: a resume may

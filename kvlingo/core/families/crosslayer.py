@@ -67,9 +67,17 @@ def proportional_layers(l_target: int, n_target: int, n_source: int, k: int = 1)
 class CrossLayer(LinearFamily):
     family = "crosslayer"
     options = (
-        Option("k", "source layers per target layer", 2),
-        Option("rank", "rank of each layer's maps (0: full; the keys' too unless --key-rank)", 0, width_scaled=True),
-        Option("key_rank", "rank of the key maps alone (0: full; default: --rank's)", None, width_scaled=True),
+        Option("k", "source layers per target layer", 2, minimum=1),
+        Option(
+            "rank",
+            "rank of each layer's maps (0: full; the keys' too unless --key-rank)",
+            0,
+            width_scaled=True,
+            minimum=0,
+        ),
+        Option(
+            "key_rank", "rank of the key maps alone (0: full; default: --rank's)", None, width_scaled=True, minimum=0
+        ),
         Option(
             "pairing",
             "source layers ranked by held-out R², or nearest by relative depth",
@@ -254,8 +262,16 @@ class CrossLayer(LinearFamily):
 class CrossHead(CrossLayer):
     family = "crosshead"
     options = (
-        Option("rank", "rank of each layer's maps (0: full; the keys' too unless --key-rank)", 0, width_scaled=True),
-        Option("key_rank", "rank of the key maps alone (0: full; default: --rank's)", None, width_scaled=True),
+        Option(
+            "rank",
+            "rank of each layer's maps (0: full; the keys' too unless --key-rank)",
+            0,
+            width_scaled=True,
+            minimum=0,
+        ),
+        Option(
+            "key_rank", "rank of the key maps alone (0: full; default: --rank's)", None, width_scaled=True, minimum=0
+        ),
     )
     variants = (
         Variant(

@@ -24,6 +24,7 @@ from ..translator import Geometry, LinearFamily, Part, TranslatorError, Variant,
 class Headwise(LinearFamily):
     family = "headwise"
     variants = (
+        Variant("headwise", note="head-wise maps: one affine map per (layer, KV head)", default_run=False),
         Variant(
             "headwise-ridge0",
             note="the seed design: head-wise maps, plain least squares",

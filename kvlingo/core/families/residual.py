@@ -27,7 +27,7 @@ class Residual(LinearFamily):
     family = "residual"
     options = (
         Option("base", "the linear family under the MLP", "headwise", str, base=True),
-        Option("hidden", "the MLP's hidden width", 64),
+        Option("hidden", "the MLP's hidden width", 64, minimum=1),
     )
 
     def __init__(

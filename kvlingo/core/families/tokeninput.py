@@ -54,17 +54,18 @@ BASES = ("headwise", "crosshead", "crosslayer")
 @family
 class TokenInput(LinearFamily):
     family = "tokeninput"
+    reads_layer0 = True
     options = (
         Option("base", "the linear family beside the token features", "headwise", str, choices=BASES, base=True),
         Option(
             "rank",
-            "rank of the token-feature maps, one down-projection shared by the layers (0: full; default "
-            "half the target's KV width)",
+            "rank of the token-feature maps, one down-projection shared by the layers (0: full)",
             half_target_width,
             flag="--token-rank",
+            minimum=0,
             width_scaled=True,
         ),
-        Option("window", "each token's features and those of the window − 1 tokens before it", 3),
+        Option("window", "each token's features and those of the window − 1 tokens before it", 3, minimum=1),
     )
     variants = (
         Variant(
