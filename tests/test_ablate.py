@@ -148,7 +148,7 @@ def test_ablate_runs_and_resumes(tiny_pair_paths, tmp_path, monkeypatch):
     rep = ablate.main(argv)
     res = rep["results"]
     rows = res["rows"]
-    assert [r["name"] for r in rows] == ["crosshead", "headwise-ridge0", "token-w1"]  # in SETTINGS order
+    assert [r["name"] for r in rows] == ["headwise-ridge0", "crosshead", "token-w1"]  # in the families' order
     assert res["default"]["setting"] in ("headwise-ridge0", "crosshead", "token-w1") and res["metric"] in A.METRICS
     for r in rows:  # every row on validation; GSM8K's 4 items split into 2 + 2
         assert r["val_gsm8k"]["n"] == 2 and r["params"] > 0 and r["val_kl"] >= 0 and r["val_n"] == 6

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kvlingo.bench.shapes import QWEN3_ARCH, arch_config, flop_ceiling, meta_model, prefill_flops, qwen3_config
-from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.families.headwise.maps import Headwise
 from kvlingo.core.translator import Geometry
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kvlingo.bench import timing
 from kvlingo.core.cache import capture
-from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.families.headwise.maps import Headwise
 from kvlingo.core.fit import NormalEquations
 from kvlingo.core.handoff import as_ids, prefill
 from kvlingo.core.translator import Geometry

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlingo.core.cache import Capture, build_cache, capture, continue_from
-from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.families.headwise.maps import Headwise
 from kvlingo.core.keyspace import rms_norm, rms_norm_
 from kvlingo.core.rope import apply_rope, apply_rope_into, rope_tables, strip_rope
 from kvlingo.core.translator import Geometry, TranslatorError

@@ -20,7 +20,7 @@ from tinypair import tiny_model
 from kvlingo.bench import timing
 from kvlingo.core import attention
 from kvlingo.core.cache import capture, continue_from, run_with_cache
-from kvlingo.core.families.crosslayer import CrossHead
+from kvlingo.core.families.crosslayer.maps import CrossHead
 from kvlingo.core.handoff import can_defer_values, greedy_generate, translate_to_cache
 from kvlingo.core.preallocated import Deferred, ValueMaps
 from kvlingo.core.refresh import Refresh

@@ -18,7 +18,7 @@ import pytest
 import torch
 from tinypair import chat_rows, load_tiny_pair, write_prepared
 
-from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.families.headwise.maps import Headwise
 from kvlingo.core.translator import Geometry
 from kvlingo.inputs.data import read_split
 from kvlingo.inputs.profiles import get_profile

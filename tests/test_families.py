@@ -12,9 +12,9 @@ import torch
 from tinypair import chat_rows, load_tiny_pair, write_prepared
 
 from kvlingo.core.cache import Capture
-from kvlingo.core.families.crosslayer import CrossHead, CrossLayer, proportional_layers
-from kvlingo.core.families.headwise import Headwise
-from kvlingo.core.families.residual import Residual
+from kvlingo.core.families.crosslayer.maps import CrossHead, CrossLayer, proportional_layers
+from kvlingo.core.families.headwise.maps import Headwise
+from kvlingo.core.families.residual.maps import Residual
 from kvlingo.core.fit import NormalEquations
 from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.records.saved import load_state, load_translator, read_manifest

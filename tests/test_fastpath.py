@@ -13,7 +13,7 @@ from kvlingo.bench.packing import packed
 from kvlingo.core import attention, engine, fused, linear
 from kvlingo.core.cache import build_cache, capture, continue_from, empty_cache, run_with_cache
 from kvlingo.core.engine import FAST_BF16_TOLERANCE
-from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.families.headwise.maps import Headwise
 from kvlingo.core.handoff import greedy_generate, translate, translate_to_cache
 from kvlingo.core.translator import Geometry
 from kvlingo.inputs.models import ModelSpec, load_model
@@ -402,7 +402,7 @@ def test_bf16_fast_translation_within_tolerance_of_fp32_maths(models):
 @pytest.mark.parametrize("settings", [{"k": 1, "pairing": "proportional"}, {"k": 2, "rank": 8}])
 def test_bf16_fast_crosslayer_within_tolerance_of_fp32_maths(models, settings):
     """The default families (cross-head, cross-layer at a rank) take the fast path too: within the same bound."""
-    from kvlingo.core.families.crosslayer import CrossLayer
+    from kvlingo.core.families.crosslayer.maps import CrossLayer
 
     source, target = models["large", torch.bfloat16], models["small", torch.bfloat16]
     ids = _ids(40, target.config.vocab_size, 5)

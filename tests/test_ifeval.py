@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ifeval
-from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.families.headwise.maps import Headwise
 from kvlingo.core.translator import Geometry
 from kvlingo.eval.itemrows import read_rows
 from kvlingo.eval.tasks import grader

@@ -8,7 +8,7 @@ import torch
 from tinypair import load_tiny_pair
 
 from kvlingo.core.cache import capture
-from kvlingo.core.families.crosslayer import CrossHead
+from kvlingo.core.families.crosslayer.maps import CrossHead
 from kvlingo.core.handoff import translate
 from kvlingo.core.layer0 import ContextFree, NotContextFree, check, flops_per_token
 from kvlingo.core.refresh import Refresh, RefreshError, refresh_flops, refreshed_kv

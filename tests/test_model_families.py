@@ -14,7 +14,7 @@ from tinypair import corpus, tiny_model
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvlingo.core.cache import capture, continue_from
-from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.families.headwise.maps import Headwise
 from kvlingo.core.rope import RopeCache
 from kvlingo.core.translator import Geometry
 from kvlingo.eval.controls import native_controls, tolerances_for

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tinypair import chat_rows, load_tiny_pair, write_prepared
 
 from kvlingo.core.cache import handoff_split
-from kvlingo.core.families.crosslayer import CrossHead
+from kvlingo.core.families.crosslayer.maps import CrossHead
 from kvlingo.core.handoff import as_ids, translate
 from kvlingo.core.refresh import Refresh
 from kvlingo.core.translator import Geometry

@@ -38,7 +38,7 @@ def test_real_tiny_pair_passes(tiny_pair_paths):
 )
 def test_other_geometries_pass_the_pair_check_and_head_wise_refuses_them(field, src, tgt):
     """Depth, KV heads and head_dim may differ between the models; a family that cannot map a geometry refuses it."""
-    from kvlingo.core.families.headwise import Headwise
+    from kvlingo.core.families.headwise.maps import Headwise
     from kvlingo.core.translator import Geometry, TranslatorError
 
     a, b = cfg(**src), cfg(**tgt)

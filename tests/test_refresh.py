@@ -8,7 +8,7 @@ import torch
 from tinypair import load_tiny_pair
 
 from kvlingo.core.cache import build_cache, capture
-from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.families.headwise.maps import Headwise
 from kvlingo.core.handoff import translate
 from kvlingo.core.refresh import (
     Refresh,

@@ -16,7 +16,7 @@ import torch
 from tinypair import load_tiny_pair
 
 import task_eval
-from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.families.headwise.maps import Headwise
 from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.eval.itemrows import ItemRows, RowsError, read_rows
 from kvlingo.eval.tasks.parsers import parse_choice, parse_gold_number, parse_number, score

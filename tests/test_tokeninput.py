@@ -10,7 +10,7 @@ from test_families import lstsq_blocks
 from tinypair import chat_rows, load_tiny_pair
 
 from kvlingo.core.cache import Capture, capture
-from kvlingo.core.families.tokeninput import TokenInput
+from kvlingo.core.families.tokeninput.maps import TokenInput
 from kvlingo.core.fit import NormalEquations
 from kvlingo.core.layer0 import ContextFree
 from kvlingo.core.translator import Geometry, TranslatorError

@@ -517,5 +517,5 @@ def test_build_export_install_and_pair(world, tmp_path):
     geometry = Geometry(**cfg_pair.geometry)
     assert (geometry.target_layers, geometry.target_kv_heads, geometry.target_head_dim) == (3, 4, 8)
     with pytest.raises(TranslatorError, match="--family crosslayer"):
-        FAMILIES["headwise"](geometry)
-    assert FAMILIES["crosslayer"](geometry).geometry == geometry
+        FAMILIES["headwise"].translator()(geometry)
+    assert FAMILIES["crosslayer"].translator()(geometry).geometry == geometry

@@ -94,7 +94,7 @@ def test_full_pair_reproduces_its_scores_and_a_fit_carries_the_context(installed
     fitted on 64 chats beats the wrong-document control and the no-context floor on 24 more."""
     from tinypair import load_tiny_pair
 
-    from kvlingo.core.families.headwise import Headwise
+    from kvlingo.core.families.headwise.maps import Headwise
     from kvlingo.core.translator import Geometry
     from kvlingo.eval.quality import control_contexts, score_conversation
     from kvlingo.inputs.data import prepare, read_split

@@ -23,7 +23,7 @@ import torch
 from tinypair import chat_rows, load_tiny_pair, write_prepared
 
 from kvlingo.core.cache import capture
-from kvlingo.core.families.headwise import Headwise
+from kvlingo.core.families.headwise.maps import Headwise
 from kvlingo.core.handoff import as_ids
 from kvlingo.core.rope import RopeCache
 from kvlingo.core.translator import Geometry

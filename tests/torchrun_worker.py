@@ -18,7 +18,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from tinypair import load_tiny_pair  # noqa: E402
 
-from kvlingo.core.families.headwise import Headwise  # noqa: E402
+from kvlingo.core.families.headwise.maps import Headwise  # noqa: E402
 from kvlingo.core.translator import Geometry  # noqa: E402
 from kvlingo.inputs.data import read_split  # noqa: E402
 from kvlingo.train import distributed  # noqa: E402

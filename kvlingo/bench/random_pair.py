@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 import torch
 
-from ..core.families.headwise import Headwise
+from ..core.families.headwise.maps import Headwise
 from ..core.translator import Geometry
 from ..inputs.models import ModelSpec, Pair, PairConfig, check_pair, dtype_name, pair_specs
 from ..records.saved import build

@@ -25,26 +25,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
 from . import attention, linear
 from .arch import head_dim
-
-
-class Part(IntEnum):
-    """A half of a KV cache: the keys or the values. Its value indexes the leading [2, ...] axis of every
-    family's parameters and of the closed form's statistics."""
-
-    KEYS = 0
-    VALUES = 1
-
-
-PARTS = (Part.KEYS, Part.VALUES)
-
-
-CACHE_KINDS = ("preallocated", "dynamic")  # the first is the default; a stage's is its pair config's (--cache)
+from .settings import CACHE_KINDS, PARTS, Part  # noqa: F401  (re-exported)
 
 
 @dataclass

@@ -32,10 +32,11 @@ from contextlib import contextmanager
 import torch
 
 from .cache import Part
+from .settings import PRECISIONS  # noqa: F401  (re-exported)
 
 DEFAULT_CHUNK_ELEMENTS = {"cpu": 1 << 22, "mps": 1 << 25, "cuda": 1 << 24}  # FP32 temporaries per chunk of layers
 TILE_ELEMENTS = {"cpu": 1 << 18}  # elements of a token tile of the keys' norm and RoPE (cache-sized); untiled elsewhere
-PRECISIONS = ("fp32", "fused", "fast", "fast-fused")
+
 FAST = ("fast", "fast-fused")  # the maps' matmuls in the run dtype
 FUSED = ("fused", "fast-fused")  # the keys' norm and RoPE as one compiled kernel
 # How far the `fast` path in BF16 may be from the `fp32` path (both rounded to BF16), in units of the

@@ -23,8 +23,7 @@ from . import arch, fused
 from .cache import Capture
 from .norm import rms_norm, rms_norm_
 from .rope import RopeCache, apply_rope, apply_rope_into, strip_rope
-
-KEY_SPACES = ("prenorm", "cache")
+from .settings import KEY_SPACES  # noqa: F401  (re-exported)
 
 
 def k_norm_params(model) -> tuple[torch.Tensor | None, float]:

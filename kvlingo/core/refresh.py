@@ -33,98 +33,13 @@ translator's FLOPs for what it translates; `kvlingo.bench.shapes` prices them at
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass
 
 import torch
 
-from ..errors import Refusal
 from .arch import head_dim
 from .cache import Capture, build_cache, capture
-
-KINDS = ("none", "tail", "layers", "select", "layer", "exact")
-
-
-class RefreshError(Refusal, ValueError):
-    """A refresh setting that cannot be parsed or applied."""
-
-
-@dataclass(frozen=True)
-class Refresh:
-    kind: str = "none"  # none, tail, layers, select, layer or exact
-    amount: float = 0.0  # tokens (tail), layers (layers), fraction (select); with `relative`, a fraction
-    relative: bool = False  # tail/layers given as a percentage of the context / of the layers
-
-    @classmethod
-    def parse(cls, text: str | None) -> Refresh:
-        if not text or text == "none":
-            return cls()
-        m = re.fullmatch(r"(tail|layers|select|layer|exact):([0-9.]+)(%?)", text.strip())
-        if not m:
-            raise RefreshError(
-                f"refresh {text!r} is not none, tail:W, layers:K, select:R, layer:l or exact:0 "
-                "(W and K: a count or a percentage such as 10%; R: a fraction in [0, 1]; "
-                "l: a target layer index)"
-            )
-        kind, value, pct = m.group(1), float(m.group(2)), bool(m.group(3))
-        if kind == "select":
-            value = value / 100 if pct else value
-            if not 0 <= value <= 1:
-                raise RefreshError(f"select:{m.group(2)}{m.group(3)}: the fraction must be within [0, 1]")
-            return cls(kind, value)
-        if kind == "exact" and (pct or value != 0):
-            raise RefreshError(
-                f"{text}: only layer 0 is computed from the token ids alone (every later layer reads "
-                "the context); give exact:0"
-            )
-        if kind == "layer" and (pct or value != int(value)):
-            raise RefreshError(f"{text}: layer:l takes the index of one target layer, such as layer:0")
-        if pct:
-            if value > 100:
-                raise RefreshError(f"{text}: a percentage above 100")
-            return cls(kind, value / 100, True)
-        if value != int(value):
-            raise RefreshError(f"{text}: {kind} counts whole {'tokens' if kind == 'tail' else 'layers'}")
-        return cls(kind, value)
-
-    def __str__(self) -> str:
-        if self.kind == "none":
-            return "none"
-        if self.relative:
-            return f"{self.kind}:{100 * self.amount:g}%"
-        return f"{self.kind}:{self.amount:g}" if self.kind == "select" else f"{self.kind}:{int(self.amount)}"
-
-    def tail_tokens(self, n_tokens: int) -> int:
-        w = round(self.amount * n_tokens) if self.relative else int(self.amount)
-        return min(max(w, 0), n_tokens)
-
-    def native_layers(self, n_layers: int) -> int:
-        k = round(self.amount * n_layers) if self.relative else int(self.amount)
-        if k > n_layers:
-            raise RefreshError(f"layers:{k} but the target has {n_layers} layers")
-        return max(k, 0)
-
-    def layer_index(self, n_layers: int) -> int:
-        l = int(self.amount)
-        if l >= n_layers:
-            raise RefreshError(f"layer:{l} but the target's layers are 0..{n_layers - 1}")
-        return l
-
-    def check_layers(self, n_layers: int) -> None:
-        """Refuse (RefreshError, with the fix) a layers:K or layer:l setting a target of `n_layers` layers cannot
-        take, before any work: applying it would fail only on the first conversation."""
-        try:
-            if self.kind == "layers":
-                self.native_layers(n_layers)
-            elif self.kind == "layer":
-                self.layer_index(n_layers)
-        except RefreshError as err:
-            raise RefreshError(
-                f"refresh {err}; give layers:K with K ≤ {n_layers} (or a percentage), or layer:l with l < {n_layers}"
-            ) from None
-
-    def selected_count(self, n_tokens: int) -> int:
-        return min(n_tokens, round(self.amount * n_tokens))
+from .settings import REFRESH_KINDS as KINDS  # noqa: F401  (re-exported)
+from .settings import Refresh, RefreshError  # noqa: F401  (re-exported)
 
 
 # --------------------------------------------------------------------------- native parts

@@ -1,16 +1,10 @@
-"""The translator interface: what every family is, declares and provides, and the registry that loads one by name.
+"""The translator interface: what a family's maps provide, and what every family shares.
 
 A translator turns a source capture (`cache.Capture`) into the target's K/V, ready for
-`cache.build_cache`. Every family (head-wise, cross-head, cross-layer, residual, token input) is a
-`Translator` subclass registered with `@family`. It declares, in its own module:
-
-- `options`: its settings, each an `Option` (flag, default, help; a default may depend on the pair's
-  shapes, as a rank of half the target's KV width does). The training flags, a run's settings
-  (`settings_from`), the profiles' defaults and the settings carried to other shapes (`carry`) are
-  made from them, so no code outside the module lists a family's settings;
-- `variants`: named settings worth comparing (`Variant`), the rows of `make ablate`;
-
-and provides (the abstract methods below, shapes in their docstrings):
+`cache.build_cache`. Each family (head-wise, cross-head, cross-layer, residual, token input) lives
+in its own package under kvlingo/core/families: a declaration (`settings.Family`: its options,
+variants and what it reads; no torch, so flags parse without it) and its maps, a `Translator`
+subclass that provides (the abstract methods below, shapes in their docstrings):
 
 - its state (an `nn.Module`: parameters and buffers, saved as maps.safetensors) and `settings()`;
 - `map(part, cap, layers)`: FP32 target features of the keys or the values (`Part`) of a run of
@@ -28,9 +22,8 @@ The folder format and the one loader are kvlingo.records.saved. Callers never br
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, ClassVar
 
 import torch
@@ -38,121 +31,20 @@ from torch import nn
 
 from ..errors import Refusal
 from . import engine
-from .arch import head_dim
-from .cache import PARTS, Capture, Part  # noqa: F401  (Part and PARTS: re-exported for the families)
+from .cache import Capture
 from .keyspace import KeySpace
 from .preallocated import ValueMaps
-
-FAMILIES: dict[str, type[Translator]] = {}  # family name → class, filled by @family
+from .settings import PARTS, Geometry, Part  # noqa: F401  (re-exported for the families)
 
 
 class TranslatorError(Refusal, ValueError):
     """A translator folder that is incomplete, damaged, or made for another pair, family or key space."""
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """The cache shapes on both sides of a translator."""
-
-    source_layers: int
-    source_kv_heads: int
-    source_head_dim: int
-    target_layers: int
-    target_kv_heads: int
-    target_head_dim: int
-
-    @classmethod
-    def of(cls, source_cfg, target_cfg) -> Geometry:
-        """From two model configs (or models)."""
-        s, t = getattr(source_cfg, "config", source_cfg), getattr(target_cfg, "config", target_cfg)
-        return cls(
-            s.num_hidden_layers,
-            s.num_key_value_heads,
-            head_dim(s),
-            t.num_hidden_layers,
-            t.num_key_value_heads,
-            head_dim(t),
-        )
-
-    @property
-    def same_layout(self) -> bool:
-        """Layer for layer and head for head the same shapes (what head-wise maps need)."""
-        return (self.source_layers, self.source_kv_heads) == (self.target_layers, self.target_kv_heads)
-
-    @property
-    def target_width(self) -> int:
-        """The target's KV width per layer: kv_heads · head_dim (1,024 for Qwen3-0.6B and 1.7B)."""
-        return self.target_kv_heads * self.target_head_dim
-
-
-@dataclass(frozen=True)
-class Option:
-    """One setting of a family: its settings key, its training flag, its default and its help."""
-
-    name: str  # the key in the family's settings, e.g. "rank"
-    help: str  # one line of the training flag's --help
-    default: Any = None  # a value, or a function of the Geometry (a rank of half the target width)
-    type: Callable[[str], Any] = int  # what parses the flag's text
-    flag: str = ""  # the training flag; default --NAME, underscores as dashes
-    choices: tuple = ()  # the values the flag takes, if a fixed set
-    minimum: int | None = None  # the least whole number the flag takes (a count or a rank)
-    width_scaled: bool = False  # a rank: carried to other shapes in proportion to the target's KV width
-    base: bool = False  # the name of a linear family beside which this one works; its settings come from the same flags
-
-    @property
-    def flag_name(self) -> str:
-        return self.flag or "--" + self.name.replace("_", "-")
-
-    @property
-    def dest(self) -> str:
-        """The attribute argparse stores the flag under (what `settings_from` reads)."""
-        return self.flag_name[2:].replace("-", "_")
-
-    def default_for(self, geometry: Geometry | None) -> Any:
-        if callable(self.default):
-            if geometry is None:
-                raise ValueError(f"{self.name}'s default depends on the pair's shapes; give a geometry")
-            return self.default(geometry)
-        return self.default
-
-
-def half_target_width(geometry: Geometry) -> int:
-    """A rank of half the target's KV width (32 on the toy pair, 512 on Qwen3-1.7B ↔ 0.6B)."""
-    return geometry.target_width // 2
-
-
-def quarter_target_width(geometry: Geometry) -> int:
-    """A rank of a quarter of the target's KV width (16 on the toy pair, 256 on Qwen3-1.7B ↔ 0.6B)."""
-    return geometry.target_width // 4
-
-
-@dataclass(frozen=True)
-class Variant:
-    """Named settings of a family worth comparing: a row of `make ablate` (kvlingo.stages.ablation)."""
-
-    name: str  # also the row's run folder
-    flags: dict = field(default_factory=dict)  # option values by flag dest (`Option.dest`); the rest: defaults
-    note: str = ""  # what the row tests
-    refresh: str = "none"  # the refresh it is trained and evaluated under (exact:0: the target's own layer 0)
-    default_run: bool = True  # trained by a plain `make ablate` (the others with --settings)
-    train_flags: tuple[str, ...] = ()  # training flags beside the family's (objectives, regularisation)
-
-
-def family(cls: type[Translator]) -> type[Translator]:
-    """Class decorator: make a family loadable by its name."""
-    FAMILIES[cls.family] = cls
-    return cls
-
-
 class Translator(nn.Module, ABC):
     """A family's maps from a source's cache to a target's (see the module docstring)."""
 
-    family: ClassVar[str] = ""
-    options: ClassVar[tuple[Option, ...]] = ()  # its settings (`Option`), in the order its flags are listed
-    variants: ClassVar[tuple[Variant, ...]] = ()  # named settings worth comparing (`make ablate`'s rows)
-    # True when the maps read the target's layer-0 projections of the token ids (kvlingo.core.layer0): a handoff then
-    # computes them whatever its refresh, and its cost counts them.
-    reads_layer0: ClassVar[bool] = False
+    family: ClassVar[str] = ""  # its declaration's name (kvlingo.core.families.FAMILIES)
     # True when map_into reads `source` features in the compute dtype, takes parameters through
     # `cast`, and writes strided outputs (a cache's context view): then the engine's `fast` path applies.
     fast_paths: ClassVar[bool] = False
@@ -164,46 +56,6 @@ class Translator(nn.Module, ABC):
         self.space: KeySpace | None = None  # bound to a pair's models by `bind`
         self._compute = torch.float32  # dtype of map inputs while the engine runs
         self._casts: dict = {}  # (parameter id, dtype) → (version, data pointer, cast copy)
-
-    # ------------------------------------------------------------------ what a family declares
-    @classmethod
-    def settings_from(cls, flags: dict[str, Any], geometry: Geometry | None = None) -> dict[str, Any]:
-        """The family's settings from flag values (by `Option.dest`; None or absent: the option's default, which
-        may need the pair's `geometry`). A `base` option names a linear family whose own settings come from
-        the same flags."""
-        out: dict[str, Any] = {}
-        for option in cls.options:
-            value = flags.get(option.dest)
-            value = option.default_for(geometry) if value is None else value
-            if callable(value):  # a variant's value that depends on the shapes (a rank of half the width)
-                value = value(geometry)
-            if value is None:  # an option whose absence means something (a key rank: the rank's)
-                continue
-            if option.base:
-                if value not in FAMILIES or not issubclass(FAMILIES[value], LinearFamily) or value == cls.family:
-                    linear = ", ".join(sorted(n for n, c in FAMILIES.items() if issubclass(c, LinearFamily)))
-                    raise TranslatorError(f"{cls.family} sits on a linear family ({linear}), not {value!r}")
-                value = {"family": value, "settings": FAMILIES[value].settings_from(flags, geometry)}
-            out[option.name] = value
-        return out
-
-    @classmethod
-    def carry(cls, settings: dict[str, Any], width_ratio: float, source_layers: int | None = None) -> dict[str, Any]:
-        """Settings carried to other shapes: what `settings()` derives from data (a layer plan) dropped, the ranks
-        scaled by `width_ratio` (the ratio of the target KV widths, so that half the width stays half), and a
-        base family's settings carried alike. `source_layers` (the other source's depth) caps a count of them."""
-        out = {}
-        for option in cls.options:
-            if option.name not in settings:
-                continue
-            value = settings[option.name]
-            if option.width_scaled and value:
-                value = max(1, round(value * width_ratio))
-            elif option.base and isinstance(value, dict):
-                base = FAMILIES[value["family"]]
-                value = {**value, "settings": base.carry(value.get("settings", {}), width_ratio, source_layers)}
-            out[option.name] = value
-        return out
 
     # ------------------------------------------------------------------ what a family provides
     def settings(self) -> dict[str, Any]:

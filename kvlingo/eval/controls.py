@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from ..core.cache import handoff_split
-from ..core.families.headwise import Headwise
+from ..core.families.headwise.maps import Headwise
 from ..core.handoff import as_ids, capture_source, continue_target, device_of, translate
 from ..core.kl import token_kl, top1_agreement
 from ..core.translator import Geometry

@@ -27,6 +27,7 @@ import torch
 
 from ..core.arch import MODEL_TYPES
 from ..core.rope import schedule_refusal
+from ..core.settings import DIRECTIONS  # noqa: F401  (re-exported)
 from ..errors import Refusal
 
 # Pinned Hub revisions (commit shas). Beyond the default pair, each is the snapshot folder
@@ -44,7 +45,6 @@ PINNED_REVISIONS = {
     "meta-llama/Llama-3.2-3B-Instruct": "0cb88a4f764b7a12671c53f0838cd831a0843b95",
 }
 COMMIT = re.compile(r"[0-9a-f]{40}")
-DIRECTIONS = ("l2s", "s2l")  # l2s: large builds the cache, small continues
 
 
 class PairError(Refusal, ValueError):

@@ -152,12 +152,12 @@ def build(manifest: dict[str, Any], device: str | torch.device | None = None) ->
         raise TranslatorError(f"key space {manifest.get('key_space')!r} is not one of {', '.join(KEY_SPACES)}")
     settings = manifest.get("settings", {})
     if not isinstance(settings, dict):
-        raise TranslatorError(f"settings {settings!r} are not a mapping of the {cls.family} family's options")
+        raise TranslatorError(f"settings {settings!r} are not a mapping of the {cls.name} family's options")
     try:
         with torch.device(device) if device is not None else contextlib.nullcontext():
             return cls.from_spec(Geometry(**geometry), manifest["key_space"], settings)
     except (TypeError, ValueError) as err:
-        raise TranslatorError(f"settings {settings} do not build a {cls.family} translator ({err})") from None
+        raise TranslatorError(f"settings {settings} do not build a {cls.name} translator ({err})") from None
 
 
 def check_state(path: Path, translator: Translator) -> None:

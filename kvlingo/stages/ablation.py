@@ -96,7 +96,7 @@ def _setting(cls, v, geometry, name: str | None = None, train_flags: tuple = (),
     values = {dest: (value(geometry) if callable(value) else value) for dest, value in v.flags.items()}
     return Setting(
         name or v.name,
-        cls.family,
+        cls.name,
         values,
         _option_flags(cls, values),
         (*v.train_flags, *train_flags),

@@ -13,8 +13,8 @@ def family_options() -> dict[str, list]:
     from ..core.families import FAMILIES
 
     out: dict[str, list] = {}
-    for name, cls in FAMILIES.items():
-        for option in cls.options:
+    for name, fam in FAMILIES.items():
+        for option in fam.options:
             out.setdefault(option.flag_name, []).append((name, option))
     return out
 
@@ -74,8 +74,8 @@ def resolve_family(profile, direction: str, family: str | None, flags: dict, geo
 
     if family is not None:
         return family, family_settings(family, flags, geometry)
-    cls, v = variant(profile.family_for(direction))
-    return cls.family, family_settings(cls.family, {**v.flags, **flags}, geometry)
+    fam, v = variant(profile.family_for(direction))
+    return fam.name, family_settings(fam.name, {**v.flags, **flags}, geometry)
 
 
 # Settings that decide only when checkpoints are written, never the translator or a reported figure: a resume may

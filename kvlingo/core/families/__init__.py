@@ -1,20 +1,39 @@
-"""The translator families. Importing this package registers every one in `FAMILIES` (name → class); each
-module declares its family's options and variants (kvlingo.core.translator)."""
+"""The translator families: each declares itself in its package (`Family`: options, variants, what it reads) and
+keeps its maps beside the declaration (`maps.py`, imported on first use). Importing this package is light (no torch).
+
+    headwise     one affine map per (K/V, layer, KV head)
+    crosshead    every target KV head reads every source KV head of the layer at the same relative depth
+    crosslayer   ... of the k source layers ranked best for each target layer
+    residual     a linear family plus a small MLP per layer
+    tokeninput   a linear family plus the target's layer-0 features of each token and the ones before it
+"""
 
 from __future__ import annotations
 
-from ..translator import FAMILIES, Translator, TranslatorError, Variant
-from . import crosslayer, headwise, residual, tokeninput  # noqa: F401  (each registers its family)
+from ..settings import Family, FamilyError, Variant
+from .crosslayer import CROSSHEAD, CROSSLAYER
+from .headwise import HEADWISE
+from .residual import RESIDUAL
+from .tokeninput import TOKENINPUT
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (HEADWISE, CROSSHEAD, CROSSLAYER, RESIDUAL, TOKENINPUT)}
 
 
-def variants() -> list[tuple[type[Translator], Variant]]:
-    """Every family's variants, in the order the families register and declare them."""
-    return [(cls, v) for cls in FAMILIES.values() for v in cls.variants]
+def family(name: str) -> Family:
+    """The family called `name` (refused with the names there are)."""
+    if name not in FAMILIES:
+        raise FamilyError(f"no translator family {name!r}; there are {', '.join(FAMILIES)}")
+    return FAMILIES[name]
 
 
-def variant(name: str) -> tuple[type[Translator], Variant]:
+def variants() -> list[tuple[Family, Variant]]:
+    """Every family's variants, in the order of `FAMILIES` and of each declaration."""
+    return [(f, v) for f in FAMILIES.values() for v in f.variants]
+
+
+def variant(name: str) -> tuple[Family, Variant]:
     """The family and the variant named `name` (refused with the names there are)."""
-    for cls, v in variants():
+    for f, v in variants():
         if v.name == name:
-            return cls, v
-    raise TranslatorError(f"no translator variant {name!r}; there are {', '.join(v.name for _, v in variants())}")
+            return f, v
+    raise FamilyError(f"no translator variant {name!r}; there are {', '.join(v.name for _, v in variants())}")

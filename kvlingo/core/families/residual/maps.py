@@ -18,17 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import Capture
-from ..translator import FAMILIES, Geometry, LinearFamily, Option, Part, TranslatorError, family
+from ...cache import Capture
+from ...translator import Geometry, LinearFamily, Part, TranslatorError
+from .. import FAMILIES
 
 
-@family
 class Residual(LinearFamily):
     family = "residual"
-    options = (
-        Option("base", "the linear family under the MLP", "headwise", str, base=True),
-        Option("hidden", "the MLP's hidden width", 64, minimum=1),
-    )
 
     def __init__(
         self,

@@ -33,56 +33,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache import Capture
-from ..fit import NormalEquations, reduced_rank
-from ..translator import (
-    FAMILIES,
-    Geometry,
-    LinearFamily,
-    Option,
-    Part,
-    Translator,
-    TranslatorError,
-    Variant,
-    family,
-    half_target_width,
-)
-
-BASES = ("headwise", "crosshead", "crosslayer")
+from ...cache import Capture
+from ...fit import NormalEquations, reduced_rank
+from ...settings import half_target_width
+from ...translator import Geometry, LinearFamily, Part, Translator, TranslatorError
+from .. import FAMILIES
+from . import BASES
 
 
-@family
 class TokenInput(LinearFamily):
     family = "tokeninput"
-    reads_layer0 = True
-    options = (
-        Option("base", "the linear family beside the token features", "headwise", str, choices=BASES, base=True),
-        Option(
-            "rank",
-            "rank of the token-feature maps, one down-projection shared by the layers (0: full)",
-            half_target_width,
-            flag="--token-rank",
-            minimum=0,
-            width_scaled=True,
-        ),
-        Option("window", "each token's features and those of the window − 1 tokens before it", 3, minimum=1),
-    )
-    variants = (
-        Variant(
-            "token-w3",
-            note="head-wise maps plus the target's layer-0 features of the token and the two before "
-            "it (rank half the target width), own layer 0",
-            refresh="exact:0",
-        ),
-        Variant(
-            "token-w1",
-            {"window": 1},
-            "token identity of each token alone, own layer 0",
-            refresh="exact:0",
-            default_run=False,
-        ),
-        Variant("token-w3-full", {"token_rank": 0}, "token-w3 at full rank", refresh="exact:0", default_run=False),
-    )
 
     def __init__(
         self,
@@ -136,7 +96,7 @@ class TokenInput(LinearFamily):
         return self.base.flops_per_token(part) + tok * (2 if part is None else 1)
 
     def bind(self, source, target) -> TokenInput:
-        from ..layer0 import ContextFree, NotContextFree
+        from ...layer0 import ContextFree, NotContextFree
 
         super().bind(source, target)
         self.base.space = self.space

@@ -36,23 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache import Capture
-from ..fit import NormalEquations, reduced_rank
-from ..preallocated import ValueMaps
-from ..translator import (
-    PARTS,
-    Geometry,
-    LinearFamily,
-    Option,
-    Part,
-    TranslatorError,
-    Variant,
-    family,
-    half_target_width,
-    quarter_target_width,
-)
-
-PAIRINGS = ("ranked", "proportional")
+from ...cache import Capture
+from ...fit import NormalEquations, reduced_rank
+from ...preallocated import ValueMaps
+from ...translator import PARTS, Geometry, LinearFamily, Part, TranslatorError
+from . import PAIRINGS
 
 
 def proportional_layers(l_target: int, n_target: int, n_source: int, k: int = 1) -> list[int]:
@@ -63,36 +51,8 @@ def proportional_layers(l_target: int, n_target: int, n_source: int, k: int = 1)
     return order[:k]
 
 
-@family
 class CrossLayer(LinearFamily):
     family = "crosslayer"
-    options = (
-        Option("k", "source layers per target layer", 2, minimum=1),
-        Option(
-            "rank",
-            "rank of each layer's maps (0: full; the keys' too unless --key-rank)",
-            0,
-            width_scaled=True,
-            minimum=0,
-        ),
-        Option(
-            "key_rank", "rank of the key maps alone (0: full; default: --rank's)", None, width_scaled=True, minimum=0
-        ),
-        Option(
-            "pairing",
-            "source layers ranked by held-out R², or nearest by relative depth",
-            "ranked",
-            str,
-            choices=PAIRINGS,
-        ),
-    )
-    variants = (
-        Variant(
-            "crosslayer-k4-rhalf",
-            {"k": 4, "rank": half_target_width},
-            "the top-4 source layers through a rank of half the target width (the s2l default before tokeninput)",
-        ),
-    )
     fast_paths = True  # map casts its parameters; map_into (the base's) copies into strided outputs
 
     def __init__(
@@ -170,13 +130,6 @@ class CrossLayer(LinearFamily):
         if self._plan_read is None or self._plan_read[:2] != stamp:
             self._plan_read = (*stamp, tuple(tuple(map(tuple, p)) for p in self.plan.tolist()))
         return self._plan_read[2][part]
-
-    @classmethod
-    def carry(cls, settings: dict[str, Any], width_ratio: float, source_layers: int | None = None) -> dict[str, Any]:
-        out = super().carry(settings, width_ratio, source_layers)
-        if source_layers is not None and out.get("k", 0) > source_layers:
-            out["k"] = source_layers
-        return out
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -258,36 +211,8 @@ class CrossLayer(LinearFamily):
                     self.bias[part].copy_(sol[part, :, -1, :].float())
 
 
-@family
 class CrossHead(CrossLayer):
     family = "crosshead"
-    options = (
-        Option(
-            "rank",
-            "rank of each layer's maps (0: full; the keys' too unless --key-rank)",
-            0,
-            width_scaled=True,
-            minimum=0,
-        ),
-        Option(
-            "key_rank", "rank of the key maps alone (0: full; default: --rank's)", None, width_scaled=True, minimum=0
-        ),
-    )
-    variants = (
-        Variant(
-            "crosshead",
-            note="all source heads → all target heads, same relative depth (the l2s default before tokeninput)",
-        ),
-        Variant(
-            "crosshead-exact0", note="cross-head maps, the target's own layer 0 from the token ids", refresh="exact:0"
-        ),
-        Variant(
-            "crosshead-key-rquarter",
-            {"key_rank": quarter_target_width},
-            "cross-head maps, the keys' through a rank of a quarter of the target width (values full)",
-            default_run=False,
-        ),
-    )
 
     def __init__(
         self,

@@ -15,26 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import Capture
-from ..preallocated import ValueMaps
-from ..translator import Geometry, LinearFamily, Part, TranslatorError, Variant, family
+from ...cache import Capture
+from ...preallocated import ValueMaps
+from ...translator import Geometry, LinearFamily, Part, TranslatorError
 
 
-@family
 class Headwise(LinearFamily):
     family = "headwise"
-    variants = (
-        Variant("headwise", note="head-wise maps: one affine map per (layer, KV head)", default_run=False),
-        Variant(
-            "headwise-ridge0",
-            note="the seed design: head-wise maps, plain least squares",
-            train_flags=("--ridge", "0"),
-            default_run=False,
-        ),
-        Variant(
-            "headwise-exact0", note="head-wise maps, the target's own layer 0", refresh="exact:0", default_run=False
-        ),
-    )
     fast_paths = True  # _affine casts its maps, and writes strided outputs through view + baddbmm(out=)
 
     def __init__(self, geometry: Geometry, key_space: str = "prenorm"):
