@@ -152,13 +152,20 @@ def add_common_args(parser, data: bool = False, default_profile: str = "pilot") 
 def add_pair_args(parser, default_dtype: str = "bfloat16") -> None:
     """The flags every stage uses to name its pair."""
     parser.add_argument(
-        "--large", default=LARGE_ID, help=f"larger model: Hub id[@rev] or local folder (default {LARGE_ID} @ pinned rev)"
+        "--large",
+        default=LARGE_ID,
+        help=f"larger model: Hub id[@rev] or local folder (default {LARGE_ID} @ pinned rev)",
     )
     parser.add_argument(
-        "--small", default=SMALL_ID, help=f"smaller model: Hub id[@rev] or local folder (default {SMALL_ID} @ pinned rev)"
+        "--small",
+        default=SMALL_ID,
+        help=f"smaller model: Hub id[@rev] or local folder (default {SMALL_ID} @ pinned rev)",
     )
     parser.add_argument(
-        "--direction", choices=DIRECTIONS, default="l2s", help="l2s: large builds the cache, small continues; s2l the reverse"
+        "--direction",
+        choices=DIRECTIONS,
+        default="l2s",
+        help="l2s: large builds the cache, small continues; s2l the reverse",
     )
     parser.add_argument("--device", default="auto", help="cuda, mps, cpu or auto (cuda, then mps, then cpu)")
     parser.add_argument("--dtype", default=default_dtype, help="model dtype: bfloat16 or float32")

@@ -58,6 +58,7 @@ class Stage(ABC):
     @classmethod
     def add_args(cls, parser: StageParser) -> None:
         """The stage's own flags (light: no heavy import here)."""
+        return None
 
     @classmethod
     def parser(cls) -> StageParser:
@@ -72,6 +73,7 @@ class Stage(ABC):
     # ------------------------------------------------------------------ the steps
     def check(self) -> None:
         """Resolve the config; refuse what cannot run, before anything on disk changes."""
+        return None
 
     def up_to_date(self) -> Any | None:
         """The finished result when nothing it depends on changed (then nothing else runs), else None."""
@@ -79,6 +81,7 @@ class Stage(ABC):
 
     def load(self) -> None:
         """Load models and data."""
+        return None
 
     @abstractmethod
     def run(self) -> Any:
