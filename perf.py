@@ -67,6 +67,7 @@ from kvlingo.core.translator import Geometry, TranslatorError
 from kvlingo.errors import Refusal
 from kvlingo.eval import stats
 from kvlingo.inputs.argtypes import number, whole
+from kvlingo.inputs.flags import add_family_args, family_flags
 from kvlingo.inputs.models import DIRECTIONS, resolve_device, resolve_dtype
 from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import atomic_write_bytes, sha256_file
@@ -74,7 +75,7 @@ from kvlingo.records import resume
 from kvlingo.records.paths import RunPaths
 from kvlingo.records.report import Metric, Report, figure, figure_png, fmt_interval, fmt_table, huge_pages, publish
 from kvlingo.stages.stage import add_refresh_arg, add_timing_args, lock_run, refusals_exit, stage_parser
-from kvlingo.train.config import add_family_args, family_flags, family_settings, resolve_family
+from kvlingo.train.config import family_settings, resolve_family
 
 SCRIPT = Path(__file__).resolve()
 SWITCH = {"auto": None, "on": True, "off": False}  # --fuse-keys, --defer-values → None (the device's default) or a bool

@@ -121,8 +121,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 def to_jsonable(obj: Any) -> Any:
+    """JSON's types from a report's values: a setting with `to_json` (a Refresh: its text) as it writes itself,
+    dataclasses field by field, tuples as lists, paths as text, NumPy and torch scalars as numbers."""
+    if hasattr(obj, "to_json") and not isinstance(obj, type):
+        return obj.to_json()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return to_jsonable(dataclasses.asdict(obj))
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

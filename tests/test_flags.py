@@ -44,6 +44,7 @@ def test_family_flags_reach_the_translator_a_training_builds(flags, family, sett
     import train_translator
     from kvlingo.inputs.profiles import get_profile
     from kvlingo.records.saved import build
+    from kvlingo.stages.train import family_from_args
 
     geometry = {
         "source_layers": 4,
@@ -55,7 +56,7 @@ def test_family_flags_reach_the_translator_a_training_builds(flags, family, sett
     }
     args = train_translator.parse_args(flags)
     pair = SimpleNamespace(direction="l2s", geometry=geometry)
-    got_family, got = train_translator.family_from_args(args, get_profile("tiny"), pair)
+    got_family, got = family_from_args(args, get_profile("tiny"), pair)
     assert (got_family, got) == (family, settings)
     spec = build({"family": family, "key_space": "prenorm", "settings": got, "geometry": geometry}).settings()
     maps = spec["base"]["settings"] if family == "residual" else spec

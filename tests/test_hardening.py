@@ -107,7 +107,7 @@ def test_refused_commands_change_nothing(finished, tiny_pair_paths, tmp_path, ca
     assert "holds no manifest.json" in err
     assert "settings.lr: 0.001 → 0.003" in refused(train_translator.main, [*train, "--resume", "--lr", "3e-3"], capsys)
     with monkeypatch.context() as m:  # an edit of the code the stage imports
-        m.setattr(train_translator.resume, "code_hash", lambda *scripts: "e" * 64)
+        m.setattr("kvlingo.records.resume.code_hash", lambda *scripts: "e" * 64)
         assert "code changed" in refused(train_translator.main, [*train, "--resume"], capsys)
 
     # 4. data prepared with another tokenizer: named by both digests, in training and in the benchmark

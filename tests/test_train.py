@@ -340,23 +340,22 @@ def test_resume_refuses_each_change_and_accepts_none(tiny_pair_paths, data, trai
 @pytest.mark.parametrize(
     "flags, says",
     [
-        (("--lr", "nan"), "--lr nan is invalid: it must be a finite number > 0"),
-        (("--n-fit", "0"), "--n-fit 0 is invalid"),
-        (("--ridge", "-1"), "--ridge -1.0 is invalid: it must be a finite number ≥ 0"),
-        (("--ridge", "much"), "--ridge much is invalid: give a number ≥ 0, or auto"),
-        (("--weight-decay", "nan"), "--weight-decay nan is invalid: it must be a finite number ≥ 0"),
+        (("--lr", "nan"), "train_translator.py: argument --lr: nan is not a finite number"),  # when parsed
+        (("--lr", "-1e-3"), "train_translator: --lr -0.001 is invalid: it must be a finite number > 0"),
+        (("--n-fit", "0"), "train_translator: --n-fit 0 is invalid"),
+        (("--ridge", "-1"), "train_translator: --ridge -1.0 is invalid: it must be a finite number ≥ 0"),
+        (("--ridge", "much"), "train_translator: --ridge much is invalid: give a number ≥ 0, or auto"),
+        (("--weight-decay", "nan"), "train_translator.py: argument --weight-decay: nan is not a finite number"),
     ],
 )
 def test_settings_out_of_range_are_refused_in_one_line_before_any_weights_load(
     tiny_pair_paths, data, tmp_path, capsys, monkeypatch, flags, says
 ):
-    import train_translator
-
-    monkeypatch.setattr(train_translator, "load_pair", lambda *a, **k: pytest.fail("weights loaded"), raising=False)
+    monkeypatch.setattr("kvlingo.inputs.models.load_pair", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(SystemExit) as e:
         main(cli(tiny_pair_paths, data[0], tmp_path, "bad", *flags))
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("train_translator: " + says), err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(says), err
     assert not (tmp_path / "artifacts" / "bad").exists()
 
 
@@ -409,7 +408,6 @@ def test_resume_after_truncated_checkpoint_falls_back_and_matches(tiny_pair_path
 
 
 def test_a_finished_training_is_up_to_date_until_an_input_or_output_changes(trained, tmp_path, capsys, monkeypatch):
-    import train_translator
 
     root, args, _ = trained
     shutil.copytree(root, tmp_path / "run")
@@ -423,7 +421,7 @@ def test_a_finished_training_is_up_to_date_until_an_input_or_output_changes(trai
         raise AssertionError("an up-to-date training loaded the models")
 
     with monkeypatch.context() as m:
-        m.setattr(train_translator, "load_pair", loads_nothing)
+        m.setattr("kvlingo.inputs.models.load_pair", loads_nothing)
         capsys.readouterr()
         assert main(args) == first  # same config, data, models and code: nothing runs, nothing is rewritten
         assert f"{report} is up to date (same config, inputs and code); --force re-trains" in capsys.readouterr().out
@@ -445,9 +443,9 @@ def test_a_finished_training_is_up_to_date_until_an_input_or_output_changes(trai
 
 
 def test_frozen_weights_are_verified(tiny_pair_paths, data, tmp_path, monkeypatch, capsys):
-    import train_translator
+    import kvlingo.train.distill as distill
 
-    real = train_translator.distill_step
+    real = distill.distill_step
 
     def tampering_step(source, target, *a, **kw):
         out = real(source, target, *a, **kw)
@@ -455,7 +453,7 @@ def test_frozen_weights_are_verified(tiny_pair_paths, data, tmp_path, monkeypatc
             target.model.norm.weight[0] += 1e-3
         return out
 
-    monkeypatch.setattr(train_translator, "distill_step", tampering_step)
+    monkeypatch.setattr(distill, "distill_step", tampering_step)
     with pytest.raises(SystemExit) as e:
         main(cli(tiny_pair_paths, data[0], tmp_path, "tamper", "--updates", "1"))
     assert e.value.code == 1 and "frozen model weights changed during training: target" in capsys.readouterr().err

@@ -83,7 +83,7 @@ class Setting:
 
 def _option_flags(cls, values: dict) -> tuple[str, ...]:
     """The training flags of option values by dest (a composite family's base options included)."""
-    from ..train.config import family_options
+    from ..inputs.flags import family_options
 
     by_dest = {o.dest: o.flag_name for owners in family_options().values() for _, o in owners}
     out: list[str] = []

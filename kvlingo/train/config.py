@@ -3,59 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..inputs.models import PairConfig
+from ..core.settings import Refresh
 from ..records.report import Metric
 
-
-def family_options() -> dict[str, list]:
-    """Every family's options by training flag: {flag: [(family, Option), ...]} (families share flags: --rank)."""
-    from ..core.families import FAMILIES
-
-    out: dict[str, list] = {}
-    for name, fam in FAMILIES.items():
-        for option in fam.options:
-            out.setdefault(option.flag_name, []).append((name, option))
-    return out
-
-
-def add_family_args(parser) -> None:
-    """--family and every family's option flags (declared in kvlingo/core/families), defaulting to the profile's
-    variant or the family's own defaults (`resolve_family`)."""
-    from ..core.families import FAMILIES
-    from ..inputs.argtypes import whole
-
-    parser.add_argument(
-        "--family",
-        choices=sorted(FAMILIES),
-        default=None,
-        help="translator family: " + ", ".join(sorted(FAMILIES)) + " (default: the profile's, with its settings)",
-    )
-    for flag, owners in family_options().items():
-        first = owners[0][1]
-        by_help: dict[str, list[str]] = {}  # families that share an option's meaning share its line
-        defaults: dict[str, list[str]] = {}
-        for name, option in owners:
-            by_help.setdefault(option.help, []).append(name)
-            if option.default is not None:
-                shown = option.default.__doc__.split(" (")[0].lower() if callable(option.default) else option.default
-                defaults.setdefault(str(shown), []).append(name)
-        helps = "; ".join(f"{', '.join(names)}: {text}" for text, names in by_help.items())
-        shown = "; ".join(f"{', '.join(names)} {value}" for value, names in defaults.items())
-        choices = sorted({c for _, o in owners for c in o.choices}) if all(o.choices for _, o in owners) else None
-        parser.add_argument(
-            flag,
-            type=whole(first.minimum) if first.minimum is not None else first.type,
-            choices=choices,
-            default=None,
-            help=helps + (f" (default: {shown})" if shown else ""),
-        )
-
-
-def family_flags(args) -> dict:
-    """The family option flags given on the command line, by `Option.dest`."""
-    dests = {option.dest for owners in family_options().values() for _, option in owners}
-    return {d: getattr(args, d) for d in dests if getattr(args, d, None) is not None}
+if TYPE_CHECKING:
+    from ..inputs.models import PairConfig
 
 
 def family_settings(family: str, flags: dict | None = None, geometry=None) -> dict:
@@ -95,7 +49,7 @@ class TrainConfig:
     )
     ridge: float | str = "auto"  # ridge λ of the closed-form fit, or "auto": chosen per block on held-out conversations
     aux_attn_weight: float = 0.0  # weight of the attention-output MSE next to the KL (0: KL only)
-    refresh: str = "none"  # refresh setting the translated cache is trained (and validated) under, e.g. exact:0
+    refresh: Refresh = Refresh()  # what the target recomputes under the translated cache in training (exact:0)
     context_weight: float = 0.0  # α: each reply token's KL weighted by the context's change of it (objectives.py)
     onpolicy: float = 0.0  # λ: share of conversations scored on replies the target samples from the translation
     keep_best: bool = False  # save the translator at the update with the lowest validation KL (early stopping)
