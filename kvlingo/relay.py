@@ -26,6 +26,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from functools import wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
@@ -188,42 +189,55 @@ class Relay:
 
     # ------------------------------------------------------------------ the handoff
     @_serialised
-    def translate(self, source: Source) -> tuple[torch.Tensor, torch.Tensor]:
+    def translate(
+        self, source: Source, ids: Sequence[int] | torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Target-layout (keys, values), each [layers, kv_heads, tokens, head_dim], of `source`: messages or
-        prompt ids (the cache of all but the last token), a `Capture`, or the source's own DynamicCache."""
+        prompt ids (the cache of all but the last token), a `Capture`, or the source's own DynamicCache.
+
+        A cache is translated with the token ids it covers: a `Capture` from `relay.capture(ids)` holds them; a
+        DynamicCache needs `ids=` (one per cached token). Maps that read the target's layer 0 of each token (the
+        tokeninput family) or a refresh (exact:0 recomputes layer 0 from the ids) refuse a cache without them."""
         if isinstance(source, Capture) or hasattr(source, "layers"):
-            if self.refresh.kind != "none":
+            cap = self._as_capture(source, ids)
+            if cap.ids is None and (self.refresh.active or self.translator.reads_layer0):
+                what = f"refresh {self.refresh}" if self.refresh.active else f"the {self.translator.family} maps"
                 raise ValueError(
-                    f"these maps hand over with refresh {self.refresh}, which needs the context's token "
-                    "ids: pass the messages or ids instead of a cache"
+                    f"{what} read the context's token ids, which a bare cache lacks: pass the messages or ids, "
+                    "a relay.capture(ids), or the cache with ids= (the ids it covers)"
                 )
-            return translate(
-                self.source,
-                self.translator,
-                out_dtype=self.pair.dtype,
-                cap=self._as_capture(source),
-                kind=self.pair.cache,
-            )
-        ids = self._ids(source)
-        if len(ids) < 2:
-            raise ValueError(f"a handoff needs a prompt of at least 2 tokens (got {len(ids)})")
+            if self.translator.needs_prenorm and cap.prenorm is None:
+                raise ValueError(
+                    f"these maps read the source's pre-norm key features ({self.translator.key_space} key "
+                    "space), which a plain cache lacks: pass the messages or ids, or relay.capture(ids)"
+                )
+            context = None if cap.ids is None else cap.ids.tolist()
+        else:
+            if ids is not None:
+                raise ValueError("ids= goes with a cache; messages and prompt ids carry their own")
+            prompt = self._ids(source)
+            if len(prompt) < 2:
+                raise ValueError(f"a handoff needs a prompt of at least 2 tokens (got {len(prompt)})")
+            cap, context = None, prompt[:-1]
+        refresh = self.refresh if self.refresh.active else None
         return translate(
             self.source,
             self.translator,
-            ids[:-1],
+            context,
             self.pair.dtype,
-            refresh=self.refresh,
+            cap=cap,
+            refresh=refresh,
             target=self.target,
             kind=self.pair.cache,
         )
 
     @_serialised
-    def handoff(self, source: Source) -> Cache:
+    def handoff(self, source: Source, ids: Sequence[int] | torch.Tensor | None = None) -> Cache:
         """A fresh target cache of `source` (see `translate`), ready for `target.generate(ids, cache=...)` with the
         whole prompt `ids`: the target then reads only the uncached last token. It is a transformers `Cache`
         (the suite's `PreallocatedCache`, or a DynamicCache for a pair config whose cache is "dynamic"), used as a
         DynamicCache is."""
-        return build_cache(self.target, *self.translate(source), kind=self.pair.cache)
+        return build_cache(self.target, *self.translate(source, ids), kind=self.pair.cache)
 
     @_serialised
     def reply_ids(
@@ -233,6 +247,13 @@ class Relay:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens is {max_new_tokens!r}; give a whole number, 0 or more")
         ids = self.prompt_ids(messages, enable_thinking)  # translate(ids) checks them
+        limit = min(m.config.max_position_embeddings for m in (self.source, self.target))
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens and max_new_tokens {max_new_tokens}: the reply would run past the "
+                f"models' {limit} positions; give max_new_tokens={max(0, limit - len(ids))} or less, or shorten the "
+                "conversation"
+            )
         return greedy_generate(
             self.target,
             ids[-1:],
@@ -285,7 +306,7 @@ class Relay:
             )
         return ids
 
-    def _as_capture(self, source: Any) -> Capture:
+    def _as_capture(self, source: Any, ids=None) -> Capture:
         if isinstance(source, Capture):
             cap = source
         else:  # a transformers cache: [1, kv_heads, tokens, head_dim] per layer
@@ -301,11 +322,15 @@ class Relay:
                 torch.empty(0),
             )
         self._check_capture(cap)
-        if self.translator.needs_prenorm and cap.prenorm is None:
-            raise ValueError(
-                f"these maps read the source's pre-norm key features ({self.translator.key_space} key "
-                "space), which a plain cache lacks: pass the messages or ids, or relay.capture(ids)"
-            )
+        if ids is not None:
+            given = self._ids(ids)
+            if cap.ids is not None and given != cap.ids.tolist():
+                raise ValueError("ids= differ from the ids the capture holds; pass the capture alone")
+            if len(given) != cap.n_tokens:
+                raise ValueError(
+                    f"ids= has {len(given)} token ids but the cache holds {cap.n_tokens} tokens; pass the ids it covers"
+                )
+            cap = replace(cap, ids=torch.as_tensor(given, device=cap.keys.device))
         return cap
 
     def _check_capture(self, cap: Capture) -> None:
@@ -360,6 +385,8 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             f"{type(messages).__name__}; token ids go to relay.handoff"
         )
     messages = list(messages)
+    if not messages:
+        raise ValueError("the chat is empty: give at least one {'role': 'user', 'content': ...} message")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(
@@ -371,6 +398,10 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
                 raise ValueError(f"chat message {i} has {key} {m.get(key)!r}; give it as a string")
         if m["role"] not in ROLES:  # a chat template renders an unknown role as it likes, or not at all
             raise ValueError(f"chat message {i} has role {m['role']!r}; give one of {', '.join(ROLES)}")
+        if not m["content"].strip():
+            raise ValueError(f"chat message {i} ({m['role']}) is empty; give it some text, or leave it out")
+    if not any(m["role"] == "user" for m in messages):
+        raise ValueError("the chat has no user message: the target would have nothing to answer; add one")
     return messages
 
 

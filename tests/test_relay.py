@@ -15,7 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -232,7 +232,7 @@ def test_handoff_cache_drives_transformers_generate(toy):
     else:  # transformers keeps the stop token
         assert new[:-1] == got and new[-1] in stop_ids(relay.tokenizer)
     plain = relay.source(input_ids=torch.tensor([ids[:-1]]), use_cache=True).cache
-    with pytest.raises(ValueError, match=f"refresh {REFRESH}, which needs the context's token ids"):
+    with pytest.raises(ValueError, match=f"refresh {REFRESH} read the context's token ids, which a bare cache lacks"):
         relay.handoff(plain)
     relay.refresh = Refresh()
     with pytest.raises(ValueError, match="pre-norm key features"):  # prenorm maps cannot read a plain cache
@@ -641,6 +641,55 @@ def test_a_capture_of_the_prompt_but_its_last_token_is_the_handoff_of_the_ids(pr
     ids = relay.prompt_ids([{"role": "user", "content": "the cat sat on a mat"}])
     for a, b in zip(relay.translate(relay.capture(ids[:-1])), relay.translate(ids)):
         assert torch.equal(a, b)
+
+
+def test_a_cache_is_translated_with_the_ids_it_covers(toy):
+    """A refresh (and a family) that reads the context's token ids takes them from the capture, or from ids= beside
+    a DynamicCache; the result is the handoff of the prompt ids, bit for bit. Without ids, a cache is refused."""
+    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True)
+    assert relay.refresh.active  # the toy run hands over with tail:2: its target recomputes from the ids
+    ids = relay.prompt_ids([{"role": "user", "content": "Remember: my cat is called Pepper. What is my cat called?"}])
+    want = relay.translate(ids)
+    cap = relay.capture(ids[:-1])
+    for got in (relay.translate(cap), relay.translate(cap, ids=ids[:-1])):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    bare = replace(cap, ids=None)
+    with pytest.raises(ValueError, match="read the context's token ids, which a bare cache lacks: .*ids="):
+        relay.translate(bare)
+    assert all(torch.equal(a, b) for a, b in zip(relay.translate(bare, ids=ids[:-1]), want))
+    with pytest.raises(ValueError, match=f"ids= has {len(ids)} token ids but the cache holds {len(ids) - 1}"):
+        relay.translate(bare, ids=ids)
+    with pytest.raises(ValueError, match="ids= differ from the ids the capture holds"):
+        relay.translate(cap, ids=[i + 1 for i in ids[:-1]])
+    with pytest.raises(ValueError, match="ids= goes with a cache"):
+        relay.translate(ids, ids=ids)
+
+
+def test_chats_with_nothing_to_answer_and_replies_past_the_positions_are_refused(proven, monkeypatch):
+    relay = Relay.load(proven["export"], device="cpu")
+    with monkeypatch.context() as m:
+        m.setattr(relay.pair.source, "forward", lambda *a, **k: pytest.fail("the source ran"))
+        for messages, why in (
+            ([], "the chat is empty: give at least one"),
+            ([{"role": "user", "content": ""}], "chat message 0 \\(user\\) is empty"),
+            ([{"role": "assistant", "content": "Hello."}], "the chat has no user message"),
+        ):
+            with pytest.raises(ValueError, match=why):
+                relay.chat(messages)
+        limit = relay.target.config.max_position_embeddings
+        long = [{"role": "user", "content": "the cat sat " * 4}]
+        n = len(relay.prompt_ids(long))
+        with pytest.raises(
+            ValueError, match=f"run past the models' {limit} positions; give max_new_tokens={limit - n}"
+        ):
+            relay.chat(long, max_new_tokens=limit)
+
+
+def test_a_model_folder_is_named_as_one_not_as_an_export(tiny_pair_paths):
+    from kvlingo.core.translator import TranslatorError
+
+    with pytest.raises(TranslatorError, match="is a model folder \\(qwen3\\), not an exported translator"):
+        Relay.load(tiny_pair_paths[0], device="cpu")
 
 
 def test_inputs_a_relay_cannot_take_are_refused_in_words(proven, toy_pair, monkeypatch):

@@ -99,6 +99,13 @@ class Translator(nn.Module, ABC):
         return sum(p.numel() for p in self.parameters())
 
     @property
+    def reads_layer0(self) -> bool:
+        """Whether the maps read the target's layer-0 features of the token ids (its declaration says)."""
+        from .families import FAMILIES
+
+        return FAMILIES[self.family].reads_layer0
+
+    @property
     def needs_prenorm(self) -> bool:
         return self.key_space == "prenorm"
 

@@ -616,6 +616,11 @@ def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any] | No
         config = read_json(folder / CONFIG_FILE)
     except DamagedFile as e:
         raise TranslatorError(f"{e.problem}: the export is damaged; export it again (make export RUN=...)") from None
+    if isinstance(config, dict) and "model_type" in config and "format" not in config:
+        raise TranslatorError(
+            f"{folder} is a model folder ({config['model_type']}), not an exported translator: give the folder "
+            "`make export` wrote (ARTIFACTS/RUN/export), and the models as large=/small= if they moved"
+        )
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         found = config.get("format") if isinstance(config, dict) else type(config).__name__
         raise TranslatorError(
