@@ -3,7 +3,7 @@
 Every refusal derives from `Refusal`: an input or setting the suite will not work on (a pair no
 translator can join, a resume against other settings, a damaged file, a flag out of range). Its
 message names the problem and the fix. A `Failure` is a stage that ran and wrote every file, but
-whose checks, gate or cells did not pass. A stage's main (`kvlingo.stages.stage.refusals_exit`)
+whose checks, gate or cells did not pass. A stage's main (`kvlingo.stages.skeleton.refusals_exit`)
 catches both in one place: one line on stderr, "stage: message", and the exit status below.
 """
 

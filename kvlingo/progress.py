@@ -21,7 +21,10 @@ def quiet_in_logs(stream=None) -> bool:
     stream = sys.stderr if stream is None else stream
     if _quieted or (hasattr(stream, "isatty") and stream.isatty()):
         return _quieted
-    from tqdm import std
+    try:
+        from tqdm import std
+    except ImportError:  # no tqdm, no bars (gpu_check.py names it missing under a bare python3)
+        return False
 
     std.tqdm.__init__ = partialmethod(std.tqdm.__init__, mininterval=LOG_INTERVAL_S, maxinterval=LOG_INTERVAL_S)
     # a new postfix or description shows at the next redraw instead of forcing one (a loss per update would)

@@ -143,7 +143,7 @@ def test_resolve_device_refuses_a_device_it_does_not_know():
 def test_writable_and_lock_run_make_the_folder_and_refuse_one_they_cannot_write(tmp_path):
     from kvlingo.errors import RunRefused
     from kvlingo.records.paths import writable
-    from kvlingo.stages.stage import lock_run
+    from kvlingo.stages.skeleton import lock_run
 
     made = writable(tmp_path / "a" / "b", "--artifacts")
     assert made.is_dir() and not any(made.iterdir())  # the probe file is gone again
@@ -184,7 +184,7 @@ def test_a_run_name_stays_inside_the_output_roots():
 def test_frontier_refuses_an_unknown_refresh_setting_at_parse_time(capsys):
     import frontier
 
-    assert frontier.parse_args(["--settings", "none", "tail:10%"]).settings == ["none", "tail:10%"]
+    assert [str(s) for s in frontier.parse_args(["--settings", "none", "tail:10%"]).settings] == ["none", "tail:10%"]
     with pytest.raises(SystemExit) as e:
         frontier.parse_args(["--settings", "none", "bogus"])
     assert e.value.code == 2 and "argument --settings: refresh 'bogus' is not none" in capsys.readouterr().err

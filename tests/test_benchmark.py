@@ -268,7 +268,7 @@ def test_benchmark_script_writes_every_row(setup):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = out / "t"
     rep = read_json(out / "benchmark.json")
-    assert rep["stage"] == "benchmark" and rep["schema_version"] == 2
+    assert rep["stage"] == "benchmark" and rep["schema_version"] == 3
     res = rep["results"]
     arms = res["quality"]["arms"]
     assert list(arms) == list(quality.ARMS)
@@ -305,7 +305,7 @@ def test_finished_report_is_not_redone_unless_inputs_change(setup, monkeypatch, 
     import benchmark
 
     # other kvlingo modules may change while this runs; pin the code hash so only our inputs vary
-    monkeypatch.setattr(benchmark.resume, "code_hash", lambda *a: "pinned")
+    monkeypatch.setattr("kvlingo.records.resume.code_hash", lambda *a: "pinned")
     results = setup["root"] / "results_resume"
     out = results / "t"
     args = [

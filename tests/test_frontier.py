@@ -93,7 +93,7 @@ def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths
             },
         }
 
-    monkeypatch.setattr(frontier, "real_timings", fake_timings)
+    monkeypatch.setattr("kvlingo.stages.frontier.real_timings", fake_timings)
     timed_argv = [a for a in argv if a != "--no-timing"] + ["--resume"]
     timed = frontier.main(timed_argv)
     assert calls == [["tiny-l2s"]]

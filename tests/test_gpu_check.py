@@ -47,6 +47,7 @@ def bench_inputs(tiny_pair_paths, tmp_path_factory):
 @pytest.mark.slow
 def test_the_dry_run_runs_every_step_into_one_table(bench_inputs, tmp_path, capsys):
     import gpu_check
+    from kvlingo.stages.gpu_check import CONFIGS
 
     out = tmp_path / "gc"
     status = gpu_check.main(["--dry-run", "--out", str(out), *bench_inputs])
@@ -57,7 +58,7 @@ def test_the_dry_run_runs_every_step_into_one_table(bench_inputs, tmp_path, caps
     rows = report["rows"]
     # per direction and length: the shipped re-prefill, then the optimised handoff with values deferred or
     # translated, CUDA graphs asked for or not (a CPU has none to replay)
-    assert len(rows) == 2 * 2 * (len(gpu_check.CONFIGS) + 1) and not any(r.get("missing") for r in rows)
+    assert len(rows) == 2 * 2 * (len(CONFIGS) + 1) and not any(r.get("missing") for r in rows)
     assert {(r["direction"], r["context"]) for r in rows} == {(d, n) for d in ("l2s", "s2l") for n in (32, 64)}
     optimised = [r for r in rows if r["mode"] == "optimised"]
     assert {r["deferred"] for r in optimised} == {True, False} and not any(r["graphed"] for r in rows)
@@ -75,11 +76,14 @@ def test_the_dry_run_runs_every_step_into_one_table(bench_inputs, tmp_path, caps
 
 def test_it_names_what_is_missing_before_running_anything(tmp_path, capsys, monkeypatch):
     import gpu_check
+    from kvlingo.stages import gpu_check as stage
 
-    monkeypatch.setattr(gpu_check, "pinned_transformers", lambda: (99, 0))
-    status = gpu_check.main(["--dry-run", "--out", str(tmp_path / "gc"), "--bench-data", str(tmp_path / "none")])
+    monkeypatch.setattr(stage, "pinned_transformers", lambda: (99, 0))
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--dry-run", "--out", str(tmp_path / "gc"), "--bench-data", str(tmp_path / "none")])
     err = capsys.readouterr().err
-    assert status == 2 and not (tmp_path / "gc").exists()
+    assert e.value.code == 2 and not (tmp_path / "gc").exists()
+    assert err.startswith("gpu-check: not ready:\n  ")
     assert "transformers" in err and "older than the 99.0 pyproject.toml pins" in err and "pip download" in err
     assert f"{tmp_path / 'none'} is missing (make prepare PROFILE=demo makes it" in err
-    assert gpu_check.version_of("5.24.0.dev0") == (5, 24, 0) < gpu_check.pinned_transformers()
+    assert stage.version_of("5.24.0.dev0") == (5, 24, 0) < stage.pinned_transformers()

@@ -228,14 +228,14 @@ def test_a_second_run_of_a_stage_on_the_same_run_is_refused_while_the_first_runs
     import subprocess
     import sys
 
-    from kvlingo.stages.stage import lock_run, refusals_exit
+    from kvlingo.stages.skeleton import lock_run, refusals_exit
 
     res = finished["root"] / "results" / "r"
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time; from kvlingo.stages.stage import lock_run; "
+            "import sys, time; from kvlingo.stages.skeleton import lock_run; "
             f"lock_run({str(res)!r}, 'train'); lock_run({str(finished['root'] / 'data')!r}, 'prepare-tiny'); "
             "print('held', flush=True); time.sleep(120)",
         ],
@@ -314,7 +314,7 @@ def test_faults_a_stage_once_met_with_a_traceback_are_refused_in_one_line(finish
         [
             sys.executable,
             "-c",
-            "import sys, time; from kvlingo.stages.stage import lock_run; "
+            "import sys, time; from kvlingo.stages.skeleton import lock_run; "
             f"lock_run({str(root / 'artifacts' / 'r')!r}, 'train', root_flag='--artifacts'); "
             "print('held', flush=True); "
             "time.sleep(120)",
@@ -415,7 +415,9 @@ def test_toy_world_names_an_out_folder_it_cannot_write_before_building_anything(
 
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    monkeypatch.setattr(toy_world, "install_pair", lambda *a, **k: pytest.fail("installed into an unwritable folder"))
+    monkeypatch.setattr(
+        "kvlingo.toy.train.install_pair", lambda *a, **k: pytest.fail("installed into an unwritable folder")
+    )
     monkeypatch.setattr(sys, "argv", ["toy_world.py", "--out", str(blocker / "toy")])
     with pytest.raises(SystemExit) as e:
         toy_world.main()
@@ -425,7 +427,7 @@ def test_toy_world_names_an_out_folder_it_cannot_write_before_building_anything(
 
 
 def test_ctrl_c_ends_a_stage_in_one_line_and_frees_its_run_lock(tmp_path, capsys):
-    from kvlingo.stages.stage import INTERRUPTED_STATUS, lock_run, refusals_exit
+    from kvlingo.stages.skeleton import INTERRUPTED_STATUS, lock_run, refusals_exit
 
     def stage(resumable: bool):
         @refusals_exit("demo", resumable=resumable)

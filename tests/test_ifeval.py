@@ -284,14 +284,14 @@ def test_installed_punkt_is_readable_by_others(punkt_home):
 
 
 def test_an_ifeval_report_is_up_to_date_unless_its_gate_failed(ifeval_world, monkeypatch, capsys):
-    import kvlingo.stages.session as session
-
     w = ifeval_world
     argv = w["base"] + ["--run", "t", "--resume"]
     ifeval.main(argv)
     report = read_json(w["out"] / "ifeval.json")
     loss = -report["results"]["comparison"]["translated_vs_native_target"]["prompt_level_strict_acc"]["delta_points"]
-    monkeypatch.setattr(session, "load_pair", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loaded")))
+    monkeypatch.setattr(
+        "kvlingo.inputs.models.load_pair", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loaded"))
+    )
     capsys.readouterr()
     ifeval.main(argv)
     assert "ifeval.json is up to date" in capsys.readouterr().out
@@ -301,6 +301,8 @@ def test_an_ifeval_report_is_up_to_date_unless_its_gate_failed(ifeval_world, mon
     with pytest.raises(SystemExit) as e:
         ifeval.main(argv + gate)
     assert e.value.code == 1
-    monkeypatch.setattr(session, "load_pair", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loaded")))
+    monkeypatch.setattr(
+        "kvlingo.inputs.models.load_pair", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loaded"))
+    )
     with pytest.raises(RuntimeError, match="loaded"):  # a failed gate is never up to date: it runs (and fails) again
         ifeval.main(argv + gate)

@@ -22,6 +22,7 @@ import pytest
 
 import recipe
 from kvlingo.io import atomic_write_json, read_json
+from kvlingo.records.report import sealed
 from kvlingo.stages import cells as K
 from kvlingo.stages.launch import CellJob, SlurmLauncher, SlurmSettings
 from kvlingo.stages.ledger import Ledger
@@ -73,7 +74,7 @@ def world(tmp_path, tiny_pair_paths, monkeypatch):
         monkeypatch.setitem(recipe.SCRIPTS, stage, scripts / name)
     monkeypatch.setenv("FAKE_STAGE_STEP_S", str(STEP_S))
     data = tmp_path / "data"
-    atomic_write_json(data / "manifest.json", {"stage": "prepare", "files": {}})
+    atomic_write_json(data / "manifest.json", sealed({"stage": "prepare", "files": {}}))
     src = tmp_path / "ifeval.jsonl"
     src.write_text('{"key": 1, "prompt": "p", "instruction_id_list": [], "kwargs": []}\n')
     large, small = map(str, tiny_pair_paths)

@@ -96,7 +96,8 @@ def help_examples(parser) -> list[list[str]]:
     import shlex
 
     text = (parser.epilog or "").split("examples:", 1)[-1].replace("\\\n", " ")
-    return [shlex.split(line)[1:] for line in text.splitlines() if line.strip().startswith("python ")]
+    lines = [line.strip() for line in text.splitlines()]
+    return [shlex.split(line)[1:] for line in lines if line.startswith(("python ", ".venv/bin/python "))]
 
 
 @pytest.mark.parametrize("name", STAGES)

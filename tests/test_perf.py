@@ -30,11 +30,11 @@ def test_make_perf_smoke(tmp_path):
     assert [p["context_tokens"] for p in lengths] == [16, 32]
     assert report["config"]["modes"] == ["shipped", "optimised"] and report["config"]["threads"] >= 1
     # make asks torch for huge pages; the report's environment says so, and so does perf.md
-    import perf
+    from kvlingo.stages.perf import huge_pages_note
 
     hp = report["env"]["huge_pages"]
     assert hp["torch_allocator"] is True
-    note = perf.huge_pages_note(report["config"]["device"], hp)
+    note = huge_pages_note(report["config"]["device"], hp)
     assert note and note in next(line for line in proc.stdout.splitlines() if line.startswith("## Handoff speed"))
     for p in lengths:
         for mode in ("shipped", "optimised"):
@@ -67,16 +67,23 @@ def test_make_perf_smoke(tmp_path):
 
 
 def test_perf_md_says_which_pages_a_cpu_timing_ran_on():
-    import perf
+    from kvlingo.stages.perf import huge_pages_note
 
     def note(device, on, kernel):
-        return perf.huge_pages_note(device, {"torch_allocator": on, "kernel": kernel})
+        return huge_pages_note(device, {"torch_allocator": on, "kernel": kernel})
 
     assert note("cpu", True, "madvise") == ", huge pages (THP_MEM_ALLOC_ENABLE=1, kernel madvise)"
     assert note("cpu", True, "never") == ", 4 KiB pages (THP_MEM_ALLOC_ENABLE=1, kernel never)"
     assert note("cpu", False, "madvise") == ", 4 KiB pages (THP_MEM_ALLOC_ENABLE=unset or 0, kernel madvise)"
     assert note("cpu", False, "always") == ", huge pages (kernel always)"
     assert note("cuda", True, "madvise") == ""  # a GPU timing's tensors are not on the CPU
+
+
+def test_perf_flags_name_the_paths_modes_and_pieces_timing_runs():
+    """perf.py's parser names timing's paths, modes and the handoff's pieces without importing torch: the same."""
+    from kvlingo.stages import perf
+
+    assert (perf.PATHS, perf.MODES, perf.STAGES) == (timing.PATHS, timing.MODES, timing.STAGES)
 
 
 def test_flop_ceilings_of_every_family_for_a_preset_pair(tmp_path, capsys):
@@ -248,7 +255,9 @@ def test_perf_raises_a_low_probe_so_no_step_beats_its_floor(tmp_path, capsys, mo
     import perf
     from kvlingo.bench.roofline import Peaks
 
-    monkeypatch.setattr(perf, "measure_peaks", lambda device, dtype: Peaks(1.0, 1.0, "measured (stub)"))
+    monkeypatch.setattr(
+        "kvlingo.bench.roofline.measure_peaks", lambda device, dtype: Peaks(1.0, 1.0, "measured (stub)")
+    )
     perf.main(
         [
             "--arch",

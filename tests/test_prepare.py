@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kvlingo.records.report import sealed
+
 from kvlingo.inputs.data import (
     SPLITS,
     VARIANTS,
@@ -532,7 +534,7 @@ def _copy_as_new_build(folder: Path, out: Path) -> Path:
     shutil.copytree(folder, staging)
     manifest = json.loads((staging / "manifest.json").read_text())
     manifest["wall_time_s"] = 12345.0  # tells the new set's manifest from the old one's
-    (staging / "manifest.json").write_text(json.dumps(manifest))
+    (staging / "manifest.json").write_text(json.dumps(sealed(manifest)))  # sealed again, as a build writes it
     return staging
 
 

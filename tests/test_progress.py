@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
-from kvlingo.stages.stage import refusals_exit
+from kvlingo.stages.skeleton import refusals_exit
 from tqdm import tqdm
 from tqdm.auto import tqdm as auto_tqdm
 

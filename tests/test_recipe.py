@@ -26,6 +26,7 @@ from fakestage import fake_stage, flags_of, val_kl_of
 import recipe
 from kvlingo.errors import Refusal
 from kvlingo.io import atomic_write_json, atomic_write_text, read_json, sha256_file
+from kvlingo.records.report import sealed
 from kvlingo.stages import cells as K
 from kvlingo.stages import lrsearch
 
@@ -103,7 +104,7 @@ class FakeStages:
 @pytest.fixture
 def world(tmp_path, tiny_pair_paths):
     data = tmp_path / "data"
-    atomic_write_json(data / "manifest.json", {"stage": "prepare", "files": {}})
+    atomic_write_json(data / "manifest.json", sealed({"stage": "prepare", "files": {}}))
     src = tmp_path / "ifeval.jsonl"
     src.write_text('{"key": 1, "prompt": "p", "instruction_id_list": [], "kwargs": []}\n')
     large, small = map(str, tiny_pair_paths)  # configs and tokenizers only: the fake stages load no weights
@@ -282,18 +283,23 @@ def test_resume_refuses_changed_settings_and_inputs_naming_them(world, capsys):
     assert names(fake.calls) == EXPECTED
 
 
-def test_ctrl_c_inside_an_in_process_cell_stops_the_driver_not_only_the_cell(tmp_path, capsys):
+def test_ctrl_c_inside_an_in_process_cell_stops_the_driver_not_only_the_cell(tmp_path, capsys, monkeypatch):
     """ablate and frontier run their cells' stages in this process: a cell's Ctrl-C passes to the driver, which
     ends in its own one line and status 130 (not a failed cell while the rest of its level runs on); another
     failure of a cell stays that cell's."""
+    from kvlingo.stages import registry
     from kvlingo.stages.launch import StageFailed
-    from kvlingo.stages.stage import INTERRUPTED_STATUS, refusals_exit
+    from kvlingo.stages.skeleton import INTERRUPTED_STATUS, Stage, refusals_exit
 
-    for name, body in (("stage_ctrl_c", "raise KeyboardInterrupt"), ("stage_fails", "raise SystemExit(1)")):
-        (tmp_path / f"{name}.py").write_text(
-            "from kvlingo.stages.stage import refusals_exit\n\n\n"
-            f"@refusals_exit({name!r}, resumable=True)\ndef main(argv):\n    {body}\n"
+    for name, error in (("stage_ctrl_c", KeyboardInterrupt), ("stage_fails", SystemExit)):
+
+        def run(self, error=error):
+            raise error(1) if error is SystemExit else error()
+
+        stage = type(
+            name, (Stage,), {"name": name, "script": f"{name}.py", "common": False, "resumable": True, "run": run}
         )
+        monkeypatch.setitem(registry.STAGES, name, registry.Entry(stage, None))
     ran = []
 
     @refusals_exit("driver", resumable=True)
@@ -413,7 +419,7 @@ def test_passthrough_is_parsed_by_the_stage_before_any_cell_runs(world, flag, te
         recipe.main(world["argv"] + [f"{flag}={text}"], runner=FakeStages(forbid=True))  # forbid: no cell may run
     out, err = capsys.readouterr()
     assert refused.value.code == 2 and err.startswith("recipe: ") and re.search(message, err), err
-    assert "see python" in err or "split" in message
+    assert "see .venv/bin/python" in err or "split" in message
     assert out == ""  # the stage's parser printed no help or usage on the way
     assert not (world["res"] / K.LEDGER_FILE).exists()  # refused before the ledger was written
 

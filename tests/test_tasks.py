@@ -372,8 +372,6 @@ def test_resume_after_a_code_edit_is_refused_and_mixes_nothing(world, tmp_path, 
 def test_a_finished_evaluation_is_up_to_date_until_its_maps_or_rows_change(world, tmp_path, monkeypatch, capsys):
     """The same settings, inputs, models and code: nothing loads, nothing is rewritten; --force, other maps or a
     changed rows log run it again."""
-    import kvlingo.stages.session as session
-
     task_eval.main(_args(world, tmp_path, "--limit", "2"))
     report = tmp_path / "t" / "task-gsm8k.json"
     first = report.read_bytes()
@@ -381,7 +379,7 @@ def test_a_finished_evaluation_is_up_to_date_until_its_maps_or_rows_change(world
     def loads(*_a, **_k):
         raise RuntimeError("the pair was loaded")
 
-    monkeypatch.setattr(session, "load_pair", loads)
+    monkeypatch.setattr("kvlingo.inputs.models.load_pair", loads)
     capsys.readouterr()
     for extra in ((), ("--resume",)):
         task_eval.main(_args(world, tmp_path, "--limit", "2", *extra))

@@ -330,3 +330,13 @@ def test_a_folder_that_is_not_a_toy_world_is_never_built_over(tmp_path):
     toytrain.check_world_folder(tmp_path / "new")  # a new folder, an empty one, a toy world: fine
     (tmp_path / "empty").mkdir()
     toytrain.check_world_folder(tmp_path / "empty")
+
+
+def test_the_toy_stage_names_the_packaged_builds_the_toy_modules_install():
+    """toy_world.py's --help names the packaged builds without importing the torch modules that own them."""
+    from kvlingo.stages import toy
+    from kvlingo.toy import deep, mismatched
+
+    assert toy.PACKAGED == toytrain.PACKAGED.resolve()
+    assert toy.PACKAGED_MISMATCHED == mismatched.PACKAGED_MISMATCHED.resolve()
+    assert toy.PACKAGED_DEEP == deep.PACKAGED_DEEP.resolve()

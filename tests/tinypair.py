@@ -84,6 +84,7 @@ def write_prepared(folder: str | Path, tok, splits: dict[str, list[dict]], name:
 
     from kvlingo.inputs.models import tokenizer_digest
     from kvlingo.io import atomic_write_json, sha256_file, sha256_json
+    from kvlingo.records.report import sealed
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -94,18 +95,20 @@ def write_prepared(folder: str | Path, tok, splits: dict[str, list[dict]], name:
         files[path.name] = sha256_file(path)
     atomic_write_json(
         folder / "manifest.json",
-        {
-            "stage": "prepare",
-            "files": files,
-            "n_samples": {f"{split}.natural": len(rows) for split, rows in splits.items()},
-            "inputs": {
-                "tokenizer": {
-                    "name": name,
-                    "digest": tokenizer_digest(tok),
-                    "chat_template_sha256": sha256_json(tok.chat_template),
-                }
-            },
-        },
+        sealed(
+            {
+                "stage": "prepare",
+                "files": files,
+                "n_samples": {f"{split}.natural": len(rows) for split, rows in splits.items()},
+                "inputs": {
+                    "tokenizer": {
+                        "name": name,
+                        "digest": tokenizer_digest(tok),
+                        "chat_template_sha256": sha256_json(tok.chat_template),
+                    }
+                },
+            }
+        ),
     )
     return folder
 

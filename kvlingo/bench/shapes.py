@@ -5,12 +5,11 @@ shapes with random weights (kvlingo.bench.random_pair) without downloading anyth
 below are the published config.json files of the pinned checkpoints
 (kvlingo.inputs.models.PINNED_REVISIONS); tests/test_arch.py checks each against its model
 card's parameter count. Llama 3.2 uses the llama3 RoPE schedule (factor 32 over 8,192
-original positions); the Instruct checkpoints share their base model's shape.
+original positions); the Instruct checkpoints share their base model's shape. Light at import (torch and
+transformers inside the functions that build something), so perf.py's --help lists the presets at once.
 """
 
 from __future__ import annotations
-
-import torch
 
 
 def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool = True) -> dict:
@@ -138,6 +137,7 @@ def arch_config(name: str):
 
 def meta_model(name: str):
     """A preset model on the meta device: its shapes and parameter counts, no memory (for FLOP counts)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -166,6 +166,8 @@ def translator_at(
     """A translator of `family` at the shapes of two configs, on the meta device (for counting), its settings
     carried over from a target of width `from_width` (kv_heads · head_dim) when given."""
     from dataclasses import asdict
+
+    import torch
 
     from ..core.translator import Geometry
     from ..records.saved import build

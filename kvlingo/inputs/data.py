@@ -99,7 +99,7 @@ from ..io import (
     sha256_tree,
     to_jsonable,
 )
-from ..records.report import Metric, Report
+from ..records.report import Metric, Report, seal_problem
 from ..records.resume import diff, resume_key
 from . import models
 from .models import tokenizer_digest
@@ -628,9 +628,12 @@ def verify_split(data_dir: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise SplitIntegrityError(f"{path} not found: prepare the data first (python prepare.py --profile ...)")
     manifest = read_json(path)
-    files = manifest.get("files")
-    if manifest.get("stage") != "prepare" or not isinstance(files, dict):
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict) or manifest.get("stage") != "prepare" or not isinstance(files, dict):
         raise SplitIntegrityError(f"{path} is not a data-preparation manifest; rerun prepare.py --force")
+    problem = seal_problem(manifest)
+    if problem:
+        raise SplitIntegrityError(f"{path}: {problem}; rerun prepare.py --force (its row counts are not trusted)")
     for name, digest in files.items():
         f = data_dir / name
         if not f.is_file():

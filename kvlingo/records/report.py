@@ -32,7 +32,8 @@ from ..io import (
     to_jsonable,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: every report is sealed by its content hash (`sealed`)
+CONTENT_HASH = "content_sha256"  # a report's (manifest's, export config's) own hash: its canonical JSON without it
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,25 @@ def environment(device: str | None = None, dtype: str | None = None, cache: str 
 
 
 # --------------------------------------------------------------------------- the schema
+# --------------------------------------------------------------------------- seals
+def sealed(meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with its content hash (CONTENT_HASH) set: how a report, a translator manifest or an export config is
+    written, so that an edit of any field after it was written is found where it is read (`seal_problem`)."""
+    body = {k: v for k, v in to_jsonable(meta).items() if k != CONTENT_HASH}
+    return {**body, CONTENT_HASH: sha256_json(body)}
+
+
+def seal_problem(meta: dict[str, Any]) -> str | None:
+    """Why `meta` (as read) is not as it was written, or None: every field counts, so an edit of any of them (a
+    figure, a setting, the provenance) is found."""
+    recorded = meta.get(CONTENT_HASH)
+    if recorded is None:
+        return f"it records no {CONTENT_HASH} (written by older code)"
+    if recorded != sha256_json({k: v for k, v in meta.items() if k != CONTENT_HASH}):
+        return f"it was edited after it was written (its {CONTENT_HASH} does not match its fields)"
+    return None
+
+
 @dataclass
 class Report:
     stage: str  # which stage wrote it (prepare, train, benchmark, ...)
@@ -109,6 +129,7 @@ class Report:
     dtype: str | None = None
     seeds: Any = None
     resume_key: str | None = None  # the resume key (kvlingo.records.resume) the outputs were made under
+    identity: dict | None = None  # what the key is the hash of (resume.identity): a later run names what changed
     metrics: tuple[Metric, ...] = ()  # directions of the headline numbers in `results`
     files: dict[str, str] = field(default_factory=dict)  # output files beside the report → sha256
 
@@ -125,6 +146,7 @@ class Report:
             "n_samples": to_jsonable(self.n_samples),
             "wall_time_s": self.wall_time_s,
             "resume_key": self.resume_key,
+            **({"identity": to_jsonable(self.identity)} if self.identity is not None else {}),
             "metrics": {
                 m.name: {"higher_is_better": m.higher_is_better, "definition": m.definition} for m in self.metrics
             },
@@ -133,8 +155,8 @@ class Report:
         }
 
     def write(self, path: str | os.PathLike) -> dict[str, Any]:
-        """Write the report atomically; return what was written."""
-        data = self.to_dict()
+        """Write the report atomically, sealed by its content hash (`sealed`); return what was written."""
+        data = sealed(self.to_dict())
         atomic_write_json(path, data)
         return data
 
@@ -190,6 +212,9 @@ def read_report(path: str | os.PathLike, stage: str | None = None) -> dict[str, 
     if stage is not None and (not isinstance(data, dict) or data.get("stage") != stage):
         got = data.get("stage") if isinstance(data, dict) else type(data).__name__
         raise ReportError(f"{path} is a {got!r} report, not {stage!r}; rerun the {stage} stage")
+    problem = seal_problem(data) if isinstance(data, dict) else f"it is a {type(data).__name__}, not a report"
+    if problem:
+        raise ReportError(f"{path}: {problem}; rerun the stage that wrote it (its figures are not trusted)")
     return data
 
 

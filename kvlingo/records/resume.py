@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ast
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -146,23 +146,44 @@ def changed_files(report_path: str | os.PathLike, report: dict[str, Any]) -> str
     return None
 
 
-def up_to_date(report_path: str | os.PathLike, key: str) -> dict[str, Any] | None:
-    """The report at `report_path` when it was made under resume key `key`, none of its checks or its gate
-    failed, and every file it lists beside itself (`files`: name → sha256) is there unchanged; else None,
-    also for a report that does not parse (the stage runs again). A stage's own outputs elsewhere (maps) are
-    its to check."""
+def up_to_date(
+    report_path: str | os.PathLike, key: str, identity: dict | None = None, say: Callable[[str], None] | None = print
+) -> dict[str, Any] | None:
+    """The report at `report_path` when it is as it was written (its seal), was made under resume key `key`, none of
+    its checks or its gate failed, and every file it lists beside itself (`files`: name → sha256) is there
+    unchanged; else None (the stage runs again), and `say` names why when a report was there: the fields a
+    changed `identity` differs in (from the one the report records), an edit, a failed check, a changed file.
+    A stage's own outputs elsewhere (maps) are its to check."""
     from ..io import read_json
+    from .report import seal_problem
 
-    try:
-        old = read_json(report_path)
-    except (OSError, ValueError):
+    path = Path(report_path)
+    say = say or (lambda _message: None)
+    if not path.exists():
         return None
-    if not isinstance(old, dict) or old.get("resume_key") != key:
+    try:
+        old = read_json(path)
+    except (OSError, ValueError):
+        say(f"{path} does not parse: making it again")
+        return None
+    problem = seal_problem(old) if isinstance(old, dict) else "it is not a report"
+    if problem:
+        say(f"{path}: {problem}: making it again")
+        return None
+    if old.get("resume_key") != key:
+        changes = diff(old["identity"], identity) if isinstance(old.get("identity"), dict) and identity else []
+        what = "; ".join(changes[:6]) + ("; …" if len(changes) > 6 else "") if changes else "its key differs"
+        say(f"{path} was made from other settings, inputs, models or code ({what}): making it again")
         return None
     results = old.get("results") if isinstance(old.get("results"), dict) else {}
     if any(isinstance(v, dict) and v.get("passed") is False for v in (results.get("checks"), results.get("gate"))):
+        say(f"{path}: its checks or gate failed last time: making it again")
         return None
-    return None if changed_files(report_path, old) else old
+    changed = changed_files(path, old)
+    if changed:
+        say(f"{changed}: making it again")
+        return None
+    return old
 
 
 def _short(v: Any) -> str:

@@ -49,31 +49,11 @@ from ..io import (
     read_json,
     sha256_bytes,
     sha256_file,
-    sha256_json,
-    to_jsonable,
 )
 from .paths import MANIFEST_FILE, MAPS_FILE, RunPaths, make_command
-from .report import fmt_pm, fmt_table, read_report
+from .report import CONTENT_HASH, fmt_pm, fmt_table, read_report, seal_problem, sealed
 
 # =========================================================================== the folder
-CONTENT_HASH = "content_sha256"  # a manifest's (or export config's) own hash: its canonical JSON without this field
-
-
-def sealed(meta: dict[str, Any]) -> dict[str, Any]:
-    """`meta` with its content hash (CONTENT_HASH) set: what a translator manifest or export config is written as."""
-    body = {k: v for k, v in to_jsonable(meta).items() if k != CONTENT_HASH}
-    return {**body, CONTENT_HASH: sha256_json(body)}
-
-
-def seal_problem(meta: dict[str, Any]) -> str | None:
-    """Why `meta` (a manifest or config as read) is not as it was written, or None: every field counts, so an
-    edit of any of them (a setting, the pair, the provenance) is found."""
-    recorded = meta.get(CONTENT_HASH)
-    if recorded is None:
-        return f"it records no {CONTENT_HASH} (written by older code)"
-    if recorded != sha256_json({k: v for k, v in meta.items() if k != CONTENT_HASH}):
-        return f"it was edited after it was written (its {CONTENT_HASH} does not match its fields)"
-    return None
 
 
 # --------------------------------------------------------------------------- folders

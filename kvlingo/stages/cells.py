@@ -18,7 +18,6 @@ processes, or SLURM job arrays.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -79,15 +78,13 @@ class Cell:
 
 # --------------------------------------------------------------------------- running cells
 def run_in_process(argv: Sequence[str], report: str | Path) -> dict[str, Any]:
-    """Run a stage script's main() in this interpreter (no start-up cost per cell), then read its report."""
-    import importlib
+    """Run a stage's `main` (kvlingo.stages.registry: the stage whose script is argv[0]) in this interpreter, no
+    start-up cost per cell, then read its report."""
+    from .registry import by_script
 
     script = Path(argv[0])
-    if str(script.parent) not in sys.path:
-        sys.path.insert(0, str(script.parent))
-    module = importlib.import_module(script.stem)
     try:
-        module.main(list(argv[1:]))
+        by_script(script).stage.main(list(argv[1:]))
     except SystemExit as e:
         if e.code not in (0, None):
             raise StageFailed(f"{script.name} exited with {e.code!r}") from None

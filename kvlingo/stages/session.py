@@ -4,35 +4,34 @@ they answer with, and the checksummed rows log they resume from.
 Order of work: the pair is resolved from configs and tokenizers and the translator folder is
 checked first (`Session`), which is all a stage needs to know whether its report is up to date
 (`Session.up_to_date`); weights load only after that, and after every refusal had its chance
-(`Session.load`).
+(`Session.load`). Light at the top (no torch): the flags are read before anything heavy loads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..core.handoff import stop_ids
 from ..errors import Refusal
-from ..eval.itemrows import ItemRows
-from ..eval.tasks.data import ITEM_SPLITS, HubData, prepare_data
-from ..eval.tasks.generate import CONTROL_PATHS
+from ..eval.tasks.data import ITEM_SPLITS
 from ..inputs.argtypes import whole
-from ..inputs.models import load_pair, pair_config_from_args
+from ..inputs.flags import add_refresh_arg
 from ..io import sha256_file
 from ..records import resume
 from ..records.paths import TRANSLATORS, RunPaths, writable
-from ..records.saved import MANIFEST_FILE, load_translator, read_manifest
-from .stage import add_common_args, add_refresh_arg
+
+if TYPE_CHECKING:
+    from ..eval.itemrows import ItemRows
+    from ..eval.tasks.data import HubData
 
 # Stage settings a resume may change: they pick which rows are reported, never what a row holds.
 ROW_SAFE = ("settings.limit", "settings.controls", "settings.max_accuracy_loss")
 
 
 def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None:
-    """The flags IFEval and the task evaluation share (besides --profile, the pair and the run folders)."""
-    add_common_args(ap)
+    """The flags IFEval and the task evaluation share (besides the common ones: --profile, the pair, the run
+    folders, --cache)."""
     ap.add_argument("--limit", type=whole(1), default=None, help=f"{items_help} (default: the profile's)")
     ap.add_argument(
         "--split",
@@ -90,18 +89,24 @@ def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None
     )
 
 
-def prepare_and_exit(data: HubData, args) -> None:
-    """`--prepare`: copy or fetch the data set into DATA_ROOT/<name>/, say so, and stop."""
+def prepare_and_exit(data: HubData, args) -> dict[str, Any]:
+    """`--prepare`: copy or fetch the data set into DATA_ROOT/<name>/ and say so; returns its manifest (the stage
+    then stops)."""
+    from ..eval.tasks.data import prepare_data
+
     writable(Path(args.data_root) / data.name, "--data-root")  # before the data is read or fetched
     try:
         manifest = prepare_data(data, args.data_root, args.source)
     except ValueError as e:
         raise Refusal(str(e)) from None
     print(f"wrote {manifest['rows']} {data.name} rows to {Path(args.data_root) / data.name} ({manifest['origin']})")
+    return manifest
 
 
 def control_paths(args, n_items: int) -> tuple[str, ...]:
     """The floors a translated run scores (none for --native, --no-controls or a single item)."""
+    from ..eval.tasks.generate import CONTROL_PATHS
+
     if args.native or args.no_controls:
         return ()
     if n_items < 2:
@@ -110,11 +115,36 @@ def control_paths(args, n_items: int) -> tuple[str, ...]:
     return CONTROL_PATHS
 
 
+def report_names(stem: str, args) -> tuple[str, str]:
+    """(this run's report name, its sibling's): STEM or STEM-native by --native, each with the split's suffix."""
+    from ..eval.tasks.data import split_suffix
+
+    own, other = (f"{stem}-native", stem) if args.native else (stem, f"{stem}-native")
+    return own + split_suffix(args.split), other + split_suffix(args.split)
+
+
+def read_items(data: HubData, args, limit: int, what: str) -> tuple[list[dict], dict[str, Any]]:
+    """(the first `limit` rows of the item split, the data's provenance): from --source or the prepared copy."""
+    from ..eval.tasks.data import load_data, split_rows
+
+    try:
+        rows, info = load_data(data, args.data_root, args.source)
+    except ValueError as e:
+        raise Refusal(str(e)) from None
+    rows = split_rows(rows, args.split)
+    if limit > len(rows):
+        print(f"note: --limit {limit} but the data holds {len(rows)} {what}; scoring all of them")
+    return rows[:limit], info
+
+
 class Session:
     """A checked pair (and translator folder), loaded by `load`, plus the run's rows log and what happened to
     each row."""
 
     def __init__(self, args, paths: RunPaths):
+        from ..inputs.models import pair_config_from_args
+        from ..records.saved import MANIFEST_FILE, read_manifest
+
         self.pair_cfg, self._tokenizer = pair_config_from_args(args)  # refuses a bad pair before any weights load
         self.translator_dir: Path | None = None
         self.translator_info: dict[str, Any] | None = None
@@ -129,6 +159,10 @@ class Session:
 
     def load(self) -> None:
         """Load the pair's weights and the translator."""
+        from ..core.handoff import stop_ids
+        from ..inputs.models import load_pair
+        from ..records.saved import load_translator
+
         self.pair = load_pair(self.pair_cfg, self._tokenizer)
         if self.translator_dir is not None:
             self.translator, info = load_translator(self.translator_dir, self.pair)
@@ -140,6 +174,11 @@ class Session:
     @property
     def translator_inputs(self) -> dict[str, Any]:
         return {"translator_manifest_sha256": self._manifest_sha}
+
+    @property
+    def maps_sha(self) -> str | None:
+        """The loaded translator's maps sha256 (None on a native run)."""
+        return self.translator_info["maps_sha256"] if self.translator_info else None
 
     def identity(self, settings: Any, inputs: dict[str, Any], code: str) -> dict[str, Any]:
         """The run's resume identity (settings, inputs, pair, code): its rows log's header and its report's key."""
@@ -154,21 +193,24 @@ class Session:
         path = Path(rows.get("path") or "")
         return old if old is not None and path.is_file() and sha256_file(path) == rows.get("sha256") else None
 
-    def say_if_up_to_date(self, report: Path, ident: dict[str, Any], force: bool) -> bool:
-        """True, after printing so and the report's table, when the report is up to date (`up_to_date`) and
-        --force was not given: the stage then has nothing to do."""
-        if force or self.up_to_date(report, ident) is None:
-            return False
+    def say_if_up_to_date(self, report: Path, ident: dict[str, Any], force: bool) -> dict[str, Any] | None:
+        """The report, after printing so and its table, when it is up to date (`up_to_date`) and --force was not
+        given: the stage then has nothing to do. Else None."""
+        old = None if force else self.up_to_date(report, ident)
+        if old is None:
+            return None
         md = report.with_suffix(".md")
         print(
             f"{report} is up to date (same settings, inputs, models and code); --force re-runs it\n"
             + (md.read_text() if md.is_file() else ""),
             end="",
         )
-        return True
+        return old
 
     def open_rows(self, path: Path, ident: dict[str, Any], resume_: bool, sibling: Path) -> ItemRows:
         """The rows log, whose header holds this run's resume identity (`identity`)."""
+        from ..eval.itemrows import ItemRows
+
         self.log = ItemRows(path, ident, resume_, donors=[sibling], ignore=ROW_SAFE)
         return self.log
 
@@ -183,3 +225,14 @@ class Session:
 
     def rows_input(self) -> dict[str, Any]:
         return {"path": str(self.log.path), "sha256": sha256_file(self.log.path)}
+
+    def rows_summary(self) -> dict[str, Any]:
+        """What happened to the rows: generated, resumed, reused from the sibling log; a torn line dropped."""
+        return {**self.counts, "dropped_torn_line": self.log.dropped_torn_line}
+
+    def say_counts(self, what: str, sibling: str, report: Path) -> None:
+        counts = self.counts
+        print(
+            f"{what}: {counts['generated']} generated, {counts['resumed']} resumed, {counts['reused_from_sibling']} "
+            f"reused from {sibling}.rows.jsonl; report {report}"
+        )

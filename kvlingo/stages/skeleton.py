@@ -93,12 +93,13 @@ class Stage(ABC):
 
     # ------------------------------------------------------------------ running it
     @classmethod
-    def main(cls, argv=None) -> Any:
-        """Parse `argv` (default: the command line) and run the steps in order."""
+    def main(cls, argv=None, **options) -> Any:
+        """Parse `argv` (default: the command line) and run the steps in order; `options` go to the constructor
+        (what a caller injects: the recipe's cell runner in tests)."""
 
         @refusals_exit(cls.name, cls.resumable)
         def steps():
-            stage = cls(cls.parse_args(argv))
+            stage = cls(cls.parse_args(argv), **options)
             stage.check()
             done = stage.up_to_date()
             if done is not None:

@@ -30,6 +30,7 @@ from .skeleton import Stage, lock_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "train_translator.py"
 FIT_WEIGHTINGS = ("uniform", "attention")  # kvlingo.train.weighting
+MEASURED_UPDATES = 3  # updates timed before the measured time per update is printed
 
 
 class Train(Stage):
@@ -170,7 +171,8 @@ class Train(Stage):
     def up_to_date(self) -> dict | None:
         from ..train import distributed
 
-        if self.args.force or finished_training(self.paths, self.key, self.args) is None:
+        say = print if self.world.main else None
+        if self.args.force or finished_training(self.paths, self.key, self.args, self.identity, say) is None:
             return None
         lock_run(self.paths.res, "train")  # read again under the run's locks: a training still rewriting it is refused
         lock_run(self.paths.art, "train", root_flag="--artifacts")
@@ -248,7 +250,9 @@ class Train(Stage):
             )
         estimate: list[str] = []  # peak memory and time per update: printed once the outputs and the locks are sure
         try:
-            before_training(self.pair_cfg, self.empty, cfg, self.profile, self.world, args, say=estimate.append)
+            self.estimate = before_training(
+                self.pair_cfg, self.empty, cfg, self.profile, self.world, args, say=estimate.append
+            )
         except Refusal:  # a misfit: the estimate is its reason
             print("\n".join(estimate))
             raise
@@ -349,6 +353,7 @@ class Train(Stage):
             unit="update",
             disable=not self.world.main,
         )
+        t_first = time.time()
         for u in bar:
             rows = [self.train_rows[i] for i in self.order[u * cfg.batch : (u + 1) * cfg.batch]]
             loss = distill_step(
@@ -375,10 +380,25 @@ class Train(Stage):
                 if self.best is not None and history["val"][-1][1] < self.best["val_kl"]:
                     self.best = {"update": done, "val_kl": history["val"][-1][1], "translator": self._state_copy()}
             bar.set_postfix(loss=f"{loss:.4f}", val_kl=f"{history['val'][-1][1]:.4f}")
+            if done == start + MEASURED_UPDATES and done < cfg.updates and self.world.main:
+                self._say_measured(done - start, time.time() - t_first, cfg.updates - done)
             if done % cfg.checkpoint_every == 0 or done == cfg.updates:
                 self._checkpoint(done, history)
         bar.close()
         return history
+
+    def _say_measured(self, n: int, seconds: float, left: int) -> None:
+        """The measured time per update on this machine, beside what the estimate assumed (which counts FLOPs at
+        the caps and no per-operation overhead, so small models on a CPU run slower than it says)."""
+        import torch
+
+        per = seconds / n
+        assumed = getattr(self.estimate, "seconds_per_update", None)
+        _write(
+            f"measured: {per:.3g} s per update over the first {n} ({torch.get_num_threads()} thread(s)) → about "
+            f"{per * left / 60:.3g} min for the {left:,} left (validations apart)"
+            + (f"; the estimate assumed {assumed:.3g} s" if assumed else "")
+        )
 
     def _start(self) -> tuple[dict, int]:
         """(history, first update): fresh from the closed form, validated, or the resumed checkpoint's."""
@@ -564,6 +584,7 @@ class Train(Stage):
             device=pair.device,
             dtype=self.pair_cfg.dtype,
             resume_key=self.key,
+            identity=self.identity,
             files={"train.png": sha256_file(plot)},
         ).write(paths.report("train"))
         table = fmt_table(
@@ -725,7 +746,7 @@ def artifact_bytes(empty, cfg, args, state: dict | None, ckpt_dir: Path) -> int:
     return max(0, 2 * maps + checkpoints * 3 * maps - removed)
 
 
-def finished_training(paths, key: str, args) -> dict | None:
+def finished_training(paths, key: str, args, identity: dict | None = None, say=None) -> dict | None:
     """The run's train.json when this training already finished: made under resume key `key` (config, data,
     models, code), the same kind of run (--closed-form-only or not, from --init-from maps with the same
     sha256), and its translators still there holding the maps it records."""
@@ -733,7 +754,7 @@ def finished_training(paths, key: str, args) -> dict | None:
     from ..records import resume
     from ..records.saved import MANIFEST_FILE, MAPS_FILE, read_manifest
 
-    old = resume.up_to_date(paths.report("train"), key)
+    old = resume.up_to_date(paths.report("train"), key, identity, say)
     if old is None:
         return None
     art, init = old["results"].get("artifacts") or {}, old["inputs"].get("init_from")

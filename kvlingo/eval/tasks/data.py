@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...inputs.models import hub_offline
 from ...io import atomic_write_json, atomic_write_jsonl, read_json, sha256_file
 from .parsers import parse_gold_number
 
@@ -110,6 +109,8 @@ def read_source(path: str | os.PathLike, name: str) -> list[dict[str, Any]]:
 
 def fetch_hub_rows(data: HubData, timeout_s: float = 10.0) -> tuple[list[dict[str, Any]], str]:
     """(rows, commit sha) from the Hub; fails fast offline, naming the --source fix."""
+    from ...inputs.models import hub_offline
+
     fix = f"Without Hub access, pass a local JSONL of {data.name} rows with --source PATH."
     if hub_offline():
         raise ValueError(f"cannot fetch {data.repo_id}: Hugging Face Hub access is off (HF_HUB_OFFLINE=1). {fix}")

@@ -1,0 +1,539 @@
+"""Ablate the translator's levers on the same splits and budget: choices on validation, claims on test.
+
+For each setting in kvlingo/stages/ablation.py (a family, its refresh setting, its objective):
+train (closed form, then distillation at the profile's budget), then score the validation
+conversations (benchmark --split validation: KL/token, the context-token metrics, attention-output
+agreement) and the validation halves of IFEval and GSM8K after a prompt handoff. Across the
+settings, each validation metric's rank correlation with task retention says which tracks the
+tasks; the default is the best setting by that metric among those costing at most 10% of a
+re-prefill at the real shapes. The default and the direction's default before are then scored on
+the test conversations and the test halves of the tasks, beside the native rows
+(scored once and shared). Every step is a resumable cell (the recipe's ledger): a killed run
+continues with --resume. Writes RESULTS/RUN/ablation.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..core.settings import Geometry
+from ..errors import Failure, Refusal
+from ..inputs.argtypes import whole
+from ..inputs.flags import add_task_data_args, generative_tasks
+from ..inputs.profiles import get_profile
+from ..io import atomic_write_bytes, atomic_write_text, sha256_file
+from ..records.paths import MAPS_FILE, TRANSLATORS, RunPaths, check_outputs, default_data, default_run
+from ..records.report import Metric, Report, figure, figure_png, fmt_pm, fmt_table, read_report
+from ..records.resume import code_hash
+from . import ablation as A
+from . import cells as K
+from .ledger import LEDGER_FILE
+from .skeleton import Stage, lock_run
+
+if TYPE_CHECKING:
+    from ..inputs.models import PairConfig
+
+SPLITS = ("val", "test")  # row-field prefixes; the stages call them validation and test
+
+
+@dataclass(frozen=True)
+class AblationConfig:
+    run: str  # cells live under ARTIFACTS/RUN/<setting> and RESULTS/RUN/<setting>
+    profile: str  # profile passed to every stage (budget, splits)
+    data: str  # prepared chat data
+    settings: tuple[str, ...]  # the settings run (kvlingo/stages/ablation.py SETTINGS)
+    long_factor: int  # the best two settings are trained again for this many × the profile's updates (0: not)
+    eval_root: str  # prepared IFEval and GSM8K data root
+    tasks: tuple[str, ...]  # generative evaluations run per setting (ifeval, gsm8k)
+    items: tuple[int, int]  # IFEval prompts and GSM8K items per row: validation half, test half
+    artifacts: str
+    results: str
+    pair: PairConfig
+
+
+@dataclass
+class AblationResults:
+    rows: list  # one per setting (and long run): cost, validation figures, test figures where scored
+    correlations: dict  # each validation metric's Spearman correlation with validation task retention
+    metric: str  # the validation metric that tracks retention best: the one the default is chosen by
+    default: dict  # the chosen default and why
+    native: dict  # native target and source: task accuracy per split, KL of the native source on test
+
+    METRICS = (
+        Metric("rows.*.val_context_kl", False, "validation KL on the reply tokens the context decides"),
+        Metric("rows.*.test_kl", False, "test KL(native target ‖ translated) per reply token"),
+        Metric(
+            "rows.*.test_ifeval.kept",
+            True,
+            "IFEval strict prompt accuracy after the handoff as a share of the native target's (test half)",
+        ),
+        Metric(
+            "rows.*.test_gsm8k.kept",
+            True,
+            "GSM8K accuracy after a prompt handoff as a share of the native target's (test half)",
+        ),
+    )
+
+
+class Plan:
+    def __init__(self, cfg: AblationConfig):
+        self.cfg, self.paths = cfg, RunPaths(cfg.run, cfg.artifacts, cfg.results)
+        p = cfg.pair
+        self.flags = K.stage_flags(cfg.profile, p, cfg.artifacts, cfg.results)
+        self.inputs = {
+            "data": K.data_hash(cfg.data),
+            "models": p.identities(),
+            "eval_data": {t: sha256_file(Path(cfg.eval_root) / t / "manifest.json") for t in cfg.tasks},
+        }
+
+    def cell(self, stage: str, sub: str, flags: dict, report: str, **kw) -> K.Cell:
+        from .registry import STAGES
+
+        script = str(STAGES[stage].script)
+        nested = self.paths.nested(sub)
+        return K.Cell(
+            f"{stage}/{sub}/{report}",
+            stage,
+            script,
+            {**self.flags, "--run": nested.run, **flags},
+            str(nested.report(report)),
+            {**self.inputs, "code_sha256": code_hash(script)},
+            **kw,
+        )
+
+    def train(self, setting: A.Setting, sub: str, updates: int | None = None) -> K.Cell:
+        flags = {
+            "--data": self.cfg.data,
+            "--family": setting.family,
+            "--updates": updates,
+            "--refresh": setting.refresh,
+        }
+        return self.cell(
+            "train",
+            sub,
+            flags,
+            "train",
+            extra=setting.flags,
+            resume_flag="--resume",
+            outputs=tuple(str(self.paths.nested(sub).translator(k) / MAPS_FILE) for k in TRANSLATORS),
+        )
+
+    def benchmark(self, setting: A.Setting, sub: str, split: str) -> K.Cell:
+        flags = {
+            "--data": self.cfg.data,
+            "--split": split,
+            "--timing-conversations": 0,
+            "--control-dtypes": "none",
+            "--refresh": setting.refresh,
+        }
+        return self.cell(
+            "benchmark", sub, flags, "benchmark" + ("" if split == "test" else f"-{split}"), fresh_flag="--force"
+        )
+
+    def generative(self, task: str, sub: str, split: str, native: bool, refresh: str = "none") -> K.Cell:
+        stage, report = ("ifeval", "ifeval") if task == "ifeval" else ("task", "task-gsm8k")
+        limit = self.cfg.items[0 if split == "validation" else 1]
+        flags = {
+            "--data-root": self.cfg.eval_root,
+            "--native": native,
+            "--no-controls": not native,
+            "--split": split,
+            "--limit": limit,
+            "--refresh": None if native else refresh,
+        }
+        if task == "gsm8k":
+            flags["--task"] = "gsm8k"
+        before = None
+        if not native:  # the native target's answers are shared: copied beside the setting, reused by input hash
+            rows = f"{report}-native{_split_suffix(split)}.rows.jsonl"
+            src, dst = self.paths.nested("native").res / rows, self.paths.nested(sub).res / rows
+            before = lambda: K.copy_file(src, dst)  # noqa: E731
+        name = report + ("-native" if native else "") + _split_suffix(split)
+        return self.cell(stage, sub, flags, name, resume_flag="--resume", before=before)
+
+
+def task_figures(report: dict, task: str) -> dict:
+    """A translated task report's accuracy, its share of the native target's (± SE) and the paired difference."""
+    key = "prompt_level_strict_acc" if task == "ifeval" else "accuracy"
+    res = report["results"]
+    comparison = res["comparison"]["translated_vs_native_target"]
+    return A.kept(
+        res["paths"]["translated"][key],
+        res["paths"]["native_target"][key],
+        comparison[key] if task == "ifeval" else comparison,
+    )
+
+
+def arm_figures(report: dict, prefix: str) -> dict:
+    d = report["results"]["quality"]["arms"]["distilled"]
+    return {
+        f"{prefix}_kl": d["kl_token_mean"],
+        f"{prefix}_kl_conversation": d["kl_conversation"],
+        f"{prefix}_top1": d["top1_agreement"],
+        f"{prefix}_nll_delta": d["nll_delta_vs_native_target"],
+        f"{prefix}_context_kl": d["context_kl_token_mean"],
+        f"{prefix}_context_kl_conversation": d["context_kl_conversation"],
+        f"{prefix}_context_top1": d["context_top1"],
+        f"{prefix}_context_weighted_kl": d["context_weighted_kl"],
+        f"{prefix}_attention_cosine": d["attention_cosine"]["mean"],
+        f"{prefix}_n": d["n_conversations"],
+        f"{prefix}_context_tokens": d["context_tokens"],
+    }
+
+
+def summarise(plan: Plan, setting: A.Setting, sub: str, toy_geometry, long: bool) -> dict:
+    res = plan.paths.nested(sub).res
+    train = read_report(res / "train.json")["results"]
+    row = {
+        "name": sub,
+        "setting": setting.name,
+        "family": setting.family,
+        "flags": list(setting.flags),
+        "refresh": setting.refresh,
+        "note": setting.note,
+        "long_budget": long,
+        "params": train["translator"]["n_params"],
+        "real": A.real_cost(setting, plan.cfg.pair.direction, toy_geometry),
+        "closed_form_val_kl": train["closed_form_val_kl"],
+        "distilled_val_kl": train["distilled_val_kl"],
+        "best_update": (train.get("best") or {}).get("update"),
+        "train_wall_s": train["wall_time_s_total"],
+        **arm_figures(read_report(res / "benchmark-validation.json"), "val"),
+    }
+    for t in plan.cfg.tasks:
+        row[f"val_{t}"] = task_figures(
+            read_report(res / f"{'ifeval' if t == 'ifeval' else 'task-gsm8k'}-validation.json"), t
+        )
+    return row
+
+
+def add_test(plan: Plan, row: dict) -> None:
+    res = plan.paths.nested(row["name"]).res
+    bench = read_report(res / "benchmark.json")
+    row.update(arm_figures(bench, "test"))
+    for t in plan.cfg.tasks:
+        row[f"test_{t}"] = task_figures(
+            read_report(res / f"{'ifeval' if t == 'ifeval' else 'task-gsm8k'}-test.json"), t
+        )
+
+
+def _pct(fig: dict | None, with_kept: bool = True) -> str:
+    if not fig:
+        return ""
+    out = f"{100 * fig['accuracy']:.1f} ± {100 * fig['accuracy_se']:.1f}"
+    return out + (f" ({100 * fig['kept']:.0f} ± {100 * fig['kept_se']:.0f}%)" if with_kept else "")
+
+
+def _num(x, fmt=".3f") -> str:
+    return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def markdown(cfg: AblationConfig, results: AblationResults) -> str:
+    rows, native = results.rows, results.native
+    table = fmt_table(
+        [
+            "setting",
+            "% of re-prefill",
+            "val KL",
+            "val context KL",
+            "val IFEval kept",
+            "val GSM8K kept",
+            "test KL/token",
+            "KL/conv ± SE",
+            "test context KL ± SE",
+            "test context top-1",
+            "test IFEval % (kept)",
+            "test GSM8K % (kept)",
+        ],
+        [
+            [
+                r["name"] + (" **(default)**" if r["name"] == results.default.get("setting") else ""),
+                f"{100 * r['real']['fraction_of_reprefill']:.1f}",
+                _num(r["val_kl"]),
+                _num(r["val_context_kl"]),
+                _num(100 * r["val_ifeval"]["kept"], ".0f") + "%" if "val_ifeval" in r else "",
+                _num(100 * r["val_gsm8k"]["kept"], ".0f") + "%" if "val_gsm8k" in r else "",
+                _num(r.get("test_kl")),
+                fmt_pm(r["test_kl_conversation"], fmt=".3f") if "test_kl_conversation" in r else "",
+                fmt_pm(r["test_context_kl_conversation"], fmt=".3f") if "test_context_kl_conversation" in r else "",
+                _num(r.get("test_context_top1")),
+                _pct(r.get("test_ifeval")),
+                _pct(r.get("test_gsm8k")),
+            ]
+            for r in rows
+        ]
+        + [
+            [
+                "native target",
+                "100",
+                "0",
+                "0",
+                "",
+                "",
+                "0",
+                "",
+                "",
+                "1",
+                _pct(native.get("test_ifeval_target"), False),
+                _pct(native.get("test_gsm8k_target"), False),
+            ],
+            [
+                "native source (the source answers)",
+                "",
+                "",
+                "",
+                "",
+                "",
+                _num(native.get("test_source_kl")),
+                "",
+                _num(native.get("test_source_context_kl")),
+                _num(native.get("test_source_context_top1")),
+                _pct(native.get("test_ifeval_source"), False),
+                _pct(native.get("test_gsm8k_source"), False),
+            ],
+        ],
+    )
+    corr = fmt_table(
+        ["validation metric", "Spearman ρ with retention", "p (exact)", "settings", "tracks (signed ρ)"],
+        [
+            [m, _num(c["rho"]), _num(c["p"], ".3g"), c["n"], _num(c["tracking"])]
+            for m, c in results.correlations.items()
+        ],
+    )
+    n_val = rows[0]["val_n"] if rows else 0
+    n_test = next((r["test_n"] for r in rows if "test_n" in r), "—")  # the tested rows share the test split
+    p = cfg.pair
+    lines = [
+        f"# Translator ablation: {p.large} / {p.small}, {p.direction}, profile {cfg.profile}\n\n",
+        f"Same splits and budget for every setting. Validation: {n_val} conversations, the first "
+        f"{cfg.items[0]} items of the validation half of IFEval and GSM8K (where the choice is made). Test: "
+        f"{n_test} conversations and the first {cfg.items[1]} items of the "
+        "test half of each task, for the chosen default and the direction's default before. "
+        "Kept: the share of the native target's accuracy on the same items (± SE, paired). Cost: handoff FLOPs per "
+        "context token at the real Qwen3-1.7B/0.6B shapes (translation, plus the exact layer 0 where a setting "
+        "uses it) against the target's re-prefill per token. Context KL: KL on the reply tokens whose native "
+        "prediction the context moves by more than 1 nat.\n\n",
+        table,
+        "\nWhich validation metric tracks task retention (the mean of the IFEval and GSM8K shares kept) across "
+        "the settings:\n\n",
+        corr,
+        f"\n**Default: {results.default['setting']}**, chosen by {results.metric} — {results.default['why']}.\n\n"
+        "![retention against cost](ablation.png)\n",
+    ]
+    return "".join(lines)
+
+
+def plot(rows: list[dict], title: str) -> bytes:
+    fig, ax = figure((7, 4.5))
+    for r in rows:
+        x = 100 * r["real"]["fraction_of_reprefill"]
+        test = A.retention(r, "test")
+        y = 100 * (test if test is not None else A.retention(r, "val") or float("nan"))
+        ax.plot([x], [y], "o", color="C1" if test is not None else "C0", mfc="C1" if test is not None else "none")
+        ax.annotate(r["name"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.plot([], [], "o", color="C1", label="test halves (claims)")
+    ax.plot([], [], "o", color="C0", mfc="none", label="validation halves")
+    ax.axvline(100 * A.MAX_COST_FRACTION, ls="--", c="grey", lw=1, label="cost cap of the default")
+    ax.axhline(90, ls=":", c="grey", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("handoff FLOPs, % of the target's re-prefill (real Qwen3 shapes)")
+    ax.set_ylabel("task retention, % of the native target (mean of IFEval, GSM8K)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    return figure_png(fig)
+
+
+def chosen_settings(args, profile, pair) -> tuple[str, ...]:
+    """--settings, each a row of this direction (refused with the names there are), or the default rows."""
+    geometry = Geometry(**pair.geometry)
+    if args.settings is None:
+        return tuple(A.default_settings(profile, pair.direction, geometry))
+    names = [s.name for s in A.settings_for(profile, pair.direction, geometry)]
+    unknown = [s for s in args.settings if s not in names]
+    if unknown:
+        raise Refusal(f"--settings {unknown[0]}: no such row; choose among {', '.join(names)}")
+    return tuple(args.settings)
+
+
+def _split_suffix(split: str) -> str:
+    from ..eval.tasks.data import split_suffix
+
+    return split_suffix(split)
+
+
+# --------------------------------------------------------------------------- the stage
+class Ablate(Stage):
+    name = "ablate"
+    script = "ablate.py"
+    summary = "Ablate the translator's levers on the same splits and budget: choices on validation, claims on test."
+    examples = (
+        "make ablate PROFILE=demo            (both directions on the toy pair, data prepared offline)",
+        ".venv/bin/python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
+        "--device cpu --dtype float32 --data-root data/toy-eval --settings crosshead token-w3 --resume",
+    )
+    resumable = True
+    data = True
+
+    @classmethod
+    def add_args(cls, p) -> None:
+        p.add_argument(
+            "--settings",
+            nargs="+",
+            default=None,
+            help="rows to run: variants of the families (kvlingo/core/families) and the profile's default "
+            "translator under another objective (DEFAULT-context, -onpolicy, -reg); default: every default "
+            "row, the other direction's default before excepted",
+        )
+        p.add_argument(
+            "--long-factor",
+            type=whole(0),
+            default=A.LONG_FACTOR,
+            help="train the best two again for this many × the updates (default 0: not)",
+        )
+        p.add_argument(
+            "--items",
+            type=whole(1),
+            nargs=2,
+            default=None,
+            metavar=("VALIDATION", "TEST"),
+            help="IFEval prompts and GSM8K items per row on the validation and test halves (default: the "
+            "profile's ablate_items)",
+        )
+        add_task_data_args(p)
+
+    def check(self) -> None:
+        from ..inputs.models import pair_config_from_args
+
+        args, self.t0 = self.args, time.time()
+        self.profile = profile = get_profile(args.profile)
+        pair, _ = pair_config_from_args(args)
+        self.tasks = generative_tasks(args)
+        self.cfg = AblationConfig(
+            run=args.run or f"{default_run(profile.name, pair.direction)}-ablate",
+            profile=profile.name,
+            data=str(args.data or default_data(profile.name)),
+            settings=chosen_settings(args, profile, pair),
+            long_factor=args.long_factor,
+            eval_root=args.data_root,
+            tasks=self.tasks,
+            items=tuple(args.items or profile.ablate_items),
+            artifacts=args.artifacts,
+            results=args.results,
+            pair=pair,
+        )
+        self.plan = plan = Plan(self.cfg)
+        check_outputs(
+            [
+                plan.paths.report("ablation"),
+                *(plan.paths.beside("ablation", x) for x in (".md", ".png")),
+                plan.paths.res / LEDGER_FILE,
+            ]
+        )
+        lock_run(plan.paths.res, "ablate")
+
+    def load(self) -> None:
+        self.ledger = K.Ledger(self.plan.paths.res / LEDGER_FILE, asdict(self.cfg), self.args.resume)
+        self.cells = K.Cells(self.ledger, self.args.resume, runner=K.run_in_process)
+        self.geometry = Geometry(**self.cfg.pair.geometry)
+        rows = A.settings_for(self.profile, self.cfg.pair.direction, self.geometry)
+        self.by_name = {s.name: s for s in rows if s.name in self.cfg.settings}
+
+    def run(self) -> dict:
+        try:
+            native = self._native()
+            rows = [self._validate(s, s.name) for s in self.by_name.values()]
+            if self.cfg.long_factor:
+                best = sorted(rows, key=lambda r: r["val_kl"])[:2]
+                rows += [
+                    self._validate(
+                        self.by_name[r["setting"]], f"{r['setting']}-long", self.cfg.long_factor * self.profile.updates
+                    )
+                    for r in best
+                ]
+            return self._choose_and_claim(rows, native)
+        except Refusal:
+            raise
+        except K.StageFailed as e:
+            raise Failure(f"{e}. The ledger marks that cell failed; fix the cause, then re-run with --resume") from None
+
+    def _native(self) -> dict:
+        native: dict = {}
+        for t in self.tasks:
+            key = "prompt_level_strict_acc" if t == "ifeval" else "accuracy"
+            for split, short in (("validation", "val"), ("test", "test")):
+                paths = self.cells.ensure(self.plan.generative(t, "native", split, native=True))["results"]["paths"]
+                for role in ("target", "source"):
+                    figure_ = paths[f"native_{role}"][key]
+                    native[f"{short}_{t}_{role}"] = {"accuracy": figure_["mean"], "accuracy_se": figure_["se"]}
+        return native
+
+    def _validate(self, setting, sub: str, updates: int | None = None) -> dict:
+        cells, plan = self.cells, self.plan
+        cells.ensure(plan.train(setting, sub, updates))
+        cells.ensure(plan.benchmark(setting, sub, "validation"))
+        for t in self.tasks:
+            cells.ensure(plan.generative(t, sub, "validation", native=False, refresh=setting.refresh))
+        return summarise(plan, setting, sub, self.geometry, long=updates is not None)
+
+    def _choose_and_claim(self, rows: list[dict], native: dict) -> dict:
+        """The metric and the default chosen on validation; the default and the default before scored on test."""
+        plain = [r for r in rows if not r["long_budget"]]
+        correlations = A.metric_correlations(plain)
+        metric = A.choose_metric(correlations)
+        default = A.choose_default(plain, metric)
+        claims = [default.get("setting"), A.before(self.profile, self.cfg.pair.direction)]
+        for name in dict.fromkeys(n for n in claims if n in self.by_name):  # in order, once each
+            row = next(r for r in rows if r["name"] == name)
+            self.cells.ensure(self.plan.benchmark(self.by_name[name], name, "test"))
+            for t in self.tasks:
+                self.cells.ensure(
+                    self.plan.generative(t, name, "test", native=False, refresh=self.by_name[name].refresh)
+                )
+            add_test(self.plan, row)
+        tested = next((r for r in rows if "test_kl" in r), None)
+        if tested is not None:  # the native source's KL on the same test conversations (any test benchmark holds it)
+            report = read_report(self.plan.paths.nested(tested["name"]).res / "benchmark.json", "benchmark")
+            src = report["results"]["quality"]["arms"]["native_source"]
+            native.update(
+                test_source_kl=src["kl_token_mean"],
+                test_source_context_kl=src["context_kl_token_mean"],
+                test_source_context_top1=src["context_top1"],
+            )
+        results = AblationResults(rows=rows, correlations=correlations, metric=metric, default=default, native=native)
+        return {"results": results, "tested": tested}
+
+    def publish(self, out: dict) -> dict:
+        from .registry import STAGES
+
+        cfg, plan, results, tested = self.cfg, self.plan, out["results"], out["tested"]
+        rows = results.rows
+        png = plan.paths.beside("ablation", ".png")
+        atomic_write_bytes(png, plot(rows, f"{cfg.pair.direction}, profile {cfg.profile}"))
+        md = markdown(cfg, results)
+        atomic_write_text(plan.paths.beside("ablation", ".md"), md)
+        report = Report(
+            "ablation",
+            config=cfg,
+            inputs={**plan.inputs, "code_sha256": code_hash(STAGES["ablate"].script)},
+            results=results,
+            metrics=AblationResults.METRICS,
+            n_samples={
+                "settings": len(rows),
+                "validation_conversations": rows[0]["val_n"] if rows else 0,
+                "test_conversations": tested["test_n"] if tested else 0,
+                "validation_items_per_task": cfg.items[0],
+                "test_items_per_task": cfg.items[1],
+            },
+            wall_time_s=time.time() - self.t0,
+            device=cfg.pair.device,
+            dtype=cfg.pair.dtype,
+            files={png.name: sha256_file(png)},
+        ).write(plan.paths.report("ablation"))
+        print(md)
+        print(f"report: {plan.paths.report('ablation')}", file=sys.stderr)
+        return report
