@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from kvlingo.records.report import sealed
-
 from kvlingo.inputs.data import (
     SPLITS,
     VARIANTS,
@@ -30,6 +28,7 @@ from kvlingo.inputs.data import (
 )
 from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import read_json, read_jsonl, sha256_file
+from kvlingo.records.report import sealed
 from kvlingo.toy.tokenizer import save_tokenizer, train_chat_tokenizer
 
 
