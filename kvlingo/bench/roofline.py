@@ -130,8 +130,11 @@ def step_floor(flops: float, nbytes: float, peaks: Peaks) -> dict:
 
 
 def translation_flops(translator, n: int, defer_values: bool = False) -> float:
-    """FLOPs of translating n context tokens; with the values deferred, the key maps' alone."""
-    return translator.flops_per_token(Part.KEYS if defer_values else None) * n
+    """FLOPs of translating n context tokens; with the values deferred, the key maps' alone (and the values' token
+    input, `Translator.deferred_token_input`, which is computed once per token)."""
+    if not defer_values:
+        return translator.flops_per_token() * n
+    return (translator.flops_per_token(Part.KEYS) + translator.deferred_input_flops_per_token()) * n
 
 
 def _bytes(tensors) -> int:
@@ -161,8 +164,12 @@ def deferred_work(
     nbytes = (
         read * _element_size(feature_dtype or dtype)
         - kv_bytes(target, n, dtype) / 2
-        + _bytes((maps.weight, maps.bias, maps.down))
+        + _bytes((maps.weight, maps.bias, maps.down, maps.token_weight))
     )
+    if maps.token_weight is not None:  # the token term: its input mixed over the context, then mapped, per layer
+        layers, _, width, d = maps.token_weight.shape
+        flops += 2.0 * layers * rows * (n * width + width * d)
+        nbytes += n * width * 4  # the FP32 token input, read once per layer's turn
     return flops, nbytes
 
 
@@ -199,7 +206,7 @@ def handoff_work(
     if not defer_values:
         translation = (translation_flops(translator, n), 2 * source_features + all_maps + kv_bytes(target, n, dtype))
     else:
-        key_maps = all_maps - _bytes((maps.weight, maps.bias, maps.down))
+        key_maps = all_maps - _bytes((maps.weight, maps.bias, maps.down, maps.token_weight))
         translation = (
             translation_flops(translator, n, True),
             source_features + key_maps + kv_bytes(target, n, dtype) / 2,

@@ -152,19 +152,20 @@ def prefill_flops(model, tokens: int) -> float:
     return 2.0 * n * tokens
 
 
-def real_settings(family: str, settings: dict, width_ratio: float, source_layers: int | None = None) -> dict:
-    """A family's settings carried to other shapes (`Translator.carry`: ranks scaled by the ratio of the target
-    widths, so that half the width stays half; a layer plan dropped; k capped at `source_layers` when given)."""
+def real_settings(
+    family: str, settings: dict, width_ratio: float, source_layers: int | None = None, depth_ratio: float = 1.0
+) -> dict:
+    """A family's settings carried to other shapes (`Family.carry`: ranks scaled by the ratio of the target widths,
+    so that half the width stays half; counts of target layers by the ratio of the depths; a layer plan dropped;
+    k capped at `source_layers` when given)."""
     from ..core.families import FAMILIES
 
-    return FAMILIES[family].carry(settings, width_ratio, source_layers)
+    return FAMILIES[family].carry(settings, width_ratio, source_layers, depth_ratio)
 
 
-def translator_at(
-    family: str, settings: dict, source_cfg, target_cfg, key_space: str = "prenorm", from_width: int | None = None
-):
+def translator_at(family: str, settings: dict, source_cfg, target_cfg, key_space: str = "prenorm", from_geometry=None):
     """A translator of `family` at the shapes of two configs, on the meta device (for counting), its settings
-    carried over from a target of width `from_width` (kv_heads · head_dim) when given."""
+    carried over from the shapes `from_geometry` (a Geometry) when given."""
     from dataclasses import asdict
 
     import torch
@@ -173,10 +174,16 @@ def translator_at(
     from ..records.saved import build
 
     geometry = Geometry.of(source_cfg, target_cfg)
-    width = geometry.target_kv_heads * geometry.target_head_dim
-    carried = real_settings(family, settings, width / from_width if from_width else 1.0)
+    if from_geometry is not None:
+        width, depth = (
+            geometry.target_width / from_geometry.target_width,
+            geometry.target_layers / from_geometry.target_layers,
+        )
+        settings = real_settings(family, settings, width, depth_ratio=depth)
+    else:
+        settings = real_settings(family, settings, 1.0)
     with torch.device("meta"):
-        return build({"family": family, "key_space": key_space, "settings": carried, "geometry": asdict(geometry)})
+        return build({"family": family, "key_space": key_space, "settings": settings, "geometry": asdict(geometry)})
 
 
 def real_pair_configs(direction: str, arch: str = "qwen3"):

@@ -136,6 +136,9 @@ def deferred_attention(
         if down is not None:
             context = context @ down  # [kv_heads, groups·r, rank]
         mixed = torch.baddbmm(bias * context_weight, context, weight)
+        if deferred.token_input is not None:  # the token term: its per-token input mixed like the source's values
+            u = deferred.token_input.to(p.dtype).expand(kv_heads, -1, -1)  # [kv_heads, n, token width]
+            mixed.add_(torch.bmm(torch.bmm(p[:, :, :n], u), deferred.token_weight.float()))
         if kv > n:
             mixed += torch.bmm(own.to(own_values.dtype), own_values).float()
         out[0, rows] = mixed.view(kv_heads, groups, r, -1).permute(2, 0, 1, 3).reshape(r, q_heads, -1).to(out.dtype)

@@ -92,6 +92,23 @@ class NormalEquations:
             # Rank-deficient blocks (too few tokens, dead features): minimum-norm solution instead.
             return torch.linalg.lstsq(A, B, driver="gelsd").solution
 
+    def solve_subset(self, ridge: float | torch.Tensor, keep: list[int]) -> torch.Tensor:
+        """The solution on the inputs `keep` alone (indices into the augmented rows, the bias last among them):
+        the least-squares problem of those inputs, from the same statistics: [2, L, H, len(keep), d_out] FP64."""
+        A = self.A.cpu()[..., keep, :][..., keep].clone()
+        B = self.B.cpu()[..., keep, :]
+        reg = torch.ones(len(keep), dtype=torch.float64)
+        reg[-1] = 0.0  # the bias is not shrunk
+        lam = torch.as_tensor(ridge, dtype=torch.float64)
+        if lam.dim():
+            A += lam[..., None, None] * torch.diag(reg)
+        elif float(lam):
+            A += float(lam) * torch.diag(reg)
+        try:
+            return torch.linalg.solve(A, B)
+        except torch.linalg.LinAlgError:
+            return torch.linalg.lstsq(A, B, driver="gelsd").solution
+
     def held_out_error(self, augmented: torch.Tensor) -> torch.Tensor:
         """Σ w |x̃ᵀW̃ − y|² over this set's tokens for a solution W̃ [2, L, H, d_in+1, d_out]: [2, L, H]."""
         A, B, W = self.A.cpu(), self.B.cpu(), augmented.to(torch.float64)

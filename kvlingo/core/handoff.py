@@ -86,9 +86,19 @@ def refreshing(refresh) -> bool:
 
 def can_defer_values(translator, kind: str = "preallocated", refresh=None) -> bool:
     """Whether a handoff with `translator` can leave the context's values deferred: a family whose value
-    maps are affine in the source's values (`Translator.value_maps`: head-wise, cross-head, cross-layer),
-    a preallocated cache, and no refresh."""
-    return kind == "preallocated" and not refreshing(refresh) and translator.value_maps() is not None
+    maps are affine in the source's values and token features (`Translator.value_maps`: head-wise,
+    cross-head, cross-layer, token input), a preallocated cache, and no refresh but exact:0 (whose layer 0
+    is the target's own, values and all)."""
+    return kind == "preallocated" and not _other_refresh(refresh) and translator.value_maps() is not None
+
+
+def _exact_layer0(refresh) -> bool:
+    return refresh is not None and refresh.kind == "exact"
+
+
+def _other_refresh(refresh) -> bool:
+    """A refresh that needs the target's own forward over the context (every kind but none and exact:0)."""
+    return refreshing(refresh) and not _exact_layer0(refresh)
 
 
 def translate_to_cache(
@@ -109,8 +119,10 @@ def translate_to_cache(
 
     Preallocated (the default kind): the translator writes the context straight into the cache's
     buffers (`into`, an unfilled `cache.empty_cache` of enough capacity, or a fresh one), so no
-    copy follows. Dynamic: `translate`, then a DynamicCache around its output, as shipped.
-    Under a `refresh` (`translate`), the assembled (keys, values) are copied into a cache of `kind`.
+    copy follows; under exact:0 it writes layers 1.. and layer 0 is the target's own, from the
+    token ids, written in place. Dynamic: `translate`, then a DynamicCache around its output, as
+    shipped. Under any other refresh (`translate`), the assembled (keys, values) are copied into a
+    cache of `kind`.
 
     `defer_values` (where `can_defer_values`): only the keys are translated; the cache keeps the
     source's values and the value maps, which its attention applies to each query row's mix of
@@ -119,23 +131,31 @@ def translate_to_cache(
     if defer_values and not can_defer_values(translator, kind, refresh):
         raise ValueError(
             f"a {translator.family} translator cannot defer values here (it needs value maps affine in "
-            "the source's values, a preallocated cache and no refresh); leave defer_values off"
+            "the source's values, a preallocated cache and no refresh but exact:0); leave defer_values off"
         )
     if cap is None:
         cap = capture_source(source, context_ids, [translator], kind)
     out_dtype = out_dtype or next(target.parameters()).dtype
-    if refreshing(refresh):  # part of the context is the target's own: assembled, then one copy into the cache
+    if _other_refresh(refresh) or (_exact_layer0(refresh) and kind != "preallocated"):
         kv = translate(source, translator, context_ids, out_dtype, cap, refresh, target, precision, kind)
-        return build_cache(target, *kv, kind=kind, room=room)
+        return build_cache(target, *kv, kind=kind, room=room)  # assembled, then one copy into the cache
     if kind != "preallocated":
         return build_cache(target, *translator(cap, out_dtype, precision=precision), kind="dynamic")
     n = cap.n_tokens
     cache = into if into is not None else empty_cache(target, n, room, out_dtype, cap.values.device)
+    keys, values = cache.context(n)
+    own = 1 if _exact_layer0(refresh) else 0  # target layers the target computes itself (layer 0, from the ids)
+    rest = slice(own, translator.geometry.target_layers)
+    if own:
+        from .layer0 import exact_kv
+
+        projections = translator.layer0_projections(cap) if translator.reads_layer0 else None  # computed once
+        exact_kv(target, context_ids if context_ids is not None else cap.ids, keys[0], values[0], projections)
     if defer_values:
-        translator(cap, out_dtype, out=(cache.context(n)[0], None), precision=precision)  # the keys only
-        cache.defer_values(cap.values, translator.value_maps())
+        translator(cap, out_dtype, out=(keys[rest], None), target_layers=rest, precision=precision)  # keys only
+        cache.defer_values(cap.values, translator.value_maps(), translator.deferred_token_input(cap), own)
     else:
-        translator(cap, out_dtype, out=cache.context(n), precision=precision)
+        translator(cap, out_dtype, out=(keys[rest], values[rest]), target_layers=rest, precision=precision)
         cache.fill(n)
     return cache
 

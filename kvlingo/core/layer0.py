@@ -97,18 +97,36 @@ class ContextFree:
         """The layer-0 (keys, values) a forward of `ids` at positions start.. caches, each [kv_heads, tokens,
         head_dim]."""
         with torch.no_grad():
-            x = self.embeddings(ids)  # [1, T, hidden]
-            T = x.shape[1]
-            positions = torch.arange(start, start + T, device=x.device)[None]
-            cos, sin = self.model.model.rotary_emb(x, positions)
-            h = self.layer.input_layernorm(x)
+            h = self.layer.input_layernorm(self.embeddings(ids))  # [1, T, hidden]
             attn = self.layer.self_attn
+            return self.kv_of(attn.k_proj(h)[0], attn.v_proj(h)[0], start)
+
+    def kv_of(self, k_proj: torch.Tensor, v_proj: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer-0 (keys, values) from the token ids' k_proj and v_proj outputs [tokens, kv_heads · head_dim]
+        (what `token_features` holds): the key through k_norm and RoPE at positions start.., the same bits as
+        `kv` (a translator that read the projections for its own features computes them once)."""
+        with torch.no_grad():
+            T = k_proj.shape[0]
             shape = (1, T, -1, self.head_dim)
-            k = attn.k_proj(h).view(shape)
+            dtype = self.layer.self_attn.k_proj.weight.dtype
+            k = k_proj.to(dtype).view(shape)
             norm = arch.k_norm(self.layer)
             if norm is not None:
                 k = norm(k)
             k = k.transpose(1, 2)  # [1, kv_heads, T, head_dim]
-            v = attn.v_proj(h).view(shape).transpose(1, 2)
+            v = v_proj.to(dtype).view(shape).transpose(1, 2)
+            positions = torch.arange(start, start + T, device=k.device)[None]
+            cos, sin = self.model.model.rotary_emb(v, positions)
             _, k = self.rope(k, k, cos, sin)
             return k[0], v[0]
+
+
+def exact_kv(model, ids, k_out: torch.Tensor, v_out: torch.Tensor, projections=None) -> None:
+    """The exact:0 refresh into a cache: `model`'s own layer-0 keys and values of `ids` written into k_out and v_out
+    [kv_heads, tokens, head_dim] (a preallocated cache's layer-0 context views); from `projections` (k_proj,
+    v_proj of the ids: a token-input translator's own features) when given. A model whose layer 0 is not
+    context-free is refused (NotContextFree, naming it)."""
+    layer = ContextFree(model)
+    k, v = layer.kv(ids) if projections is None else layer.kv_of(*projections)
+    k_out.copy_(k)
+    v_out.copy_(v)

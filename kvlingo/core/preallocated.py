@@ -141,6 +141,10 @@ class ValueMaps:
     weight: torch.Tensor  # [target layers, target kv_heads, mix width (or down's rank), d_out], FP32
     bias: torch.Tensor  # [target layers, target kv_heads, d_out], FP32
     down: torch.Tensor | None = None  # [target layers, mix width, rank], FP32: a low-rank map's first factor
+    # A token term, v[l, j] += u · token_weight[l, j], for the first token_weight.shape[0] target layers, where u
+    # is a per-token input the caller gives with the capture (the token features through the family's
+    # down-projection: kvlingo.core.families.tokeninput); attention mixes u as it mixes the source's values.
+    token_weight: torch.Tensor | None = None  # [token layers, target kv_heads, token width, d_out], FP32
 
 
 @dataclass
@@ -152,6 +156,8 @@ class Deferred:
     weight: torch.Tensor  # [kv_heads, mix width or rank, d_out], FP32
     bias: torch.Tensor  # [kv_heads, d_out], FP32
     down: torch.Tensor | None = None  # [mix width, rank], FP32, or None (a full-rank map)
+    token_input: torch.Tensor | None = None  # [tokens, token width]: the per-token input of a token term
+    token_weight: torch.Tensor | None = None  # [kv_heads, token width, d_out], FP32: its map
 
     @property
     def tokens(self) -> int:
@@ -208,10 +214,16 @@ class PreallocatedCache(Cache):
             layer.defer(None)
             layer.set_length(n)
 
-    def defer_values(self, values: torch.Tensor, maps: ValueMaps) -> None:
+    def defer_values(
+        self, values: torch.Tensor, maps: ValueMaps, token_input: torch.Tensor | None = None, native_layers: int = 0
+    ) -> None:
         """The context's values as the source's `values` [source layers, source kv_heads, tokens, d_s]
         and `maps` (`ValueMaps`: the layers each target layer reads are kept as views, never copied);
-        the context's keys are written through `context(tokens)` first. Marks those tokens filled."""
+        the context's keys are written through `context(tokens)` first. Marks those tokens filled.
+
+        `token_input` [tokens, token width]: the per-token input of the maps' token term (`maps.token_weight`).
+        The first `native_layers` layers keep the values written through `context(tokens)` (the target's own
+        layer 0 under the exact:0 refresh), deferring nothing."""
         L, H, d = len(self.layers), self.key_buffer.shape[1], self.key_buffer.shape[3]
         if values.dim() != 4:
             raise ValueError(f"deferred values {tuple(values.shape)} must be [source layers, kv_heads, tokens, d_in]")
@@ -231,6 +243,12 @@ class PreallocatedCache(Cache):
                 f"maps {tuple(maps.weight.shape)} / {tuple(maps.bias.shape)} are not [{L}, {H}, {width}, {d}] "
                 f"/ [{L}, {H}, {d}]"
             )
+        tokens = 0 if maps.token_weight is None else maps.token_weight.shape[0]
+        if tokens and (
+            token_input is None or token_input.shape[0] != n or token_input.shape[1] != maps.token_weight.shape[2]
+        ):
+            got = None if token_input is None else tuple(token_input.shape)
+            wrong.append(f"the token term needs an input [{n}, {maps.token_weight.shape[2]}], got {got}")
         if wrong:
             raise ValueError(
                 f"deferred values {tuple(values.shape)} and their maps do not fit this cache: " + "; ".join(wrong)
@@ -238,6 +256,11 @@ class PreallocatedCache(Cache):
         if n > self.capacity:
             raise ValueError(f"{n} deferred tokens exceed the capacity {self.capacity}")
         for i, layer in enumerate(self.layers):
+            if i < native_layers:  # its values are the target's own, already written
+                layer.defer(None)
+                layer.set_length(n)
+                continue
+            token = i < tokens
             layer.defer(
                 Deferred(
                     tuple(values[s] for s in maps.layers[i]),
@@ -245,6 +268,8 @@ class PreallocatedCache(Cache):
                     maps.weight[i],
                     maps.bias[i],
                     None if maps.down is None else maps.down[i],
+                    token_input if token else None,
+                    maps.token_weight[i] if token else None,
                 )
             )
 

@@ -90,6 +90,16 @@ def quarter_target_width(geometry: Geometry) -> int:
     return geometry.target_width // 4
 
 
+def eighth_target_width(geometry: Geometry) -> int:
+    """An eighth of the target's KV width (8 on the toy pairs, 128 on Qwen3-1.7B ↔ 0.6B)."""
+    return geometry.target_width // 8
+
+
+def half_target_layers(geometry: Geometry) -> int:
+    """The first half of the target's layers (2 of the toy pair's 4, 14 of Qwen3's 28)."""
+    return max(1, geometry.target_layers // 2)
+
+
 # --------------------------------------------------------------------------- refresh
 REFRESH_KINDS = ("none", "tail", "layers", "select", "layer", "exact")
 
@@ -210,6 +220,7 @@ class Option:
     choices: tuple = ()  # the values the flag takes, if a fixed set
     minimum: int | None = None  # the least whole number the flag takes (a count or a rank)
     width_scaled: bool = False  # a rank: carried to other shapes in proportion to the target's KV width
+    depth_scaled: bool = False  # a count of target layers: carried in proportion to the target's depth
     source_layers: bool = False  # a count of source layers: capped at the source's depth at other shapes
     base: bool = False  # names the linear family beside which this one works; its settings come from the same flags
 
@@ -289,10 +300,13 @@ class Family:
             out[option.name] = value
         return out
 
-    def carry(self, settings: dict[str, Any], width_ratio: float, source_layers: int | None = None) -> dict[str, Any]:
+    def carry(
+        self, settings: dict[str, Any], width_ratio: float, source_layers: int | None = None, depth_ratio: float = 1.0
+    ) -> dict[str, Any]:
         """Settings carried to other shapes: what the maps derive from data (a layer plan) dropped, the ranks scaled
-        by `width_ratio` (the ratio of the target KV widths, so that half the width stays half), counts of source
-        layers capped at `source_layers` (the other source's depth), and a base family's settings carried alike."""
+        by `width_ratio` (the ratio of the target KV widths, so that half the width stays half), counts of target
+        layers by `depth_ratio`, counts of source layers capped at `source_layers` (the other source's depth), and
+        a base family's settings carried alike."""
         from .families import FAMILIES
 
         out = {}
@@ -302,11 +316,16 @@ class Family:
             value = settings[option.name]
             if option.width_scaled and value:
                 value = max(1, round(value * width_ratio))
+            elif option.depth_scaled and value:
+                value = max(1, round(value * depth_ratio))
             elif option.source_layers and source_layers is not None:
                 value = min(value, source_layers)
             elif option.base and isinstance(value, dict):
                 base = FAMILIES[value["family"]]
-                value = {**value, "settings": base.carry(value.get("settings", {}), width_ratio, source_layers)}
+                value = {
+                    **value,
+                    "settings": base.carry(value.get("settings", {}), width_ratio, source_layers, depth_ratio),
+                }
             out[option.name] = value
         return out
 

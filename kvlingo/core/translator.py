@@ -82,6 +82,15 @@ class Translator(nn.Module, ABC):
         leave the values deferred (kvlingo.core.preallocated). None for any other family."""
         return None
 
+    def deferred_token_input(self, cap: Capture) -> torch.Tensor | None:
+        """The per-token input of the value maps' token term (`ValueMaps.token_weight`) for a capture: [tokens,
+        width]; None for a family without one."""
+        return None
+
+    def deferred_input_flops_per_token(self) -> float:
+        """FLOPs per context token of `deferred_token_input` (0 for a family without one)."""
+        return 0.0
+
     @classmethod
     def from_spec(cls, geometry: Geometry, key_space: str, settings: dict[str, Any]) -> Translator:
         return cls(geometry, key_space, **settings)

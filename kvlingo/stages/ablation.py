@@ -145,7 +145,7 @@ def real_cost(setting: Setting, direction: str, toy_geometry) -> dict[str, float
     src_cfg, tgt_cfg = real_pair_configs(direction)
     settings = family_settings(setting.family, setting.options, toy_geometry)
     toy_target_width = toy_geometry.target_width
-    translator = translator_at(setting.family, settings, src_cfg, tgt_cfg, from_width=toy_target_width)
+    translator = translator_at(setting.family, settings, src_cfg, tgt_cfg, from_geometry=toy_geometry)
     with torch.device("meta"):
         target = Qwen3ForCausalLM(tgt_cfg)
     L = tgt_cfg.num_hidden_layers
@@ -160,7 +160,12 @@ def real_cost(setting: Setting, direction: str, toy_geometry) -> dict[str, float
         "reprefill_flops_per_token": reprefill,
         "fraction_of_reprefill": flops / reprefill,
         "ceiling_speedup": reprefill / flops,
-        "real_settings": real_settings(setting.family, settings, _width(tgt_cfg) / toy_target_width),
+        "real_settings": real_settings(
+            setting.family,
+            settings,
+            _width(tgt_cfg) / toy_target_width,
+            depth_ratio=tgt_cfg.num_hidden_layers / toy_geometry.target_layers,
+        ),
     }
 
 

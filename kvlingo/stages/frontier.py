@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from ..core.settings import Refresh
+from ..core.settings import Geometry, Refresh
 from ..errors import Failure, Refusal
 from ..inputs.argtypes import whole
 from ..inputs.flags import CV_LIMIT, add_task_data_args, generative_tasks, refresh_setting
@@ -219,7 +219,7 @@ class Plan:
         )
 
 
-def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: int) -> dict:
+def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy) -> dict:
     """Re-prefill and each (run, setting)'s handoff at the real shapes with random weights (seconds), every
     trial interleaved round by round with the others (timing.time_handoffs)."""
     import torch
@@ -243,7 +243,12 @@ def real_timings(cfg: FrontierConfig, family_specs: dict[str, dict], toy_width: 
             pair.target,
             spec["key_space"],
             family=spec["family"],
-            settings=real_settings(spec["family"], spec["settings"], width / toy_width),
+            settings=real_settings(
+                spec["family"],
+                spec["settings"],
+                width / toy.target_width,
+                depth_ratio=pair.target.config.num_hidden_layers / toy.target_layers,
+            ),
         )
         handoffs.update({f"{run}|{setting}": (tr, setting) for setting in cfg.settings})
     mode = timing.mode_for(cfg.pair.cache)
@@ -543,7 +548,7 @@ class Frontier(Stage):
                 raise Refusal(f"no trained translator at {folder}: train the run first (make train RUN={r})")
             m = read_manifest(folder)  # refuses a damaged or edited manifest, or maps that do not match it
             self.specs[r] = {"family": m["family"], "key_space": m["key_space"], "settings": m["settings"]}
-        self.toy_width = pair.geometry["target_kv_heads"] * pair.geometry["target_head_dim"]
+        self.toy = Geometry(**pair.geometry)  # the trained pair's shapes, carried to the real ones
         self.plan = plan = Plan(cfg)
         check_outputs(
             [
@@ -585,7 +590,7 @@ class Frontier(Stage):
         for r in cfg.runs:
             spec = self.specs[r]
             per_token = translator_at(
-                spec["family"], spec["settings"], src_cfg, tgt_cfg, spec["key_space"], self.toy_width
+                spec["family"], spec["settings"], src_cfg, tgt_cfg, spec["key_space"], self.toy
             ).flops_per_token()
             for setting in cfg.settings:
                 arms = self._quality(r, setting)
@@ -617,7 +622,7 @@ class Frontier(Stage):
 
             def timed() -> dict:
                 print(f"timing at the real shapes ({cfg.real_tokens} tokens, random weights)...", file=sys.stderr)
-                return real_timings(cfg, self.specs, self.toy_width)
+                return real_timings(cfg, self.specs, self.toy)
 
             t = cells.ensure_here(plan.timing(self.specs), timed)
             add_times(rows, t)

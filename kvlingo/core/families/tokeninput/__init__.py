@@ -1,9 +1,22 @@
 """The token-input family: a linear family's maps plus the target's own layer-0 features of each token and of the
-window − 1 tokens before it, computed from the token ids (kvlingo.core.layer0). Its maps: `maps.TokenInput`."""
+window − 1 tokens before it, computed from the token ids (kvlingo.core.layer0). Its maps: `maps.TokenInput`.
 
-from ...settings import Family, Option, Variant, half_target_width
+Its variants are the token path's costs and what each buys: the window, the rank, the part of the cache
+(keys, values or both) and the layers that read the token features, priced at the real shapes by the
+ablation (kvlingo/stages/ablation.py)."""
+
+from ...settings import (
+    Family,
+    Option,
+    Variant,
+    eighth_target_width,
+    half_target_layers,
+    half_target_width,
+    quarter_target_width,
+)
 
 BASES = ("headwise", "crosshead", "crosslayer")
+OWN_LAYER0 = "exact:0"  # every variant hands over with the target's own layer 0 from the token ids
 
 TOKENINPUT = Family(
     "tokeninput",
@@ -20,22 +33,61 @@ TOKENINPUT = Family(
             width_scaled=True,
         ),
         Option("window", "each token's features and those of the window − 1 tokens before it", 3, minimum=1),
+        Option(
+            "token_parts",
+            "which part of the cache reads the token features: keys, values or both",
+            "both",
+            str,
+            choices=("both", "keys", "values"),
+        ),
+        Option(
+            "token_layers",
+            "the first N target layers read the token features (0: all of them)",
+            0,
+            minimum=0,
+            depth_scaled=True,
+        ),
     ),
     variants=(
         Variant(
             "token-w3",
             note="head-wise maps plus the target's layer-0 features of the token and the two before it (rank half "
             "the target width), own layer 0",
-            refresh="exact:0",
+            refresh=OWN_LAYER0,
+        ),
+        Variant("token-w2", {"window": 2}, "the token and the one before it, own layer 0", refresh=OWN_LAYER0),
+        Variant("token-w1", {"window": 1}, "token identity of each token alone, own layer 0", refresh=OWN_LAYER0),
+        Variant(
+            "token-w3-rquarter",
+            {"token_rank": quarter_target_width},
+            "token-w3 through a rank of a quarter of the target width",
+            refresh=OWN_LAYER0,
         ),
         Variant(
-            "token-w1",
-            {"window": 1},
-            "token identity of each token alone, own layer 0",
-            refresh="exact:0",
-            default_run=False,
+            "token-w3-reighth",
+            {"token_rank": eighth_target_width},
+            "token-w3 through a rank of an eighth of the target width",
+            refresh=OWN_LAYER0,
         ),
-        Variant("token-w3-full", {"token_rank": 0}, "token-w3 at full rank", refresh="exact:0", default_run=False),
+        Variant(
+            "token-w3-values",
+            {"token_parts": "values"},
+            "token-w3 on the values only (the keys head-wise alone)",
+            refresh=OWN_LAYER0,
+        ),
+        Variant(
+            "token-w3-keys",
+            {"token_parts": "keys"},
+            "token-w3 on the keys only (the values head-wise alone)",
+            refresh=OWN_LAYER0,
+        ),
+        Variant(
+            "token-w3-lower",
+            {"token_layers": half_target_layers},
+            "token-w3 in the first half of the target's layers only",
+            refresh=OWN_LAYER0,
+        ),
+        Variant("token-w3-full", {"token_rank": 0}, "token-w3 at full rank", refresh=OWN_LAYER0, default_run=False),
     ),
     reads_layer0=True,
 )

@@ -28,6 +28,7 @@ prices it, and the ablation counts it once.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,10 +36,13 @@ from torch import nn
 
 from ...cache import Capture
 from ...fit import NormalEquations, reduced_rank
+from ...preallocated import ValueMaps
 from ...settings import half_target_width
-from ...translator import Geometry, LinearFamily, Part, Translator, TranslatorError
+from ...translator import PARTS, Geometry, LinearFamily, Part, Translator, TranslatorError
 from .. import FAMILIES
 from . import BASES
+
+PARTS_WITH_TOKENS = {"both": PARTS, "keys": (Part.KEYS,), "values": (Part.VALUES,)}  # --token-parts
 
 
 class TokenInput(LinearFamily):
@@ -51,6 +55,8 @@ class TokenInput(LinearFamily):
         base: dict | None = None,
         rank: int | None = None,
         window: int = 3,
+        token_parts: str = "both",
+        token_layers: int = 0,
     ):
         super().__init__(geometry, key_space)
         base = base or {"family": "headwise", "settings": {}}
@@ -66,12 +72,16 @@ class TokenInput(LinearFamily):
         self.d_out = g.target_kv_heads * g.target_head_dim
         if window < 1:
             raise TranslatorError(f"window {window}: give at least 1 token")
-        if rank < 0 or rank > min(self.d_tok, g.target_layers * self.d_out):
-            raise TranslatorError(
-                f"token rank {rank} must be 0 (full) or at most {min(self.d_tok, g.target_layers * self.d_out)}"
-            )
-        self.rank, self.window = rank, window
-        L = g.target_layers
+        if token_parts not in PARTS_WITH_TOKENS:
+            raise TranslatorError(f"token parts {token_parts!r}: give one of {', '.join(PARTS_WITH_TOKENS)}")
+        if not 0 <= token_layers <= g.target_layers:
+            raise TranslatorError(f"token layers {token_layers}: give 0 (all) to {g.target_layers}")
+        L = token_layers or g.target_layers  # the target layers with a token term: the first L
+        if rank < 0 or rank > min(self.d_tok, L * self.d_out):
+            raise TranslatorError(f"token rank {rank} must be 0 (full) or at most {min(self.d_tok, L * self.d_out)}")
+        self.rank, self.window, self.token_parts, self.token_layers = rank, window, token_parts, token_layers
+        self.tok_parts = PARTS_WITH_TOKENS[token_parts]  # the parts (keys, values) that read the token features
+        self.n_tok_layers = L
         if rank:
             self.tok_down = nn.Parameter(torch.zeros(2, self.d_tok, rank))
             self.tok_up = nn.Parameter(torch.zeros(2, L, rank, self.d_out))
@@ -85,15 +95,18 @@ class TokenInput(LinearFamily):
             "base": {"family": self.base.family, "settings": self.base.settings()},
             "rank": self.rank,
             "window": self.window,
+            "token_parts": self.token_parts,
+            "token_layers": self.token_layers,
         }
 
     def flops_per_token(self, part: Part | None = None) -> float:
-        L = self.geometry.target_layers
+        L = self.n_tok_layers
         if self.rank:
             tok = 2.0 * (self.d_tok * self.rank + L * self.rank * self.d_out)  # keys or values
         else:
             tok = 2.0 * L * self.d_tok * self.d_out
-        return self.base.flops_per_token(part) + tok * (2 if part is None else 1)
+        parts = PARTS if part is None else (part,)
+        return self.base.flops_per_token(part) + tok * sum(p in self.tok_parts for p in parts)
 
     def bind(self, source, target) -> TokenInput:
         from ...layer0 import ContextFree, NotContextFree
@@ -123,8 +136,14 @@ class TokenInput(LinearFamily):
         self._memo = (cap.ids, feats)
         return feats
 
+    def layer0_projections(self, cap: Capture) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's layer-0 k_proj and v_proj of the captured ids [tokens, kv width] each, from the features
+        (so that a handoff under exact:0 computes them once for both)."""
+        own = self.features(cap)[:, : self.d_tok // self.window]  # the token's own part of the window
+        return own.chunk(2, dim=-1)
+
     def token_term(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
-        """T_l(t) for target `layers`: [n, heads, tokens, head_dim]."""
+        """T_l(t) for target `layers` (within the first `n_tok_layers`): [n, heads, tokens, head_dim]."""
         t = self.features(cap).to(self._compute)
         if self.rank:
             y = torch.einsum("tr,nro->nto", t @ self.cast(self.tok_down)[part], self.cast(self.tok_up)[part, layers])
@@ -133,8 +152,43 @@ class TokenInput(LinearFamily):
         g = self.geometry
         return y.view(y.shape[0], y.shape[1], g.target_kv_heads, g.target_head_dim).transpose(1, 2)
 
+    def _token_layers(self, part: Part, layers: slice) -> slice | None:
+        """The layers of `layers` (a slice of the target's) that get a token term, as a slice of the same run."""
+        start, stop, _ = layers.indices(self.geometry.target_layers)
+        end = min(stop, self.n_tok_layers)
+        return slice(start, end) if part in self.tok_parts and end > start else None
+
     def map(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
-        return self.base.map(part, cap, layers) + self.token_term(part, cap, layers)
+        y = self.base.map(part, cap, layers)
+        tok = self._token_layers(part, layers)
+        if tok is None:
+            return y
+        n = tok.stop - tok.start
+        if n == y.shape[0]:
+            return y + self.token_term(part, cap, tok)
+        return torch.cat([y[:n] + self.token_term(part, cap, tok), y[n:]])
+
+    # ------------------------------------------------------------------ deferred values
+    def value_maps(self) -> ValueMaps | None:
+        """The base's value maps with the token term (`ValueMaps.token_weight`): the token features' values map
+        applied to each query row's mix of them (their down-projection, `deferred_token_input`, happens once)."""
+        maps = self.base.value_maps()
+        if maps is None or Part.VALUES not in self.tok_parts:
+            return maps
+        g = self.geometry
+        w = (self.tok_up if self.rank else self.tok_weight)[Part.VALUES].detach()  # [token layers, width, H·d]
+        token_weight = w.view(*w.shape[:2], g.target_kv_heads, g.target_head_dim).permute(0, 2, 1, 3)
+        return replace(maps, token_weight=token_weight)  # [token layers, H, width, d]
+
+    def deferred_input_flops_per_token(self) -> float:
+        return 2.0 * self.d_tok * self.rank if self.rank and Part.VALUES in self.tok_parts else 0.0
+
+    def deferred_token_input(self, cap: Capture) -> torch.Tensor | None:
+        """The per-token input of the values' token term, [tokens, rank or token width] in FP32."""
+        if Part.VALUES not in self.tok_parts:
+            return None
+        t = self.features(cap)
+        return t @ self.tok_down[Part.VALUES].detach() if self.rank else t
 
     # ------------------------------------------------------------------ closed form
     @property
@@ -169,15 +223,24 @@ class TokenInput(LinearFamily):
         return self.base.block_weights(w)
 
     def solve_from(self, ne: NormalEquations, ridge) -> None:
+        """The token features' blocks (the parts and first layers that read them) solved with them; every other
+        block solved on the base's inputs alone, so that its base map does not count on a token term it lacks."""
         sol = ne.solve_augmented(ridge)  # [2, L, B, d_in + d_tok + 1, d_out]
         d_in = ne.d_in - self.d_tok
         keep = list(range(d_in)) + [ne.d_in]  # the base's rows and the bias
-        base_sol = sol[..., keep, :]
+        with_tokens = torch.zeros(sol.shape[:2], dtype=torch.bool)  # [2, L]: blocks that read the token features
+        for part in self.tok_parts:
+            with_tokens[part, : self.n_tok_layers] = True
+        base_sol = sol[..., keep, :].clone()
+        if not bool(with_tokens.all()):
+            alone = ne.solve_subset(ridge, keep)  # [2, L, B, d_in + 1, d_out]
+            base_sol[~with_tokens] = alone[~with_tokens]
         base_A = ne.A.cpu()[..., keep, :][..., keep]
-        tok = sol[..., d_in : ne.d_in, :]  # [2, L, B, d_tok, d_out_block]
         _set_base(self.base, base_sol, base_A)
+        L_tok = self.n_tok_layers
+        tok = sol[:, :L_tok, :, d_in : ne.d_in, :]  # [2, L_tok, B, d_tok, d_out_block]
         two, L, B, dt, db = tok.shape
-        m = tok.permute(0, 3, 1, 2, 4).reshape(two, dt, L, B * db)  # [2, d_tok, L, d_out]: heads side by side
+        m = tok.permute(0, 3, 1, 2, 4).reshape(two, dt, L, B * db)  # [2, d_tok, L_tok, d_out]: heads side by side
         with torch.no_grad():
             if self.rank:
                 A_tok = ne.A.cpu()[:, 0, 0, d_in : ne.d_in, d_in : ne.d_in]  # the features' second moment (any block)
@@ -186,6 +249,10 @@ class TokenInput(LinearFamily):
                 self.tok_up.copy_(up.view(two, self.rank, L, B * db).transpose(1, 2).float())
             else:
                 self.tok_weight.copy_(m.transpose(1, 2).float())
+            for part in PARTS:  # a part without a token term keeps zero maps (never read)
+                if part not in self.tok_parts:
+                    for p in (self.tok_down, self.tok_up) if self.rank else (self.tok_weight,):
+                        p[part].zero_()
 
 
 def _set_base(base: Translator, sol: torch.Tensor, A: torch.Tensor) -> None:
