@@ -11,11 +11,19 @@ TOY       ?= artifacts/toy
 TOY_ARGS  ?=
 # PROFILE=demo (and scale, the demo at 8,192 training conversations) runs on the toy world, offline, on the CPU:
 # every stage's inputs default to it. Their chats: the toy world's held-out conversations, 2,048 or 10,240 of them.
+# PAIR picks the toy pair (toy: the packaged 4-layer pair; deep: the 28-layer pair; mismatched: the 3-layer model
+# beside the packaged pair, two pairs in `make demo`).
+PAIR ?= toy
+PAIR_MODELS_toy  := large small
+PAIR_MODELS_deep := deep/large deep/small
 ifneq ($(filter demo scale,$(PROFILE)),)
 DEVICE        ?= cpu
 DTYPE         ?= float32
-LARGE         ?= $(TOY)/large
-SMALL         ?= $(TOY)/small
+LARGE         ?= $(TOY)/$(word 1,$(or $(PAIR_MODELS_$(PAIR)),$(PAIR_MODELS_toy)))
+SMALL         ?= $(TOY)/$(word 2,$(or $(PAIR_MODELS_$(PAIR)),$(PAIR_MODELS_toy)))
+# One torch thread per process: the toy models' small ops are fastest on one thread on a machine other jobs share
+# (two OpenMP threads wait at each other's barriers; distillation ran ~20x slower so). THREADS=2 to change it.
+THREADS       ?= 1
 SOURCE        ?= $(TOY)/corpus/chats.$(if $(filter scale,$(PROFILE)),10240,2048).jsonl
 IFEVAL_SOURCE ?= $(TOY)/corpus/ifeval.jsonl
 TASK_SOURCE_DIR ?= $(TOY)/corpus
@@ -24,8 +32,14 @@ export HF_HUB_OFFLINE = 1
 endif
 DEVICE    ?= auto
 DTYPE     ?= bfloat16
-# Run name: empty means every stage's default, PROFILE-DIRECTION (kvlingo/records/paths.py).
-RUN       ?=
+# Torch's CPU threads (OMP_NUM_THREADS) for every stage; empty: torch's default (every core). Reports record it.
+THREADS   ?=
+ifneq ($(THREADS),)
+export OMP_NUM_THREADS = $(THREADS)
+endif
+# Run name: empty means every stage's default, PROFILE-DIRECTION (kvlingo/records/paths.py); the deep pair's runs
+# are demo-deep-DIRECTION.
+RUN       ?= $(if $(filter deep,$(PAIR)),$(if $(filter demo scale,$(PROFILE)),$(PROFILE)-deep-$(DIRECTION)))
 # Data-parallel ranks of a training (torchrun --nproc-per-node; the recipe's GPUs per training cell).
 NPROC     ?= 1
 # How the recipe runs its cells: local (processes on this machine) or slurm (job arrays, submitit).
@@ -64,10 +78,11 @@ EXPORT_ARGS  ?=
 PERF_DTYPE   ?= auto
 # The toy pair(s) make demo runs: toy = large ↔ small; mismatched = large ↔ mismatched, then mismatched ↔ small
 # (the mismatched model's 3 layers × 4 KV heads × head_dim 32 against the pair's 4 × 2 × 32: cross-layer maps).
-PAIR ?= toy
 DEMO_PAIRS_toy  := large:small
+DEMO_PAIRS_deep := deep/large:deep/small
 DEMO_PAIRS_mismatched := large:mismatched mismatched:small
-DEMO_FAMILY_mismatched := crosslayer
+# the mismatched pairs' caches line up neither layer by layer nor head by head: token input beside cross-layer maps
+DEMO_FAMILY_mismatched := tokeninput --base crosslayer
 
 # Python caches compiled modules in .venv even where the environment turns that off: without the
 # cache every process recompiles torch and transformers (seconds per stage, minutes per test run).
@@ -91,7 +106,7 @@ TRAIN_PY = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --npr
 TRAIN_SEP = $(if $(filter-out 1,$(NPROC)),--)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv lint format test test-fast run demo toy toy-train toy-train-deep toy-train-mismatched toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf gpu-check recipe summary ablate frontier export
+.PHONY: help venv lint format test test-fast run demo toy toy-train toy-train-deep toy-train-mismatched toy-export prepare train estimate benchmark switch ifeval ifeval-native task task-native perf gpu-check recipe summary ablate frontier layers export
 
 help: ## list the targets
 	@echo "KVLRelay targets (DEVICE=$(DEVICE) DTYPE=$(DTYPE) PROFILE=$(PROFILE) DIRECTION=$(DIRECTION) RUN=$(or $(RUN),PROFILE-DIRECTION)):"
@@ -138,7 +153,7 @@ run: $(VENV)/.synced ## the pilot: prepare → train → benchmark → IFEval (n
 	if [ $$status -ne 0 ]; then echo "make run: a stage failed (see above); its report is still written"; fi; \
 	exit $$status
 
-toy: $(VENV)/.synced ## install the offline toy world: packaged toy Qwen3 pair and mismatched model + regenerated, verified corpus → artifacts/toy (seconds)
+toy: $(VENV)/.synced ## install the offline toy world: the packaged toy pairs (4 and 28 layers) and mismatched model + regenerated, verified corpus → artifacts/toy (seconds)
 	HF_HUB_OFFLINE=1 $(PY) toy_world.py --out $(TOY) $(TOY_ARGS)
 
 toy-train: $(VENV)/.synced ## retrain the toy pair from scratch (~26 CPU-minutes) and re-package it into kvlingo/toy/pair
@@ -152,8 +167,10 @@ toy-train-mismatched: $(VENV)/.synced ## retrain the mismatched toy model (3 lay
 
 # Every stage on a toy pair, offline, on the CPU. The demo profile holds every setting (learning
 # rate, fit weighting, switch lengths, the recipe's budget; timing CV flags reported, not fatal).
-# PAIR=toy keeps the default run names (demo-DIRECTION); other pairs run as demo-LARGE-SMALL-DIRECTION.
-demo_run = $(if $(filter toy,$(PAIR)),,RUN=demo-$(1)-$(2)-$(DIRECTION))
+# PAIR=toy keeps the default run names (demo-DIRECTION), PAIR=deep runs as demo-deep-DIRECTION; the mismatched
+# pairs as demo-LARGE-SMALL-DIRECTION.
+demo_name = $(if $(filter toy,$(PAIR)),demo,$(if $(filter deep,$(PAIR)),demo-deep,demo-$(1)-$(2)))
+demo_run = RUN=$(call demo_name,$(1),$(2))-$(DIRECTION)
 demo_vars = PROFILE=demo LARGE=$(TOY)/$(1) SMALL=$(TOY)/$(2) $(call demo_run,$(1),$(2)) \
 	$(if $(DEMO_FAMILY_$(PAIR)),TRAIN_ARGS="--family $(DEMO_FAMILY_$(PAIR)) $(TRAIN_ARGS)" \
 	  RECIPE_ARGS="--train-args='--family $(DEMO_FAMILY_$(PAIR))' $(RECIPE_ARGS)")
@@ -163,11 +180,11 @@ define demo_pair
 	for task in arc gsm8k; do for mode in prompt trace; do \
 	  $(MAKE) task-native task $(call demo_vars,$(1),$(2)) TASK=$$task HANDOFF=$$mode TASK_ARGS="--resume" || status=1; \
 	done; done; \
-	$(MAKE) recipe $(call demo_vars,$(1),$(2)) RUN=demo-$(if $(filter toy,$(PAIR)),,$(1)-$(2)-)$(DIRECTION)-recipe || status=1; \
+	$(MAKE) recipe $(call demo_vars,$(1),$(2)) RUN=$(call demo_name,$(1),$(2))-$(DIRECTION)-recipe || status=1; \
 	$(MAKE) summary $(call demo_vars,$(1),$(2)) || status=1;
 endef
-demo: toy ## the whole suite offline on a CPU with a toy pair (PAIR=toy: large ↔ small; PAIR=mismatched: large ↔ mismatched, mismatched ↔ small), ending in summary tables
-	@$(if $(DEMO_PAIRS_$(PAIR)),,echo "make demo: PAIR=$(PAIR) is not one of toy, mismatched"; exit 2;) status=0; \
+demo: toy ## the whole suite offline on a CPU with a toy pair (PAIR=toy: the 4-layer pair; PAIR=deep: the 28-layer pair; PAIR=mismatched: large ↔ mismatched, mismatched ↔ small), ending in summary tables
+	@$(if $(DEMO_PAIRS_$(PAIR)),,echo "make demo: PAIR=$(PAIR) is not one of toy, deep, mismatched"; exit 2;) status=0; \
 	$(foreach p,$(DEMO_PAIRS_$(PAIR)),$(call demo_pair,$(word 1,$(subst :, ,$(p))),$(word 2,$(subst :, ,$(p))))) \
 	exit $$status
 
@@ -236,25 +253,31 @@ recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL
 export: $(VENV)/.synced ## the run's translator, its evidence and a model card → artifacts/RUN/export (kvlingo.Relay loads it; EXPORT_ARGS="--out DIR")
 	$(PY) export.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN)) $(EXPORT_ARGS)
 
-summary: $(VENV)/.synced ## one table of the run's reports → results/RUN/summary.md
+summary: $(VENV)/.synced ## one table and one figure of the run's reports → results/RUN/summary.{md,png,json}
 	$(PY) summary.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))
 
 ablate: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## the translator's levers (families, exact layer 0, token identity, objectives) on one budget; metric and default chosen on validation, the best scored on test → results/PROFILE-DIRECTION-ablate/ablation.{json,md,png} (both directions)
 	$(MAKE) prepare
 	@mkdir -p results; status=0; pids=""; \
 	for d in $(ABLATE_DIRECTIONS); do \
-	  echo "ablate $$d: log in results/ablate-$$d.log"; \
+	  log=results/ablate-$(if $(filter-out toy,$(PAIR)),$(PAIR)-)$$d.log; echo "ablate $$d: log in $$log"; \
 	  OMP_NUM_THREADS=$(ABLATE_THREADS) $(PY) ablate.py --profile $(PROFILE) --large $(LARGE) --small $(SMALL) \
-	    --direction $$d --device $(DEVICE) --dtype $(DTYPE) --data-root $(EVAL_ROOT) $(ABLATE_ARGS) \
-	    > results/ablate-$$d.log 2>&1 & pids="$$pids $$!"; \
+	    --direction $$d --device $(DEVICE) --dtype $(DTYPE) --data-root $(EVAL_ROOT) \
+	    $(if $(filter-out toy,$(PAIR)),--run $(PROFILE)-$(PAIR)-$$d-ablate) $(ABLATE_ARGS) \
+	    > $$log 2>&1 & pids="$$pids $$!"; \
 	done; \
 	for p in $$pids; do wait $$p || status=1; done; \
-	for d in $(ABLATE_DIRECTIONS); do tail -n 40 results/ablate-$$d.log; done; exit $$status
+	for d in $(ABLATE_DIRECTIONS); do tail -n 40 results/ablate-$(if $(filter-out toy,$(PAIR)),$(PAIR)-)$$d.log; done; \
+	exit $$status
 
-frontier: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## quality against cost from pure translation to re-prefill (refresh settings) → results/RUN/frontier.{json,md,png}
+frontier: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## prepare and train the run (when not done), then quality against cost from pure translation to re-prefill (refresh settings) → results/RUN/frontier.{json,md,png}
 	$(MAKE) prepare
 	$(MAKE) train TRAIN_ARGS="--resume $(TRAIN_ARGS)"
 	$(PY) frontier.py $(PAIR_FLAGS) --data-root $(EVAL_ROOT) $(FRONTIER_ARGS)
+
+LAYERS_ARGS ?=
+layers: $(VENV)/.synced ## where trained translators' error lives: each target layer's share of the handoff's KL (LAYERS_ARGS="--runs RUN ...") → results/PROFILE-DIRECTION-layers/layers.{json,md,png}
+	$(PY) layers.py $(PAIR_FLAGS) $(LAYERS_ARGS)
 
 # ---------------------------------------------------------------- serving (optional: vLLM in its own environment)
 # vLLM's CPU build pins another torch and transformers than the suite, so it lives in .venv-serve, installed

@@ -226,21 +226,36 @@ def _is_temp(path: Path) -> bool:
     return path.name.startswith(".") and path.name.endswith(".tmp")
 
 
-def other_files(folder: str | os.PathLike, ours: Iterable[str]) -> list[str]:
-    """Sorted names in `folder` besides `ours` and atomic-write temp files: what a stage that replaces the
-    folder's contents would destroy."""
-    ours = set(ours)
-    return sorted(p.name for p in Path(folder).iterdir() if p.name not in ours and not _is_temp(p))
+def other_files(folder: str | os.PathLike, ours: Iterable[str], folders: Iterable[str] = ()) -> list[str]:
+    """Sorted names in `folder` besides `ours` (files) and `folders` (folders) and atomic-write temp files: what a
+    stage that replaces the folder's contents would destroy. An entry named like one of ours but of the other kind
+    (a folder called manifest.json) is not ours."""
+    ours, folders = set(ours), set(folders)
+    out = []
+    for p in Path(folder).iterdir():
+        if _is_temp(p) or (p.name in ours and p.is_file() and not p.is_symlink()):
+            continue
+        if p.name in folders and p.is_dir() and not p.is_symlink():
+            continue
+        out.append(p.name + ("/" if p.is_dir() else ""))
+    return sorted(out)
 
 
 def not_ours(
-    folder: str | os.PathLike, ours: Iterable[str], marker: str, key: str, value: Any, damaged_is_ours: bool = True
+    folder: str | os.PathLike,
+    ours: Iterable[str],
+    marker: str,
+    key: str,
+    value: Any,
+    damaged_is_ours: bool = True,
+    folders: Iterable[str] = (),
 ) -> str | None:
     """What a stage that replaces the contents of the folder `folder` would destroy, as a short listing, or
-    None when the folder is the stage's own (or empty): entries besides `ours` and atomic-write temp files,
-    or else a `marker` file (the stage's manifest or config) whose `key` is not `value`. A marker that does
-    not parse counts as the stage's own, cut short, unless `damaged_is_ours` is False."""
-    other = other_files(folder, ours)
+    None when the folder is the stage's own (or empty): entries besides `ours` (files) and `folders` and
+    atomic-write temp files, or else a `marker` file (the stage's manifest or config) whose `key` is not
+    `value`. A marker that does not parse counts as the stage's own, cut short, unless `damaged_is_ours` is
+    False."""
+    other = other_files(folder, ours, folders)
     path = Path(folder) / marker
     if not other and path.is_file():
         try:

@@ -231,6 +231,8 @@ class HandoffPaths:
         self.source, self.target, self.translator, self.mode = source, target, translator, options.mode
         self.context_ids, self.new_ids = context_ids, new_ids
         self.refresh = options.refresh
+        # a refresh that runs the target's forward assembles its own cache per call; exact:0 writes in place
+        self.assembles = refreshing(self.refresh) and self.refresh.kind != "exact"
         self.full_ids = torch.cat([context_ids, new_ids], dim=1)  # [1, T + k]: tokenisation is not timed
         self.out_dtype = out_dtype or next(target.parameters()).dtype
         self.want_prenorm = translator.needs_prenorm
@@ -241,12 +243,9 @@ class HandoffPaths:
         self.defer_values = self.optimised and defer_values_here(
             translator, device, self.refresh, options.defer_values, target, context_ids.shape[1], new_ids.shape[1]
         )
-        # a refresh runs the target inside the translation and assembles a cache per call: not graphed
+        # a refresh that runs the target inside the translation assembles a cache per call: not graphed
         self.graphs_on = (
-            self.optimised
-            and device.type == "cuda"
-            and options.cuda_graphs is not False
-            and not refreshing(self.refresh)
+            self.optimised and device.type == "cuda" and options.cuda_graphs is not False and not self.assembles
         )
         self.graph_errors: dict[str, str] = {}
         n, k = context_ids.shape[1], new_ids.shape[1]
@@ -265,7 +264,7 @@ class HandoffPaths:
         self.handoff_cache = self.reprefill_cache = self.own_cache = None
         if self.optimised:  # reserved once, reused by every call (ordinary tensors: writable in any mode)
             with torch.no_grad():  # only what the paths in `need` write (a refresh assembles its own cache)
-                if {"source_cache_handoff", "source_prefill_handoff"} & set(need) and not refreshing(self.refresh):
+                if {"source_cache_handoff", "source_prefill_handoff"} & set(need) and not self.assembles:
                     self.handoff_cache = empty_cache(target, n, k, self.out_dtype, device)
                 if "target_reprefill" in need:
                     self.reprefill_cache = empty_cache(target, n + k, 0, self.out_dtype, device)
@@ -279,7 +278,7 @@ class HandoffPaths:
     # ------------------------------------------------------------------ steps
     def _translate_into_cache(self, cap: Capture):
         """Optimised: the translation written straight into the reserved handoff cache."""
-        if refreshing(self.refresh):
+        if self.assembles:
             return translate_to_cache(
                 self.source,
                 self.target,
@@ -291,14 +290,16 @@ class HandoffPaths:
                 precision=self.precision,
                 refresh=self.refresh,
             )
-        return translate_to_cache(
+        return translate_to_cache(  # under exact:0, layer 0 from the ids in place too
             self.source,
             self.target,
             self.translator,
+            self.context_ids if refreshing(self.refresh) else None,
             cap=cap,
             into=self._reserved("handoff_cache", "source_cache_handoff"),
             out_dtype=self.out_dtype,
             precision=self.precision,
+            refresh=self.refresh if refreshing(self.refresh) else None,
             defer_values=self.defer_values,
         )
 
@@ -327,8 +328,8 @@ class HandoffPaths:
         if self.optimised:
             made = steps.get("translate", lambda: self._translate_into_cache(cap))()
             mark("translate")
-            # the translation wrote the reserved cache (a refresh assembles its own): nothing left to build
-            cache = made if refreshing(self.refresh) else self.handoff_cache
+            # the translation wrote the reserved cache (a refresh that assembles makes its own): nothing left to build
+            cache = made if self.assembles else self.handoff_cache
         else:
             keys, values = translate(
                 self.source,
@@ -420,8 +421,8 @@ def defer_values_here(
         raise ValueError(
             f"values cannot be deferred with a {translator.family} translator"
             + (" under a refresh" if refreshing(refresh) else "")
-            + ": only translators whose value maps are linear in the source's values can, without a "
-            "refresh; turn deferred values off"
+            + ": only translators whose value maps are linear in the source's values (and token features) can, "
+            "under no refresh but exact:0; turn deferred values off"
         )
     if not able or wanted:
         return able

@@ -31,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -561,25 +563,43 @@ def check_export_folder(out: Path) -> None:
 
 
 def write_export(out: str | Path, maps: bytes, config: dict[str, Any], evidence: dict[str, Any] | None) -> Verdict:
-    """Write an export folder in order (config.json last); returns the gate's verdict at its default thresholds."""
+    """Write an export folder whole beside `out` (config.json last), then swap it in: a re-export that fails (a full
+    disk, a kill) leaves the good export it would replace as it was. Returns the gate's verdict at its default
+    thresholds."""
     out = Path(out)
     check_export_folder(out)
-    (out / CONFIG_FILE).unlink(missing_ok=True)
-    atomic_write_bytes(out / MAPS_FILE, maps)
-    verdict = judge(evidence)
-    if evidence is not None:
-        evidence = {**evidence, "gate": verdict.to_dict()}
-        atomic_write_json(out / EVIDENCE_FILE, evidence)
-    else:
-        (out / EVIDENCE_FILE).unlink(missing_ok=True)
-    config = {
-        **config,
-        "maps_sha256": sha256_bytes(maps),
-        "evidence_sha256": sha256_file(out / EVIDENCE_FILE) if evidence is not None else None,
-    }
-    atomic_write_text(out / CARD_FILE, model_card(config, evidence, verdict))
-    atomic_write_json(out / CONFIG_FILE, sealed(config))
+    staging = out.with_name(f".{out.name}.export.tmp")
+    shutil.rmtree(staging, ignore_errors=True)  # a killed export's: never a user's (the name is ours)
+    try:
+        staging.mkdir(parents=True)
+        atomic_write_bytes(staging / MAPS_FILE, maps)
+        verdict = judge(evidence)
+        if evidence is not None:
+            evidence = {**evidence, "gate": verdict.to_dict()}
+            atomic_write_json(staging / EVIDENCE_FILE, evidence)
+        config = {
+            **config,
+            "maps_sha256": sha256_bytes(maps),
+            "evidence_sha256": sha256_file(staging / EVIDENCE_FILE) if evidence is not None else None,
+        }
+        atomic_write_text(staging / CARD_FILE, model_card(config, evidence, verdict))
+        atomic_write_json(staging / CONFIG_FILE, sealed(config))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _swap_folder(staging, out)
     return verdict
+
+
+def _swap_folder(new: Path, out: Path) -> None:
+    """Replace `out` by the complete folder `new`: the old one renamed aside, the new one renamed in, the old one
+    deleted; killed between the renames, the next export finds no `out` and writes it again."""
+    retired = out.with_name(f".{out.name}.retired.tmp")
+    shutil.rmtree(retired, ignore_errors=True)
+    if out.exists():
+        os.replace(out, retired)
+    os.replace(new, out)
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None, str | None]:

@@ -18,6 +18,7 @@ from . import (
     frontier,
     gpu_check,
     ifeval,
+    layers,
     perf,
     prepare,
     recipe,
@@ -60,6 +61,7 @@ STAGES: dict[str, Entry] = {
     "recipe": Entry(recipe.Recipe, "recipe"),
     "ablate": Entry(ablate.Ablate, "ablation"),
     "frontier": Entry(frontier.Frontier, "frontier"),
+    "layers": Entry(layers.Layers, "layers"),
     "serve-demo": Entry(serve_demo.ServeDemo, None),
 }
 

@@ -501,7 +501,8 @@ def check_world_folder(out: Path) -> None:
         return
     if not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a new or empty folder, or a toy world")
-    shown = not_ours(out, WORLD_ENTRIES, "manifest.json", "stage", "toy_world")  # ours cut short: replaced
+    folders = [e for e in WORLD_ENTRIES if e != "manifest.json"]
+    shown = not_ours(out, ["manifest.json"], "manifest.json", "stage", "toy_world", folders=folders)  # cut short
     if shown:
         raise ValueError(
             f"--out {out} holds what is not a toy world's ({shown}); building or installing there would "
