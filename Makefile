@@ -102,7 +102,7 @@ REFRESH_FLAG = $(if $(REFRESH),--refresh $(REFRESH))
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
 # One process, or torchrun with NPROC ranks (kvlingo/train/distributed.py). torchrun's parser would take a stage
 # flag that abbreviates one of its own options (--run: --run-path) for its own: the stage's flags follow `--`.
-TRAIN_PY = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY))
+TRAIN_PY = $(if $(filter-out 1,$(NPROC)),$(PY) -m kvlingo.train.torchrun --standalone --nproc-per-node $(NPROC),$(PY))
 TRAIN_SEP = $(if $(filter-out 1,$(NPROC)),--)
 
 .DEFAULT_GOAL := help

@@ -268,6 +268,28 @@ class Relay:
         ids, _ = self.reply_ids(messages, max_new_tokens, enable_thinking)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    @_serialised
+    def native_chat(
+        self, messages: Messages, model: str = "target", max_new_tokens: int = 256, enable_thinking: bool = False
+    ) -> str:
+        """The reply (greedy) of `model` ("target" or "source") reading `messages` itself, with no handoff: what
+        `chat` is measured against."""
+        if model not in ("target", "source"):
+            raise ValueError(f"model is {model!r}; give 'target' or 'source'")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens is {max_new_tokens!r}; give a whole number, 0 or more")
+        ids = self._in_range(self.prompt_ids(messages, enable_thinking))
+        net = self.target if model == "target" else self.source
+        if len(ids) + max_new_tokens > net.config.max_position_embeddings:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens and max_new_tokens {max_new_tokens}: the reply would run past the "
+                f"{model}'s {net.config.max_position_embeddings} positions; lower max_new_tokens"
+            )
+        out, _ = greedy_generate(
+            net, ids, max_new_tokens=max_new_tokens, eos_ids=stop_ids(self.tokenizer), kind=self.pair.cache
+        )
+        return self.tokenizer.decode(out, skip_special_tokens=True)
+
     def _ids(self, source: Source) -> list[int]:
         """Token ids of messages or ids, checked: whole numbers the models embed, no longer than both read."""
         if torch.is_tensor(source):

@@ -29,6 +29,25 @@ import torch
 from ..errors import Refusal
 from . import arch
 
+# The target parameters the token path reads (checkpoint names, a `model.` prefix or none): the embedding and the
+# first norm (the token features h), layer 0's key and value projections (a tokeninput translator's features, and
+# exact:0's K/V), and with exact:0 the key norm (Qwen3's k_norm). Nothing else of the target is read before it runs.
+FEATURE_WEIGHTS = (
+    r"(model\.)?embed_tokens\.weight",
+    r"(model\.)?layers\.0\.input_layernorm\.weight",
+    r"(model\.)?layers\.0\.self_attn\.[kv]_proj\.(weight|bias)",
+)
+EXACT_WEIGHTS = (*FEATURE_WEIGHTS, r"(model\.)?layers\.0\.self_attn\.k_norm\.weight")
+
+
+def read_weight_names(names, exact: bool) -> list[str]:
+    """Of a checkpoint's tensor `names`, those the token path reads: for the token features (`exact` False), or
+    for the exact layer 0 as well (`exact` True)."""
+    import re
+
+    patterns = [re.compile(p) for p in (EXACT_WEIGHTS if exact else FEATURE_WEIGHTS)]
+    return sorted(n for n in names if any(p.fullmatch(n) for p in patterns))
+
 
 class NotContextFree(Refusal, ValueError):
     """A model whose first layer's keys and values are not known to depend on the token and position alone."""

@@ -59,10 +59,23 @@ class StageParser(argparse.ArgumentParser):
         unknown = getattr(self, "unknown", None)
         if unknown and message.startswith(_UNRECOGNIZED):
             message = unknown_flag(unknown, self)
+        message = near_choice(message)
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 _UNRECOGNIZED = argparse._("unrecognized arguments: %s").split("%s")[0]
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
+
+
+def near_choice(message: str) -> str:
+    """argparse's "invalid choice: 'pliot' (choose from ...)" with "; did you mean 'pilot'?" added when one is
+    close."""
+    m = _INVALID_CHOICE.search(message)
+    if not m:
+        return message
+    choices = re.findall(r"'([^']*)'", m.group(2)) or [c.strip() for c in m.group(2).split(",")]
+    near = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+    return message + (f"; did you mean {near[0]!r}?" if near else "")
 
 
 def finite(text: str) -> float:

@@ -93,6 +93,8 @@ def pin_revision(spec: ModelSpec) -> ModelSpec:
     one that cannot be resolved keeps its revision, with a warning that the run is not reproducible."""
     if spec.pinned:
         return spec
+    if hub_offline() and not in_hub_cache(spec):
+        raise not_found(spec)
     from transformers.utils.hub import resolve_revision
 
     sha = getattr(resolve_revision(spec.name_or_path, spec.revision), "resolved", None)
@@ -130,6 +132,37 @@ def local_weights_digest(path: str | os.PathLike) -> str:
             while block := f.read(1 << 20):
                 h.update(block)
     return h.hexdigest()
+
+
+def checkpoint_files(identity: dict[str, Any]) -> list[Path]:
+    """The *.safetensors files of a model as a run's identity records it: a local folder's, or the local Hub
+    cache's snapshot of id@revision. PairError when there are none."""
+    if "path" in identity:
+        files = sorted(Path(identity["path"]).glob("*.safetensors"))
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(identity["id"], "config.json", revision=identity.get("revision"))
+        files = sorted(Path(found).parent.glob("*.safetensors")) if isinstance(found, str) else []
+    if not files:
+        raise PairError(f"no *.safetensors for {identity.get('path') or identity.get('id')} on this machine")
+    return files
+
+
+def tensor_digests(files: Sequence[Path], select) -> dict[str, str]:
+    """{name: sha256} of the tensors `select(names)` picks from safetensors `files`, each hashed over its dtype,
+    shape and bytes as stored (so a loader in another dtype still compares like with like)."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in select(list(f.keys())):
+                t = f.get_tensor(name).contiguous()
+                h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:".encode())
+                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                out[name] = h.hexdigest()
+    return dict(sorted(out.items()))
 
 
 # --------------------------------------------------------------------------- device and dtype
@@ -189,13 +222,28 @@ def _hub_hint(spec: ModelSpec, err: Exception) -> PairError:
             "A model folder holds config.json, the tokenizer files and *.safetensors, as "
             "save_pretrained writes them; save or copy the model there again."
         )
-    offline = hub_offline()
+    return not_found(spec, err)
+
+
+def not_found(spec: ModelSpec, err: Exception | None = None) -> PairError:
+    """One line for a Hub id that did not load: there is no such folder, the Hub cache lacks it, the Hub is off
+    (or what it said), and the command that downloads it."""
+    why = "HF_HUB_OFFLINE=1, so the Hub is not reached" if hub_offline() else None
+    if why is None and err is not None:
+        why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
     return PairError(
-        f"could not load {spec.name_or_path} (revision {spec.revision}): {type(err).__name__}: {err}\n"
-        + ("HF_HUB_OFFLINE=1 is set, so only locally cached models load. " if offline else "")
-        + "Download it once with network access (`huggingface-cli download "
-        f"{spec.name_or_path} --revision {spec.revision}`), or pass a local folder."
+        f"no model folder {spec.name_or_path} here, and as a Hub id it is not in the local cache"
+        + (f" ({why})" if why else "")
+        + f": pass a folder that exists, or download it once with network access "
+        f"(hf download {spec.name_or_path} --revision {spec.revision})"
     )
+
+
+def in_hub_cache(spec: ModelSpec) -> bool:
+    """Whether the local Hub cache holds the model's config.json at its revision."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(spec.name_or_path, "config.json", revision=spec.revision), str)
 
 
 def load_tokenizer(spec: ModelSpec):

@@ -211,5 +211,9 @@ PROFILES: dict[str, Profile] = {
 
 def get_profile(name: str, **overrides) -> Profile:
     if name not in PROFILES:
-        raise ValueError(f"unknown profile {name!r}; choose one of {sorted(PROFILES)}")
+        import difflib
+
+        near = difflib.get_close_matches(name, list(PROFILES), n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ValueError(f"unknown profile {name!r}; choose one of {sorted(PROFILES)}{hint}")
     return replace(PROFILES[name], **overrides) if overrides else PROFILES[name]

@@ -41,6 +41,7 @@ import torch
 
 from ..core.families import FAMILIES  # every family registered
 from ..core.keyspace import KEY_SPACES
+from ..core.settings import Refresh
 from ..core.translator import Geometry, Translator, TranslatorError
 from ..io import (
     DamagedFile,
@@ -242,6 +243,22 @@ def check_expected(
                 f"translator was trained for another {role} model ({trained}), not {ident}; "
                 "use one trained for this pair"
             )
+
+
+def trained_refresh(*folders: str | Path) -> Refresh:
+    """The refresh the translators in `folders` were trained (and validated) under: the one their handoffs run
+    under unless a stage's --refresh says otherwise. Refused when they disagree."""
+    found = {}
+    for folder in folders:
+        text = (read_manifest(folder).get("config") or {}).get("refresh") or "none"
+        found.setdefault(str(Refresh.parse(text)), []).append(str(folder))
+    if len(found) > 1:
+        raise TranslatorError(
+            "the translators were trained under different refresh settings ("
+            + "; ".join(f"{k}: {', '.join(v)}" for k, v in found.items())
+            + "): pass --refresh to score them under one"
+        )
+    return Refresh.parse(next(iter(found), "none"))
 
 
 def load_translator(
@@ -496,7 +513,28 @@ def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> t
     config = export_config(
         manifest, pair, {"run": paths.run, "translator": kind, "manifest_sha256": manifest_sha}, refresh
     )
+    config["reads"] = handoff_reads(manifest["family"], refresh, pair["target"])
     return maps, config, found
+
+
+def handoff_reads(family: str, refresh: str, target: dict[str, Any]) -> dict[str, Any]:
+    """What a handoff with these maps reads besides the source's cache: the token ids it covers, and the target's
+    weights by checkpoint name with their sha256 (`models.tensor_digests`): none; the embedding, the first norm
+    and layer 0's K/V projections (the token features, the exact layer 0); or all of them (a refresh that runs
+    the target's own layers on part of the context). A server loads and checks only these."""
+    from ..core.layer0 import read_weight_names
+    from ..inputs.models import checkpoint_files, tensor_digests
+
+    setting, features = Refresh.parse(refresh), FAMILIES[family].reads_layer0
+    exact = setting.kind == "exact"
+    reads: dict[str, Any] = {"source": "keys and values of every source layer", "token_ids": features or setting.active}
+    if setting.active and not exact:
+        reads["target_weights"] = "all"
+    elif features or exact:
+        reads["target_weights"] = tensor_digests(checkpoint_files(target), lambda n: read_weight_names(n, exact))
+    else:
+        reads["target_weights"] = {}
+    return reads
 
 
 def run_settings(paths: RunPaths, manifest: dict[str, Any]) -> tuple[str | None, dict | None]:
@@ -711,6 +749,21 @@ def model_name(identity: dict[str, Any]) -> str:
     return f"{Path(identity['path']).name} (local folder, weights sha256 {identity['weights_sha256'][:12]}…)"
 
 
+def reads_line(reads: dict[str, Any] | None) -> str:
+    """The model card's line on what a handoff reads besides the source's cache."""
+    if not reads:
+        return "not recorded (an export of an earlier version)"
+    weights = reads.get("target_weights")
+    target = (
+        "every target weight (the refresh runs the target's layers)"
+        if weights == "all"
+        else ("the target's " + ", ".join(f"`{n}`" for n in weights) + " (sha256 in config.json)")
+        if weights
+        else "no target weight"
+    )
+    return f"the source's cache, {'the token ids it covers, ' if reads.get('token_ids') else ''}{target}"
+
+
 def model_card(config: dict[str, Any], evidence: dict[str, Any] | None, verdict: Verdict) -> str:
     pair = config["pair"]
     source, target = (pair["large"], pair["small"]) if pair["direction"] == "l2s" else (pair["small"], pair["large"])
@@ -805,6 +858,7 @@ def model_card(config: dict[str, Any], evidence: dict[str, Any] | None, verdict:
         "",
         f"- direction: {pair['direction']} (source {model_name(source)}, target {model_name(target)})",
         f"- refresh: {config.get('refresh', 'none')} (the handoff the evidence measured, and the one `Relay` runs)",
+        f"- reads: {reads_line(config.get('reads'))}",
         f"- tokenizer sha256: {pair['tokenizer_sha256']}",
         f"- measured in: {pair['dtype']}",
         f"- geometry: {json.dumps(pair['geometry'])}",

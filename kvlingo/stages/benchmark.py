@@ -135,7 +135,7 @@ class Benchmark(Stage):
             "a negative value forces every control to fail, to test the exit path)",
         )
         add_timing_args(p)
-        add_refresh_arg(p)
+        add_refresh_arg(p, default=None, what="the one the run's translator was trained under")
         p.add_argument(
             "--timing-conversations",
             type=whole(0),
@@ -149,10 +149,12 @@ class Benchmark(Stage):
     # ------------------------------------------------------------------ check
     def check(self) -> None:
         """The pair, the translators, the split and the config; the resume key of this run."""
+        from ..core.settings import Refresh
         from ..inputs.data import open_prepared, read_split
         from ..inputs.models import pair_config_from_args
         from ..inputs.profiles import get_profile
         from ..records.paths import TRANSLATORS, default_data, make_command, run_paths
+        from ..records.saved import trained_refresh
 
         args, self.t0 = self.args, time.time()
         profile = get_profile(args.profile)
@@ -165,6 +167,8 @@ class Benchmark(Stage):
                 f"(manifest.json missing): run `{make_command('train', paths.run, args.profile, self.pair_cfg)}` "
                 "first (or pass --skip-missing to leave those rows out)"
             )
+        if args.refresh is None:
+            args.refresh = trained_refresh(*self.folders.values()) if self.folders else Refresh.parse("none")
         data_dir = Path(args.data) if args.data else default_data(profile.name)
         manifest = open_prepared(data_dir, self.pair_cfg)
         self.convs = read_split(data_dir, args.split, args.variant, limit=args.limit)

@@ -11,7 +11,9 @@ continues and reads finished cells back.
 
 Writes RESULTS/RUN/frontier.{json,md,png}: pure translation at one end, re-prefill
 (`tail:100%`) at the other, and the cheapest setting that keeps ≥ 95% of the native target's
-IFEval and GSM8K accuracy named. `--runs` adds other trained runs (other families).
+IFEval and GSM8K accuracy named. `--runs` adds other trained runs (other families). A translator
+trained with the target's exact layer 0 (refresh exact:0, the default) starts at exact:0, and its
+grid holds the settings that recompute layer 0 too (EXACT0_SETTINGS).
 
 Which layers matter: for every target layer l, the test KL with the target's own K/V at layer l
 alone and the translator's elsewhere (refresh `layer:l`), against pure translation; the share of
@@ -54,6 +56,9 @@ SETTINGS = (
     "select:0.5",
     "tail:100%",
 )
+# A translator trained with the target's exact layer 0 (exact:0) is never run without it: its frontier starts there
+# and goes on through the settings that recompute layer 0 as well (one refresh kind at a time).
+EXACT0_SETTINGS = ("exact:0", "layers:25%", "layers:50%", "layers:75%", "tail:100%")
 KEEP = 0.95  # the goal: keep this fraction of the native target's IFEval and GSM8K accuracy
 REAL_TOKENS = 4096  # context length of the real-shape costs and timings
 
@@ -499,9 +504,10 @@ class Frontier(Stage):
         p.add_argument(
             "--settings",
             nargs="+",
-            default=[Refresh.parse(s) for s in SETTINGS],
+            default=None,
             type=refresh_setting,
-            help="refresh settings (default: the grid)",
+            help=f"refresh settings (default: the grid, {' '.join(SETTINGS)}; for a translator trained with the "
+            f"target's exact layer 0: {' '.join(EXACT0_SETTINGS)})",
         )
         add_task_data_args(p)
         p.add_argument(
@@ -522,8 +528,18 @@ class Frontier(Stage):
 
         args, self.t0 = self.args, time.time()
         profile = get_profile(args.profile)
-        pair, _ = pair_config_from_args(args, refresh=args.settings)
         run = run_paths(args).run
+        trained = self._trained_refresh(run)
+        if args.settings is None:
+            args.settings = [Refresh.parse(s) for s in (EXACT0_SETTINGS if trained.kind == "exact" else SETTINGS)]
+        if trained.kind == "exact" and not args.no_layer_sweep:
+            print(
+                "note: the run's translator was trained with the target's exact layer 0, which the layer sweep "
+                "(one target layer native, layer 0 translated) would drop; it is skipped: layers.py diagnoses "
+                "such a translator layer by layer"
+            )
+            args.no_layer_sweep = True
+        pair, _ = pair_config_from_args(args, refresh=args.settings)
         self.tasks = generative_tasks(args)
         self.cfg = cfg = FrontierConfig(
             run=run,
@@ -559,6 +575,14 @@ class Frontier(Stage):
             ]
         )
         lock_run(plan.paths.res, "frontier")
+
+    def _trained_refresh(self, run: str) -> Refresh:
+        """The refresh the run's distilled translator was trained under (none when it is not trained yet: make
+        frontier trains the profile's default first)."""
+        from ..records.saved import trained_refresh
+
+        folder = RunPaths(run, self.args.artifacts, self.args.results).translator("distilled")
+        return trained_refresh(folder) if (folder / MANIFEST_FILE).is_file() else Refresh()
 
     def load(self) -> None:
         ledger = K.Ledger(self.plan.paths.res / "frontier-state.json", asdict(self.cfg), self.args.resume)

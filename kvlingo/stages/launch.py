@@ -56,8 +56,7 @@ def stage_command(argv: Sequence[str], nproc: int = 1) -> list[str]:
         return [sys.executable, *argv]
     from ..train.distributed import torchrun_command
 
-    torchrun = Path(sys.executable).with_name("torchrun")
-    return torchrun_command(str(torchrun) if torchrun.is_file() else "torchrun", nproc, argv)
+    return torchrun_command(sys.executable, nproc, argv)
 
 
 def run_stage(

@@ -387,7 +387,7 @@ def add_shape_args(p) -> None:
         "optimised, one after another ('default': the timed family; settings at the timed shapes, "
         "e.g. crosshead:key_rank=256 crosslayer:k=4,rank=512; default: none, every family with --full)",
     )
-    add_refresh_arg(p)
+    add_refresh_arg(p, default=None, what="the profile's for the direction when --family is not given, else none")
     p.add_argument(
         "--flops-only", action="store_true", help="print and write the FLOP ceilings of every family only (no timing)"
     )
@@ -488,6 +488,8 @@ def perf_config(args, device: str, dtype: str, source: str, target: str) -> Perf
     if not {"target_reprefill", "source_cache_handoff"} <= set(chosen_paths):
         raise Refusal("--paths must include target_reprefill and source_cache_handoff (the speedup's two ends)")
     family, settings, family_from = timed_family(args, profile, source, target)
+    if args.refresh is None:  # the default translator's own refresh (the target's exact layer 0, say)
+        args.refresh = Refresh.parse(profile.refresh_for(args.direction) if args.family is None else "none")
     return PerfConfig(
         arch=args.arch or ("preset" if args.large else "qwen3"),
         source=source,

@@ -68,6 +68,10 @@ class ServeDemo(Stage):
 
     def run(self) -> int:
         """The command's exit status (vLLM and kvlingo.serve imported inside it)."""
+        if self.args.command != "prepare-real":  # toy and real serve: vLLM, in the serving environment
+            from ..extras import optional
+
+            optional("vllm", "serve")
         return {"toy": run_toy, "prepare-real": run_prepare_real, "real": run_real}[self.args.command](self.args)
 
 

@@ -19,7 +19,7 @@ from ..inputs.argtypes import whole
 from ..inputs.flags import add_refresh_arg
 from ..io import sha256_file
 from ..records import resume
-from ..records.paths import TRANSLATORS, RunPaths, writable
+from ..records.paths import TRANSLATORS, RunPaths, check_outputs
 
 if TYPE_CHECKING:
     from ..eval.itemrows import ItemRows
@@ -80,7 +80,7 @@ def add_eval_args(ap, items_help: str, data_help: str, data_folder: str) -> None
         action="store_true",
         help=f"fetch {data_help} into DATA_ROOT/{data_folder}/ (or copy --source there) and exit",
     )
-    add_refresh_arg(ap)
+    add_refresh_arg(ap, default=None, what="the one the run's translator was trained under")
     ap.add_argument(
         "--no-controls",
         action="store_true",
@@ -94,7 +94,8 @@ def prepare_and_exit(data: HubData, args) -> dict[str, Any]:
     then stops)."""
     from ..eval.tasks.data import prepare_data
 
-    writable(Path(args.data_root) / data.name, "--data-root")  # before the data is read or fetched
+    # before the data is read or fetched, and without making the folder: a refused prepare leaves nothing behind
+    check_outputs(folders=[Path(args.data_root) / data.name], flag="--data-root")
     try:
         manifest = prepare_data(data, args.data_root, args.source)
     except ValueError as e:
@@ -153,6 +154,11 @@ class Session:
             self.translator_dir = paths.translator(args.translator)
             read_manifest(self.translator_dir)  # refuses a missing or damaged translator before any weights load
             self._manifest_sha = sha256_file(self.translator_dir / MANIFEST_FILE)
+        if args.refresh is None:  # the translator's own; a native run recomputes everything anyway
+            from ..core.settings import Refresh
+            from ..records.saved import trained_refresh
+
+            args.refresh = trained_refresh(self.translator_dir) if self.translator_dir else Refresh.parse("none")
         self.pair = self.translator = self.eos = None
         self.log: ItemRows | None = None
         self.counts = {"generated": 0, "resumed": 0, "reused_from_sibling": 0}

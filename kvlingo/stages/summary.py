@@ -299,7 +299,7 @@ class Page:
         if not t or not t.get("contexts"):
             return Cell("—")
         sp = t["contexts"][0]["speedup"]
-        value = {t["translator"]: sp["source_cache_handoff"], "native_target": sp["target_cache_continue"]}.get(arm)
+        value = {t["translator"]: sp["source_cache_handoff"]}.get(arm)  # the native target re-prefills: no speedup
         stale = arm == t["translator"] and "benchmark" in self.stale
         return (
             Cell("—")
@@ -362,7 +362,6 @@ def plot(page: Page, headers: list[str], table: dict[str, list[Cell]], title: st
             yerr=s["se"] if math.isfinite(s["se"]) else 0,
             capsize=4,
             color=colors[arm],
-            label=arm.replace("_", " "),
         )
     kl.set_xticks(range(len(shown)), [a.replace("_", " ") for a in shown], rotation=20, fontsize=8)
     kl.set_ylabel("KL(native target ‖ arm), nats/token\n(mean over test conversations)")
@@ -389,17 +388,50 @@ def plot(page: Page, headers: list[str], table: dict[str, list[Cell]], title: st
         stat = next((table[a][c].stat for a in ARMS if table[a][c].stat is not None), None)
         ns.append(f"{name.split(' ')[0]}\n(n={stat['n']})" if stat else name.split(" ")[0])
     acc.set_xticks(np.arange(len(TASKS)), ns, fontsize=8)
+    acc.set_xlim(-0.5, len(TASKS) - 0.5)
+    acc.set_ylim(0, 100)
     acc.set_ylabel("accuracy (%)")
     acc.set_title("tasks after a prompt handoff (IFEval: strict prompt level)", fontsize=9)
-    handles = {h.get_label(): h for ax in (kl, acc) for h in ax.containers}
-    order = [a.replace("_", " ") for a in ARMS if a.replace("_", " ") in handles]
-    fig.legend([handles[a] for a in order], order, loc="lower center", ncol=len(order), fontsize=8, frameon=False)
+    if not arms:
+        acc.text(
+            0.5,
+            0.5,
+            "not run: no IFEval or task report in this run\n"
+            "(make ifeval-native ifeval; make task-native task TASK=gsm8k)",
+            ha="center",
+            va="center",
+            fontsize=8,
+            transform=acc.transAxes,
+        )
+    else:  # the task panel's colours (the KL panel names its arms under its bars)
+        handles = {h.get_label(): h for h in acc.containers}
+        order = [a.replace("_", " ") for a in ARMS if a.replace("_", " ") in handles]
+        fig.legend([handles[a] for a in order], order, loc="lower center", ncol=len(order), fontsize=8, frameon=False)
     fig.suptitle(
         f"{title}\nerror bars: ±1 standard error; evidence gate on the distilled maps: "
         + textwrap.shorten(verdict, 110),
         fontsize=9,
     )
     return figure_png(fig, rect=(0, 0.06, 1, 1))
+
+
+SHORT_CONTEXT = 1024  # a timed context shorter than this (tokens) says little about a handoff's speed at real use
+
+
+def speed_caveat(bench: dict | None) -> str:
+    """What the speedup column's context was, and a warning when it is too short (or the models too small) to
+    speak for real shapes."""
+    t = (bench or {}).get("results", {}).get("timing") or {}
+    if not t.get("contexts"):
+        return ""
+    tokens, threads = t["contexts"][0].get("context_tokens"), t.get("threads")
+    text = f" ({tokens} tokens, {threads} thread(s))"
+    if tokens is not None and tokens < SHORT_CONTEXT:
+        text += (
+            f"; **a context under {SHORT_CONTEXT:,} tokens on a pair this size says little about a handoff's "
+            "speed at real shapes**: `make perf` times the real ones (results/perf/perf.md)"
+        )
+    return text
 
 
 def page_markdown(run: str, page: Page, headers: list[str], table: dict[str, list[Cell]], verdict: str) -> str:
@@ -433,6 +465,6 @@ def page_markdown(run: str, page: Page, headers: list[str], table: dict[str, lis
     md.append(
         "\nKL/conv, the task accuracies and the figure give mean ± 1 standard error (n in each cell); a "
         "difference within two SE is a tie. Speedups are medians of the benchmark's timed trials on one "
-        "context.\n\n![KL and task accuracy per arm, ±1 SE](summary.png)\n"
+        "context" + speed_caveat(bench) + ".\n\n![KL and task accuracy per arm, ±1 SE](summary.png)\n"
     )
     return "".join(md)

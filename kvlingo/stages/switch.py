@@ -88,7 +88,7 @@ class Switch(Stage):
             "--lengths", type=whole(1), nargs="+", default=None, help="history lengths (tokens; default: the profile's)"
         )
         add_timing_args(p)
-        add_refresh_arg(p)
+        add_refresh_arg(p, default=None, what="the one the run's translator was trained under")
         p.add_argument(
             "--force", action="store_true", help="re-run even when a passed report with the same inputs exists"
         )
@@ -107,6 +107,10 @@ class Switch(Stage):
         self.paths = run_paths(args)
         self.pair_cfg, self.tokenizer = pair_config_from_args(args)
         self.folder = self._translator_folder()
+        if args.refresh is None:
+            from ..records.saved import trained_refresh
+
+            args.refresh = trained_refresh(self.folder)
         data_dir = Path(args.data) if args.data else default_data(profile.name)
         manifest = open_prepared(data_dir, self.pair_cfg)
         self.convs = read_split(data_dir, "test", "natural")

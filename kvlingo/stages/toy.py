@@ -85,6 +85,12 @@ class Toy(Stage):
         )
         add_model_args(p)  # the mismatched model, --mini, --chats, the deep pair
         p.add_argument("--force", action="store_true", help="with --train/--mini: retrain even if the manifest matches")
+        p.add_argument(
+            "--tables",
+            action="store_true",
+            help="print the models' quality tables (every evaluation set and condition) also when they are "
+            "installed, not trained",
+        )
 
     # ------------------------------------------------------------------ check
     def check(self) -> None:
@@ -168,9 +174,10 @@ class Toy(Stage):
     def publish(self, result: tuple[dict, dict | None, dict | None]) -> None:
         manifest, mismatched, deep = result
         out = self.args.out
-        print_pair(manifest, out, self.training)
+        tables = self.training or self.args.tables  # installed: one line per model (the tables: --tables)
+        print_pair(manifest, out, self.training, tables)
         if mismatched is not None:
-            print_mismatched(mismatched, out)
+            print_mismatched(mismatched, out, tables or self.args.train_mismatched)
         if deep is not None:
             print_deep(deep, out)
 
@@ -232,34 +239,49 @@ def more_chats(out: Path, manifest: dict, n: int) -> None:
     print(f"wrote {path} ({n} held-out conversations)")
 
 
-def print_pair(manifest: dict, out: Path, training: bool) -> None:
-    print()
-    print(toy_module("train").summary_table(manifest))
+def print_pair(manifest: dict, out: Path, training: bool, tables: bool) -> None:
+    if tables:
+        print()
+        print(toy_module("train").summary_table(manifest))
+    recall = manifest["results"]["exact_reply"]
     for name, info in manifest["results"]["models"].items():
         print(
             f"{name}: {info['n_params']:,} parameters, {info['train_steps']} steps, "
-            f"train {info['train_wall_s']:.0f}s, final loss {info['final_loss']:.3f}"
+            f"train {info['train_wall_s']:.0f}s, final loss {info['final_loss']:.3f}, "
+            f"recall with the chat {recall[name]['chat_recall']['context']:.1%}"
         )
     built = (
         f"built in {manifest['wall_time_s']:.0f}s"
         if training
         else f"the packaged pair, installed; its training build took {manifest['wall_time_s']:.0f}s"
     )
-    print(f"manifest: {out / 'manifest.json'} ({built})")
+    print(f"manifest: {out / 'manifest.json'} ({built})" + ("" if tables else "; every set: --tables"))
 
 
-def print_mismatched(manifest: dict, out: Path) -> None:
-    print()
-    print(toy_module("train").summary_table(manifest))
+def mismatched_named(results: dict) -> dict:
+    """The mismatched model's results keyed by that name (the packaged manifest keys it by its earlier name,
+    deep, which is now the 28-layer pair's)."""
+    return {("mismatched" if k == "deep" else k): v for k, v in results.items()}
+
+
+def print_mismatched(manifest: dict, out: Path, tables: bool) -> None:
+    if tables:
+        print()
+        named = {
+            **manifest,
+            "results": {**manifest["results"], "exact_reply": mismatched_named(manifest["results"]["exact_reply"])},
+        }
+        print(toy_module("train").summary_table(named))
     info = manifest["results"]["model"]
     print(
-        f"deep: {info['n_params']:,} parameters, {info['train_steps']} steps, train {info['train_wall_s']:.0f}s, "
-        f"final loss {info['final_loss']:.3f}; manifest: {out / 'mismatched' / 'manifest.json'}"
+        f"mismatched: {info['n_params']:,} parameters, {info['train_steps']} steps, "
+        f"train {info['train_wall_s']:.0f}s, final loss {info['final_loss']:.3f}; "
+        f"manifest: {out / 'mismatched' / 'manifest.json'}"
     )
-    arc = manifest["results"].get("toy_arc")
+    arc = mismatched_named(manifest["results"].get("toy_arc") or {})
     if arc:  # greedy letter accuracy, as task_eval.py scores the native path
         print(
-            f"toy ARC (greedy, first {arc['deep']['n']} items, chance 25%): "
+            f"toy ARC (greedy, first {arc['mismatched']['n']} items, chance 25%): "
             + ", ".join(f"{name} {a['accuracy']:.1%} ± {a['se']:.1%}" for name, a in arc.items())
         )
 

@@ -643,6 +643,18 @@ def positive(name: str, value, allow_zero: bool = False):
     return value
 
 
+def distillation_updates(args, value):
+    """--updates: at least 1 (0 would write the closed-form maps as a "distilled" translator and report a
+    distillation that did not happen); the closed-form maps alone are --closed-form-only."""
+    positive("updates", value, allow_zero=True)
+    if value == 0 and not args.closed_form_only:
+        raise Refusal(
+            "--updates 0 distils nothing: for the closed-form maps alone pass --closed-form-only "
+            "(make train TRAIN_ARGS=--closed-form-only)"
+        )
+    return value
+
+
 def ridge_value(text):
     if text == "auto":
         return "auto"
@@ -690,7 +702,7 @@ def train_config(args, profile, pair_cfg):
         keep_best=given(args.keep_best, objective.get("keep_best", False)),
         n_train=args.n_train or 0,
         n_fit=positive("n-fit", given(args.n_fit, profile.n_fit)),
-        updates=positive("updates", given(args.updates, profile.updates), allow_zero=True),
+        updates=distillation_updates(args, given(args.updates, profile.updates)),
         batch=positive("batch", given(args.batch, profile.batch)),
         lr=positive("lr", given(args.lr, profile.lr_for(pair_cfg.direction))),
         weight_decay=positive(

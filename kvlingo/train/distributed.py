@@ -20,6 +20,7 @@ Rank 0 alone prints, draws progress bars and writes files; the other ranks wait 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,13 +29,35 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import RunRefused
+from ..errors import Failure, RunRefused
 
 T = TypeVar("T")
 
 
 class WorldRefused(RunRefused):
     """A distributed launch this training cannot run as asked (refused before any work)."""
+
+
+class RankLost(Failure):
+    """Another rank of the job stopped (killed, out of memory, a failed node): a collective could not complete."""
+
+
+def collective(fn):
+    """A collective whose failure (gloo's "Connection reset by peer", NCCL's errors) says, in one line, that a
+    rank of the job is gone and how to resume, instead of a backend traceback."""
+
+    def run(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except (RuntimeError, dist.DistError) as e:
+            first = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0])[:120]
+            raise RankLost(
+                f"rank {self.rank}: another rank of this {self.size}-rank job stopped ({first}); every checkpoint "
+                "is whole: run the same command again with --resume (make train TRAIN_ARGS=--resume NPROC=...)"
+            ) from None
+
+    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+    return run
 
 
 @dataclass(frozen=True)
@@ -56,10 +79,12 @@ class World:
         """This rank's items: every size-th from position rank (lengths differ by at most one)."""
         return list(items[self.rank :: self.size])
 
+    @collective
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(device_ids=[self.local_rank] if self.device.startswith("cuda") else None)
 
+    @collective
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks in place (in its own dtype) and return it."""
         if self.distributed:
@@ -111,10 +136,21 @@ def script_args(argv: Sequence[str] | None = None) -> list[str]:
     return argv[1:] if argv[:1] == ["--"] else argv
 
 
-def torchrun_command(torchrun: str, nproc: int, argv: Sequence[str]) -> list[str]:
-    """torchrun's command line for stage `argv` (script, flags) on `nproc` ranks of this machine: the flags
+def torchrun_command(python: str, nproc: int, argv: Sequence[str]) -> list[str]:
+    """The command that runs stage `argv` (script, flags) on `nproc` ranks of this machine through torchrun's
+    launcher (kvlingo/train/torchrun.py: a rank that dies is one line, not torchrun's traceback): the flags
     after `--`, so torchrun's parser cannot take one for its own."""
-    return [torchrun, "--standalone", "--nproc-per-node", str(nproc), argv[0], "--", *argv[1:]]
+    return [
+        python,
+        "-m",
+        "kvlingo.train.torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        argv[0],
+        "--",
+        *argv[1:],
+    ]
 
 
 def env_world_size() -> int:

