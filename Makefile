@@ -332,4 +332,4 @@ serve-perf: $(SERVE_VENV)/.synced toy ## TTFT at Qwen3-1.7B → 0.6B shapes (ran
 	  $(SERVE_ARGS)
 
 test-serve: $(SERVE_VENV)/.synced $(VENV)/.synced ## the serving tests, in .venv-serve (vLLM engines on the CPU; references from .venv)
-	$(SERVE_RUN) TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(SERVE_PY) -m pytest -q tests/serve $(TEST_ARGS)
+	$(SERVE_RUN) TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(SERVE_PY) -m pytest -q tests/serve/test_connector.py $(TEST_ARGS)

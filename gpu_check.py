@@ -1,6 +1,6 @@
 """The GPU check: the GPU tests, perf at 4k/8k/16k tokens in both directions and the toy benchmark on one CUDA GPU,
 in one call and one table (OUT/gpu-check.md). What each step does, and every flag: kvlingo/stages/gpu_check.py
-(`GpuCheck`); on a CPU, `--dry-run` runs the same steps on the 2-layer stand-in (tests/test_gpu_check.py).
+(`GpuCheck`); on a CPU, `--dry-run` runs the same steps on the 2-layer stand-in (tests/stages/test_gpu_check.py).
 
 It runs with plain `python3` and the packages beside it (no .venv): torch with CUDA, transformers as
 pinned in pyproject.toml, tokenizers, safetensors, numpy, tqdm, matplotlib and pytest; it names

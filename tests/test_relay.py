@@ -11,139 +11,31 @@ Two runs are made with the real stages (benchmark.py, ifeval.py, export.py) on c
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from tinypair import chat_rows, write_prepared
+from toyrun import REFRESH, bench, fitted_run, run_flags
 
-import benchmark
 import export
-import ifeval
 from kvlingo import Relay
 from kvlingo.core.handoff import stop_ids
 from kvlingo.core.refresh import Refresh
-from kvlingo.core.translator import Geometry, TranslatorError
+from kvlingo.core.translator import TranslatorError
 from kvlingo.eval.itemrows import read_rows
-from kvlingo.eval.tasks import grader
 from kvlingo.eval.tasks.generate import generate
-from kvlingo.inputs.data import prepare, read_split
+from kvlingo.inputs.data import read_split
 from kvlingo.inputs.models import load_pair, render_ids, resolve_pair
-from kvlingo.inputs.profiles import get_profile
 from kvlingo.io import read_json, read_jsonl, sha256_file
-from kvlingo.records.saved import (
-    CONFIG_FILE,
-    EVIDENCE_FILE,
-    Gate,
-    build,
-    judge,
-    load_state,
-    load_translator,
-    save_translator,
-    sealed,
-)
+from kvlingo.records.saved import CONFIG_FILE, EVIDENCE_FILE, Gate, judge, load_state, load_translator, sealed
 from kvlingo.relay import UnprovenTranslator
-from kvlingo.train.closed_form import fit_closed_form
 
-ROOT = Path(__file__).resolve().parent.parent
-FAMILY = "headwise"  # the family fitted here; nothing below depends on which one it is
-REFRESH = "tail:2"  # the toy run's handoff: the target recomputes the last 2 context tokens
-
-
-def fitted_run(root: Path, run: str, large: Path, small: Path, train: list[dict], key_space: str) -> list[str]:
-    """Closed-form maps of the pair fitted on `train`, saved as the run's distilled translator; returns the pair
-    flags."""
-    cfg, tok = resolve_pair(str(large), str(small), "l2s", "cpu", "float32")
-    pair = load_pair(cfg, tok)
-    translator = build(
-        {
-            "family": FAMILY,
-            "key_space": key_space,
-            "settings": {},
-            "geometry": asdict(Geometry.of(pair.source, pair.target)),
-        }
-    ).bind(pair.source, pair.target)
-    fit_closed_form(pair.source, pair.target, translator, train)
-    save_translator(
-        root / "artifacts" / run / "distilled",
-        translator,
-        {"direction": "l2s", "models": pair.identities(), "stage": "distilled"},
-    )
-    return ["--large", str(large), "--small", str(small), "--direction", "l2s", "--device", "cpu", "--dtype", "float32"]
-
-
-def run_flags(root: Path, run: str) -> list[str]:
-    return ["--run", run, "--artifacts", str(root / "artifacts"), "--results", str(root / "results")]
-
-
-def bench(root: Path, run: str, pair: list[str], data: Path, refresh: str = "none") -> None:
-    benchmark.main(
-        [
-            "--profile",
-            "tiny",
-            *run_flags(root, run),
-            *pair,
-            "--data",
-            str(data),
-            "--skip-missing",
-            "--timing-conversations",
-            "0",
-            "--control-dtypes",
-            "float32",
-            "--refresh",
-            refresh,
-        ]
-    )
-
-
-@pytest.fixture(scope="module")
-def toy(toy_pair, tmp_path_factory):
-    """The toy pair's run: prepared chats, maps fitted on 6 of them, benchmark, IFEval (3 prompts), export."""
-    import nltk
-
-    root = tmp_path_factory.mktemp("relay_toy")
-    _, tok = resolve_pair(str(toy_pair / "large"), str(toy_pair / "small"), "l2s", "cpu", "float32")
-    prepare(tok, get_profile("tiny"), source=toy_pair / "corpus" / "chats.jsonl", out_root=root / "data")
-    data = root / "data" / "tiny"
-    pair = fitted_run(root, "toy", toy_pair / "large", toy_pair / "small", read_split(data, "train")[:6], "prenorm")
-    bench(root, "toy", pair, data, REFRESH)
-    nltk_home = root / "nltk_data"
-    grader.install_punkt(nltk_home)
-    try:
-        ifeval.main(
-            [
-                "--profile",
-                "tiny",
-                *run_flags(root, "toy"),
-                *pair,
-                "--data-root",
-                str(root / "eval"),
-                "--source",
-                str(toy_pair / "corpus" / "ifeval.jsonl"),
-                "--limit",
-                "3",
-                "--max-new-tokens",
-                "10",
-                "--refresh",
-                REFRESH,
-            ]
-        )
-    finally:
-        nltk.data.path.remove(str(nltk_home.resolve()))
-    export.main(run_flags(root, "toy"))
-    return {
-        "root": root,
-        "pair": toy_pair,
-        "export": root / "artifacts" / "toy" / "export",
-        "maps": root / "artifacts" / "toy" / "distilled",
-        "results": root / "results" / "toy",
-        "data": data,
-    }
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -186,14 +78,14 @@ def test_import_kvlingo_stays_cheap():
     assert kvlingo.Relay is direct is Relay
 
 
-def test_chat_is_the_translated_arm_token_for_token(toy):
+def test_chat_is_the_translated_arm_token_for_token(toy_run):
     """Relay.chat on the exported folder = the suite's translated path (`generate`) with the run's own maps
     folder, and = the translated answers ifeval.py recorded for the same prompts."""
-    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True)
-    cfg, tok = resolve_pair(str(toy["pair"] / "large"), str(toy["pair"] / "small"), "l2s", "cpu", "float32")
+    relay = Relay.load(toy_run["export"], device="cpu", allow_unproven=True)
+    cfg, tok = resolve_pair(str(toy_run["pair"] / "large"), str(toy_run["pair"] / "small"), "l2s", "cpu", "float32")
     pair = load_pair(cfg, tok)
-    translator, _ = load_translator(toy["maps"], pair)
-    chats = [json.loads(line) for line in (toy["pair"] / "corpus" / "chats.jsonl").read_text().splitlines()[:4]]
+    translator, _ = load_translator(toy_run["maps"], pair)
+    chats = [json.loads(line) for line in (toy_run["pair"] / "corpus" / "chats.jsonl").read_text().splitlines()[:4]]
     refresh_mattered = False
     for chat in chats:
         messages = chat["input"]
@@ -204,19 +96,19 @@ def test_chat_is_the_translated_arm_token_for_token(toy):
         assert relay.chat(messages, max_new_tokens=24) == tok.decode(ref.ids, skip_special_tokens=True)
         refresh_mattered |= generate("translated", pair, translator, ids, 24, stop_ids(tok)).ids != ref.ids
     assert refresh_mattered  # so the relay's recorded refresh setting is what made the answers equal
-    rows = [r for r in read_rows(toy["results"] / "ifeval.rows.jsonl")[1] if r["path"] == "translated"]
-    docs = {d["key"]: d for d in read_jsonl(toy["pair"] / "corpus" / "ifeval.jsonl")}
+    rows = [r for r in read_rows(toy_run["results"] / "ifeval.rows.jsonl")[1] if r["path"] == "translated"]
+    docs = {d["key"]: d for d in read_jsonl(toy_run["pair"] / "corpus" / "ifeval.jsonl")}
     assert len(rows) == 3
     for row in rows:
         messages = [{"role": "user", "content": docs[row["doc_key"]]["prompt"]}]
         assert relay.reply_ids(messages, max_new_tokens=10)[0] == row["new_ids"]
 
 
-def test_handoff_cache_drives_transformers_generate(toy):
+def test_handoff_cache_drives_transformers_generate(toy_run):
     """The cache `handoff` returns, given to transformers' own generate with the whole prompt, decodes what chat
     does."""
-    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True)
-    messages = json.loads((toy["pair"] / "corpus" / "chats.jsonl").read_text().splitlines()[0])["input"]
+    relay = Relay.load(toy_run["export"], device="cpu", allow_unproven=True)
+    messages = json.loads((toy_run["pair"] / "corpus" / "chats.jsonl").read_text().splitlines()[0])["input"]
     ids = relay.prompt_ids(messages)
     got, hit = relay.reply_ids(messages, max_new_tokens=16)
     out = relay.target.generate(
@@ -239,17 +131,17 @@ def test_handoff_cache_drives_transformers_generate(toy):
         relay.handoff(plain)
 
 
-def test_export_round_trips_config_and_evidence(toy):
-    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True)
-    manifest = read_json(toy["maps"] / "manifest.json")
-    bench_rep = read_json(toy["results"] / "benchmark.json")
-    ife = read_json(toy["results"] / "ifeval.json")
+def test_export_round_trips_config_and_evidence(toy_run):
+    relay = Relay.load(toy_run["export"], device="cpu", allow_unproven=True)
+    manifest = read_json(toy_run["maps"] / "manifest.json")
+    bench_rep = read_json(toy_run["results"] / "benchmark.json")
+    ife = read_json(toy_run["results"] / "ifeval.json")
     cfg, ev = relay.config, relay.evidence
-    assert cfg == read_json(toy["export"] / CONFIG_FILE) and ev == read_json(toy["export"] / EVIDENCE_FILE)
+    assert cfg == read_json(toy_run["export"] / CONFIG_FILE) and ev == read_json(toy_run["export"] / EVIDENCE_FILE)
     # config: the spec and provenance of the run's maps, the pair of its reports, the hashes of the files
-    assert (toy["export"] / "maps.safetensors").read_bytes() == (toy["maps"] / "maps.safetensors").read_bytes()
-    assert cfg["maps_sha256"] == manifest["maps_sha256"] == sha256_file(toy["export"] / "maps.safetensors")
-    assert cfg["evidence_sha256"] == sha256_file(toy["export"] / EVIDENCE_FILE)
+    assert (toy_run["export"] / "maps.safetensors").read_bytes() == (toy_run["maps"] / "maps.safetensors").read_bytes()
+    assert cfg["maps_sha256"] == manifest["maps_sha256"] == sha256_file(toy_run["export"] / "maps.safetensors")
+    assert cfg["evidence_sha256"] == sha256_file(toy_run["export"] / EVIDENCE_FILE)
     for key in ("family", "key_space", "settings", "geometry", "direction", "models", "n_params"):
         assert cfg[key] == manifest[key], key
     pair = bench_rep["config"]["pair"]
@@ -258,10 +150,10 @@ def test_export_round_trips_config_and_evidence(toy):
     assert cfg["origin"] == {
         "run": "toy",
         "translator": "distilled",
-        "manifest_sha256": sha256_file(toy["maps"] / "manifest.json"),
+        "manifest_sha256": sha256_file(toy_run["maps"] / "manifest.json"),
     }
     for key, value in relay.translator.state_dict().items():
-        assert torch.equal(value, load_state(toy["maps"]).state_dict()[key]), key
+        assert torch.equal(value, load_state(toy_run["maps"]).state_dict()[key]), key
     # evidence: the benchmark's arms as reported (translated = distilled), IFEval's strict prompt accuracy
     arms = bench_rep["results"]["quality"]["arms"]
     assert ev["arms"] == {
@@ -271,28 +163,28 @@ def test_export_round_trips_config_and_evidence(toy):
         "no_context": arms["no_context"],
     }
     assert ev["benchmark"]["n_conversations"] == bench_rep["n_samples"]["conversations"] == 6
-    assert ev["benchmark"]["test_split_sha256"] == sha256_file(toy["data"] / "test.natural.jsonl")
+    assert ev["benchmark"]["test_split_sha256"] == sha256_file(toy_run["data"] / "test.natural.jsonl")
     assert ev["ifeval"]["paths"] == {p: s["prompt_level_strict_acc"] for p, s in ife["results"]["paths"].items()}
     assert ev["ifeval"]["paths"]["translated"]["n"] == 3
     assert ev["gate"] == judge(ev).to_dict() == relay.verdict.to_dict()
     assert ev["refresh"] == cfg["refresh"] == str(relay.refresh) == REFRESH == bench_rep["config"]["refresh"]
-    card = (toy["export"] / "README.md").read_text()
+    card = (toy_run["export"] / "README.md").read_text()
     assert f"| translated    | {arms['distilled']['kl_token_mean']:.4g} " in card
     assert ("Gate: PASSED" in card) == relay.verdict.passed
 
 
 # --------------------------------------------------------------------------- the gate
-def test_failing_evidence_is_refused_with_its_figures(toy):
-    t = read_json(toy["results"] / "benchmark.json")["results"]["quality"]["arms"]["distilled"]
+def test_failing_evidence_is_refused_with_its_figures(toy_run):
+    t = read_json(toy_run["results"] / "benchmark.json")["results"]["quality"]["arms"]["distilled"]
     assert t["top1_agreement"] < 0.8 and t["nll_delta_vs_native_target"] > 0.25  # what this fit measured
     with pytest.raises(UnprovenTranslator) as err:
-        Relay.load(toy["export"], device="cpu")
+        Relay.load(toy_run["export"], device="cpu")
     msg = str(err.value)
     assert f"top-1 agreement with the native target {t['top1_agreement']:.3f} < 0.80" in msg
     assert f"NLL Δ vs the native target {t['nll_delta_vs_native_target']:.3f} nats/token > 0.25" in msg
     assert "allow_unproven=True" in msg
     lenient = Gate(min_top1=0.0, max_nll_delta=10.0)  # a loader may set its own thresholds
-    assert Relay.load(toy["export"], device="cpu", gate=lenient).verdict.passed
+    assert Relay.load(toy_run["export"], device="cpu", gate=lenient).verdict.passed
 
 
 def test_proven_maps_load_and_hand_over_a_plain_cache(proven):
@@ -349,14 +241,14 @@ def test_tampered_maps_are_refused_even_when_unproven_is_allowed(proven, tmp_pat
         assert not isinstance(err.value, UnprovenTranslator)
 
 
-def test_a_pair_with_another_tokenizer_is_refused(toy, tiny_pair_paths, tmp_path):
+def test_a_pair_with_another_tokenizer_is_refused(toy_run, tiny_pair_paths, tmp_path):
     """The same weights in another folder load (a folder is named by its weights digest); with another
     tokenizer in both folders they are refused, whatever allow_unproven says."""
     moved = tmp_path / "moved"
     for role in ("large", "small"):
-        shutil.copytree(toy["pair"] / role, moved / role)
+        shutil.copytree(toy_run["pair"] / role, moved / role)
     relay = Relay.load(
-        toy["export"], device="cpu", allow_unproven=True, large=str(moved / "large"), small=str(moved / "small")
+        toy_run["export"], device="cpu", allow_unproven=True, large=str(moved / "large"), small=str(moved / "small")
     )
     assert relay.pair.config.source["path"] == str((moved / "large").resolve())
     for role in ("large", "small"):
@@ -364,34 +256,8 @@ def test_a_pair_with_another_tokenizer_is_refused(toy, tiny_pair_paths, tmp_path
             shutil.copy(tiny_pair_paths[1] / f, moved / role / f)
     with pytest.raises(TranslatorError, match="its tokenizer .* is not the one these maps were trained with"):
         Relay.load(
-            toy["export"], device="cpu", allow_unproven=True, large=str(moved / "large"), small=str(moved / "small")
+            toy_run["export"], device="cpu", allow_unproven=True, large=str(moved / "large"), small=str(moved / "small")
         )
-
-
-# --------------------------------------------------------------------------- export refusals and the Hub
-def test_export_refuses_a_benchmark_of_other_maps(toy, tmp_path, capsys):
-    root = tmp_path / "run"
-    for part in ("artifacts", "results"):
-        shutil.copytree(toy["root"] / part / "toy", root / part / "toy")
-    shutil.rmtree(root / "artifacts" / "toy" / "export")
-    other = read_json(toy["maps"] / "manifest.json")
-    state = load_state(toy["maps"])
-    with torch.no_grad():
-        next(iter(state.parameters())).add_(1.0)
-    save_translator(root / "artifacts" / "toy" / "distilled", state, {k: other[k] for k in ("direction", "models")})
-    with pytest.raises(SystemExit) as err:
-        export.main(run_flags(root, "toy"))
-    assert err.value.code == 2 and not (root / "artifacts" / "toy" / "export").exists()
-    assert "scored another distilled translator" in capsys.readouterr().err
-    (root / "results" / "toy" / "benchmark.json").unlink()
-    with pytest.raises(SystemExit) as err:
-        export.main(run_flags(root, "toy"))
-    err = capsys.readouterr().err  # the command runs as given: the run's profile and pair (from its IFEval report)
-    assert re.search(
-        r"run `make benchmark PROFILE=tiny RUN=toy LARGE=\S+/large SMALL=\S+/small DEVICE=cpu "
-        r"DTYPE=float32` first",
-        err,
-    ), err
 
 
 def test_a_hub_repo_that_cannot_be_fetched_is_named(monkeypatch):
@@ -429,38 +295,6 @@ def test_bad_prompt_ids_are_refused_before_any_model_runs(proven, monkeypatch):
     a = relay.translate(np.array([3, 4, 5]))  # NumPy integers are ids
     b = relay.translate(torch.tensor([[3, 4, 5]]))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def test_an_export_never_writes_into_a_folder_of_other_files(tmp_path):
-    """`--out` naming a model folder would have replaced its config.json: a folder holding anything but an
-    export's files (or a config.json of another format) is refused before a byte is written."""
-    from kvlingo.records.saved import FORMAT, check_export_folder
-
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"model_type": "qwen3"}')
-    with pytest.raises(
-        TranslatorError, match="holds files that are not an exported translator's \\(config.json with format None\\)"
-    ):
-        check_export_folder(model)
-    (model / "model.safetensors").write_bytes(b"weights")
-    with pytest.raises(TranslatorError, match="model.safetensors"):
-        check_export_folder(model)
-    assert (model / "config.json").read_text() == '{"model_type": "qwen3"}'
-
-    earlier = tmp_path / "earlier"
-    earlier.mkdir()
-    (earlier / "config.json").write_text(json.dumps({"format": FORMAT}))
-    (earlier / "maps.safetensors").write_bytes(b"maps")
-    killed = tmp_path / "killed"  # an export killed before its config.json, with a temp file of its last write
-    killed.mkdir()
-    (killed / "maps.safetensors").write_bytes(b"maps")
-    (killed / ".README.md.x1y2.tmp").write_text("half")
-    for fine in (earlier, killed, tmp_path / "new"):
-        check_export_folder(fine)
-    (earlier / "config.json").write_text('{"format": ')
-    with pytest.raises(TranslatorError, match="config.json"):
-        check_export_folder(earlier)
 
 
 # --------------------------------------------------------------------------- damaged folders and bad inputs
@@ -605,13 +439,13 @@ def test_maps_of_another_layout_or_not_finite_are_refused(proven, tmp_path, monk
         Relay.load(folder, device="cpu", allow_unproven=True)
 
 
-def test_threads_sharing_a_relay_get_what_each_would_alone(toy):
+def test_threads_sharing_a_relay_get_what_each_would_alone(toy_run):
     """A capture of pre-norm keys hooks the shared source model, so concurrent calls once mixed their captures
     (wrong caches, or shape errors); a relay's calls now take its lock."""
     import threading
     import time
 
-    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True)
+    relay = Relay.load(toy_run["export"], device="cpu", allow_unproven=True)
     assert relay.translator.needs_prenorm
     prompts = [list(range(3, 3 + n)) for n in (5, 9, 14)]
     alone = [relay.translate(ids) for ids in prompts]
@@ -643,10 +477,10 @@ def test_a_capture_of_the_prompt_but_its_last_token_is_the_handoff_of_the_ids(pr
         assert torch.equal(a, b)
 
 
-def test_a_cache_is_translated_with_the_ids_it_covers(toy):
+def test_a_cache_is_translated_with_the_ids_it_covers(toy_run):
     """A refresh (and a family) that reads the context's token ids takes them from the capture, or from ids= beside
     a DynamicCache; the result is the handoff of the prompt ids, bit for bit. Without ids, a cache is refused."""
-    relay = Relay.load(toy["export"], device="cpu", allow_unproven=True)
+    relay = Relay.load(toy_run["export"], device="cpu", allow_unproven=True)
     assert relay.refresh.active  # the toy run hands over with tail:2: its target recomputes from the ids
     ids = relay.prompt_ids([{"role": "user", "content": "Remember: my cat is called Pepper. What is my cat called?"}])
     want = relay.translate(ids)

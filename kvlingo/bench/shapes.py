@@ -3,7 +3,7 @@
 Timing does not depend on weight values, so `make perf` measures speed at the real models'
 shapes with random weights (kvlingo.bench.random_pair) without downloading anything. The values
 below are the published config.json files of the pinned checkpoints
-(kvlingo.inputs.models.PINNED_REVISIONS); tests/test_arch.py checks each against its model
+(kvlingo.inputs.models.PINNED_REVISIONS); tests/bench/test_shapes.py checks each against its model
 card's parameter count. Llama 3.2 uses the llama3 RoPE schedule (factor 32 over 8,192
 original positions); the Instruct checkpoints share their base model's shape. Light at import (torch and
 transformers inside the functions that build something), so perf.py's --help lists the presets at once.

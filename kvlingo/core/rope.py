@@ -18,8 +18,8 @@ tokens used (a cache grown by decoding across that length mixes the regimes; the
 caches are single prefills). dynamic (NTK) rescales the frequencies with the longest sequence seen so far, so
 a cached key's rotation depends on the model's history: refused (`schedule_refusal`).
 
-tests/test_rope_schedules.py holds every schedule's round trip (strip, re-apply) to its bound
-against transformers' own rotation, in FP32 and BF16.
+tests/core/test_rope.py and tests/core/test_keyspace.py hold every schedule's round trip (strip,
+re-apply) to its bound against transformers' own rotation, in FP32 and BF16.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ skipped and the table says so):
 It writes OUT/gpu-check.md (the table, with the tests' and the toy benchmark's lines under it),
 OUT/gpu-check.json (every row with its raw trials) and each perf run's own report under OUT/perf/.
 `--dry-run` runs the same steps on the CPU with the 2-layer stand-in pair at tiny lengths (and the
-toy benchmark on a few conversations): everything but the device (tests/test_gpu_check.py runs it).
+toy benchmark on a few conversations): everything but the device (tests/stages/test_gpu_check.py runs it).
 
 It runs with plain `python3` and the packages beside it (no .venv): torch with CUDA, transformers as
 pinned in pyproject.toml, tokenizers, safetensors, numpy, tqdm, matplotlib and pytest; it names
@@ -355,7 +355,7 @@ def run_step(name: str, argv: list[str], deadline: float, log: Path, factor: flo
 
 def gpu_test_files() -> list[str]:
     return sorted(
-        str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "pytest.mark.gpu" in p.read_text()
+        str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "pytest.mark.gpu" in p.read_text()
     )
 
 

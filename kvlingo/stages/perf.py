@@ -69,7 +69,7 @@ CPU_MAX_REPEATS, CPU_MAX_SECONDS = 30, 20.0
 QUICK_LENGTHS, FULL_LENGTHS = (4096,), (1024, 2048, 4096)
 QUICK_PATHS = ("target_reprefill", "source_cache_handoff")  # the speedup's two ends
 SETTING_TYPES = {"k": int, "rank": int, "key_rank": int, "hidden": int, "init_seed": int, "pairing": str, "base": str}
-# kvlingo.bench.timing's PATHS, STAGES and MODES, named here without importing torch (tests/test_perf.py checks
+# kvlingo.bench.timing's PATHS, STAGES and MODES, named here without importing torch (tests/stages/test_perf.py checks
 # they are the same), so that --help and a refused flag stay quick
 PATHS = ("target_reprefill", "source_cache_handoff", "source_prefill_handoff", "target_cache_continue")
 STAGES = ("translate", "build_cache", "new_turn")  # the pieces of source_cache_handoff, timed apart

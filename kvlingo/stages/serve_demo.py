@@ -124,7 +124,7 @@ def add_real_args(real) -> None:
 # --------------------------------------------------------------------------- the engines
 def serve_module(name: str):
     """kvlingo.serve.NAME, imported through importlib: nothing the suite runs imports the serving package
-    (tests/test_serve_contract.py), and an import statement here would put it in the code hash of every stage
+    (tests/serve/test_contract.py), and an import statement here would put it in the code hash of every stage
     that looks the stages up in the registry (kvlingo.records.resume follows import statements)."""
     return importlib.import_module(f"kvlingo.serve.{name}")
 

@@ -17,15 +17,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "helpers")]
 
 MAX_NEW_TOKENS = 16
 
 
 def main(out: Path) -> None:
     import torch
+    from exports import export_run
     from safetensors.torch import save_file
-    from serve.exports import export_run
     from tinypair import corpus
 
     from kvlingo import Relay

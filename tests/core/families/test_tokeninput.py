@@ -1,0 +1,187 @@
+"""Token identity as an input: the closed form against torch.linalg.lstsq on [source features, token features, 1]
+and against a planted relation for every part and layer choice, the translation against the same design, the
+shared low rank on a planted relation, the features against the target's own layer 0, and the folder round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from refs import lstsq_blocks
+from tinypair import chat_rows, load_tiny_pair
+
+from kvlingo.core.cache import Capture, capture
+from kvlingo.core.families.tokeninput.maps import TokenInput
+from kvlingo.core.fit import NormalEquations
+from kvlingo.core.layer0 import ContextFree
+from kvlingo.core.settings import Geometry, Part
+from kvlingo.core.translator import TranslatorError
+from kvlingo.records.saved import load_translator, save_translator
+from kvlingo.train.closed_form import fit_closed_form
+from kvlingo.train.distill import distill_loss
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module
+
+
+GEOM = Geometry(
+    source_layers=3, source_kv_heads=2, source_head_dim=6, target_layers=3, target_kv_heads=2, target_head_dim=4
+)
+
+
+class TableLayer0:
+    """Stands in for layer0.ContextFree: each token id's features from a fixed random table."""
+
+    def __init__(self, d: int, vocab: int = 50, seed: int = 0):
+        self.table = torch.randn(vocab, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+    def token_features(self, ids):
+        return self.table[ids]
+
+
+def fake(tr: TokenInput, tokens: int, seed: int = 0) -> Capture:
+    g = torch.Generator().manual_seed(seed)
+    G = tr.geometry
+    x = torch.randn(G.source_layers, G.source_kv_heads, tokens, G.source_head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(G.source_layers, G.source_kv_heads, tokens, G.source_head_dim, generator=g, dtype=torch.float64)
+    tr.layer0 = TableLayer0(tr.d_tok // tr.window)
+    return Capture(x, v, x, torch.empty(0), torch.randint(0, 50, (tokens,), generator=g))
+
+
+@pytest.mark.parametrize("base,window", [("crosshead", 1), ("headwise", 2), ("crosslayer", 1)])
+def test_closed_form_matches_lstsq_on_source_and_token_features(base, window):
+    settings = {"k": 2, "rank": 0, "pairing": "proportional"} if base == "crosslayer" else {}
+    tr = TokenInput(GEOM, base={"family": base, "settings": settings}, rank=0, window=window)
+    cap = fake(tr, 240)
+    L, B, d_in, d_out = tr.fit_blocks()
+    x = tr.design(1, cap).double()  # [L, B, T, d_src + d_tok]: the values' design (keys need a bound key space)
+    t = tr.features(cap).double()
+    if window == 2:  # the previous token's features follow each token's own, zeros before the first
+        d = t.shape[1] // 2
+        assert torch.equal(t[1:, d:], t[:-1, :d]) and not t[0, d:].any()
+    gen = torch.Generator().manual_seed(1)
+    ne, ys = NormalEquations(L, B, d_in, d_out), []
+    for which in (0, 1):
+        y = x @ torch.randn(L, B, d_in, d_out, generator=gen, dtype=torch.float64) + 0.3
+        y = y + 0.05 * torch.randn(y.shape, generator=gen, dtype=torch.float64)
+        ne.update(which, x, y)
+        ys.append(y)
+    tr.solve_from(ne, 0.0)
+    ref = lstsq_blocks(x, ys[1])  # [L, B, d_in + 1, d_out]
+    pred_ref = torch.einsum("lbtd,lbdo->lbto", torch.cat([x, torch.ones_like(x[..., :1])], -1), ref)
+    c32 = Capture(cap.keys.float(), cap.values.float(), cap.prenorm.float(), cap.logits, cap.ids)
+    got = tr.block_targets(tr.map(1, c32, slice(None)).double())
+    assert ((got - pred_ref).norm() / pred_ref.norm()).item() < 1e-5
+    # with the token maps at zero the family is its base, bit for bit
+    with torch.no_grad():
+        tr.tok_weight.zero_()
+    assert torch.equal(tr.map(1, c32, slice(None)), tr.base.map(1, c32, slice(None)))
+
+
+def test_shared_low_rank_recovers_a_planted_relation_and_is_priced():
+    tr = TokenInput(GEOM, base={"family": "crosshead", "settings": {}}, rank=2)
+    cap = fake(tr, 400, seed=2)
+    L, B, d_in, d_out = tr.fit_blocks()
+    x = tr.design(1, cap).double()
+    d_src = d_in - tr.d_tok
+    g = torch.Generator().manual_seed(3)
+    P = torch.randn(tr.d_tok, 2, generator=g, dtype=torch.float64)
+    M = torch.stack([P @ torch.randn(2, d_out, generator=g, dtype=torch.float64) for _ in range(L)])  # rank 2, shared P
+    Wb = torch.randn(L, d_src, d_out, generator=g, dtype=torch.float64)
+    y = (torch.einsum("ltd,ldo->lto", x[:, 0, :, :d_src], Wb) + torch.einsum("ltd,ldo->lto", x[:, 0, :, d_src:], M))[
+        :, None
+    ]
+    ne = NormalEquations(L, B, d_in, d_out)
+    for which in (0, 1):
+        ne.update(which, x, y + 0.001 * torch.randn(y.shape, generator=g, dtype=torch.float64))
+    tr.solve_from(ne, 0.0)
+    got = torch.einsum("dr,lro->ldo", tr.tok_down[1].double(), tr.tok_up[1].double())
+    assert ((got - M).norm() / M.norm()).item() < 1e-3
+    assert ((tr.base.weight[1].double() - Wb).norm() / Wb.norm()).item() < 1e-3
+    assert tr.flops_per_token() == tr.base.flops_per_token() + 2.0 * 2 * (tr.d_tok * 2 + L * 2 * d_out)
+
+
+def test_features_are_the_targets_layer0_and_the_family_trains_and_round_trips(tiny_pair_paths, tmp_path):
+    from transformers import AutoTokenizer
+
+    pair = load_tiny_pair(tiny_pair_paths)
+    tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
+    rows = chat_rows(tok, 12, 0, "r")
+    tr = TokenInput(
+        Geometry.of(pair.source, pair.target), base={"family": "headwise", "settings": {}}, rank=0, window=2
+    )
+    tr.bind(pair.source, pair.target)
+    ids = torch.tensor([rows[0]["prefix_ids"]])
+    with torch.no_grad():
+        cap = capture(pair.source, ids, want_prenorm=True, logits_to_keep=1)
+        own = capture(pair.target, ids, want_prenorm=True, logits_to_keep=1)
+    feats = tr.features(cap)  # [T, 2 · (k, v) of layer 0]
+    kvw = tr.d_tok // 4
+    assert torch.equal(feats[:, :kvw], own.prenorm[0].transpose(0, 1).reshape(-1, kvw))
+    assert torch.equal(feats[:, kvw : 2 * kvw], own.values[0].transpose(0, 1).reshape(-1, kvw))
+    stats = fit_closed_form(pair.source, pair.target, tr, rows, ridge=0.0)
+    assert stats["n_tokens"] > 0
+    loss = distill_loss(pair.source, pair.target, tr, rows[1], torch.float32)
+    loss.backward()
+    assert tr.tok_weight.grad.abs().sum() > 0 and tr.base.weight.grad.abs().sum() > 0
+    save_translator(tmp_path / "tr", tr, {"direction": pair.direction, "models": pair.identities()})
+    loaded, info = load_translator(tmp_path / "tr", pair)
+    assert info["family"] == "tokeninput" and info["settings"]["window"] == 2
+    with torch.no_grad():
+        a, b = tr(cap), loaded(cap)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(TranslatorError, match="captured token ids"):
+        loaded(Capture(cap.keys, cap.values, cap.prenorm, cap.logits))
+    with pytest.raises(TranslatorError, match="linear base family"):
+        TokenInput(tr.geometry, base={"family": "residual", "settings": {}})
+    assert isinstance(loaded.layer0, ContextFree)
+
+
+TOKEN_GEOM = Geometry(4, 2, 8, 4, 2, 8)
+SETTINGS = [("both", 0), ("values", 0), ("keys", 0), ("both", 2)]
+
+
+class Table:
+    """Token features from a fixed random table (a stand-in for the target's layer 0)."""
+
+    def __init__(self, d: int):
+        self.table = torch.randn(50, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def token_features(self, ids):
+        return self.table[ids]
+
+
+@pytest.mark.parametrize("parts,layers", SETTINGS)
+def test_each_token_setting_recovers_a_planted_relation_and_is_priced(parts, layers):
+    tr = TokenInput(
+        TOKEN_GEOM,
+        base={"family": "headwise", "settings": {}},
+        rank=0,
+        window=1,
+        token_parts=parts,
+        token_layers=layers,
+    )
+    tr.layer0 = Table(tr.d_tok)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 2, 300, 8, generator=g, dtype=torch.float64)
+    cap = Capture(x, x, x, torch.empty(0), torch.randint(0, 50, (300,), generator=g))
+    L, B, d_in, d_out = tr.fit_blocks()
+    design = tr.design(Part.VALUES, cap).double()  # [L, B, T, d_src + d_tok] (keys need a bound key space)
+    W = torch.randn(L, B, 8, d_out, generator=g, dtype=torch.float64)
+    M = torch.randn(L, B, tr.d_tok, d_out, generator=g, dtype=torch.float64)
+    ne, truth = NormalEquations(L, B, d_in, d_out), {}
+    for part in (Part.KEYS, Part.VALUES):
+        y = design[..., :8] @ W + 0.2
+        for layer in range(L):  # a token term only where the family puts one
+            if part in tr.tok_parts and layer < tr.n_tok_layers:
+                y[layer] += design[layer, ..., 8:] @ M[layer]
+        ne.update(part, design, y)
+        truth[part] = y
+    tr.solve_from(ne, 0.0)
+    c32 = Capture(x.float(), x.float(), x.float(), torch.empty(0), cap.ids)
+    whole = tr.map(Part.VALUES, c32, slice(None))
+    got = tr.block_targets(whole.double())
+    assert ((got - truth[Part.VALUES]).norm() / truth[Part.VALUES].norm()).item() < 1e-5
+    assert torch.equal(torch.cat([tr.map(Part.VALUES, c32, slice(i, i + 1)) for i in range(4)]), whole)
+    per_part = 2.0 * tr.n_tok_layers * tr.d_tok * tr.d_out  # full rank: each part that reads the features
+    base = tr.base.flops_per_token(Part.VALUES)
+    assert tr.flops_per_token(Part.VALUES) == base + per_part * (Part.VALUES in tr.tok_parts)
+    assert tr.flops_per_token() == tr.flops_per_token(Part.KEYS) + tr.flops_per_token(Part.VALUES)

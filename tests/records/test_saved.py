@@ -1,0 +1,79 @@
+"""The saved translator (kvlingo/records/saved.py): its folder round-trips and refuses tampering, maps of
+another direction or pair, and an export folder holding other files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tinypair import load_tiny_pair
+
+from kvlingo.core.families.headwise.maps import Headwise
+from kvlingo.core.translator import Geometry, TranslatorError
+from kvlingo.records.saved import load_state, load_translator, read_manifest, save_translator
+
+
+def test_maps_save_load_roundtrip_and_tamper(tmp_path):
+    maps = Headwise(Geometry(2, 2, 4, 2, 2, 4), "cache")
+    with torch.no_grad():
+        maps.weight.normal_()
+    save_translator(tmp_path / "m", maps, {"direction": "l2s"})
+    manifest = read_manifest(tmp_path / "m")
+    loaded = load_state(tmp_path / "m", manifest)
+    assert torch.equal(loaded.weight, maps.weight) and manifest["key_space"] == "cache"
+    assert manifest["family"] == "headwise" and manifest["geometry"]["target_head_dim"] == 4
+    assert isinstance(loaded, Headwise) and loaded.flops_per_token() == maps.flops_per_token()
+    blob = bytearray((tmp_path / "m" / "maps.safetensors").read_bytes())
+    blob[-3] ^= 0xFF
+    (tmp_path / "m" / "maps.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(TranslatorError, match="does not match its manifest hash"):
+        read_manifest(tmp_path / "m")
+
+
+def test_an_export_never_writes_into_a_folder_of_other_files(tmp_path):
+    """`--out` naming a model folder would have replaced its config.json: a folder holding anything but an
+    export's files (or a config.json of another format) is refused before a byte is written."""
+    from kvlingo.records.saved import FORMAT, check_export_folder
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(
+        TranslatorError, match="holds files that are not an exported translator's \\(config.json with format None\\)"
+    ):
+        check_export_folder(model)
+    (model / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(TranslatorError, match="model.safetensors"):
+        check_export_folder(model)
+    assert (model / "config.json").read_text() == '{"model_type": "qwen3"}'
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "config.json").write_text(json.dumps({"format": FORMAT}))
+    (earlier / "maps.safetensors").write_bytes(b"maps")
+    killed = tmp_path / "killed"  # an export killed before its config.json, with a temp file of its last write
+    killed.mkdir()
+    (killed / "maps.safetensors").write_bytes(b"maps")
+    (killed / ".README.md.x1y2.tmp").write_text("half")
+    for fine in (earlier, killed, tmp_path / "new"):
+        check_export_folder(fine)
+    (earlier / "config.json").write_text('{"format": ')
+    with pytest.raises(TranslatorError, match="config.json"):
+        check_export_folder(earlier)
+
+
+def test_maps_for_another_direction_or_pair_are_refused(task_world, tiny_pair_paths, tmp_path):
+    pair = load_tiny_pair(tiny_pair_paths)
+    maps = Headwise.identity(Geometry.of(pair.source, pair.source))
+    save_translator(tmp_path / "s2l", maps, {"direction": "s2l"})
+    with pytest.raises(TranslatorError, match="direction 's2l'"):
+        load_translator(tmp_path / "s2l", pair)
+    save_translator(tmp_path / "other", maps, {"direction": "l2s", "models": {"source": {"id": "elsewhere"}}})
+    with pytest.raises(TranslatorError, match="another source model"):
+        load_translator(tmp_path / "other", pair)
+    with pytest.raises(TranslatorError, match="family is 'headwise'"):
+        load_translator(task_world["maps"], pair, family="crosshead")
+    _, info = load_translator(task_world["maps"], pair)
+    assert info["maps_sha256"] == json.loads((Path(task_world["maps"]) / "manifest.json").read_text())["maps_sha256"]

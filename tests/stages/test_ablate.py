@@ -1,0 +1,112 @@
+"""The ablation stage end to end on the tiny pair: it runs, resumes, and redoes cells whose maps or rows
+changed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tinypair import task_inputs
+
+import ablate
+from kvlingo.io import read_json
+from kvlingo.stages import ablation as A
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module
+
+
+@pytest.mark.slow
+def test_ablate_runs_and_resumes(tiny_pair_paths, tmp_path, monkeypatch):
+    import ablate
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
+    argv = [
+        "--profile",
+        "tiny",
+        "--data",
+        str(data),
+        "--large",
+        str(tiny_pair_paths[0]),
+        "--small",
+        str(tiny_pair_paths[1]),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--data-root",
+        str(eval_root),
+        "--skip-tasks",
+        "ifeval",
+        "--settings",
+        "headwise-ridge0",
+        "crosshead",
+        "token-w1",
+        "--artifacts",
+        str(tmp_path / "artifacts"),
+        "--results",
+        str(tmp_path / "results"),
+    ]
+    rep = ablate.main(argv)
+    res = rep["results"]
+    rows = res["rows"]
+    assert [r["name"] for r in rows] == ["headwise-ridge0", "crosshead", "token-w1"]  # in the families' order
+    assert res["default"]["setting"] in ("headwise-ridge0", "crosshead", "token-w1") and res["metric"] in A.METRICS
+    for r in rows:  # every row on validation; GSM8K's 4 items split into 2 + 2
+        assert r["val_gsm8k"]["n"] == 2 and r["params"] > 0 and r["val_kl"] >= 0 and r["val_n"] == 6
+    tested = [r["name"] for r in rows if "test_kl" in r]
+    assert res["default"]["setting"] in tested and "crosshead" in tested  # the l2s default before is always tested
+    assert all(r["test_gsm8k"]["n"] == 2 and r["test_n"] == 4 for r in rows if "test_kl" in r)
+    assert rows[2]["refresh"] == "exact:0" and rows[2]["real"]["layer0_flops_per_token"] > 0
+    out = tmp_path / "results" / "tiny-l2s-ablate"
+    assert (out / "ablation.png").read_bytes()[:4] == b"\x89PNG" and "Default" in (out / "ablation.md").read_text()
+    assert (out / "token-w1" / "benchmark-validation.json").is_file()
+    again = ablate.main([*argv, "--resume"])  # everything finished: read back, nothing rerun
+    assert json.dumps(again["results"]["rows"]) == json.dumps(rows)  # (a share of a 0% native accuracy is NaN)
+    assert read_json(out / "recipe-state.json")["cells"]
+
+
+@pytest.mark.slow
+def test_ablate_resume_redoes_cells_whose_maps_or_rows_changed(benchmarked_run, tiny_pair_paths, tmp_path, capsys):
+    """Once, one flipped byte in a finished cell's maps.safetensors, or an edited benchmark.rows.jsonl, and
+    `ablate.py --resume` skipped every cell."""
+    argv = [
+        "--profile",
+        "tiny",
+        "--data",
+        str(benchmarked_run["data"]),
+        *benchmarked_run["pair"],
+        "--skip-tasks",
+        "ifeval",
+        "gsm8k",
+        "--settings",
+        "crosshead",
+        "--long-factor",
+        "0",
+        "--artifacts",
+        str(tmp_path / "artifacts"),
+        "--results",
+        str(tmp_path / "results"),
+    ]
+    first = ablate.main(argv)
+    cell = tmp_path / "results" / "tiny-l2s-ablate" / "crosshead"
+    maps = tmp_path / "artifacts" / "tiny-l2s-ablate" / "crosshead" / "distilled" / "maps.safetensors"
+    rows = cell / "benchmark-validation.rows.jsonl"
+    good_maps, good_rows = maps.read_bytes(), rows.read_bytes()
+    maps.write_bytes(good_maps[:-1] + bytes([good_maps[-1] ^ 1]))
+    lines = good_rows.decode().splitlines(keepends=True)
+    rows.write_text(lines[0].replace('"id"', '"id_edited"', 1) + "".join(lines[1:]))
+    capsys.readouterr()
+    again = ablate.main([*argv, "--resume"])
+    out = capsys.readouterr().out
+    assert f"train/crosshead/train: queued (its output {maps} changed since the cell finished)" in out, out
+    assert (
+        f"benchmark/crosshead/benchmark-validation: queued (its output {rows} changed since the cell finished)" in out
+    ), out
+    assert maps.read_bytes() == good_maps and rows.read_bytes() == good_rows  # made again, as they were
+    assert again["results"]["rows"][0]["val_kl"] == first["results"]["rows"][0]["val_kl"]
+    capsys.readouterr()
+    ablate.main([*argv, "--resume"])
+    assert "up to date (finished with the same key" in capsys.readouterr().out

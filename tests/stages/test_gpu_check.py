@@ -1,0 +1,89 @@
+"""The GPU check's dry run on the CPU: every step the GPU machine runs (the GPU tests, perf in both directions with
+deferred values and CUDA graphs on and off, the benchmark), on the 2-layer stand-in and the tiny pair, into one
+table; and its refusals before anything runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from benchworld import conversations, fit_maps, write_split
+
+from kvlingo.inputs.models import ModelSpec, load_model, load_tokenizer
+from kvlingo.records.saved import save_translator
+
+
+@pytest.fixture(scope="module")
+def bench_inputs(tiny_pair_paths, tmp_path_factory):
+    """A test split and a trained-run folder (closed-form maps standing in for distilled ones) on the tiny pair."""
+    root = tmp_path_factory.mktemp("gpu_check")
+    large_p, small_p = tiny_pair_paths
+    tok = load_tokenizer(ModelSpec.parse(str(small_p)))
+    large = load_model(ModelSpec.parse(str(large_p)), "cpu", torch.float32)
+    small = load_model(ModelSpec.parse(str(small_p)), "cpu", torch.float32)
+    data = write_split(root / "data" / "tiny", tok, conversations(tok, 6, seed=1))
+    cf, stand_in = fit_maps(large, small, conversations(tok, 10, seed=2), "prenorm", (1e-3, 1e-1))
+    save_translator(root / "artifacts" / "t" / "closed_form", cf, {"direction": "l2s", "kind": "closed_form"})
+    save_translator(root / "artifacts" / "t" / "distilled", stand_in, {"direction": "l2s", "kind": "distilled"})
+    return [
+        "--large",
+        str(large_p),
+        "--small",
+        str(small_p),
+        "--bench-profile",
+        "tiny",
+        "--bench-data",
+        str(data),
+        "--bench-artifacts",
+        str(root / "artifacts"),
+        "--bench-run",
+        "t",
+        "--bench-results",
+        str(root / "none"),
+    ]
+
+
+@pytest.mark.slow
+def test_the_dry_run_runs_every_step_into_one_table(bench_inputs, tmp_path, capsys):
+    import gpu_check
+    from kvlingo.stages.gpu_check import CONFIGS
+
+    out = tmp_path / "gc"
+    status = gpu_check.main(["--dry-run", "--out", str(out), *bench_inputs])
+    printed = capsys.readouterr().out
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert status == 0, [(s["step"], s["status"], s.get("tail", "")[-600:]) for s in report["steps"]]
+    assert [s["step"] for s in report["steps"]] == ["tests", "perf-l2s", "perf-s2l", "benchmark"]
+    rows = report["rows"]
+    # per direction and length: the shipped re-prefill, then the optimised handoff with values deferred or
+    # translated, CUDA graphs asked for or not (a CPU has none to replay)
+    assert len(rows) == 2 * 2 * (len(CONFIGS) + 1) and not any(r.get("missing") for r in rows)
+    assert {(r["direction"], r["context"]) for r in rows} == {(d, n) for d in ("l2s", "s2l") for n in (32, 64)}
+    optimised = [r for r in rows if r["mode"] == "optimised"]
+    assert {r["deferred"] for r in optimised} == {True, False} and not any(r["graphed"] for r in rows)
+    assert {r["family"] for r in rows} == {"crosshead", "crosslayer"}  # the pilot profile's defaults
+    for r in rows:
+        assert r["vs_eager"] > 0 and r["vs_eager_interval"][0] <= r["vs_eager"] <= r["vs_eager_interval"][1]
+        assert len(r["handoff_trials_s"]) >= 2 and r["limit"] > 0
+    md = (out / "gpu-check.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(rows) and "vs eager SDPA re-prefill" in table[0]
+    assert "GPU tests (pytest -m gpu" in md and "skipped" in md  # no GPU here: every one skips
+    assert "toy demo benchmark (KL/token): closed_form" in md and "(passed)" in md
+    assert md in printed and (out / "perf" / "s2l-defer-on-graphs-off" / "perf.json").is_file()
+
+
+def test_it_names_what_is_missing_before_running_anything(tmp_path, capsys, monkeypatch):
+    import gpu_check
+    from kvlingo.stages import gpu_check as stage
+
+    monkeypatch.setattr(stage, "pinned_transformers", lambda: (99, 0))
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--dry-run", "--out", str(tmp_path / "gc"), "--bench-data", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and not (tmp_path / "gc").exists()
+    assert err.startswith("gpu-check: not ready:\n  ")
+    assert "transformers" in err and "older than the 99.0 pyproject.toml pins" in err and "pip download" in err
+    assert f"{tmp_path / 'none'} is missing (make prepare PROFILE=demo makes it" in err
+    assert stage.version_of("5.24.0.dev0") == (5, 24, 0) < stage.pinned_transformers()

@@ -1,0 +1,53 @@
+"""Attention weighting of the fit (kvlingo/train/weighting.py) against eager attention's `output_attentions`, in
+Qwen3, Llama and Qwen2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from refs import tiny_ids
+from tinypair import tiny_model
+
+from kvlingo.core.handoff import as_ids
+from kvlingo.core.rope import RopeCache
+from kvlingo.inputs.models import ModelSpec, load_model
+from kvlingo.train import weighting as W
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module
+
+
+@pytest.mark.parametrize("model_type,schedule", [("llama", "llama3"), ("qwen2", "yarn")])
+def test_attention_weights_read_q_proj_queries(model_type, schedule):
+    """Without q_norm the queries are hooked on q_proj (Qwen2: bias included); yarn's attention scaling
+    rides on both query and key tables. Reference: eager attention's own probabilities."""
+    model = tiny_model(model_type, schedule)
+    eager = tiny_model(model_type, schedule, attn_implementation="eager")
+    P, R = 25, 8
+    ids = tiny_ids(P + R, 3)
+    with torch.no_grad():
+        attn = eager(input_ids=ids, output_attentions=True).attentions  # per layer [1, q_heads, T, T]
+        cap, q = W.capture_with_queries(model, ids, False, q_start=P - 1, n_q=R)
+    H = model.config.num_key_value_heads
+    ref = torch.stack([a[0, :, P - 1 : P - 1 + R, : P - 1].mean(1).view(H, -1, P - 1).mean(1) for a in attn]).double()
+    got = W.scored_attention(model, cap.keys, q, P - 1, P - 1, RopeCache(model))
+    assert (got - ref).abs().max().item() < 1e-6
+
+
+def test_attention_weights_match_eager_output_attentions(tiny_pair_paths, pair32, train_data):
+    row = train_data[2][0]
+    P, R = len(row["prefix_ids"]), len(row["reply_ids"])
+    ids = as_ids(row["prefix_ids"] + row["reply_ids"], "cpu")
+    eager = load_model(ModelSpec.parse(str(tiny_pair_paths[1])), "cpu", torch.float32, attn="eager")
+    with torch.no_grad():
+        attn = eager(input_ids=ids, output_attentions=True).attentions  # per layer [1, q_heads, T, T]
+        cap, q = W.capture_with_queries(pair32.target, ids, False, q_start=P - 1, n_q=R)
+    H = pair32.target.config.num_key_value_heads
+    # scored rows P-1..P+R-2 (they predict the reply), context columns 0..P-2; mean over rows, then over each GQA group
+    ref = torch.stack([a[0, :, P - 1 : P - 1 + R, : P - 1].mean(1).view(H, -1, P - 1).mean(1) for a in attn]).double()
+    for chunk in (256, 3):
+        got = W.scored_attention(pair32.target, cap.keys, q, P - 1, P - 1, RopeCache(pair32.target), chunk=chunk)
+        assert (got - ref).abs().max().item() < 1e-6
+    w = W.attention_fit_weights(got, P + R)
+    assert torch.allclose(w[..., : P - 1].mean(-1), torch.ones(2, H, dtype=torch.float64))
+    assert torch.equal(w[..., P - 1 :], torch.ones(2, H, R + 1, dtype=torch.float64))
+    assert w[..., : P - 1].std() > 0.1  # really non-uniform
