@@ -34,11 +34,15 @@ class Profile:
     recipe_seeds: tuple[int, ...]  # seeds trained at the chosen learning rate
     lr: tuple[float, float] = (1e-4, 1e-3)  # AdamW learning rate for (l2s, s2l)
     # The default translator of (l2s, s2l): a variant's name (each family declares its variants in its module,
-    # kvlingo/core/families), the refresh its handoffs run under, and its training objective's flags.
-    family: tuple[str, str] = ("headwise", "headwise")
-    refresh: tuple[str, str] = ("none", "none")
+    # kvlingo/core/families), the refresh its handoffs run under, and its training objective's flags. In every
+    # profile, the choice of `make ablate PROFILE=demo` (docs/results.md, "The default"): head-wise maps plus the
+    # target's layer-0 features of each token and the two before it (token rank: half the target's width), with
+    # the target's exact layer 0 from the token ids; one setting for both directions.
+    family: tuple[str, str] = ("token-w3", "token-w3")
+    refresh: tuple[str, str] = ("exact:0", "exact:0")
     objective: tuple[dict, dict] = ({}, {})
-    # The default before the ablation's choice, per direction (variant names): scored on test beside it.
+    # The default before the ablation's choice, per direction (variant names): scored on test beside it. Cross-head
+    # maps (l2s) and the top-4 cross-layer maps through a rank of half the target width (s2l).
     baseline: tuple[str, str] = ("crosshead", "crosslayer-k4-rhalf")
     ridge: float | str = "auto"  # closed-form ridge: a number, or "auto" (chosen per block on held-out conversations)
     fit_weighting: str = "uniform"  # closed-form weighting: uniform, or attention (the target's reply-time attention)
@@ -67,9 +71,6 @@ class Profile:
         return dict(self.objective[0 if direction == "l2s" else 1])
 
 
-# The default translators before the token-input ablation: cross-head maps (l2s) and the top-4 cross-layer maps
-# through a rank of half the target width (s2l).
-BEFORE = ("crosshead", "crosslayer-k4-rhalf")
 
 PROFILES: dict[str, Profile] = {
     p.name: p
@@ -94,7 +95,6 @@ PROFILES: dict[str, Profile] = {
             max_new_tokens=1024,
             lr_grid_size=5,
             recipe_seeds=(42, 43, 44),
-            family=BEFORE,
         ),
         Profile(
             name="paper-budget",
@@ -116,7 +116,6 @@ PROFILES: dict[str, Profile] = {
             max_new_tokens=1024,
             lr_grid_size=5,
             recipe_seeds=(42, 43, 44),
-            family=BEFORE,
         ),
         # The offline toy world on a 2-core CPU: every stage runs for real, in minutes. 256 validation and test
         # conversations (from corpus/chats.2048.jsonl), so that choices and claims can tell settings apart.
@@ -150,9 +149,6 @@ PROFILES: dict[str, Profile] = {
             recipe_max_extensions=1,
             switch_lengths=(250, 500, 1000),
             allow_cv=True,
-            # `make ablate PROFILE=demo` (README, "Choosing the family"): the lowest validation KL among the
-            # settings whose translation costs ≤ 10% of a re-prefill at the real shapes.
-            family=BEFORE,
         ),
         # The demo at 8,192 training conversations (corpus/chats.10240.jsonl): the data-scale curve trains on its first
         # 512, 2,048 and 8,192 (train_translator.py --n-train) against one validation and one test split.
@@ -180,7 +176,6 @@ PROFILES: dict[str, Profile] = {
             fit_weighting="attention",
             switch_lengths=(250, 500, 1000),
             allow_cv=True,
-            family=BEFORE,
         ),
         # Seconds, for the test suite's end-to-end pass.
         Profile(
