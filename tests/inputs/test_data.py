@@ -423,6 +423,18 @@ def test_a_folder_of_other_files_is_never_replaced_by_a_build(prepare_world, tmp
     assert prepare(prepare_world["tok"], PROFILE, source=prepare_world["source"], out_root=out).built
 
 
+def test_a_folder_named_like_a_file_of_the_set_is_not_the_sets(prepare_world, tmp_path):
+    """`manifest.json/` as a folder holding a user's file: refused, and nothing in it removed (it once built over
+    it, "its manifest is missing", and the file was gone)."""
+    out = tmp_path / "out"
+    mine = out / PROFILE.name / "manifest.json"
+    mine.mkdir(parents=True)
+    (mine / "keep.txt").write_text("precious")
+    with pytest.raises(ValueError, match=r"holds files this suite did not prepare \(manifest.json/\)"):
+        prepare(prepare_world["tok"], PROFILE, source=prepare_world["source"], out_root=out)
+    assert (mine / "keep.txt").read_text() == "precious"
+
+
 def test_an_empty_source_keeps_the_existing_set(prepare_world, tmp_path):
     out = tmp_path / "out"
     prepare(prepare_world["tok"], PROFILE, source=prepare_world["source"], out_root=out)

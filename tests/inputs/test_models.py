@@ -105,7 +105,7 @@ def test_chat_template_rendering_must_match_but_text_may_differ(tiny_pair_paths)
 
 def test_missing_hub_model_offline_says_what_to_do(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(PairError, match="pass a local folder"):
+    with pytest.raises(PairError, match="pass a folder that exists"):
         load_tokenizer(ModelSpec.parse("Qwen/Qwen3-0.6B"))
 
 

@@ -77,3 +77,33 @@ def test_maps_for_another_direction_or_pair_are_refused(task_world, tiny_pair_pa
         load_translator(task_world["maps"], pair, family="crosshead")
     _, info = load_translator(task_world["maps"], pair)
     assert info["maps_sha256"] == json.loads((Path(task_world["maps"]) / "manifest.json").read_text())["maps_sha256"]
+
+
+def test_a_re_export_that_fails_leaves_the_good_export_whole(tmp_path, monkeypatch):
+    """A full disk (or a kill) while a re-export writes: the export it would replace stays as it was, file for file,
+    and no staging folder is left; a re-export that completes replaces it whole."""
+    from kvlingo.records import saved
+    from kvlingo.records.saved import CONFIG_FILE, write_export
+
+    monkeypatch.setattr(saved, "model_card", lambda config, evidence, verdict: f"# {config['family']}\n")
+    out = tmp_path / "export"
+    write_export(out, b"old maps", {"format": saved.FORMAT, "family": "headwise"}, None)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert CONFIG_FILE in before
+
+    real = saved.atomic_write_text
+
+    def full_disk(path, text):  # the model card, written after the maps, before config.json
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saved, "atomic_write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_export(out, b"new maps", {"format": saved.FORMAT, "family": "tokeninput"}, None)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+    monkeypatch.setattr(saved, "atomic_write_text", real)
+    write_export(out, b"new maps", {"format": saved.FORMAT, "family": "tokeninput"}, None)
+    assert (out / "maps.safetensors").read_bytes() == b"new maps"
+    assert json.loads((out / CONFIG_FILE).read_text())["family"] == "tokeninput"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]

@@ -292,6 +292,34 @@ def test_ctrl_c_ends_a_stage_in_one_line_and_frees_its_run_lock(tmp_path, capsys
         assert err.startswith("demo: interrupted; every file it wrote is whole") and ("--resume" in err) == resumable
 
 
+def test_sigterm_ends_a_stage_in_one_line_with_its_status(tmp_path):
+    """`kill PID` of a running stage (a scheduler's preemption): one line saying it stopped and how to go on, and
+    status 143, as Ctrl-C's 130; it once ended silently with -15."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from kvlingo.stages.skeleton import TERMINATED_STATUS
+
+    code = (
+        "import sys, time; from kvlingo.stages.skeleton import refusals_exit\n"
+        "@refusals_exit('train_translator', resumable=True)\n"
+        "def main():\n    print('ready', flush=True); time.sleep(60)\n"
+        "main()"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == TERMINATED_STATUS == 143, err
+    assert err.count("\n") == 1 and err.startswith("train_translator: stopped by SIGTERM") and "--resume" in err, err
+
+
 @pytest.mark.parametrize(
     "stage, output",
     [

@@ -623,3 +623,11 @@ def test_training_under_the_new_objectives_and_early_stopping(tiny_pair_paths, t
     with pytest.raises(SystemExit) as e:
         train_translator.main([*args, "--run", "y", "--onpolicy", "1.5"])
     assert e.value.code == 2
+
+
+def test_zero_updates_is_refused_and_writes_nothing(tiny_pair_paths, train_data, tmp_path, capsys):
+    """`--updates 0` once ran a zero-update "distillation" and reported it; the closed-form maps alone are
+    --closed-form-only."""
+    err = refused(main, cli(tiny_pair_paths, train_data[0], tmp_path, "zero", "--updates", "0"), capsys)
+    assert "--updates 0 distils nothing" in err and "--closed-form-only" in err
+    assert not files_under(tmp_path / "results") and not files_under(tmp_path / "artifacts")

@@ -112,10 +112,11 @@ def test_torchrun_hands_every_stage_flag_to_the_stage():
         text=True,
         timeout=60,
     )
-    line = next(line for line in dry.stdout.splitlines() if "/torchrun " in line)
+    line = next(line for line in dry.stdout.splitlines() if " -m kvlingo.train.torchrun " in line)
     recipe = stage_command(["train_translator.py", "--run", "q/lr1e-3", "--results", "R", "--resume"], nproc=2)
     for argv in (shlex.split(line), recipe):
-        launch = torchrun_args(argv[1:])  # exits 2 on a flag it takes for an ambiguous abbreviation of its own
+        assert argv[1:3] == ["-m", "kvlingo.train.torchrun"]
+        launch = torchrun_args(argv[3:])  # exits 2 on a flag it takes for an ambiguous abbreviation of its own
         assert launch.nproc_per_node == "2" and launch.training_script == "train_translator.py"
         args = train_translator.parse_args(launch.training_script_args)
         assert args.run in ("r", "q/lr1e-3") and args.results == "R" and args.resume
