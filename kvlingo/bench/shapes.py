@@ -160,7 +160,7 @@ def real_settings(
     k capped at `source_layers` when given)."""
     from ..core.families import FAMILIES
 
-    return FAMILIES[family].carry(settings, width_ratio, source_layers, depth_ratio)
+    return FAMILIES[family].carry(settings, width_ratio, FAMILIES, source_layers, depth_ratio)
 
 
 def translator_at(family: str, settings: dict, source_cfg, target_cfg, key_space: str = "prenorm", from_geometry=None):

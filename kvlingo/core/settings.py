@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -279,12 +279,13 @@ class Family:
     def from_spec(self, geometry: Geometry, key_space: str, settings: dict[str, Any]):
         return self.translator().from_spec(geometry, key_space, settings)
 
-    def settings_from(self, flags: dict[str, Any], geometry: Geometry | None = None) -> dict[str, Any]:
+    def settings_from(
+        self, flags: dict[str, Any], geometry: Geometry | None, families: Mapping[str, Family]
+    ) -> dict[str, Any]:
         """The family's settings from flag values (by `Option.dest`; None or absent: the option's default, which may
-        need the pair's `geometry`). A `base` option names a linear family whose own settings come from the same
-        flags; an option absent and without default (a key rank: the rank's) is left out."""
-        from .families import FAMILIES
-
+        need the pair's `geometry`). A `base` option names a linear family of `families` (kvlingo.core.families)
+        whose own settings come from the same flags; an option absent and without default (a key rank: the rank's)
+        is left out."""
         out: dict[str, Any] = {}
         for option in self.options:
             value = flags.get(option.dest)
@@ -292,23 +293,26 @@ class Family:
             if value is None:
                 continue
             if option.base:
-                base = FAMILIES.get(value)
+                base = families.get(value)
                 if base is None or not base.linear or value == self.name:
-                    linear = ", ".join(sorted(n for n, f in FAMILIES.items() if f.linear))
+                    linear = ", ".join(sorted(n for n, f in families.items() if f.linear))
                     raise FamilyError(f"{self.name} sits on a linear family ({linear}), not {value!r}")
-                value = {"family": value, "settings": base.settings_from(flags, geometry)}
+                value = {"family": value, "settings": base.settings_from(flags, geometry, families)}
             out[option.name] = value
         return out
 
     def carry(
-        self, settings: dict[str, Any], width_ratio: float, source_layers: int | None = None, depth_ratio: float = 1.0
+        self,
+        settings: dict[str, Any],
+        width_ratio: float,
+        families: Mapping[str, Family],
+        source_layers: int | None = None,
+        depth_ratio: float = 1.0,
     ) -> dict[str, Any]:
         """Settings carried to other shapes: what the maps derive from data (a layer plan) dropped, the ranks scaled
         by `width_ratio` (the ratio of the target KV widths, so that half the width stays half), counts of target
         layers by `depth_ratio`, counts of source layers capped at `source_layers` (the other source's depth), and
-        a base family's settings carried alike."""
-        from .families import FAMILIES
-
+        a base family's settings (a family of `families`) carried alike."""
         out = {}
         for option in self.options:
             if option.name not in settings:
@@ -321,10 +325,12 @@ class Family:
             elif option.source_layers and source_layers is not None:
                 value = min(value, source_layers)
             elif option.base and isinstance(value, dict):
-                base = FAMILIES[value["family"]]
+                base = families[value["family"]]
                 value = {
                     **value,
-                    "settings": base.carry(value.get("settings", {}), width_ratio, source_layers, depth_ratio),
+                    "settings": base.carry(
+                        value.get("settings", {}), width_ratio, families, source_layers, depth_ratio
+                    ),
                 }
             out[option.name] = value
         return out

@@ -38,6 +38,8 @@ from .skeleton import Stage, lock_run
 if TYPE_CHECKING:
     from ..inputs.models import PairConfig
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the stage scripts live at its top
+
 SPLITS = ("val", "test")  # row-field prefixes; the stages call them validation and test
 
 
@@ -508,8 +510,6 @@ class Ablate(Stage):
         return {"results": results, "tested": tested}
 
     def publish(self, out: dict) -> dict:
-        from .registry import STAGES
-
         cfg, plan, results, tested = self.cfg, self.plan, out["results"], out["tested"]
         rows = results.rows
         png = plan.paths.beside("ablation", ".png")
@@ -519,7 +519,7 @@ class Ablate(Stage):
         report = Report(
             "ablation",
             config=cfg,
-            inputs={**plan.inputs, "code_sha256": code_hash(STAGES["ablate"].script)},
+            inputs={**plan.inputs, "code_sha256": code_hash(ROOT / Ablate.script)},
             results=results,
             metrics=AblationResults.METRICS,
             n_samples={

@@ -53,6 +53,8 @@ from .skeleton import Stage, lock_run
 if TYPE_CHECKING:
     from ..inputs.models import PairConfig
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the stage scripts live at its top
+
 SCRIPTS: dict[str, Path] = {}  # a stage's script in place of the registry's (tests run stand-ins)
 EVALS = ("benchmark", "ifeval")  # evaluation stages run on the native models and on each seed's maps, in order
 PAIR_FLAGS = ("--large", "--small", "--direction", "--device", "--dtype")
@@ -557,8 +559,6 @@ class Recipe(Stage):
             plan.paths.beside("recipe", ".md"),
             lrsearch.summary_markdown(cfg.run, asdict(results), cell_rows, "recipe.png"),
         )
-        from .registry import STAGES
-
         scripts = [script_of(s) for s in ("train", "benchmark", "ifeval")]
         cells = {
             c["cell"]: {"key": c["key"], "report": c["report"], "report_sha256": c["report_sha256"]} for c in cell_rows
@@ -570,7 +570,7 @@ class Recipe(Stage):
             inputs={
                 **plan.common,
                 "ifeval_data": plan.ifeval_data,
-                "code_sha256": code_hash(STAGES["recipe"].script, *scripts),
+                "code_sha256": code_hash(ROOT / Recipe.script, *scripts),
                 "ledger": {"path": str(ledger.path), "sha256": sha256_file(ledger.path)},
                 "cells": cells,
             },

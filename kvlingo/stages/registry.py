@@ -1,8 +1,10 @@
-"""Every stage by name: the script a user types, the `Stage` that runs it, the report it writes last.
+"""The stages that run as cells, by name: the script a user types, the `Stage` that runs it, the report it writes
+last.
 
-The recipe, the ablation and the frontier run other stages as cells (kvlingo/stages/cells.py) and check
-the flags they pass through with those stages' own parsers: they look both up here, by name, rather
-than by a script's path. The names are the make targets'.
+The recipe, the ablation and the frontier run these stages as cells (kvlingo/stages/cells.py) and check the
+flags they pass through with those stages' own parsers: they look both up here, by name, rather than by a
+script's path. They are not here themselves (none runs another as a cell), so the imports run one way:
+driver → registry → stage. The names are the make targets'.
 """
 
 from __future__ import annotations
@@ -11,17 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import (
-    ablate,
     benchmark,
     estimate,
     export,
-    frontier,
     gpu_check,
     ifeval,
     layers,
     perf,
     prepare,
-    recipe,
     serve_demo,
     summary,
     switch,
@@ -58,9 +57,6 @@ STAGES: dict[str, Entry] = {
     "estimate": Entry(estimate.Estimate, None),
     "perf": Entry(perf.Perf, None),
     "gpu-check": Entry(gpu_check.GpuCheck, None),
-    "recipe": Entry(recipe.Recipe, "recipe"),
-    "ablate": Entry(ablate.Ablate, "ablation"),
-    "frontier": Entry(frontier.Frontier, "frontier"),
     "layers": Entry(layers.Layers, "layers"),
     "serve-demo": Entry(serve_demo.ServeDemo, None),
 }

@@ -16,7 +16,7 @@ def family_settings(family: str, flags: dict | None = None, geometry=None) -> di
     """A family's settings from option flags by dest (the rest: its defaults, which may need the pair's geometry)."""
     from ..core.families import FAMILIES
 
-    return FAMILIES[family].settings_from(flags or {}, geometry)
+    return FAMILIES[family].settings_from(flags or {}, geometry, FAMILIES)
 
 
 def resolve_family(profile, direction: str, family: str | None, flags: dict, geometry=None) -> tuple[str, dict]:
