@@ -109,13 +109,13 @@ class TokenInput(LinearFamily):
         return self.base.flops_per_token(part) + tok * sum(p in self.tok_parts for p in parts)
 
     def bind(self, source, target) -> TokenInput:
-        from ...layer0 import ContextFree, NotContextFree
+        from ... import layer0
 
         super().bind(source, target)
         self.base.space = self.space
         try:
-            self.layer0 = ContextFree(target)
-        except NotContextFree as err:
+            self.layer0 = layer0.of(target)
+        except layer0.NotContextFree as err:
             raise TranslatorError(f"token input reads the target's layer 0 from the token ids: {err}") from None
         return self
 
