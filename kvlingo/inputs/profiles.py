@@ -71,7 +71,6 @@ class Profile:
         return dict(self.objective[0 if direction == "l2s" else 1])
 
 
-
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in [
