@@ -25,6 +25,18 @@ from .norm import rms_norm, rms_norm_
 from .rope import RopeCache, apply_rope, apply_rope_into, strip_rope
 from .settings import KEY_SPACES  # noqa: F401  (re-exported)
 
+# The target weights a key space reads (checkpoint names, a `model.` prefix or none): `prenorm` keys are finished
+# with the target's own k_norm of every layer (`finish_keys`); `cache` keys need no target weight.
+TARGET_WEIGHTS = {"prenorm": (r"(model\.)?layers\.\d+\.self_attn\.k_norm\.weight",), "cache": ()}
+
+
+def read_weight_names(names, key_space: str) -> list[str]:
+    """Of a checkpoint's tensor `names`, those the key space `key_space` reads of the target."""
+    import re
+
+    patterns = [re.compile(p) for p in TARGET_WEIGHTS[key_space]]
+    return sorted(n for n in names if any(p.fullmatch(n) for p in patterns))
+
 
 def k_norm_params(model) -> tuple[torch.Tensor | None, float]:
     """The model's per-layer k_norm weights [layers, head_dim] (FP32) and its epsilon; (None, 0.0) for

@@ -73,6 +73,13 @@ def flops_per_token(cfg) -> float:
     return 2.0 * cfg.hidden_size * 2 * cfg.num_key_value_heads * arch.head_dim(cfg)
 
 
+def of(model):
+    """The evaluator of `model`'s first layer from token ids: the one a model stub carries (`model.layer0`: a
+    server's, built from the checkpoint's layer-0 tensors alone, kvlingo.serve.layer0), else `ContextFree(model)`."""
+    own = getattr(model, "layer0", None)
+    return own if own is not None else ContextFree(model)
+
+
 class ContextFree:
     """The first layer of a (checked) model, evaluated from token ids."""
 

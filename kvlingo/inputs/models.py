@@ -152,16 +152,38 @@ def checkpoint_files(identity: dict[str, Any]) -> list[Path]:
 def tensor_digests(files: Sequence[Path], select) -> dict[str, str]:
     """{name: sha256} of the tensors `select(names)` picks from safetensors `files`, each hashed over its dtype,
     shape and bytes as stored (so a loader in another dtype still compares like with like)."""
+    return {name: tensor_digest(t) for name, t in read_tensors(files, select).items()}
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes as stored (what `tensor_digests` records per tensor)."""
+    t = t.contiguous()
+    h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def tensor_names(files: Sequence[Path]) -> list[str]:
+    """The tensor names safetensors `files` hold (their headers only)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return sorted(names)
+
+
+def read_tensors(files: Sequence[Path], select) -> dict[str, torch.Tensor]:
+    """{name: tensor as stored} of the tensors `select(names)` picks from safetensors `files` (the others are
+    never read: a safetensors header lists the names, and each tensor is read on its own)."""
     from safetensors import safe_open
 
     out = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in select(list(f.keys())):
-                t = f.get_tensor(name).contiguous()
-                h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:".encode())
-                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-                out[name] = h.hexdigest()
+                out[name] = f.get_tensor(name)
     return dict(sorted(out.items()))
 
 

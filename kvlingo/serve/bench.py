@@ -199,24 +199,32 @@ def random_export(
     key_space: str = "cache",
     dtype: str = "bfloat16",
     seed: int = 0,
+    refresh: str = "none",
 ) -> Path:
-    """An exported translator of `family` with random maps N(0, 0.02) for the pair of folders, without evidence
-    (the gate refuses it: a timing-only run must waive it). Kept while it reads back as these settings."""
+    """An exported translator of `family` with random maps N(0, 0.02) for the pair of folders, handing over under
+    `refresh` and recording the target tensors its handoff reads with their sha256 (`records.saved.handoff_reads`),
+    without evidence (the gate refuses it: a timing-only run must waive it). Kept while it reads back as these
+    settings."""
     import torch
 
     from ..core.translator import TranslatorError
     from ..inputs.models import resolve_pair
-    from ..records.saved import CONFIG_FILE, build, export_config, read_export, state_bytes, write_export
+    from ..records.saved import (
+        CONFIG_FILE,
+        build,
+        export_config,
+        handoff_reads,
+        read_export,
+        state_bytes,
+        write_export,
+    )
 
     out = Path(out)
     if (out / CONFIG_FILE).is_file():
         try:
             config, _, _ = read_export(out)
-            if (config.get("family"), config.get("key_space"), config.get("direction")) == (
-                family,
-                key_space,
-                direction,
-            ):
+            settings = (config.get("family"), config.get("key_space"), config.get("direction"), config.get("refresh"))
+            if settings == (family, key_space, direction, refresh) and "reads" in config:
                 return out
         except TranslatorError:  # damaged, edited or of an older format: made again
             pass
@@ -233,6 +241,7 @@ def random_export(
         "n_params": maps.n_params(),
         "stage": "random-weights",
     }
-    config = export_config(manifest, asdict(pair), {"run": "random-weights", "translator": "random"})
+    config = export_config(manifest, asdict(pair), {"run": "random-weights", "translator": "random"}, refresh)
+    config["reads"] = handoff_reads(family, refresh, config["models"]["target"], key_space)
     write_export(out, state_bytes(maps), config, None)
     return out

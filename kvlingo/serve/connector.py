@@ -15,8 +15,10 @@ Each engine gets one; the connector both saves what its engine computes (into th
   and only the rest is translated: each part of a conversation that switches back and forth is
   then translated once, from the model that computed it. Anything refused is logged with its reason
   and the request is prefilled as usual (0 matched tokens).
-- worker side (`start_load_kv`): translates those tokens (`Contract.translate`) and writes
-  them through each attention layer's own cache writer (`paged.write`) before the forward;
+- worker side (`start_load_kv`): translates those tokens with the prompt's token ids they cover
+  (`Contract.translate`: maps that read the target's token features, and the exact:0 refresh,
+  compute the target's layer 0 from them) and writes them through each attention layer's own
+  cache writer (`paged.write`) before the forward;
   after each forward (`wait_for_save`) it reads the step's K/V back (`paged.Reader`) into the
   request's store entry.
 
@@ -57,7 +59,7 @@ MODULE = __name__
 SOURCES = ("engine", "model")  # where a source cache comes from: the store, or the source model run here
 DECISIONS: list[dict[str, Any]] = []  # every load decision and timing of this process, in order (read by tests)
 _LOCK = threading.Lock()
-_CONTRACTS: dict[str, Contract] = {}  # "folder|target|allow_unproven" → contract, shared by both sides
+_CONTRACTS: dict[str, Contract] = {}  # [folder, target, allow_unproven, dtype] → contract, shared by both sides
 _SOURCE_MODELS: dict[tuple, SourceModel] = {}  # (name, dtype) → the source model run here
 
 
@@ -119,7 +121,7 @@ class Load:
     is, the rest translated from a source cache (a store entry, or the source model run here on `ids`)."""
 
     request: str
-    ids: list[int]  # the prompt's first tokens, all of them loaded
+    ids: list[int]  # the prompt's first tokens, all of them loaded (and the ids the translation reads)
     own: int | None  # store entry of this model's own exact cache (None: none is used)
     own_tokens: int  # positions taken from it
     own_exact: bool  # that entry is exact (`store.Entry.exact`)
@@ -198,10 +200,12 @@ class KvlingoConnector(KVConnectorBase_V1):
             log.warning("kvlingo connector on %s loads nothing: %s", mc.model, self.refusal)
         elif self.contract_key:
             log.info(
-                "kvlingo connector on %s translates with %s (%s, gate %s)",
+                "kvlingo connector on %s translates with %s (%s, refresh %s, reads %d target tensors, gate %s)",
                 mc.model,
                 self.export,
                 self.contract.config["family"],
+                self.contract.refresh,
+                len(self.contract.target_weights),
                 "passed" if self.contract.verdict.passed else "WAIVED",
             )
 
@@ -223,7 +227,7 @@ class KvlingoConnector(KVConnectorBase_V1):
         if self.export is None:
             return None, None  # saves, and reuses its own exact caches
         try:
-            key, contract = _contract(self.export, self.served, self.allow_unproven)
+            key, contract = _contract(self.export, self.served, self.allow_unproven, self.dtype)
         except Refused as err:
             return str(err), None
         if self.source == "model":
@@ -424,10 +428,15 @@ class KvlingoConnector(KVConnectorBase_V1):
                 cap = _source_model(contract, dtype).capture(load.ids)
                 keys, values, prenorm = cap.keys, cap.values, cap.prenorm
             else:
-                keys, values = _entry(load.source).prefix(m)
+                entry = _entry(load.source)
+                if entry.common_prefix(torch.as_tensor(load.ids, dtype=torch.long)) < m:  # the ids it translates with
+                    raise RuntimeError(f"store entry {load.source} no longer holds the prompt's first {m} tokens")
+                keys, values = entry.prefix(m)
             t1 = time.perf_counter()
             # [layers, tokens, kv_heads, head_dim] underneath: each layer's slice is the writer's input as it is
-            keys, values = contract.translate(keys, values, dtype, prenorm, load.precision, token_major=True)
+            keys, values = contract.translate(
+                keys, values, dtype, prenorm, load.precision, token_major=True, ids=load.ids
+            )
             parts.append((keys[:, :, own:], values[:, :, own:], load.slots[own:]))
         t2 = time.perf_counter()
         for keys, values, where in parts:
@@ -533,15 +542,15 @@ def _entry(key: int):
     return entry
 
 
-def _contract(folder: str, served: ServedModel, allow_unproven: bool) -> tuple[str, Contract]:
-    """(key, contract) of a translator folder for a served model, loaded once per process."""
+def _contract(folder: str, served: ServedModel, allow_unproven: bool, dtype: torch.dtype) -> tuple[str, Contract]:
+    """(key, contract) of a translator folder for a served model in the engine's `dtype`, loaded once per process."""
     import json
 
     folder = str(Path(folder).resolve())
-    key = json.dumps([folder, served.to_dict(), allow_unproven], sort_keys=True)
+    key = json.dumps([folder, served.to_dict(), allow_unproven, str(dtype)], sort_keys=True)
     with _LOCK:
         if key not in _CONTRACTS:
-            _CONTRACTS[key] = Contract.load(folder, served, allow_unproven=allow_unproven)
+            _CONTRACTS[key] = Contract.load(folder, served, allow_unproven=allow_unproven, dtype=dtype)
         return key, _CONTRACTS[key]
 
 

@@ -11,36 +11,57 @@ Checked at load, as `kvlingo.Relay.load` checks them, but without loading either
 3. the served model's tokenizer against the recorded digest (a cache is indexed by token ids);
 4. the served model against the recorded target (weights digest of a folder, or Hub id and
    revision) and its cache geometry against the translator's target side;
-5. the refresh setting the evidence was measured with: `none`, or `tail:W`, which the engine
-   serves by prefilling the last W context tokens itself; the others need the target's own
-   partial forward, which a KV connector cannot run.
+5. the refresh setting the evidence was measured with: `none`; `tail:W`, which the engine
+   serves by prefilling the last W context tokens itself; or `exact:0`, the target's own layer 0
+   computed here from the token ids. The others need the target's own partial forward, which a
+   KV connector cannot run, and are refused naming the family and the refresh;
+6. the target weights the handoff reads (the export's `reads.target_weights`: none for most
+   maps; the embedding, the first norm and layer 0's K/V projections for maps that read the
+   target's token features and for exact:0, with layer 0's key norm; every layer's key norm for
+   `prenorm` maps): only those tensors are read from the served model's safetensors, each is
+   checked against the sha256 the export recorded, and a mismatch is refused naming the tensor.
 Checked per source cache (`admit`): its model against the recorded source, its geometry and
 tokenizer digest, and that it holds what the key space reads. An engine's cache holds post-RoPE
 keys only, which serve the `cache` key space; `prenorm` maps read the source's k_proj outputs
 before k_norm, which a normed key cannot give back (each head's scale is lost), so they need the
 source model run beside the engine (`SourceModel`).
 
-The translator runs on RoPE tables and (for `prenorm`) the target's k_norm weights, built from the
-models' configs and weights files (`model_stub`), so a serving process holds no second copy of
-either model. The code here runs on the serving environment's transformers as well as the suite's.
+Each handoff (`Contract.translate`) carries the token ids the source cache covers: maps that read
+the target's token features and exact:0 compute them from those ids (kvlingo.serve.layer0). The
+translator runs on RoPE tables and the checked target tensors (`model_stub`), so a serving process
+holds no second copy of either model. The code here runs on the serving environment's transformers
+as well as the suite's.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..core import arch
 from ..core.cache import Capture
-from ..core.keyspace import KeySpace
+from ..core.families import FAMILIES
+from ..core.keyspace import TARGET_WEIGHTS, KeySpace
+from ..core.layer0 import NotContextFree
 from ..core.refresh import Refresh, RefreshError
 from ..core.rope import apply_rope_into
 from ..core.translator import Geometry, Translator, TranslatorError
 from ..errors import Refusal
-from ..inputs.models import ModelSpec, PairError, pair_specs, tokenizer_digest
+from ..inputs.models import (
+    ModelSpec,
+    PairError,
+    checkpoint_files,
+    pair_specs,
+    read_tensors,
+    tensor_digest,
+    tensor_names,
+    tokenizer_digest,
+)
 from ..records.saved import (
     CONFIG_FILE,
     Gate,
@@ -51,11 +72,16 @@ from ..records.saved import (
     read_export,
     read_manifest,
     same_model,
+    target_weight_names,
 )
+from .layer0 import Layer0, parts_of
 
 
 class Refused(Refusal):
     """A reason, in one line, to serve a request with an ordinary prefill instead of a translation."""
+
+
+SERVED_REFRESH = ("none", "tail", "exact")  # what a connector can run beside the engine's own prefill
 
 
 # --------------------------------------------------------------------------- what an engine serves
@@ -114,17 +140,26 @@ class Contract:
     folder: Path
     config: dict[str, Any]  # the export's config.json
     verdict: Verdict  # the gate's verdict on its evidence
-    translator: Translator  # bound to RoPE-only stubs of the pair (`model_stub`)
-    refresh: Refresh  # none or tail:W
+    translator: Translator  # bound to stubs of the pair (`model_stub`): RoPE tables and the checked target tensors
+    refresh: Refresh  # none, tail:W or exact:0
     target: ServedModel
     source_name: str  # the recorded source model argument (folder or id@revision)
     source_config: Any  # its transformers config
+    target_weights: tuple[str, ...] = ()  # the target tensors read and checked (checkpoint names)
+    layer0: Layer0 | None = None  # the target's layer 0 from those tensors (token-feature maps, exact:0)
 
     @classmethod
     def load(
-        cls, folder: str | Path, target: ServedModel, *, allow_unproven: bool = False, gate: Gate | None = None
+        cls,
+        folder: str | Path,
+        target: ServedModel,
+        *,
+        allow_unproven: bool = False,
+        gate: Gate | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> Contract:
-        """Accept `folder` for `target`, or raise `Refused` naming the first check that fails."""
+        """Accept `folder` for `target`, or raise `Refused` naming the first check that fails. `dtype`: the
+        engine's, in which the target's layer 0 is computed (as `kvlingo.Relay` computes it in the pair's)."""
         folder = Path(folder)
         try:
             config, evidence, why_none = read_export(folder)
@@ -161,24 +196,42 @@ class Contract:
             refresh = Refresh.parse(config.get("refresh"))
         except RefreshError as err:
             raise Refused(f"translator {folder}: {err}") from None
-        if refresh.kind not in ("none", "tail"):
+        family, key_space = manifest["family"], manifest["key_space"]
+        if family not in FAMILIES:
+            raise Refused(f"translator {folder} is of family {family!r}, which this kvlingo does not know; update it")
+        if refresh.kind not in SERVED_REFRESH:
             raise Refused(
-                f"the maps were measured with refresh {refresh}, which needs the target's own partial "
-                "forward; a KV connector can only leave the last tokens to the engine (none or tail:W)"
+                f"the {family} maps were measured with refresh {refresh}, which needs the target's own forward over "
+                "the context; a KV connector serves none, tail:W (the engine prefills the last W tokens) and exact:0 "
+                "(the target's layer 0 from the token ids): export maps measured with one of those"
             )
+        wants_layer0 = FAMILIES[family].reads_layer0 or refresh.kind == "exact"
+        tensors = checked_target_weights(folder, config, target, family, refresh, key_space)
         source_name = recorded_model(config, "source")
         try:
             source_cfg = load_config(source_name)
             source = model_stub(source_cfg)
             target_stub = model_stub(
-                load_config(target.argument), weights=target.argument if manifest["key_space"] == "prenorm" else None
+                load_config(target.argument),
+                tensors=tensors,
+                key_norms=key_space == "prenorm",
+                layer0_dtype=dtype if wants_layer0 else None,
             )
             translator = load_state(folder, manifest).bind(source, target_stub)
             translator.space = ReusingKeySpace.of(translator.space)
+        except NotContextFree as err:
+            raise Refused(
+                f"the {family} maps with refresh {refresh} read the target's layer 0 from the token ids, and "
+                f"{str(err).split(';')[0]}; serve them with a {'/'.join(arch.MODEL_TYPES)} target, or export maps "
+                "of a family that reads no token features, measured with refresh none or tail:W"
+            ) from None
         except (TranslatorError, PairError, OSError, ValueError) as err:
             raise Refused(f"translator {folder}: {err}") from None
         translator.requires_grad_(False)
-        return cls(folder, config, verdict, translator, refresh, target, source_name, source_cfg)
+        layer0 = getattr(target_stub, "layer0", None)
+        return cls(
+            folder, config, verdict, translator, refresh, target, source_name, source_cfg, tuple(tensors), layer0
+        )
 
     # ------------------------------------------------------------------ per source cache
     @property
@@ -222,6 +275,11 @@ class Contract:
         return max(0, min(available, context - tail)) // granule * granule
 
     # ------------------------------------------------------------------ the translation
+    @property
+    def reads_ids(self) -> bool:
+        """Whether a handoff reads the token ids (maps that read the target's token features, or exact:0)."""
+        return self.layer0 is not None
+
     def translate(
         self,
         keys: torch.Tensor,
@@ -230,12 +288,27 @@ class Contract:
         prenorm: torch.Tensor | None = None,
         precision: str | None = None,
         token_major: bool = False,
+        ids=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Target (keys, values) [layers, kv_heads, tokens, head_dim] of a source cache's first tokens (keys as
-        cached, post-RoPE; `prenorm` the k_proj outputs where the key space reads them). `token_major`: the
-        results are views of [layers, tokens, kv_heads, head_dim] tensors, whose per-layer slices are what an
-        engine's cache writer takes (no copy between them)."""
-        cap = Capture(keys, values, prenorm, torch.empty(0))
+        cached, post-RoPE; `prenorm` the k_proj outputs where the key space reads them; `ids` the token ids they
+        cover, which token-feature maps and exact:0 read). Under exact:0, layer 0 is the target's own from the
+        ids and the maps write layers 1.. (as `kvlingo.Relay` hands over). `token_major`: the results are views
+        of [layers, tokens, kv_heads, head_dim] tensors, whose per-layer slices are what an engine's cache
+        writer takes (no copy between them)."""
+        n = keys.shape[2]
+        if ids is not None:
+            ids = torch.as_tensor(ids, dtype=torch.long, device=keys.device).view(-1)  # [tokens]
+            if ids.numel() != n:
+                raise ValueError(f"{ids.numel()} token ids for a source cache of {n} tokens; pass the ids it covers")
+        elif self.reads_ids:
+            raise ValueError(
+                f"the {self.translator.family} maps with refresh {self.refresh} read the token ids the cache covers; "
+                "pass ids="
+            )
+        cap = Capture(keys, values, prenorm, torch.empty(0), ids)
+        if self.refresh.kind == "exact":
+            return self._with_own_layer0(cap, out_dtype, precision, token_major)
         g = self.translator.geometry
         if not token_major or type(self.translator).map_into is not Translator.map_into:
             # head-wise maps write each head's rows in one strided matmul, which needs head-major outputs
@@ -248,6 +321,34 @@ class Contract:
             for _ in "kv"
         )
         return self.translator(cap, out=(k.transpose(1, 2), v.transpose(1, 2)), precision=precision)
+
+    def _with_own_layer0(
+        self, cap: Capture, out_dtype: torch.dtype, precision: str | None, token_major: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """exact:0: layer 0 from the token ids (from the translator's own layer-0 projections where its maps read
+        them: computed once), layers 1.. translated straight into the result."""
+        g, T = self.translator.geometry, cap.n_tokens
+        L, H, d, device = g.target_layers, g.target_kv_heads, g.target_head_dim, cap.keys.device
+        if token_major:  # [layers, tokens, kv_heads, head_dim] underneath
+            k, v = (torch.empty(L, T, H, d, dtype=out_dtype, device=device).transpose(1, 2) for _ in "kv")
+        else:
+            k, v = (torch.empty(L, H, T, d, dtype=out_dtype, device=device) for _ in "kv")
+        if self.translator.reads_layer0:
+            k0, v0 = self.layer0.kv_of(*self.translator.layer0_projections(cap))
+        else:
+            k0, v0 = self.layer0.kv(cap.ids)
+        k[0].copy_(k0)  # [kv_heads, tokens, head_dim]
+        v[0].copy_(v0)
+        rest = slice(1, g.target_layers)
+        if rest.start < rest.stop:
+            if token_major and type(self.translator).map_into is not Translator.map_into:
+                # head-wise maps write each head's rows in one strided matmul, which needs head-major outputs
+                hk, hv = self.translator(cap, out_dtype, target_layers=rest, precision=precision)
+                k[rest].copy_(hk)
+                v[rest].copy_(hv)
+            else:
+                self.translator(cap, target_layers=rest, out=(k[rest], v[rest]), precision=precision)
+        return k, v
 
 
 def recorded_model(config: dict[str, Any], role: str) -> str:
@@ -305,60 +406,98 @@ class ReusingKeySpace(KeySpace):
         return buf[:n].view(shape)
 
 
-# --------------------------------------------------------------------------- RoPE-only models
+# --------------------------------------------------------------------------- the target's checked tensors
+def checked_target_weights(
+    folder: Path, config: dict[str, Any], target: ServedModel, family: str, refresh: Refresh, key_space: str
+) -> dict[str, torch.Tensor]:
+    """{checkpoint name: tensor as stored} of the target tensors the handoff reads (`reads.target_weights` of the
+    export), read from the served model's safetensors (no other tensor is read) and each checked against the
+    sha256 recorded there; {} when the handoff reads none. Refused, naming the tensor and the fix: a recorded
+    tensor the served checkpoint lacks or holds otherwise, and an export that does not record a tensor the
+    handoff reads (one of an earlier version)."""
+    recorded = (config.get("reads") or {}).get("target_weights")
+    if recorded == "all":  # a refresh that runs the target's layers (refused before this)
+        raise Refused(f"translator {folder} reads every target weight (refresh {refresh}); a KV connector cannot")
+    if not (FAMILIES[family].reads_layer0 or refresh.kind == "exact" or TARGET_WEIGHTS[key_space]):
+        return {}  # RoPE tables only: the checkpoint is not opened
+    try:
+        files = checkpoint_files(target.identity)
+        names = tensor_names(files)
+    except (PairError, OSError) as err:
+        raise Refused(f"the served model's checkpoint cannot be read: {err}") from None
+    needed = target_weight_names(names, family, refresh, key_space)
+    if not needed:
+        return {}
+    if not isinstance(recorded, dict):
+        raise Refused(
+            f"the {family} maps with refresh {refresh} read the target's {needed[0]} (and {len(needed) - 1} more "
+            f"tensors), but translator {folder} records no sha256 of them (reads.target_weights in config.json: an "
+            "export of an earlier version); export it again"
+        )
+    unrecorded = [n for n in needed if n not in recorded]
+    if unrecorded:
+        raise Refused(
+            f"translator {folder} records no sha256 of the target tensor {unrecorded[0]}, which its {family} maps "
+            f"with refresh {refresh} read; export it again"
+        )
+    absent = [n for n in recorded if n not in names]
+    if absent:
+        raise Refused(
+            f"the served model's checkpoint has no tensor {absent[0]}, which translator {folder} reads of its "
+            "target; serve the recorded target"
+        )
+    tensors = read_tensors(files, lambda found: [n for n in found if n in recorded])
+    for name, want in recorded.items():
+        got = tensor_digest(tensors[name])
+        if got != want:
+            raise Refused(
+                f"the served model's tensor {name} (sha256 {got[:12]}…) is not the one translator {folder} was "
+                f"exported against ({want[:12]}…); serve the recorded target's weights, or export maps for this one"
+            )
+    return tensors
+
+
+# --------------------------------------------------------------------------- model stubs
 class _Namespace:
     def __init__(self, **kw):
         self.__dict__.update(kw)
 
 
-def model_stub(config, weights: str | None = None):
-    """What a translator reads of a model, without its weights: `.config`, `.model.rotary_emb` (the family's
-    own rotary module, so the tables are the model's) and, with `weights` (a folder or Hub id), each layer's
-    k_norm (`.model.layers[i].self_attn.k_norm`), the only weights a `prenorm` translation applies."""
+KEY_NORM = re.compile(r"(?:model\.)?layers\.(\d+)\.self_attn\.k_norm\.weight")
+
+
+def model_stub(
+    config,
+    tensors: dict[str, torch.Tensor] | None = None,
+    key_norms: bool = False,
+    layer0_dtype: torch.dtype | None = None,
+):
+    """What a translator reads of a model, without its weights: `.config` and `.model.rotary_emb` (the family's
+    own rotary module, so the tables are the model's); from `tensors` (checked checkpoint tensors by name), with
+    `key_norms` each layer's k_norm (`.model.layers[i].self_attn.k_norm`, which `prenorm` keys are finished with),
+    and with `layer0_dtype` the model's layer 0 (`.layer0`, `kvlingo.serve.layer0.Layer0` in that dtype, where
+    `kvlingo.core.layer0.of` finds it: token features and exact:0)."""
     from transformers import AutoModelForCausalLM
 
+    tensors = tensors or {}
     with torch.device("meta"):
         shell = AutoModelForCausalLM.from_config(config)  # allocates nothing: only to find the family's modules
     rotary = type(shell.model.rotary_emb)(config=config)
-    layers = []
-    if weights is not None:
-        norms = k_norm_weights(weights, len(shell.model.layers))
-        for i, layer in enumerate(shell.model.layers):
-            norm = getattr(layer.self_attn, "k_norm", None)
-            if norm is None:
-                layers.append(_Namespace(self_attn=_Namespace()))
-                continue
-            norm = type(norm)(norms[i].shape[0], eps=norm.variance_epsilon)
+    layers = [_Namespace(self_attn=_Namespace()) for _ in shell.model.layers]
+    norm = arch.k_norm(shell.model.layers[0])
+    if key_norms and norm is not None:
+        found = {int(m.group(1)): t for name, t in tensors.items() if (m := KEY_NORM.fullmatch(name))}
+        if sorted(found) != list(range(len(layers))):
+            raise Refused(f"found k_norm weights of the target's layers {sorted(found)}, expected 0..{len(layers) - 1}")
+        for i, layer in enumerate(layers):
+            module = type(norm)(found[i].shape[0], eps=norm.variance_epsilon)
             with torch.no_grad():
-                norm.weight.copy_(norms[i])
-            layers.append(_Namespace(self_attn=_Namespace(k_norm=norm)))
-    else:
-        layers = [_Namespace(self_attn=_Namespace()) for _ in shell.model.layers]
-    return _Namespace(config=config, model=_Namespace(rotary_emb=rotary, layers=layers))
-
-
-def k_norm_weights(name: str, n_layers: int) -> dict[int, torch.Tensor]:
-    """Each layer's k_norm weight [head_dim] from a model's safetensors files (a folder or a Hub snapshot)."""
-    from safetensors import safe_open
-
-    spec = ModelSpec.parse(name)
-    folder = Path(spec.name_or_path)
-    if not spec.is_local:
-        from huggingface_hub import snapshot_download
-
-        folder = Path(
-            snapshot_download(spec.name_or_path, revision=spec.revision, allow_patterns=["*.safetensors", "*.json"])
-        )
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                parts = key.split(".")
-                if key.endswith("self_attn.k_norm.weight") and "layers" in parts:
-                    out[int(parts[parts.index("layers") + 1])] = f.get_tensor(key).float()
-    if sorted(out) != list(range(n_layers)):
-        raise Refused(f"{name}: found k_norm weights for layers {sorted(out)}, expected 0..{n_layers - 1}")
-    return out
+                module.weight.copy_(found[i].float())
+            layer.self_attn.k_norm = module
+    stub = _Namespace(config=config, model=_Namespace(rotary_emb=rotary, layers=layers))
+    if layer0_dtype is not None:
+        stub.layer0 = Layer0(config, tensors, rotary, layer0_dtype, parts_of(shell.model.layers[0]))
+    return stub
 
 
 # --------------------------------------------------------------------------- the source model, run here

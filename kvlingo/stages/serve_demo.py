@@ -4,7 +4,8 @@
                   on the CPU; at each switch the next model starts from the other's translated cache, and its
                   time to first token is timed against vLLM's own re-prefill of the same prompt
     prepare-real  random Qwen3-1.7B and 0.6B weights saved as model folders (the toy tokenizer), and a random
-                  cross-head translator exported for them (suite environment)
+                  translator exported for them (suite environment): by default the default translator's family,
+                  token input (token-w3's settings) with refresh exact:0
     real          time to first token of the 0.6B at a long context: vLLM's re-prefill against the connector
                   (translating the 1.7B engine's cache), trials interleaved
 
@@ -16,6 +17,7 @@ source caches (kvlingo/serve/store.py).
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import platform
 import sys
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 from ..core.families import FAMILIES
-from ..core.settings import PRECISIONS
+from ..core.settings import PRECISIONS, Refresh
 from ..errors import Refusal
 from ..inputs.argtypes import whole
 from ..io import atomic_write_json
@@ -94,7 +96,13 @@ def add_prepare_args(prep) -> None:
     prep.add_argument("--tokenizer", default="artifacts/toy/small", help="tokenizer saved with the models")
     prep.add_argument("--dtype", default="bfloat16", help="weights dtype")
     prep.add_argument(
-        "--family", default="crosshead", choices=sorted(FAMILIES), help="translator family of the random maps"
+        "--family", default="tokeninput", choices=sorted(FAMILIES), help="translator family of the random maps"
+    )
+    prep.add_argument(
+        "--refresh",
+        default=None,
+        help="the refresh the handoff runs under: none, tail:W or exact:0 (default: exact:0 for a family that reads "
+        "the target's layer 0, as the default translator does; none otherwise)",
     )
 
 
@@ -102,7 +110,7 @@ def add_real_args(real) -> None:
     real.add_argument("--root", default="artifacts/serve-real", help="folder prepare-real wrote")
     real.add_argument(
         "--family",
-        default="crosshead",
+        default="tokeninput",
         choices=sorted(FAMILIES),
         help="translator family of the random maps (prepare-real's)",
     )
@@ -217,10 +225,16 @@ def run_prepare_real(args) -> int:
     bench, root = serve_module("bench"), Path(args.root)
     large = bench.random_model_folder("Qwen/Qwen3-1.7B", root / "large", Path(args.tokenizer), args.dtype, seed=1)
     small = bench.random_model_folder("Qwen/Qwen3-0.6B", root / "small", Path(args.tokenizer), args.dtype, seed=2)
+    refresh = Refresh.parse(args.refresh or ("exact:0" if FAMILIES[args.family].reads_layer0 else "none"))
+    if refresh.kind not in ("none", "tail", "exact"):
+        raise Refusal(f"--refresh {refresh}: a KV connector serves none, tail:W and exact:0 only")
     export = bench.random_export(
-        large, small, root / f"export-l2s-{args.family}", "l2s", args.family, "cache", args.dtype
+        large, small, root / f"export-l2s-{args.family}", "l2s", args.family, "cache", args.dtype, refresh=str(refresh)
     )
-    print(f"random-weight pair {large}, {small}; random {args.family} maps (cache key space, no evidence) {export}")
+    print(
+        f"random-weight pair {large}, {small}; random {args.family} maps (cache key space, refresh {refresh}, "
+        f"no evidence) {export}"
+    )
     return 0
 
 
@@ -237,6 +251,9 @@ def run_real(args) -> int:
     root = Path(args.root)
     t0 = time.time()
     export = root / f"export-l2s-{args.family}"
+    if not (export / "config.json").is_file():
+        raise Refusal(f"{export} holds no exported translator: run prepare-real --family {args.family} first")
+    refresh = json.loads((export / "config.json").read_text()).get("refresh", "none")
     print(f"timing-only run: the gate is waived (--allow-unproven) for random {args.family} maps {export}")
     source = make_engine(str(root / "large"), None, args.dtype, args.tokens + 64)
     target = make_engine(str(root / "small"), str(export), args.dtype, args.tokens + 64, True, args.precision)
@@ -249,10 +266,10 @@ def run_real(args) -> int:
     saved = max(STORE.entries.values(), key=lambda e: e.n).n
     timed = real_trials(target, ids, args)
     env = provenance()
-    print_real(timed, args, source_s, saved, env)
+    print_real(timed, args, source_s, saved, env, refresh)
     out = {
         "stage": "serve-real",
-        "config": vars(args),
+        "config": {**vars(args), "refresh": refresh},
         "env": env,
         "source_prefill_s": source_s,
         "ttft_trials": timed["times"],
@@ -294,7 +311,7 @@ def real_trials(target, ids: list[int], args) -> dict:
     return {"times": times, "speed": speed, "loads": loads, "decisions": DECISIONS[mark:]}
 
 
-def print_real(timed: dict, args, source_s: float, saved: int, env: dict) -> None:
+def print_real(timed: dict, args, source_s: float, saved: int, env: dict, refresh: str) -> None:
     """The TTFT table (each path, and the connector's translate and write under it) and the speedup line."""
     bench = serve_module("bench")
     loads, speed = timed["loads"], timed["speed"]
@@ -307,7 +324,7 @@ def print_real(timed: dict, args, source_s: float, saved: int, env: dict) -> Non
     rows[2:2] = [row(f"  └ {k.removesuffix('_s')}", s) for k, s in parts.items()]
     print(
         f"\nQwen3-1.7B → 0.6B shapes (random weights, {args.dtype}), random {args.family} maps (cache key space, "
-        f"precision {args.precision or 'fp32'}), {args.tokens}-token context; the source engine "
+        f"refresh {refresh}, precision {args.precision or 'fp32'}), {args.tokens}-token context; the source engine "
         f"read it in {source_s:.1f} s and saved {saved} tokens. TTFT of the 0.6B engine, seconds:\n"
     )
     print("| path | n | median | min | max | CV |\n|---|---|---|---|---|---|")

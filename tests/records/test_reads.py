@@ -30,13 +30,13 @@ def target(tiny_pair_paths):
 
 def test_headwise_maps_without_refresh_read_no_target_weight(target):
     identity, _ = target
-    reads = handoff_reads("headwise", "none", identity)
+    reads = handoff_reads("headwise", "none", identity, "cache")
     assert reads["token_ids"] is False and reads["target_weights"] == {}
 
 
 def test_a_refresh_that_runs_the_targets_layers_reads_all_of_it(target):
     identity, _ = target
-    reads = handoff_reads("headwise", "tail:2", identity)
+    reads = handoff_reads("headwise", "tail:2", identity, "cache")
     assert reads["token_ids"] is True and reads["target_weights"] == "all"
 
 
@@ -46,7 +46,7 @@ def test_a_refresh_that_runs_the_targets_layers_reads_all_of_it(target):
 )
 def test_the_token_path_reads_the_embedding_first_norm_and_layer0_kv_with_their_hashes(target, family, refresh, norm):
     identity, stored = target
-    reads = handoff_reads(family, refresh, identity)
+    reads = handoff_reads(family, refresh, identity, "cache")
     assert reads["token_ids"] is True
     want = {
         n

@@ -3,11 +3,12 @@ run there, on transformers 5.24; the serving environment's 5.19 runs only what t
 
     .venv/bin/python tests/serve/build_fixtures.py OUT
 
-writes under OUT: the toy pair (toy/), two exported large → small translators fitted in closed form on six
-conversations (cross-head, cache and prenorm key spaces; exports/), a tokenizer folder that is not the pair's
-(other-tokenizer/), the large model's own cache of the first prompt (source-cache.safetensors), and
-fixtures.json: the prompts and, per export, Relay's greedy reply to each (the reference the engine's translated
-handoff must equal) and the small model's own greedy reply.
+writes under OUT: the toy pair (toy/), three exported large → small translators fitted in closed form on six
+conversations (exports/: cross-head maps in the cache and prenorm key spaces, and the default translator, token-w3
+with refresh exact:0, in the cache key space), a tokenizer folder that is not the pair's (other-tokenizer/), the
+large model's own cache of the first prompt (source-cache.safetensors), and fixtures.json: the prompts and, per
+export, `Relay.chat`'s greedy reply to each, as token ids (the reference the engine's translated handoff must
+equal), and the small model's own greedy reply.
 """
 
 from __future__ import annotations
@@ -46,25 +47,32 @@ def main(out: Path) -> None:
     data = out / "data" / "tiny"
     train = read_split(data, "train")[:6]
     exports = {space: export_run(out, space, large, small, train, data, space) for space in ("cache", "prenorm")}
+    # The default translator: head-wise maps plus the target's layer-0 features of each token and the two before it
+    # (the tokeninput family's defaults are token-w3's), measured with the target's exact layer 0
+    exports["tokeninput"] = export_run(
+        out, "tokeninput", large, small, train, data, "cache", family="tokeninput", refresh="exact:0"
+    )
     save_tokenizer(train_chat_tokenizer(corpus(), vocab_size=320, min_frequency=1), out / "other-tokenizer")
 
     chats = [json.loads(line) for line in (toy / "corpus" / "chats.jsonl").read_text().splitlines()]
-    prompts = sorted(
-        (p for p in (render_ids(tok, chat["input"], False) for chat in chats[:200]) if 40 <= len(p) <= 400), key=len
+    rendered = sorted(
+        (
+            r
+            for r in ((render_ids(tok, chat["input"], False), chat["input"]) for chat in chats[:200])
+            if 40 <= len(r[0]) <= 400
+        ),
+        key=lambda r: len(r[0]),
     )
-    prompts = [prompts[round(i * (len(prompts) - 1) / 3)] for i in range(4)]  # four lengths, shortest to longest
+    chosen = [rendered[round(i * (len(rendered) - 1) / 3)] for i in range(4)]  # four lengths, shortest to longest
+    prompts = [ids for ids, _ in chosen]
     stops = stop_ids(tok)
     refs, verdicts = {}, {}
     for space, folder in exports.items():
         relay = Relay.load(folder, device="cpu", dtype="float32", allow_unproven=True)
         verdicts[space] = relay.verdict.passed
-        # Relay.reply_ids on ids: the source reads all but the last token, the target reads it and decodes
-        refs[space] = [
-            greedy_generate(relay.target, ids[-1:], relay.translate(ids), max_new_tokens=MAX_NEW_TOKENS, eos_ids=stops)[
-                0
-            ]
-            for ids in prompts
-        ]
+        # Relay.chat's greedy tokens: the source reads all but the last token, the target reads it and decodes
+        refs[space] = [relay.reply_ids(messages, MAX_NEW_TOKENS)[0] for _, messages in chosen]
+        assert relay.prompt_ids(chosen[0][1]) == prompts[0]
     native = [
         greedy_generate(relay.target, ids, None, max_new_tokens=MAX_NEW_TOKENS, eos_ids=stops)[0] for ids in prompts
     ]

@@ -1,10 +1,11 @@
 """kvlingo's KV connector inside vLLM engines on the CPU (the serving environment: `make test-serve`).
 
-Three engines share this process and its store of source caches: the toy pair's large model (it saves what it
-computes), and two of the small model, one translating the large engine's saved cache (cross-head maps, cache key
-space) and one running the large model beside it (prenorm maps). The references come from the suite's own
-environment (build_fixtures.py): Relay's translated replies, the small model's own replies, the large model's
-cache. Without vLLM (the suite's `make test`) the module is skipped.
+Four engines share this process and its store of source caches: the toy pair's large model (it saves what it
+computes), and three of the small model: two translating the large engine's saved cache (cross-head maps, and the
+default translator, token-w3 with refresh exact:0, both in the cache key space) and one running the large model
+beside it (prenorm maps). The references come from the suite's own environment (build_fixtures.py): `Relay.chat`'s
+greedy replies, the small model's own replies, the large model's cache. Without vLLM (the suite's `make test`) the
+module is skipped.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ vllm = pytest.importorskip(
 import torch  # noqa: E402
 
 from kvlingo.serve import bench  # noqa: E402
-from kvlingo.serve.connector import DECISIONS, KvlingoConnector, engine_args  # noqa: E402
+from kvlingo.serve.connector import _CONTRACTS, DECISIONS, KvlingoConnector, engine_args  # noqa: E402
 from kvlingo.serve.store import STORE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +69,7 @@ def engines(fx):
         "large": engine(fx["large"]),
         "small": engine(fx["small"], fx["exports"]["cache"], allow_unproven=True),
         "small-model": engine(fx["small"], fx["exports"]["prenorm"], source="model", allow_unproven=True),
+        "small-token": engine(fx["small"], fx["exports"]["tokeninput"], allow_unproven=True),
     }
 
 
@@ -118,14 +120,17 @@ def test_own_cache_through_the_connector_reproduces_vllm_greedy_output(fx, engin
 
 
 # --------------------------------------------------------------------------- the translated handoff
-@pytest.mark.parametrize("space,engine", [("cache", "small"), ("prenorm", "small-model")])
-def test_translated_handoff_gives_relays_replies(fx, engines, space, engine):
+@pytest.mark.parametrize(
+    "export,engine", [("cache", "small"), ("prenorm", "small-model"), ("tokeninput", "small-token")]
+)
+def test_translated_handoff_gives_relay_chats_replies(fx, engines, export, engine):
     """The small engine starting from the large model's translated cache decodes, token for token, what
-    `kvlingo.Relay` decodes with the same maps: cache key space from the large engine's saved cache, prenorm maps
-    with the large model run beside the engine."""
-    for ids, ref in zip(fx["prompts"], fx["relay"][space]):
+    `kvlingo.Relay.chat` decodes with the same maps: cross-head maps in the cache key space from the large engine's
+    saved cache, prenorm maps with the large model run beside the engine, and the default translator (token-w3,
+    exact:0) from the saved cache and the prompt's token ids."""
+    for ids, ref in zip(fx["prompts"], fx["relay"][export]):
         STORE.clear()
-        if space == "cache":
+        if export != "prenorm":
             bench.first_token(engines["large"], ids)  # the source engine reads the prompt and saves its cache
         mark = len(DECISIONS)
         out = bench.greedy(engines[engine], ids, fx["max_new_tokens"], bench.NO_SAVE)
@@ -133,6 +138,28 @@ def test_translated_handoff_gives_relays_replies(fx, engines, space, engine):
         (load,) = decisions_since(mark, "event")
         assert plan["mode"] == "translated" and plan["matched"] == len(ids) - 1 and load["event"] == "loaded"
         assert until_stop(out.token_ids, fx["stop_ids"]) == ref
+
+
+def test_the_default_translator_reads_the_targets_layer0_from_its_checked_tensors(fx, engines):
+    """The engine serving the default translator runs it under exact:0 with the target's layer 0 computed from the
+    tensors its export names (embedding, first norm, layer 0's K/V projections and key norm), each checked against
+    its recorded sha256; the translated layer 0 it writes is the target's own."""
+    (contract,) = [c for c in _CONTRACTS.values() if c.folder == Path(fx["exports"]["tokeninput"]).resolve()]
+    assert str(contract.refresh) == "exact:0" and contract.layer0 is not None
+    assert set(contract.target_weights) == set(contract.config["reads"]["target_weights"])
+    assert {n.removeprefix("model.") for n in contract.target_weights} == {
+        "embed_tokens.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.self_attn.k_proj.weight",
+        "layers.0.self_attn.v_proj.weight",
+        "layers.0.self_attn.k_norm.weight",
+    }
+    ids = fx["prompts"][0][:-1]
+    keys, values = contract.translate(
+        torch.zeros(4, 2, len(ids), 32), torch.zeros(4, 2, len(ids), 32), torch.float32, ids=ids
+    )
+    own_k, own_v = contract.layer0.kv(ids)
+    assert torch.equal(keys[0], own_k) and torch.equal(values[0], own_v)
 
 
 # --------------------------------------------------------------------------- failing closed
@@ -194,18 +221,28 @@ def claim(conn, ids) -> tuple[int, bool, str]:
 
 def test_engines_the_contract_refuses_load_nothing_and_say_why(fx, engines, tmp_path):
     """An unproven translator (gate not waived), another tokenizer, another target model, a refresh a connector
-    cannot run, a config edited by hand, prefix caching on, and prenorm maps given an engine's cache: each claims
-    0 matched tokens (vLLM then prefills), with the reason logged. Maps measured with a tail refresh, and whole
+    cannot run (named with the maps' family), a target tensor other than the one the export recorded, a config
+    edited by hand, prefix caching on, and prenorm maps given an engine's cache: each claims 0 matched tokens (vLLM
+    then prefills), with the reason logged. Maps measured with a tail refresh, and whole
     blocks, leave the tail of the context to vLLM."""
     import shutil
 
     from kvlingo.records.saved import sealed
 
-    def refreshed(name: str, setting: str, seal: bool = True) -> str:
-        """The cache export with another refresh setting: exported so (sealed), or edited by hand."""
-        folder = shutil.copytree(exports["cache"], tmp_path / name)
+    def refreshed(name: str, setting: str, seal: bool = True, export: str = "cache") -> str:
+        """An export with another refresh setting: exported so (sealed), or edited by hand."""
+        folder = shutil.copytree(exports[export], tmp_path / name)
         cfg = {**json.loads((folder / "config.json").read_text()), "refresh": setting}
         (folder / "config.json").write_text(json.dumps(sealed(cfg) if seal else cfg))
+        return str(folder)
+
+    def other_tensor(name: str) -> str:
+        """The default translator's export recording another sha256 for the target's layer-0 k_proj."""
+        folder = shutil.copytree(exports["tokeninput"], tmp_path / name)
+        cfg = json.loads((folder / "config.json").read_text())
+        weights = cfg["reads"]["target_weights"]
+        weights[next(n for n in weights if n.endswith("k_proj.weight"))] = "0" * 64
+        (folder / "config.json").write_text(json.dumps(sealed(cfg)))
         return str(folder)
 
     ids = fx["prompts"][1]
@@ -221,6 +258,14 @@ def test_engines_the_contract_refuses_load_nothing_and_say_why(fx, engines, tmp_
         ),
         "target": (connector(large, exports["cache"], allow_unproven=True), "is not the translator's target"),
         "refresh": (connector(small, refreshed("layers", "layers:1"), allow_unproven=True), "refresh layers:1"),
+        "token-input refresh": (
+            connector(small, refreshed("token-layers", "layers:1", export="tokeninput"), allow_unproven=True),
+            "the tokeninput maps were measured with refresh layers:1",
+        ),
+        "target tensor": (
+            connector(small, other_tensor("other-k-proj"), allow_unproven=True),
+            "layers.0.self_attn.k_proj.weight (sha256",
+        ),
         "edited": (
             connector(small, refreshed("by-hand", "tail:5", seal=False), allow_unproven=True),
             "was edited after it was written",

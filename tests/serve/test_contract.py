@@ -1,7 +1,7 @@
 """kvlingo.serve without vLLM: the connector's contract (what it accepts, what it refuses and why), its
-translation on RoPE-only model stubs against `kvlingo.Relay`'s on the loaded pair, the source model run beside an
-engine; and serving as a leaf that nothing else imports. The engines' tests are tests/serve/test_connector.py
-(make test-serve)."""
+translation on model stubs (RoPE tables and the checked target tensors) against `kvlingo.Relay`'s on the loaded
+pair, the default translator's (token-w3, exact:0) included, the source model run beside an engine; and serving as
+a leaf that nothing else imports. The engines' tests are tests/serve/test_connector.py (make test-serve)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,22 @@ from tinypair import chat_rows, write_prepared
 
 from kvlingo import Relay
 from kvlingo.core.handoff import capture_source
+from kvlingo.core.keyspace import read_weight_names
+from kvlingo.core.layer0 import ContextFree, NotContextFree
 from kvlingo.core.refresh import Refresh
 from kvlingo.core.rope import RopeCache
 from kvlingo.inputs.data import read_split
-from kvlingo.inputs.models import load_pair, resolve_pair
+from kvlingo.inputs.models import ModelSpec, checkpoint_files, load_pair, read_tensors, resolve_pair
 from kvlingo.serve.contract import Contract, Refused, ServedModel, SourceModel, load_config, model_stub
+from kvlingo.serve.layer0 import Layer0
 
 
 @pytest.fixture(scope="module")
 def exports(tiny_pair_paths, tmp_path_factory):
     """Self-pair exports (the tiny small model on both sides, exact fits, so the gate passes honestly) in the
-    cache and prenorm key spaces, and a large → small one (cross-head, cache key space)."""
+    cache and prenorm key spaces, and large → small ones in the cache key space: cross-head, and the default
+    translator (token-w3: head-wise maps plus the target's layer-0 features of each token and the two before it,
+    measured with refresh exact:0)."""
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("serve_contract")
     large, small = tiny_pair_paths
@@ -40,6 +45,7 @@ def exports(tiny_pair_paths, tmp_path_factory):
         for space in ("cache", "prenorm")
     }
     out["l2s"] = export_run(root, "l2s", large, small, train, data, "cache")
+    out["token"] = export_run(root, "token", large, small, train, data, "cache", family="tokeninput", refresh="exact:0")
     return {**out, "root": root, "large": large, "small": small, "tok": tok}
 
 
@@ -70,7 +76,10 @@ def test_contract_translation_is_the_relays_bit_for_bit(exports, space):
 def test_model_stub_has_the_models_rope_and_key_norms(exports):
     pair = load_pair(*resolve_pair(str(exports["large"]), str(exports["small"]), "l2s", "cpu", "float32"))
     for model, path in ((pair.source, exports["large"]), (pair.target, exports["small"])):
-        stub = model_stub(load_config(str(path)), weights=str(path))
+        norms = read_tensors(
+            checkpoint_files(ModelSpec.parse(str(path)).identity()), lambda n: read_weight_names(n, "prenorm")
+        )
+        stub = model_stub(load_config(str(path)), tensors=norms, key_norms=True)
         real, mine = RopeCache(model), RopeCache(stub)
         for a, b in zip((*real(300), *real.inverse(300)), (*mine(300), *mine.inverse(300))):
             assert torch.equal(a, b)
@@ -301,3 +310,107 @@ def test_the_contract_store_and_demo_parser_load_without_vllm():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------- the default translator: token-w3, exact:0
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_input_exact0_translation_is_the_relays_bit_for_bit(exports, dtype):
+    """The default translator's handoff through the contract (the token ids passed beside the cache; the target's
+    layer 0 and token features from its checked layer-0 tensors alone) is Relay's (the loaded target's own layer 0,
+    layers 1.. translated), head-major and token-major, in FP32 and BF16."""
+    contract = Contract.load(exports["token"], served(exports["small"]), allow_unproven=True, dtype=dtype)
+    assert contract.config["family"] == "tokeninput" and contract.refresh == Refresh("exact", 0)
+    assert isinstance(contract.layer0, Layer0) and contract.translator.layer0 is contract.layer0
+    relay = Relay.load(exports["token"], device="cpu", dtype=str(dtype).removeprefix("torch."), allow_unproven=True)
+    assert relay.refresh == contract.refresh
+    ctx = prompt(exports["tok"])[:-1]
+    cap = relay.capture(ctx)
+    want = relay.translate(cap)
+    own = ContextFree(relay.target).kv(ctx)
+    assert torch.equal(want[0][0], own[0]) and torch.equal(want[1][0], own[1])  # layer 0: the target's own
+    for token_major in (False, True):
+        got = contract.translate(cap.keys, cap.values, dtype, ids=ctx, token_major=token_major)
+        assert got[0].dtype == dtype and got[0].transpose(1, 2).is_contiguous() == token_major
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="pass ids="):
+        contract.translate(cap.keys, cap.values, dtype)
+    with pytest.raises(ValueError, match="token ids for a source cache"):
+        contract.translate(cap.keys, cap.values, dtype, ids=ctx[:-1])
+
+
+def test_contract_reads_only_the_recorded_target_tensors(exports, monkeypatch):
+    """The default translator reads the target's embedding, first norm and layer 0's K/V projections and key norm:
+    the contract reads those tensors of the served checkpoint (the ones config.json records with their sha256) and
+    no other; maps of a family without token features, measured with refresh none, read none."""
+    import kvlingo.serve.contract as contract_module
+
+    read = []
+
+    def recording(files, select):
+        out = read_tensors(files, select)
+        read.extend(out)
+        return out
+
+    monkeypatch.setattr(contract_module, "read_tensors", recording)
+    contract = Contract.load(exports["token"], served(exports["small"]), allow_unproven=True)
+    recorded = contract.config["reads"]["target_weights"]
+    assert sorted(read) == sorted(recorded) == sorted(contract.target_weights)
+    assert {n.removeprefix("model.") for n in recorded} == {
+        "embed_tokens.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.self_attn.k_proj.weight",
+        "layers.0.self_attn.v_proj.weight",
+        "layers.0.self_attn.k_norm.weight",
+    }
+    read.clear()
+    plain = Contract.load(exports["l2s"], served(exports["small"]), allow_unproven=True)
+    assert read == [] and plain.target_weights == () and plain.layer0 is None
+
+
+def resealed(src: Path, dst: Path, change) -> Path:
+    """A copy of an export whose config.json `change(config)` edits, sealed again (as an export made so would be)."""
+    from kvlingo.records.saved import sealed
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    change(cfg)
+    (dst / "config.json").write_text(json.dumps(sealed(cfg)))
+    return dst
+
+
+def test_contract_refuses_a_target_tensor_that_is_not_the_recorded_one(exports, tmp_path):
+    small = served(exports["small"])
+    name = next(
+        n
+        for n in json.loads((exports["token"] / "config.json").read_text())["reads"]["target_weights"]
+        if n.endswith("k_proj.weight")
+    )
+    other = resealed(
+        exports["token"], tmp_path / "other", lambda c: c["reads"]["target_weights"].update({name: "0" * 64})
+    )
+    text = refusal(other, small, allow_unproven=True)
+    assert f"tensor {name} (sha256" in text and "serve the recorded target's weights" in text
+    earlier = resealed(exports["token"], tmp_path / "earlier", lambda c: c.pop("reads"))
+    text = refusal(earlier, small, allow_unproven=True)
+    assert "records no sha256" in text and "export it again" in text
+    fewer = resealed(exports["token"], tmp_path / "fewer", lambda c: c["reads"]["target_weights"].pop(name))
+    assert f"records no sha256 of the target tensor {name}" in refusal(fewer, small, allow_unproven=True)
+
+
+def test_contract_refuses_what_it_cannot_serve_by_family_and_refresh(exports, tmp_path, monkeypatch):
+    """A refresh that runs the target's layers, and token-feature maps whose target's first layer is not known to
+    be context-free: each refused in one line naming the family, the refresh and why."""
+    import kvlingo.serve.layer0 as serve_layer0
+
+    small = served(exports["small"])
+    layers = edited(exports["token"], tmp_path / "layers", refresh="layers:1")
+    text = refusal(layers, small, allow_unproven=True)
+    assert "the tokeninput maps were measured with refresh layers:1" in text and "exact:0" in text
+
+    def not_context_free(_config):
+        raise NotContextFree("the first layer of a 'qwen3_next' model is not known to be context-free; use layer:0")
+
+    monkeypatch.setattr(serve_layer0, "check", not_context_free)
+    text = refusal(exports["token"], small, allow_unproven=True)
+    assert "the tokeninput maps with refresh exact:0 read the target's layer 0 from the token ids" in text
+    assert "'qwen3_next'" in text and "use layer:0" not in text

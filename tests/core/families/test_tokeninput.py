@@ -185,3 +185,32 @@ def test_each_token_setting_recovers_a_planted_relation_and_is_priced(parts, lay
     base = tr.base.flops_per_token(Part.VALUES)
     assert tr.flops_per_token(Part.VALUES) == base + per_part * (Part.VALUES in tr.tok_parts)
     assert tr.flops_per_token() == tr.flops_per_token(Part.KEYS) + tr.flops_per_token(Part.VALUES)
+
+
+def test_the_shared_down_projection_is_taken_once_per_capture_and_changes_no_bit():
+    """At a rank, every layer's token term reads the same t P. Without gradients it is computed once per capture,
+    part and dtype (the engine translates a CPU's long context one layer per chunk), the same bits as per chunk;
+    new ids or changed maps compute it again; with gradients it is taken afresh (a training step's graph)."""
+    tr = TokenInput(TOKEN_GEOM, base={"family": "headwise", "settings": {}}, rank=3, window=2)
+    tr.layer0 = Table(tr.d_tok // 2)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in tr.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(4, 2, 60, 8, generator=g)
+    cap = Capture(x, x, x, torch.empty(0), torch.randint(0, 50, (60,), generator=g))
+    with torch.no_grad():
+        per_layer = torch.cat([tr.map(Part.VALUES, cap, slice(i, i + 1)) for i in range(4)])
+        (key,) = tr._down
+        tr._down.clear()
+        whole = tr.map(Part.VALUES, cap, slice(None))
+        assert torch.equal(per_layer, whole)
+        ids, version, down = tr._down[key]
+        tr._down[key] = (ids, version, torch.zeros_like(down))  # a stale entry would show: the base alone
+        assert torch.equal(tr.map(Part.VALUES, cap, slice(None)), tr.base.map(Part.VALUES, cap, slice(None)))
+        again = Capture(x, x, x, torch.empty(0), cap.ids.clone())  # other ids (equal values): computed again
+        assert torch.equal(tr.map(Part.VALUES, again, slice(None)), whole)
+        tr.tok_down.mul_(2.0)  # changed maps: computed again
+        assert not torch.equal(tr.map(Part.VALUES, again, slice(None)), whole)
+    tr.map(Part.VALUES, again, slice(None)).sum().backward()
+    assert tr.tok_down.grad is not None and tr.tok_down.grad[Part.VALUES].abs().sum() > 0

@@ -89,6 +89,7 @@ class TokenInput(LinearFamily):
             self.tok_weight = nn.Parameter(torch.zeros(2, L, self.d_tok, self.d_out))
         self.layer0 = None  # the target's exact first layer (layer0.ContextFree), bound by `bind`
         self._memo: tuple | None = None  # (ids, features) of the capture being translated
+        self._down: dict = {}  # (part, compute dtype) → (ids, tok_down version, t P): the shared down-projection
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -109,13 +110,13 @@ class TokenInput(LinearFamily):
         return self.base.flops_per_token(part) + tok * sum(p in self.tok_parts for p in parts)
 
     def bind(self, source, target) -> TokenInput:
-        from ...layer0 import ContextFree, NotContextFree
+        from ... import layer0
 
         super().bind(source, target)
         self.base.space = self.space
         try:
-            self.layer0 = ContextFree(target)
-        except NotContextFree as err:
+            self.layer0 = layer0.of(target)
+        except layer0.NotContextFree as err:
             raise TranslatorError(f"token input reads the target's layer 0 from the token ids: {err}") from None
         return self
 
@@ -144,13 +145,27 @@ class TokenInput(LinearFamily):
 
     def token_term(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
         """T_l(t) for target `layers` (within the first `n_tok_layers`): [n, heads, tokens, head_dim]."""
-        t = self.features(cap).to(self._compute)
         if self.rank:
-            y = torch.einsum("tr,nro->nto", t @ self.cast(self.tok_down)[part], self.cast(self.tok_up)[part, layers])
+            y = torch.einsum("tr,nro->nto", self.down_projection(part, cap), self.cast(self.tok_up)[part, layers])
         else:
+            t = self.features(cap).to(self._compute)
             y = torch.einsum("td,ndo->nto", t, self.cast(self.tok_weight)[part, layers])
         g = self.geometry
         return y.view(y.shape[0], y.shape[1], g.target_kv_heads, g.target_head_dim).transpose(1, 2)
+
+    def down_projection(self, part: Part, cap: Capture) -> torch.Tensor:
+        """t P of the captured ids for `part`, [tokens, rank] in the compute dtype: the input every layer's token
+        term shares. Without gradients it is computed once per capture, part and dtype, however many chunks of
+        layers the engine translates (at Qwen3-0.6B's shapes on a CPU, one layer per chunk: 27 times otherwise);
+        the same bits, as the same product is taken of the same operands."""
+        key, grad = (int(part), self._compute), torch.is_grad_enabled()
+        hit = None if grad else self._down.get(key)
+        if hit is not None and hit[0] is cap.ids and hit[1] == self.tok_down._version:
+            return hit[2]
+        y = self.features(cap).to(self._compute) @ self.cast(self.tok_down)[part]  # [tokens, rank]
+        if not grad:
+            self._down[key] = (cap.ids, self.tok_down._version, y)
+        return y
 
     def _token_layers(self, part: Part, layers: slice) -> slice | None:
         """The layers of `layers` (a slice of the target's) that get a token term, as a slice of the same run."""
