@@ -202,18 +202,18 @@ def random_export(
     refresh: str = "none",
 ) -> Path:
     """An exported translator of `family` with random maps N(0, 0.02) for the pair of folders, handing over under
-    `refresh` and recording the target tensors its handoff reads with their sha256 (`records.saved.handoff_reads`),
+    `refresh` and recording the target tensors its handoff reads with their sha256 (`inputs.reads.handoff_reads`),
     without evidence (the gate refuses it: a timing-only run must waive it). Kept while it reads back as these
     settings."""
     import torch
 
     from ..core.translator import TranslatorError
     from ..inputs.models import resolve_pair
+    from ..inputs.reads import handoff_reads
     from ..records.saved import (
         CONFIG_FILE,
         build,
         export_config,
-        handoff_reads,
         read_export,
         state_bytes,
         write_export,

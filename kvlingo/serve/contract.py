@@ -62,6 +62,7 @@ from ..inputs.models import (
     tensor_names,
     tokenizer_digest,
 )
+from ..inputs.reads import target_weight_names
 from ..records.saved import (
     CONFIG_FILE,
     Gate,
@@ -72,7 +73,6 @@ from ..records.saved import (
     read_export,
     read_manifest,
     same_model,
-    target_weight_names,
 )
 from .layer0 import Layer0, parts_of
 

@@ -60,12 +60,15 @@ class Export(Stage):
 
     def load(self) -> None:
         """The maps, their config and the evidence, each checked against the others; then the output folder."""
+        from ..inputs.reads import handoff_reads
         from ..records.paths import check_outputs, writable
         from ..records.saved import EXPORT_FILES, gather
 
         self.maps, self.config, self.evidence = gather(
             self.paths, self.args.translator, evidence=not self.args.no_evidence
         )
+        c = self.config
+        c["reads"] = handoff_reads(c["family"], c["refresh"], c["models"]["target"], c["key_space"])
         check_outputs([self.out / name for name in EXPORT_FILES], flag="--out", need_bytes=len(self.maps))
         writable(self.out, "--out")
 
