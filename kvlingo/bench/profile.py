@@ -148,18 +148,26 @@ def kernel_table(events, on_device: bool, trials: int, top: int = ProfileSetting
     }
 
 
+_warmed: set[str] = set()  # device types whose profiler has run once in this process
+
+
 def profile_calls(fn, device, trials: int, top: int = ProfileSettings.top) -> dict:
-    """`trials` calls of `fn` under torch.profiler, each ended by a device sync: `kernel_table` of them."""
+    """`trials` calls of `fn` under torch.profiler, each ended by a device sync: `kernel_table` of them. The
+    process's first profile of a device type is run once more and dropped: its first ops carry the profiler's
+    start-up (a CPU run's first einsum took 4 ms of 0.6 in a dry run's first phase)."""
     from torch.profiler import ProfilerActivity, profile
 
-    on_device = torch.device(device).type == "cuda"
+    kind = torch.device(device).type
+    on_device = kind == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     with torch.inference_mode():
-        synchronize(device)
-        with profile(activities=activities) as prof:
-            for _ in range(trials):
-                fn()
-                synchronize(device)
+        for _ in range(1 if kind in _warmed else 2):
+            synchronize(device)
+            with profile(activities=activities) as prof:
+                for _ in range(trials):
+                    fn()
+                    synchronize(device)
+        _warmed.add(kind)
     return kernel_table(prof.events(), on_device, trials, top)
 
 
