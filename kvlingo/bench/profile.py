@@ -1,6 +1,6 @@
 """Where the handoff's time goes: each phase under torch.profiler, its top kernels, and its rates against the floors.
 
-perf.py --profile looks inside the optimised handoff from an existing source cache at each context length,
+perf.py --kernels looks inside the optimised handoff from an existing source cache at each context length,
 one phase at a time, on the pair and translator it timed:
 
     translate  the translation written into the target's cache; under the default translator (token-w3 with

@@ -9,7 +9,7 @@ skipped and the table says so):
      first run also times transformers' cache and attention as shipped, whose re-prefill (eager SDPA,
      DynamicCache) every row's second speedup is taken against;
   3. the toy demo's benchmark (benchmark.py --profile demo) on CUDA, on the trained demo run carried over;
-  4. where the time goes: perf.py --profile at 8,192 and 16,384 tokens, l2s then s2l, each direction's
+  4. where the time goes: perf.py --kernels at 8,192 and 16,384 tokens, l2s then s2l, each direction's
      default handoff (token-w3 with exact:0) as perf runs it optimised (CUDA graphs on), a few trials.
 
 It writes OUT/gpu-check.md (the table, with the tests' and the toy benchmark's lines under it, then the
@@ -120,7 +120,7 @@ class GpuCheck(Stage):
         p.add_argument("--bench-results", default="results", help="where that run's CPU report is (compared, if there)")
         # the check's own subprocess: one direction's perf runs, in one process (torch and CUDA load once)
         p.add_argument("--perf-worker", choices=("l2s", "s2l"), default=None, help=argparse.SUPPRESS)
-        # ... and the profile's: perf.py --profile for each of --directions, in one process
+        # ... and the profile's: perf.py --kernels for each of --directions, in one process
         p.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)
 
     # ------------------------------------------------------------------ check
@@ -359,7 +359,7 @@ def perf_worker(direction: str, dry: bool, out: Path) -> int:
 
 
 def profile_argv(direction: str, dry: bool, out: Path) -> list[str]:
-    """perf.py --profile at PROFILE_LENGTHS, optimised as perf runs it by default, a few timed trials (the
+    """perf.py --kernels at PROFILE_LENGTHS, optimised as perf runs it by default, a few timed trials (the
     profile times and profiles each phase itself)."""
     device = (
         ["--device", "cpu", "--arch", "tiny", "--new-turn-tokens", "4", "--timing-warmups", "0"]
@@ -377,7 +377,7 @@ def profile_argv(direction: str, dry: bool, out: Path) -> list[str]:
         "--lengths",
         *map(str, DRY_LENGTHS if dry else PROFILE_LENGTHS),
         "--allow-cv",
-        "--profile",
+        "--kernels",
         "--results",
         str(out / "perf"),
         "--run",
@@ -386,7 +386,7 @@ def profile_argv(direction: str, dry: bool, out: Path) -> list[str]:
 
 
 def profile_worker(directions, dry: bool, out: Path) -> int:
-    """perf.py --profile for each direction in this process; each run writes its profile as it finishes."""
+    """perf.py --kernels for each direction in this process; each run writes its profile as it finishes."""
     from .perf import Perf
 
     status = 0

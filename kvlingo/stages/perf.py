@@ -32,7 +32,7 @@ By default one length (4,096 tokens), the two paths of the speedup, optimised: m
 that maps the pair (at its default settings) at the longest length, optimised, each against
 re-prefill (--families names others: `crosshead:key_rank=256`, `default`, ...).
 
---profile also looks inside the optimised handoff at each length (kvlingo/bench/profile.py): its phases
+--kernels also looks inside the optimised handoff at each length (kvlingo/bench/profile.py): its phases
 (the translation, with the exact layer 0 and token features of the default translator; the new turn) and
 the re-prefill, each under torch.profiler after warm-ups: the top kernels, the time per step, and the
 achieved TFLOP/s and GB/s against the floors at the device's datasheet peaks (the run's own peaks on a
@@ -181,7 +181,7 @@ class Perf(Stage):
         "--peak-tflops 0.2 --peak-gbps 20",
         ".venv/bin/python perf.py --device cpu --family crosshead --refresh tail:5%",
         ".venv/bin/python perf.py --large Qwen/Qwen3-4B --small Qwen/Qwen3-0.6B --flops-only",
-        ".venv/bin/python perf.py --device cuda --lengths 8192 16384 --profile",
+        ".venv/bin/python perf.py --device cuda --lengths 8192 16384 --kernels",
     )
     common = False
 
@@ -204,11 +204,11 @@ class Perf(Stage):
         )
         p.add_argument("--results", default="results", help="results root")
         p.add_argument(
-            "--profile",
+            "--kernels",
             action="store_true",
             help="also profile the optimised handoff's phases and the re-prefill at each length with "
             "torch.profiler (top kernels, time per step, TFLOP/s and GB/s against the floors): profile.json and "
-            "profile.md beside perf.json (not a run profile: perf always times the pilot profile's defaults)",
+            "profile.md beside perf.json",
         )
 
     # ------------------------------------------------------------------ check
@@ -219,8 +219,8 @@ class Perf(Stage):
         from ..records.paths import RunPaths
 
         args, self.t_start = self.args, time.time()
-        if args.profile and args.flops_only:
-            raise Refusal("--profile profiles timed handoffs and --flops-only times nothing; give one of them")
+        if args.kernels and args.flops_only:
+            raise Refusal("--kernels profiles timed handoffs and --flops-only times nothing; give one of them")
         device = resolve_device(args.device)
         dtype = args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
         self.large, self.small = pair_names(args)
@@ -358,7 +358,7 @@ class Perf(Stage):
                 atomic_write_text(paths.beside("profile", ".md"), profile_md),
             ):
                 files[path.name] = sha256_file(path)
-            md += f"\nWhere the time goes, kernel by kernel: {paths.beside('profile', '.md').name} (--profile).\n"
+            md += f"\nWhere the time goes, kernel by kernel: {paths.beside('profile', '.md').name} (--kernels).\n"
         n_samples = {"lengths": len(results.lengths), "trials_per_path": cfg.repeats}
         report = self._report(results, PerfResults.METRICS, n_samples, files)
         print(md[len(self.flops_md) :].lstrip("\n"))  # the FLOP table was printed before the timings
@@ -552,7 +552,7 @@ def perf_config(args, device: str, dtype: str, source: str, target: str) -> Perf
         allow_cv=args.allow_cv or (on_cpu and not args.strict_cv),
         threads=threads(),
         peaks={},  # measured once the FLOP-only path has returned
-        profile=args.profile,
+        profile=args.kernels,
     )
 
 

@@ -90,7 +90,7 @@ def test_the_dry_run_runs_every_step_into_one_table(bench_inputs, tmp_path, caps
             for phase in point["phases"].values():
                 assert phase["kernels"] and all(k["calls"] >= 1 and k["total_ms"] >= 0 for k in phase["kernels"])
                 assert phase["median_s"] > 0 and phase["tflops_per_s"] > 0 and phase["over_floor"] > 0
-        beside = (out / "perf" / f"profile-{direction}" / "profile.md").read_text()  # perf --profile's own
+        beside = (out / "perf" / f"profile-{direction}" / "profile.md").read_text()  # perf --kernels' own
         assert beside.startswith("## Where the time goes: tiny-") and "### Top kernels at 64 tokens" in beside
     assert profile.count("### Where the time goes") == 2 and profile.count("#### Top kernels at") == 4
     phase_rows = [line for line in profile.splitlines() if line.startswith(("| 32 ", "| 64 "))]
