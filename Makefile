@@ -243,7 +243,7 @@ perf: $(VENV)/.synced ## speed at real shapes, random weights: each direction's 
 
 # Needs no .venv: on a machine lent a GPU, PY=python3 with the pinned transformers beside it (gpu_check.py's header).
 GPU_CHECK_ARGS ?=
-gpu-check: ## on one CUDA GPU (PY=python3 there): the GPU tests, perf at 4k/8k/16k both directions (deferred values, CUDA graphs on/off), the toy benchmark → results/gpu-check/gpu-check.md (GPU_CHECK_ARGS=--dry-run: on the CPU)
+gpu-check: ## on one CUDA GPU (PY=python3 there): the GPU tests, perf at 4k/8k/16k both directions (deferred values, CUDA graphs on/off), the toy benchmark, a torch.profiler breakdown of the handoff at 8k/16k → results/gpu-check/gpu-check.md (GPU_CHECK_ARGS=--dry-run: on the CPU)
 	HF_HUB_OFFLINE=1 $(PY) gpu_check.py $(GPU_CHECK_ARGS)
 
 recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL, 3 seeds → results/RUN/recipe.{json,md,png} (RECIPE_ARGS=--resume, RECIPE_LAUNCHER=slurm)

@@ -117,6 +117,18 @@ def forward_flops(model, q_tokens: int, cached_tokens: int) -> float:
     return 2.0 * dense * q_tokens + attention + lm_head
 
 
+def layer0_work(target, n: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(FLOPs, bytes) of the target's exact layer 0 over n context tokens (the exact:0 refresh; a token-input
+    translator's features are the same projections, computed once): k_proj and v_proj of each token
+    (`layer0.flops_per_token`), reading its embedding row and the two projections. The K/V it writes are
+    counted with the cache the translation writes; norms, RoPE and the FP32 features are not counted."""
+    from ..core.layer0 import flops_per_token
+
+    c, attn = target.config, target.model.layers[0].self_attn
+    rows = n * c.hidden_size * _element_size(dtype)
+    return flops_per_token(c) * n, rows + _bytes((attn.k_proj.weight, attn.v_proj.weight))
+
+
 def step_floor(flops: float, nbytes: float, peaks: Peaks) -> dict:
     compute, memory = flops / peaks.flops_per_s, nbytes / peaks.bytes_per_s
     return {

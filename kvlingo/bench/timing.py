@@ -404,6 +404,30 @@ class HandoffPaths:
             raise self._not_set_up(name)
         return getattr(self, name)
 
+    def stage(self, name: str, eager: bool = False) -> Callable[[], object]:
+        """One step alone, as the trials run it (its CUDA graph where one was captured; `eager`: never): a
+        piece of the optimised existing-source handoff, `translate` (into the reserved cache) or `new_turn`
+        (on that cache as the last translation left it), or a path that is one step (`target_reprefill`,
+        `source_prefill_handoff`, `target_cache_continue`)."""
+        if name in PATHS and name != "source_cache_handoff":
+            self.path(name)  # refuses a path outside `need`
+            fn = lambda: self._eager(name)  # noqa: E731
+        elif name in ("translate", "new_turn"):
+            if not self.optimised or self.assembles:
+                raise ValueError(
+                    f"stage {name!r} runs alone only in the optimised mode under no refresh but exact:0 (here: "
+                    f"{self.mode}, refresh {self.refresh}); the handoff's stages then share one call"
+                )
+            self._reserved("handoff_cache", "source_cache_handoff")
+            if name == "translate":
+                fn = lambda: self._translate_into_cache(self.source_capture)  # noqa: E731
+            else:
+                fn = lambda: self._new_turn(self.handoff_cache)  # noqa: E731
+        else:
+            one_step = [p for p in PATHS if p != "source_cache_handoff"]
+            raise ValueError(f"unknown stage {name!r}; choose from translate, new_turn or one of {one_step}")
+        return fn if eager else self._steps.get(name, fn)
+
 
 def defer_values_here(
     translator: Translator, device, refresh=None, wanted: bool | None = None, target=None, n: int = 4096, k: int = 16

@@ -8,12 +8,23 @@ skipped and the table says so):
      family (the pilot profile's), optimised: deferred values off and on, CUDA graphs on and off; the
      first run also times transformers' cache and attention as shipped, whose re-prefill (eager SDPA,
      DynamicCache) every row's second speedup is taken against;
-  3. the toy demo's benchmark (benchmark.py --profile demo) on CUDA, on the trained demo run carried over.
+  3. the toy demo's benchmark (benchmark.py --profile demo) on CUDA, on the trained demo run carried over;
+  4. where the time goes: perf.py --kernels at 8,192 and 16,384 tokens, l2s then s2l, each direction's
+     default handoff (token-w3 with exact:0) as perf runs it optimised (CUDA graphs on), a few trials.
 
-It writes OUT/gpu-check.md (the table, with the tests' and the toy benchmark's lines under it),
-OUT/gpu-check.json (every row with its raw trials) and each perf run's own report under OUT/perf/.
+It writes OUT/gpu-check.md (the table, with the tests' and the toy benchmark's lines under it, then the
+profile section), OUT/gpu-check.json (every row with its raw trials, and the profiles) and each perf
+run's own report under OUT/perf/ (the profiled runs' in OUT/perf/profile-DIRECTION/, with their
+profile.json and profile.md). The profile section holds, per direction and length, each phase of the
+handoff (the translation, including the exact layer 0 and the token features of the default
+translator; the new turn) and the re-prefill, each timed and profiled after warm-ups with device syncs
+(kvlingo/bench/profile.py): the time per step, the device's busy time, the achieved TFLOP/s and GB/s
+against the floors at the GPU's datasheet peaks (H100 and H200 variants; any other device: the perf
+run's measured peaks, marked unknown device), and each phase's top kernels by self device time (name,
+calls, total ms, share).
 `--dry-run` runs the same steps on the CPU with the 2-layer stand-in pair at tiny lengths (and the
-toy benchmark on a few conversations): everything but the device (tests/stages/test_gpu_check.py runs it).
+toy benchmark on a few conversations; the profile's kernels are the CPU's aten ops): everything but
+the device (tests/stages/test_gpu_check.py runs it).
 
 It runs with plain `python3` and the packages beside it (no .venv): torch with CUDA, transformers as
 pinned in pyproject.toml, tokenizers, safetensors, numpy, tqdm, matplotlib and pytest; it names
@@ -33,7 +44,9 @@ results/gpu-check, but make would read $OUT as its own variable):
         carry=[".whl", "artifacts/toy", "data/demo", "artifacts/demo-l2s", "results/demo-l2s"], timeout_s=540)
 
 and the table is $OUT/gpu-check/gpu-check.md. The steps' caps add up to more than the budget; the
-budget (460 s by default) keeps the whole call inside the timeout with a minute to spare.
+budget (460 s by default) keeps the whole call inside the timeout with a minute to spare. The first
+three steps took 275 s on an H200 (docs/results.md); the profile goes last, so a budget run short
+skips it (the table says so) rather than a step before it.
 """
 
 from __future__ import annotations
@@ -53,10 +66,12 @@ from .skeleton import Stage
 ROOT = Path(__file__).resolve().parents[2]  # the repository: gpu_check.py, perf.py, benchmark.py, tests/
 LENGTHS = (4096, 8192, 16384)
 DRY_LENGTHS = (32, 64)
+PROFILE_LENGTHS = (8192, 16384)  # where the handoff's time goes (a dry run: DRY_LENGTHS)
 # (deferred values, CUDA graphs) per perf run; the first also times the shipped mode (the eager SDPA baseline)
 CONFIGS = (("off", True), ("on", True), ("off", False), ("on", False))
 REQUIRED = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "tqdm", "matplotlib", "pytest")
-STEP_SECONDS = {"tests": 150, "perf-l2s": 150, "perf-s2l": 210, "benchmark": 150}  # each step's own cap on a GPU
+# each step's own cap on a GPU
+STEP_SECONDS = {"tests": 150, "perf-l2s": 150, "perf-s2l": 210, "benchmark": 150, "profile": 150}
 DRY_FACTOR = 4  # a dry run's caps: a shared CPU spends most of them importing torch and transformers
 
 
@@ -87,7 +102,11 @@ class GpuCheck(Stage):
             help="no step runs past this many seconds from the start (default 460; a dry run 1800)",
         )
         p.add_argument(
-            "--skip", nargs="+", default=[], choices=("tests", "perf", "benchmark"), help="steps to leave out"
+            "--skip",
+            nargs="+",
+            default=[],
+            choices=("tests", "perf", "benchmark", "profile"),
+            help="steps to leave out",
         )
         p.add_argument(
             "--directions", nargs="+", default=["l2s", "s2l"], choices=("l2s", "s2l"), help="perf's directions"
@@ -101,19 +120,21 @@ class GpuCheck(Stage):
         p.add_argument("--bench-results", default="results", help="where that run's CPU report is (compared, if there)")
         # the check's own subprocess: one direction's perf runs, in one process (torch and CUDA load once)
         p.add_argument("--perf-worker", choices=("l2s", "s2l"), default=None, help=argparse.SUPPRESS)
+        # ... and the profile's: perf.py --kernels for each of --directions, in one process
+        p.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)
 
     # ------------------------------------------------------------------ check
     def check(self) -> None:
         """Every package missing or too old and every benchmark input missing, named before anything runs."""
         self.t0, self.out = time.time(), Path(self.args.out)
-        if self.args.perf_worker:
+        if self.args.perf_worker or self.args.profile_worker:
             return
         problems = missing_packages(need_cuda=not self.args.dry_run) + missing_inputs(self.args)
         if problems:
             raise Refusal("not ready:\n  " + "\n  ".join(problems))
 
     def load(self) -> None:
-        if self.args.perf_worker:
+        if self.args.perf_worker or self.args.profile_worker:
             return
         import torch
 
@@ -129,6 +150,8 @@ class GpuCheck(Stage):
         args, out = self.args, self.out
         if args.perf_worker:
             return perf_worker(args.perf_worker, args.dry_run, out)
+        if args.profile_worker:
+            return profile_worker(args.directions, args.dry_run, out)
         out.mkdir(parents=True, exist_ok=True)
         deadline = self.t0 + (args.budget_s or (1800.0 if args.dry_run else 460.0))
         factor = DRY_FACTOR if args.dry_run else 1.0
@@ -141,14 +164,15 @@ class GpuCheck(Stage):
         from ..io import atomic_write_json, atomic_write_text
 
         args, out = self.args, self.out
-        if args.perf_worker:
+        if args.perf_worker or args.profile_worker:
             return steps
         rows = perf_rows(out, args.directions, args.dry_run) if "perf" not in args.skip else []
+        profiles = profile_reports(out, args.directions) if "profile" not in args.skip else {}
         notes = [
             f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {self.env_line}; {time.time() - self.t0:.0f} s in all.",
             *step_notes(steps, out, args),
         ]
-        md = markdown(rows, notes, args.dry_run)
+        md = markdown(rows, notes, args.dry_run) + profile_section(profiles)
         atomic_write_json(
             out / "gpu-check.json",
             {
@@ -156,6 +180,7 @@ class GpuCheck(Stage):
                 "dry_run": args.dry_run,
                 "steps": steps,
                 "rows": rows,
+                "profile": profiles,
                 "seconds": time.time() - self.t0,
             },
         )
@@ -235,6 +260,10 @@ def step_commands(args, out: Path) -> list[tuple[str, list[str], str]]:
             steps.append((f"perf-{d}", worker, f"perf-{d}.log"))
     if "benchmark" not in args.skip:
         steps.append(("benchmark", benchmark_argv(args, out, py), "benchmark.log"))
+    if "profile" not in args.skip:  # last: a budget run short skips it, not the table's steps before it
+        dry = ["--dry-run"] if args.dry_run else []
+        worker = [py, str(ROOT / "gpu_check.py"), "--profile-worker", "--directions", *args.directions]
+        steps.append(("profile", [*worker, "--out", str(out), *dry], "profile.log"))
     return steps
 
 
@@ -317,6 +346,52 @@ def perf_worker(direction: str, dry: bool, out: Path) -> int:
     status = 0
     for i, (defer, graphs) in enumerate(CONFIGS):
         argv = perf_argv(direction, defer, graphs, i == 0, dry, out)
+        print(f"gpu-check: perf.py {' '.join(argv)}", flush=True)
+        try:
+            Perf.main(argv)
+        except SystemExit as e:
+            status = status or (e.code if isinstance(e.code, int) else 1)
+        if not dry:
+            import torch
+
+            torch.cuda.empty_cache()
+    return status
+
+
+def profile_argv(direction: str, dry: bool, out: Path) -> list[str]:
+    """perf.py --kernels at PROFILE_LENGTHS, optimised as perf runs it by default, a few timed trials (the
+    profile times and profiles each phase itself)."""
+    device = (
+        ["--device", "cpu", "--arch", "tiny", "--new-turn-tokens", "4", "--timing-warmups", "0"]
+        if dry
+        else ["--device", "cuda"]
+    )
+    return [
+        *device,
+        "--timing-repeats",
+        "2" if dry else "5",
+        "--max-repeats",
+        "2" if dry else "5",
+        "--direction",
+        direction,
+        "--lengths",
+        *map(str, DRY_LENGTHS if dry else PROFILE_LENGTHS),
+        "--allow-cv",
+        "--kernels",
+        "--results",
+        str(out / "perf"),
+        "--run",
+        f"profile-{direction}",
+    ]
+
+
+def profile_worker(directions, dry: bool, out: Path) -> int:
+    """perf.py --kernels for each direction in this process; each run writes its profile as it finishes."""
+    from .perf import Perf
+
+    status = 0
+    for direction in directions:
+        argv = profile_argv(direction, dry, out)
         print(f"gpu-check: perf.py {' '.join(argv)}", flush=True)
         try:
             Perf.main(argv)
@@ -519,6 +594,24 @@ def step_notes(steps: list[dict], out: Path, args) -> list[str]:
         for s in steps
         if s["status"] != "passed" and s["step"] != "benchmark"
     ]
+
+
+def profile_reports(out: Path, directions) -> dict[str, dict | None]:
+    """Each direction's profile.json (None where the step left none)."""
+    paths = {d: out / "perf" / f"profile-{d}" / "profile.json" for d in directions}
+    return {d: json.loads(path.read_text()) if path.is_file() else None for d, path in paths.items()}
+
+
+def profile_section(profiles: dict[str, dict | None]) -> str:
+    """Where the time goes, per direction (kvlingo/bench/profile.py's tables); empty when the step was skipped."""
+    if not profiles:
+        return ""
+    from ..bench.profile import markdown as profile_markdown
+
+    return "\n" + "\n".join(
+        profile_markdown(report, level="###") if report else f"### Where the time goes ({d}): no profile\n"
+        for d, report in profiles.items()
+    )
 
 
 def markdown(rows: list[dict], notes: list[str], dry: bool) -> str:

@@ -32,6 +32,12 @@ By default one length (4,096 tokens), the two paths of the speedup, optimised: m
 that maps the pair (at its default settings) at the longest length, optimised, each against
 re-prefill (--families names others: `crosshead:key_rank=256`, `default`, ...).
 
+--kernels also looks inside the optimised handoff at each length (kvlingo/bench/profile.py): its phases
+(the translation, with the exact layer 0 and token features of the default translator; the new turn) and
+the re-prefill, each under torch.profiler after warm-ups: the top kernels, the time per step, and the
+achieved TFLOP/s and GB/s against the floors at the device's datasheet peaks (the run's own peaks on a
+device the datasheet table does not name); written to profile.json and profile.md beside perf.json.
+
 Writes RESULTS/RUN/perf.json (default run "perf", "perf-s2l" for s2l), perf.md (the tables, also
 printed) and perf.png; --flops-only writes perf-flops.json and .md instead. On a CPU the CV flags
 are reported without failing the run unless --strict-cv.
@@ -129,6 +135,7 @@ class PerfConfig:
     allow_cv: bool  # flagged timings do not fail the run
     threads: int  # torch intra-op threads
     peaks: dict  # device peaks the physical limit assumes: FLOP/s, bytes/s, where they come from, and the probe's
+    profile: bool  # also profile the optimised handoff's phases per length (profile.json and profile.md)
 
 
 @dataclass
@@ -174,6 +181,7 @@ class Perf(Stage):
         "--peak-tflops 0.2 --peak-gbps 20",
         ".venv/bin/python perf.py --device cpu --family crosshead --refresh tail:5%",
         ".venv/bin/python perf.py --large Qwen/Qwen3-4B --small Qwen/Qwen3-0.6B --flops-only",
+        ".venv/bin/python perf.py --device cuda --lengths 8192 16384 --kernels",
     )
     common = False
 
@@ -195,6 +203,13 @@ class Perf(Stage):
             "--run", default=None, help="results go to RESULTS/RUN/ (default perf; perf-s2l for --direction s2l)"
         )
         p.add_argument("--results", default="results", help="results root")
+        p.add_argument(
+            "--kernels",
+            action="store_true",
+            help="also profile the optimised handoff's phases and the re-prefill at each length with "
+            "torch.profiler (top kernels, time per step, TFLOP/s and GB/s against the floors): profile.json and "
+            "profile.md beside perf.json",
+        )
 
     # ------------------------------------------------------------------ check
     def check(self) -> None:
@@ -204,6 +219,8 @@ class Perf(Stage):
         from ..records.paths import RunPaths
 
         args, self.t_start = self.args, time.time()
+        if args.kernels and args.flops_only:
+            raise Refusal("--kernels profiles timed handoffs and --flops-only times nothing; give one of them")
         device = resolve_device(args.device)
         dtype = args.dtype if args.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
         self.large, self.small = pair_names(args)
@@ -286,12 +303,13 @@ class Perf(Stage):
             )
             for n in tqdm(cfg.lengths, desc="lengths", file=sys.stderr)
         ]
-        del self.translator
         family_points = time_families(pair, cfg, cfg.families, trials, options, peaks)
         # measured peaks never stay below a rate this run's own steps reached (given ones are kept as given)
         peaks = raise_to_reached(
             self.probe, reached(points + family_points), flops=not args.peak_tflops, memory=not args.peak_gbps
         )
+        self.kernel_profile = profile_lengths(pair, self.translator, cfg, options, peaks) if cfg.profile else None
+        del self.translator
         for point in points + family_points:
             set_limit(point, peaks)
         self.cfg = cfg = replace(cfg, peaks={**asdict(peaks), "probe": asdict(self.probe)})
@@ -329,9 +347,23 @@ class Perf(Stage):
         plot = paths.beside("perf", ".png")
         title = f"{cfg.source} → {cfg.target}, {cfg.dtype}, {cfg.device}"
         atomic_write_bytes(plot, perf_plot(results.lengths, cfg.modes, title))
+        files = {plot.name: sha256_file(plot)}
+        if self.kernel_profile is not None:  # beside the report, before it (the report holds their hashes)
+            from ..bench.profile import markdown as profile_markdown
+            from ..io import atomic_write_json, atomic_write_text
+
+            profile_md = profile_markdown(self.kernel_profile)
+            for path in (
+                atomic_write_json(paths.beside("profile", ".json"), self.kernel_profile),
+                atomic_write_text(paths.beside("profile", ".md"), profile_md),
+            ):
+                files[path.name] = sha256_file(path)
+            md += f"\nWhere the time goes, kernel by kernel: {paths.beside('profile', '.md').name} (--kernels).\n"
         n_samples = {"lengths": len(results.lengths), "trials_per_path": cfg.repeats}
-        report = self._report(results, PerfResults.METRICS, n_samples, {plot.name: sha256_file(plot)})
+        report = self._report(results, PerfResults.METRICS, n_samples, files)
         print(md[len(self.flops_md) :].lstrip("\n"))  # the FLOP table was printed before the timings
+        if self.kernel_profile is not None:
+            print("\n" + profile_md)
         publish(report, paths.report("perf"), None, md, echo=False, checks=results.checks)
         print(f"wrote {paths.report('perf')}")
 
@@ -520,6 +552,7 @@ def perf_config(args, device: str, dtype: str, source: str, target: str) -> Perf
         allow_cv=args.allow_cv or (on_cpu and not args.strict_cv),
         threads=threads(),
         peaks={},  # measured once the FLOP-only path has returned
+        profile=args.kernels,
     )
 
 
@@ -551,6 +584,25 @@ def probe_peaks(args, device: str, dtype: str):
         args.peak_gbps * 1e9 if args.peak_gbps else got.bytes_per_s,
         got.source + (" (partly given)" if args.peak_tflops or args.peak_gbps else ""),
     )
+
+
+def profile_lengths(pair, translator, cfg: PerfConfig, options: timing.PathOptions, peaks: Peaks) -> dict:
+    """profile.json's content: every length's optimised handoff profiled (kvlingo.bench.profile), its floors at
+    the device's datasheet peaks, or at this run's `peaks` on a device the datasheet table does not name."""
+    from tqdm import tqdm
+
+    from ..bench import profile
+
+    name = profile.device_name(cfg.device)
+    floors, datasheet = profile.floors_peaks(name, cfg.dtype, peaks)
+    settings = profile.ProfileSettings()
+    points = [
+        profile.profile_at_length(
+            pair.source, pair.target, translator, n, cfg.new_turn_tokens, options, floors, settings
+        )
+        for n in tqdm(cfg.lengths, desc="profile", file=sys.stderr)
+    ]
+    return profile.profile_report(cfg, name, floors, datasheet, settings, points)
 
 
 def flops_only_results(ceilings: list[dict], cv_limit: float) -> PerfResults:

@@ -54,6 +54,24 @@ def test_forward_flops_match_torch_flop_counter(models):
     assert floor["floor_s"] == 1e-2 and floor["bound"] == "memory"
 
 
+def test_exact_layer0_flops_match_torch_flop_counter(models):
+    """`roofline.layer0_work`'s FLOPs are torch's count of the target's layer 0 from the token ids
+    (`layer0.ContextFree.kv`: k_proj and v_proj, norms and RoPE uncounted by both); its bytes read each token's
+    embedding row once and the two projections."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from kvlingo.bench.roofline import layer0_work
+    from kvlingo.core.layer0 import ContextFree
+
+    model = models["small", torch.float32]
+    c, attn = model.config, model.model.layers[0].self_attn
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        ContextFree(model).kv(random_ids(13, c.vocab_size)[0])
+    flops, nbytes = layer0_work(model, 13, torch.float32)
+    assert flops == counter.get_total_flops() > 0
+    assert nbytes == 4 * (13 * c.hidden_size + attn.k_proj.weight.numel() + attn.v_proj.weight.numel())
+
+
 def test_measured_peaks_are_raised_to_the_rates_the_timed_steps_reached():
     """A step that did F FLOPs and moved B bytes in t s shows the device reaches F / t and B / t: a measured peak
     below either is raised to it (naming the step), so every floor is at most its step's time; peaks already higher,

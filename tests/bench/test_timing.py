@@ -43,6 +43,32 @@ def test_timing_modes_agree_with_transformers(models):
         assert (out["optimised"][name] - out["shipped"][name]).abs().max().item() <= 1e-5
 
 
+def test_a_stage_alone_gives_the_handoffs_logits_and_refuses_what_cannot_run_alone(models):
+    """`HandoffPaths.stage`: the optimised handoff's translate then new_turn, called apart, end at the logits of
+    the whole handoff; a path that is one step is that path; the shipped mode's pieces, a path outside `need` and
+    an unknown name are refused by name."""
+    source, target = models["large", torch.float32], models["small", torch.float32]
+    ids = random_ids(30, target.config.vocab_size, 9)
+    maps = random_maps(source, target, 3)
+    paths = timing.HandoffPaths(
+        source, target, maps, ids[:, :26], ids[:, 26:], need=("target_reprefill", "source_cache_handoff")
+    )
+    with torch.inference_mode():
+        whole = paths.source_cache_handoff().clone()
+        paths.stage("translate")()
+        assert torch.equal(paths.stage("new_turn")(), whole) and torch.equal(
+            paths.stage("new_turn", eager=True)(), whole
+        )
+        assert torch.equal(paths.stage("target_reprefill")(), paths.target_reprefill())
+    with pytest.raises(ValueError, match="not in `need`"):
+        paths.stage("target_cache_continue")
+    with pytest.raises(ValueError, match="unknown stage 'build_cache'"):
+        paths.stage("build_cache")
+    shipped = timing.HandoffPaths(source, target, maps, ids[:, :26], ids[:, 26:], timing.PathOptions("shipped"))
+    with pytest.raises(ValueError, match="runs alone only in the optimised mode"):
+        shipped.stage("new_turn")
+
+
 def test_adaptive_trials_stop_at_the_cv_limit_or_the_cap(monkeypatch):
     clock = {"t": 0.0}
     monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["t"])

@@ -1,6 +1,7 @@
 """The GPU check's dry run on the CPU: every step the GPU machine runs (the GPU tests, perf in both directions with
-deferred values and CUDA graphs on and off, the benchmark), on the 2-layer stand-in and the tiny pair, into one
-table; and its refusals before anything runs."""
+deferred values and CUDA graphs on and off, the benchmark, the profile of where the handoff's time goes), on the
+2-layer stand-in and the tiny pair, into one table and its profile section; and its refusals before anything
+runs."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_the_dry_run_runs_every_step_into_one_table(bench_inputs, tmp_path, caps
     printed = capsys.readouterr().out
     report = json.loads((out / "gpu-check.json").read_text())
     assert status == 0, [(s["step"], s["status"], s.get("tail", "")[-600:]) for s in report["steps"]]
-    assert [s["step"] for s in report["steps"]] == ["tests", "perf-l2s", "perf-s2l", "benchmark"]
+    assert [s["step"] for s in report["steps"]] == ["tests", "perf-l2s", "perf-s2l", "benchmark", "profile"]
     rows = report["rows"]
     # per direction and length: the shipped re-prefill, then the optimised handoff with values deferred or
     # translated, CUDA graphs asked for or not (a CPU has none to replay)
@@ -62,16 +63,40 @@ def test_the_dry_run_runs_every_step_into_one_table(bench_inputs, tmp_path, caps
     assert {(r["direction"], r["context"]) for r in rows} == {(d, n) for d in ("l2s", "s2l") for n in (32, 64)}
     optimised = [r for r in rows if r["mode"] == "optimised"]
     assert {r["deferred"] for r in optimised} == {True, False} and not any(r["graphed"] for r in rows)
-    assert {r["family"] for r in rows} == {"crosshead", "crosslayer"}  # the pilot profile's defaults
+    assert {r["family"] for r in rows} == {"tokeninput"}  # the pilot profile's default (token-w3), both directions
     for r in rows:
         assert r["vs_eager"] > 0 and r["vs_eager_interval"][0] <= r["vs_eager"] <= r["vs_eager_interval"][1]
         assert len(r["handoff_trials_s"]) >= 2 and r["limit"] > 0
     md = (out / "gpu-check.md").read_text()
-    table = [line for line in md.splitlines() if line.startswith("|")]
+    head, profile = md.split("\n### Where the time goes", 1)  # the table and its notes, then the profile section
+    table = [line for line in head.splitlines() if line.startswith("|")]
     assert len(table) == 2 + len(rows) and "vs eager SDPA re-prefill" in table[0]
     assert "GPU tests (pytest -m gpu" in md and "skipped" in md  # no GPU here: every one skips
     assert "toy demo benchmark (KL/token): closed_form" in md and "(passed)" in md
     assert md in printed and (out / "perf" / "s2l-defer-on-graphs-off" / "perf.json").is_file()
+    # the profile: per direction and length, each phase of the handoff and the re-prefill with its CPU kernels
+    profile = "### Where the time goes" + profile
+    for direction in ("l2s", "s2l"):
+        got = report["profile"][direction]
+        assert got["peaks"]["source"].startswith("unknown device (cpu") and not got["peaks"]["datasheet"]
+        assert got["translator"] == {
+            "family": "tokeninput",
+            "settings": got["translator"]["settings"],
+            "refresh": "exact:0",
+        }
+        assert [p["context_tokens"] for p in got["lengths"]] == [32, 64]
+        for point in got["lengths"]:
+            assert list(point["phases"]) == ["translate", "new_turn", "reprefill"]
+            for phase in point["phases"].values():
+                assert phase["kernels"] and all(k["calls"] >= 1 and k["total_ms"] >= 0 for k in phase["kernels"])
+                assert phase["median_s"] > 0 and phase["tflops_per_s"] > 0 and phase["over_floor"] > 0
+        beside = (out / "perf" / f"profile-{direction}" / "profile.md").read_text()  # perf --kernels' own
+        assert beside.startswith("## Where the time goes: tiny-") and "### Top kernels at 64 tokens" in beside
+    assert profile.count("### Where the time goes") == 2 and profile.count("#### Top kernels at") == 4
+    phase_rows = [line for line in profile.splitlines() if line.startswith(("| 32 ", "| 64 "))]
+    kernel_rows = [line for line in profile.splitlines() if line.startswith("| ") and "aten::" in line]
+    assert len(phase_rows) == 2 * 2 * 3 and len(kernel_rows) >= 2 * 2 * 3  # directions × lengths × phases
+    assert {line.split("|")[1].strip() for line in kernel_rows} == {"translate", "new_turn", "reprefill"}
 
 
 def test_it_names_what_is_missing_before_running_anything(tmp_path, capsys, monkeypatch):

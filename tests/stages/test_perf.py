@@ -467,3 +467,30 @@ def test_perf_timing_switches_reach_the_report(tmp_path, capsys):
     assert cfg["max_repeats"] == 3 and cfg["defer_values"] == "off" and cfg["cuda_graphs"] is False
     assert row["deferred_values"] is False and not cfg["allow_cv"]
     assert all(2 <= s["n"] <= 3 for s in row["paths"].values())  # a CV of 0 is never met: the cap ends the trials
+
+
+def test_perf_profile_writes_its_tables_beside_the_report_and_refuses_flops_only(tmp_path, capsys):
+    """--kernels: profile.json and profile.md beside perf.json, both hashed in its `files`, one point per length
+    with the handoff's phases and the re-prefill, on a CPU at the run's own peaks ("unknown device"); with
+    --flops-only (nothing timed) it is refused before anything is written."""
+    import perf
+    from kvlingo.io import sha256_file
+
+    tiny = ["--arch", "tiny", "--device", "cpu", "--new-turn-tokens", "4", "--results", str(tmp_path)]
+    argv = [*tiny, "--lengths", "16", "24", "--timing-repeats", "2", "--timing-warmups", "0", "--max-repeats", "2"]
+    perf.main([*argv, "--kernels"])
+    printed = capsys.readouterr().out
+    res = tmp_path / "perf"
+    report, got = (json.loads((res / name).read_text()) for name in ("perf.json", "profile.json"))
+    assert report["config"]["profile"] is True
+    for name in ("profile.json", "profile.md"):
+        assert report["files"][name] == sha256_file(res / name)
+    assert got["device"] == "cpu" and got["peaks"]["source"].startswith("unknown device (cpu")
+    assert got["translator"]["family"] == report["config"]["family"] and got["translator"]["refresh"] == "exact:0"
+    assert [p["context_tokens"] for p in got["lengths"]] == [16, 24]
+    assert all(list(p["phases"]) == ["translate", "new_turn", "reprefill"] for p in got["lengths"])
+    assert (res / "profile.md").read_text() in printed and "profile.md (--kernels)" in (res / "perf.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        perf.main([*tiny, "--flops-only", "--kernels", "--results", str(tmp_path / "none")])
+    assert e.value.code == 2 and "--flops-only times nothing" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
