@@ -561,9 +561,8 @@ def add_pair_args(parser, default_dtype: str = "bfloat16") -> None:
 
 def pair_config_from_args(args, refresh: Sequence[Any] = ()) -> tuple[PairConfig, Any]:
     """`resolve_pair` of the --large/--small/--direction/--device/--dtype (and --cache) flags. A stage's --refresh
-    setting, and
-    any other `refresh` settings (the frontier's grid), are checked against the target's depth here, before
-    any work."""
+    setting and any other `refresh` settings (the frontier's grid), each a `Refresh` as the flags parsed it or
+    text from a file, are checked against the target's depth here, before any work."""
     from ..core.refresh import Refresh
 
     cfg, tok = resolve_pair(
@@ -571,5 +570,6 @@ def pair_config_from_args(args, refresh: Sequence[Any] = ()) -> tuple[PairConfig
     )
     for setting in (getattr(args, "refresh", None), *refresh):
         if setting is not None:
-            Refresh.parse(str(setting)).check_layers(cfg.geometry["target_layers"])
+            setting = setting if isinstance(setting, Refresh) else Refresh.parse(setting)
+            setting.check_layers(cfg.geometry["target_layers"])
     return cfg, tok
