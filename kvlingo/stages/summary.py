@@ -148,7 +148,14 @@ class Summary(Stage):
             config=SummaryConfig(paths.run, paths.results_root, paths.artifacts_root),
             inputs=self.inputs,
             results={"cells": cells, "stale": self.page.stale, "evidence_gate": gate},
-            n_samples={"reports": len(self.page.reports)},
+            n_samples={
+                "reports": len(self.page.reports),
+                **{  # the benchmark's, which the page's heading gives
+                    k: self.page.bench["n_samples"][k]
+                    for k in ("conversations", "reply_tokens")
+                    if self.page.bench and k in self.page.bench.get("n_samples", {})
+                },
+            },
             wall_time_s=time.time() - self.t0,
             resume_key=self.key,
             files={n: sha256_file(res / n) for n in ("summary.md", "summary.png")},
