@@ -242,6 +242,7 @@ def data_hash(folder: str | Path) -> dict[str, Any]:
     if not files:
         raise ValueError(
             f"{folder} holds no prepared data (no manifest.json, no *.jsonl); "
-            "prepare it first (python prepare.py --profile ...) or pass --data"
+            f"prepare it first (make prepare PROFILE={folder.name}, or .venv/bin/python prepare.py --profile "
+            f"{folder.name} --out {folder.parent}) or pass --data"
         )
     return {"files": files}

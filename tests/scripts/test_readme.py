@@ -355,11 +355,13 @@ def test_toy_export_then_the_toy_example(scratch):
     out = run([".venv/bin/python", "examples/relay_toy.py"], scratch).stdout
     assert out == shown_output("It prints (progress bars"), out
 
+    from kvlingo.core.families import variant
     from kvlingo.inputs.profiles import get_profile
     from kvlingo.io import read_json
 
     config, evidence = read_json(export / "config.json"), read_json(export / "evidence.json")
-    assert (config["family"], config["refresh"]) == (get_profile("demo").family_for("l2s"), "exact:0")
+    family, default = variant(get_profile("demo").family_for("l2s"))
+    assert (config["family"], config["refresh"]) == (family.name, default.refresh) == ("tokeninput", "exact:0")
     assert config["settings"]["window"] == 3 and config["settings"]["base"]["family"] == "headwise"
     translated, control = evidence["arms"]["translated"], evidence["arms"]["control"]
     prose = " ".join(README.read_text().split())

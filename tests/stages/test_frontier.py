@@ -33,7 +33,8 @@ def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths
         "--results",
         str(tmp_path / "results"),
     ]
-    train_translator.main([*pair, "--data", str(data)])
+    # head-wise maps without refresh: the sweep of a translator trained with the exact layer 0 is skipped (below)
+    train_translator.main([*pair, "--data", str(data), "--family", "headwise", "--refresh", "none"])
     argv = [
         *pair,
         "--data",
@@ -118,6 +119,41 @@ def test_frontier_runs_from_translation_to_reprefill_and_resumes(tiny_pair_paths
     err = capsys.readouterr().err
     assert refused.value.code == 2 and "cell timing/real-shapes was recorded with other inputs" in err, err
     assert "inputs.threads: 1 → 2" in err and len(calls) == 1
+
+
+def test_an_exact0_translators_frontier_starts_at_exact0_without_the_layer_sweep(tiny_pair_paths, tmp_path, capsys):
+    """The default translator is trained with the target's exact layer 0: its frontier's grid starts there (pure
+    translation would score it without the layer it was trained beside), and the per-layer sweep, which makes
+    one layer native with layer 0 translated, is skipped with a note naming layers.py. Maps trained without a
+    refresh keep the grid from pure translation, and the sweep."""
+    import train_translator
+    from kvlingo.core.refresh import Refresh
+    from kvlingo.stages import frontier
+
+    data, _ = task_inputs(tmp_path, tiny_pair_paths[0])
+    pair = ["--profile", "tiny", "--large", str(tiny_pair_paths[0]), "--small", str(tiny_pair_paths[1])]
+    pair += [
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--artifacts",
+        str(tmp_path / "a"),
+        "--results",
+        str(tmp_path / "r"),
+    ]
+    for run, flags, grid, sweep in (
+        ("default", [], frontier.EXACT0_SETTINGS, False),  # the profile's: token-w3 with exact:0
+        ("plain", ["--family", "headwise", "--refresh", "none"], frontier.SETTINGS, True),
+    ):
+        train_translator.main([*pair, "--run", run, "--data", str(data), "--updates", "1", *flags])
+        capsys.readouterr()
+        argv = [*pair, "--run", run, "--data", str(data), "--skip-tasks", "ifeval", "gsm8k"]
+        stage = frontier.Frontier(frontier.Frontier.parse_args(argv))
+        stage.check()
+        assert [str(r) for r in stage.args.settings] == [str(Refresh.parse(s)) for s in grid]
+        assert stage.args.no_layer_sweep is not sweep
+        assert ("layers.py" in capsys.readouterr().out) is not sweep
 
 
 def test_frontier_report_names_the_timings_the_cv_screen_flagged():
