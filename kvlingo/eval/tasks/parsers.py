@@ -15,10 +15,15 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .prompts import TaskItem
+
+class Scored(Protocol):
+    """What `score` reads of an item (kvlingo.eval.tasks.prompts.TaskItem is one)."""
+
+    gold: str  # the gold letter (ARC) or canonical number (GSM8K)
+    labels: tuple[str, ...]  # ARC choice letters, in order
+
 
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.S)
 
@@ -110,7 +115,7 @@ def parse_gold_number(answer: str) -> str | None:
     return _number_from(m) if m else None
 
 
-def score(task: str, item: TaskItem, reply: str) -> tuple[str | None, bool]:
+def score(task: str, item: Scored, reply: str) -> tuple[str | None, bool]:
     """(parsed answer or None, correct)."""
     pred = parse_choice(reply, item.labels) if task == "arc" else parse_number(reply)
     return pred, pred is not None and pred == item.gold
