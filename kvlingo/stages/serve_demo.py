@@ -91,12 +91,26 @@ def add_toy_args(toy) -> None:
     toy.add_argument("--out", default="results/serve", help="folder of demo.json")
 
 
+def _default_family() -> str:
+    """The family of the pilot profile's l2s default (what `make run` trains on the real pair)."""
+    from ..core.families import variant
+    from ..inputs.profiles import get_profile
+
+    return variant(get_profile("pilot").family_for("l2s"))[0].name
+
+
+DEFAULT_FAMILY = _default_family()
+
+
 def add_prepare_args(prep) -> None:
     prep.add_argument("--root", default="artifacts/serve-real", help="folder of large/, small/, export-l2s/")
     prep.add_argument("--tokenizer", default="artifacts/toy/small", help="tokenizer saved with the models")
     prep.add_argument("--dtype", default="bfloat16", help="weights dtype")
     prep.add_argument(
-        "--family", default="tokeninput", choices=sorted(FAMILIES), help="translator family of the random maps"
+        "--family",
+        default=DEFAULT_FAMILY,
+        choices=sorted(FAMILIES),
+        help="translator family of the random maps (default: the pilot profile's, l2s)",
     )
     prep.add_argument(
         "--refresh",
@@ -110,9 +124,9 @@ def add_real_args(real) -> None:
     real.add_argument("--root", default="artifacts/serve-real", help="folder prepare-real wrote")
     real.add_argument(
         "--family",
-        default="tokeninput",
+        default=DEFAULT_FAMILY,
         choices=sorted(FAMILIES),
-        help="translator family of the random maps (prepare-real's)",
+        help="translator family of the random maps (prepare-real's; default: the pilot profile's, l2s)",
     )
     real.add_argument("--tokens", type=whole(2), default=4096, help="context length")
     real.add_argument("--dtype", default="bfloat16", help="the engines' dtype")
