@@ -626,7 +626,10 @@ def verify_split(data_dir: str | os.PathLike) -> dict[str, Any]:
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
     if not path.is_file():
-        raise SplitIntegrityError(f"{path} not found: prepare the data first (python prepare.py --profile ...)")
+        raise SplitIntegrityError(
+            f"{path} not found: prepare the data first (make prepare PROFILE={data_dir.name}, or .venv/bin/python "
+            f"prepare.py --profile {data_dir.name} --out {data_dir.parent}; a folder of another name: --data)"
+        )
     manifest = read_json(path)
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(manifest, dict) or manifest.get("stage") != "prepare" or not isinstance(files, dict):
@@ -656,9 +659,12 @@ def read_split(
 ) -> list[dict]:
     """Rows of one prepared file (the first `limit`), each checked for what a handoff reads: a prefix of
     at least 2 ids, a non-empty reply, ids inside the vocabulary."""
-    path = split_path(data_dir, split, variant)
+    path, folder = split_path(data_dir, split, variant), Path(data_dir)
     if not path.is_file():
-        raise SplitIntegrityError(f"{path} not found; prepare the data first (python prepare.py --profile ...)")
+        raise SplitIntegrityError(
+            f"{path} not found; prepare the data first (make prepare PROFILE={folder.name}, or .venv/bin/python "
+            f"prepare.py --profile {folder.name} --out {folder.parent})"
+        )
     rows = read_jsonl(path)[:limit]
     if not rows:
         raise SplitIntegrityError(

@@ -83,7 +83,7 @@ class Train(Stage):
         )
         p.add_argument(
             "--weight-decay",
-            type=float,
+            type=number(at_least=0),
             default=None,
             help="AdamW weight decay (default: the profile's objective, else 0)",
         )
@@ -107,22 +107,31 @@ class Train(Stage):
             "conversations (default: the profile's, auto)",
         )
         p.add_argument(
-            "--lr", type=float, default=None, help="AdamW learning rate (default: the profile's for the direction)"
+            "--lr",
+            type=number(above=0),
+            default=None,
+            help="AdamW learning rate (default: the profile's for the direction)",
         )
         p.add_argument(
-            "--max-grad-norm", type=float, default=1.0, help="clip the translator's gradient norm per update (0: off)"
+            "--max-grad-norm",
+            type=number(at_least=0),
+            default=1.0,
+            help="clip the translator's gradient norm per update (0: off)",
         )
         p.add_argument("--seed", type=int, default=42, help="seed of the data order and every RNG")
-        p.add_argument("--updates", type=int, default=None, help="distillation updates (default: the profile's)")
-        p.add_argument("--batch", type=int, default=None, help="conversations per update (default: the profile's)")
+        p.add_argument("--updates", type=whole(0), default=None, help="distillation updates (default: the profile's)")
+        p.add_argument("--batch", type=whole(1), default=None, help="conversations per update (default: the profile's)")
         p.add_argument(
-            "--n-fit", type=int, default=None, help="conversations in the closed-form fit (default: the profile's)"
+            "--n-fit", type=whole(1), default=None, help="conversations in the closed-form fit (default: the profile's)"
         )
         p.add_argument(
-            "--val-every", type=int, default=None, help="validation KL every N updates (default: the profile's)"
+            "--val-every", type=whole(1), default=None, help="validation KL every N updates (default: the profile's)"
         )
         p.add_argument(
-            "--checkpoint-every", type=int, default=None, help="checkpoint every N updates (default: the profile's)"
+            "--checkpoint-every",
+            type=whole(1),
+            default=None,
+            help="checkpoint every N updates (default: the profile's)",
         )
         p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint of --run")
         p.add_argument(

@@ -49,3 +49,25 @@ def test_an_unknown_profile_by_name_gets_the_nearest_one():
 
     with pytest.raises(ValueError, match=r"unknown profile 'paper-bugdet'.*did you mean 'paper-budget'\?"):
         get_profile("paper-bugdet")
+
+
+@pytest.mark.parametrize(
+    "flag, value, why",
+    [
+        ("--lr", "-1e-3", "give a finite number > 0"),
+        ("--lr", "nan", "give a finite number > 0"),
+        ("--weight-decay", "-0.1", "give a finite number ≥ 0"),
+        ("--max-grad-norm", "inf", "give a finite number ≥ 0"),
+        ("--batch", "0", "give a whole number ≥ 1"),
+        ("--updates", "-1", "give a whole number ≥ 0"),
+        ("--val-every", "2.5", "not a whole number"),
+    ],
+)
+def test_a_training_number_out_of_range_is_refused_when_parsed(flag, value, why, capsys):
+    """A negative rate parses as a number and is refused by its own range, before any model or data is read."""
+    import train_translator
+
+    with pytest.raises(SystemExit) as e:
+        train_translator.parse_args([flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"argument {flag}: " in err and why in err, err
