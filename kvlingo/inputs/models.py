@@ -537,28 +537,6 @@ def load_pair(cfg: PairConfig, tokenizer=None, attn: str = "sdpa") -> Pair:
     return Pair(source, target, tokenizer if tokenizer is not None else load_tokenizer(tgt_spec), cfg)
 
 
-def add_pair_args(parser, default_dtype: str = "bfloat16") -> None:
-    """The flags every stage uses to name its pair."""
-    parser.add_argument(
-        "--large",
-        default=LARGE_ID,
-        help=f"larger model: Hub id[@rev] or local folder (default {LARGE_ID} @ pinned rev)",
-    )
-    parser.add_argument(
-        "--small",
-        default=SMALL_ID,
-        help=f"smaller model: Hub id[@rev] or local folder (default {SMALL_ID} @ pinned rev)",
-    )
-    parser.add_argument(
-        "--direction",
-        choices=DIRECTIONS,
-        default="l2s",
-        help="l2s: large builds the cache, small continues; s2l the reverse",
-    )
-    parser.add_argument("--device", default="auto", help="cuda, mps, cpu or auto (cuda, then mps, then cpu)")
-    parser.add_argument("--dtype", default=default_dtype, help="model dtype: bfloat16 or float32")
-
-
 def pair_config_from_args(args, refresh: Sequence[Any] = ()) -> tuple[PairConfig, Any]:
     """`resolve_pair` of the --large/--small/--direction/--device/--dtype (and --cache) flags. A stage's --refresh
     setting and any other `refresh` settings (the frontier's grid), each a `Refresh` as the flags parsed it or
