@@ -26,6 +26,7 @@ from ..errors import Refusal
 from ..inputs.argtypes import number, share, whole
 from ..inputs.flags import add_family_args, add_refresh_arg, family_flags
 from ..inputs.profiles import get_profile
+from ..train.footprint import add_estimate_args
 from .skeleton import Stage, lock_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "train_translator.py"
@@ -619,25 +620,6 @@ class Train(Stage):
 
 
 # --------------------------------------------------------------------------- the config, from flags and profile
-def add_estimate_args(parser) -> None:
-    """The memory and time estimate's flags (kvlingo.train.footprint)."""
-    parser.add_argument(
-        "--memory-limit-gib",
-        type=number(above=0),
-        default=None,
-        help="memory per rank to plan against (default: the device's own)",
-    )
-    parser.add_argument(
-        "--assume-tflops",
-        type=number(above=0),
-        default=None,
-        help="sustained TFLOP/s for the time estimate (default: a share of the device's dense peak)",
-    )
-    parser.add_argument(
-        "--no-memory-check", action="store_true", help="run even when the estimated peak memory exceeds the device's"
-    )
-
-
 def given(value, default):
     return default if value is None else value
 
