@@ -111,7 +111,11 @@ def fetch_hub_rows(data: HubData, timeout_s: float = 10.0) -> tuple[list[dict[st
     """(rows, commit sha) from the Hub; fails fast offline, naming the --source fix."""
     from ...inputs.models import hub_offline
 
-    fix = f"Without Hub access, pass a local JSONL of {data.name} rows with --source PATH."
+    toy, target = f"artifacts/toy/corpus/{data.name}.jsonl", "ifeval" if data.name == "ifeval" else "task"
+    fix = (
+        f"Without Hub access, pass a local JSONL of {data.name} rows with --source PATH (the toy world's, after "
+        f"make toy: --source {toy} --data-root data/toy-eval, which make {target} PROFILE=demo runs for you)"
+    )
     if hub_offline():
         raise ValueError(f"cannot fetch {data.repo_id}: Hugging Face Hub access is off (HF_HUB_OFFLINE=1). {fix}")
     from huggingface_hub import HfApi
