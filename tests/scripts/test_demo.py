@@ -113,6 +113,7 @@ def test_every_stage_runs_on_a_mini_toy_world(tmp_path, monkeypatch, capsys):
             assert "(n=" in table[arm][col], (arm, col)
     assert all(table["closed_form"][col] == "—" for col in gen_columns)
     assert table["distilled"]["speedup vs re-prefill"].endswith("×")
+    assert table["native_target"]["speedup vs re-prefill"] == "—"  # the native target re-prefills: nothing to beat
 
     # The page: table, maps, gate, legend and the figure it links; up to date until a report or translator changes.
     import summary
@@ -123,6 +124,11 @@ def test_every_stage_runs_on_a_mini_toy_world(tmp_path, monkeypatch, capsys):
     assert "![KL and task accuracy per arm, ±1 SE](summary.png)" in md and "Evidence gate on the distilled maps" in md
     assert all(f"- {arm}: " in md for arm in LEGEND) and "±1 standard error" not in md  # said on the figure
     assert (results / "summary.png").read_bytes()[:4] == b"\x89PNG"
+    assert "says little about a handoff's speed at real shapes" in md and "make perf" in md  # a toy context
+    bench = read_json(results / "benchmark.json")["n_samples"]
+    assert {k: page["n_samples"][k] for k in ("conversations", "reply_tokens")} == {
+        k: bench[k] for k in ("conversations", "reply_tokens")
+    }
     distilled = read_json(tmp_path / "artifacts" / run / "distilled" / "manifest.json")["maps_sha256"]
     assert f"distilled sha256 {distilled}" in md and page["results"]["stale"] == {}
     assert page["results"]["cells"]["distilled"]["GSM8K %"]["maps"]["maps_sha256"] == distilled
