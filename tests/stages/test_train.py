@@ -219,12 +219,12 @@ def test_resume_refuses_each_change_and_accepts_none(
 @pytest.mark.parametrize(
     "flags, says",
     [
-        (("--lr", "nan"), "train_translator.py: argument --lr: nan is not a finite number"),  # when parsed
-        (("--lr", "-1e-3"), "train_translator: --lr -0.001 is invalid: it must be a finite number > 0"),
-        (("--n-fit", "0"), "train_translator: --n-fit 0 is invalid"),
+        (("--lr", "nan"), "train_translator.py: argument --lr: nan is out of range; give a finite number > 0"),
+        (("--lr", "-1e-3"), "train_translator.py: argument --lr: -1e-3 is out of range; give a finite number > 0"),
+        (("--n-fit", "0"), "train_translator.py: argument --n-fit: 0 is below 1; give a whole number ≥ 1"),
         (("--ridge", "-1"), "train_translator: --ridge -1.0 is invalid: it must be a finite number ≥ 0"),
         (("--ridge", "much"), "train_translator: --ridge much is invalid: give a number ≥ 0, or auto"),
-        (("--weight-decay", "nan"), "train_translator.py: argument --weight-decay: nan is not a finite number"),
+        (("--weight-decay", "nan"), "train_translator.py: argument --weight-decay: nan is out of range"),
     ],
 )
 def test_settings_out_of_range_are_refused_in_one_line_before_any_weights_load(
