@@ -478,9 +478,10 @@ def plot(rows: list[dict], title: str, sweep: dict) -> bytes:
 
 
 def _script(stage: str):
-    from .registry import STAGES
+    """The script of a stage the frontier runs as a cell, or the frontier's own (its timing cell)."""
+    from .registry import ROOT, STAGES
 
-    return str(STAGES[stage].script)
+    return str(ROOT / Frontier.script) if stage == "frontier" else str(STAGES[stage].script)
 
 
 # --------------------------------------------------------------------------- the stage
