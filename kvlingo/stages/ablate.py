@@ -38,7 +38,6 @@ from .skeleton import Stage, lock_run
 if TYPE_CHECKING:
     from ..inputs.models import PairConfig
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: the stage scripts live at its top
 
 SPLITS = ("val", "test")  # row-field prefixes; the stages call them validation and test
 
@@ -519,7 +518,7 @@ class Ablate(Stage):
         report = Report(
             "ablation",
             config=cfg,
-            inputs={**plan.inputs, "code_sha256": code_hash(ROOT / Ablate.script)},
+            inputs={**plan.inputs, "code_sha256": code_hash(Ablate.script_path())},
             results=results,
             metrics=AblationResults.METRICS,
             n_samples={

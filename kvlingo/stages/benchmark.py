@@ -37,8 +37,6 @@ from .skeleton import Stage, lock_run
 if TYPE_CHECKING:
     from ..inputs.models import PairConfig
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmark.py"
-
 
 @dataclass(frozen=True)
 class BenchmarkConfig:
@@ -195,7 +193,9 @@ class Benchmark(Stage):
                 for name, f in self.folders.items()
             },
         }
-        identity = resume.identity(self.cfg, self.inputs, self.pair_cfg.identities(), resume.code_hash(SCRIPT))
+        identity = resume.identity(
+            self.cfg, self.inputs, self.pair_cfg.identities(), resume.code_hash(self.script_path())
+        )
         self.key = resume.resume_key(identity)
 
     def up_to_date(self) -> dict | None:

@@ -188,7 +188,7 @@ class Plan:
         from ..bench import timing
 
         inputs = {
-            "code_sha256": code_hash(_script("frontier")),
+            "code_sha256": code_hash(Frontier.script_path()),
             "translators": specs,
             "threads": timing.threads(),
             "torch": torch.__version__,
@@ -196,7 +196,7 @@ class Plan:
         return K.Cell(
             "timing/real-shapes",
             "timing",
-            str(_script("frontier")),
+            str(Frontier.script_path()),
             flags,
             str(self.paths.report("frontier-timing")),
             inputs,
@@ -478,10 +478,10 @@ def plot(rows: list[dict], title: str, sweep: dict) -> bytes:
 
 
 def _script(stage: str):
-    """The script of a stage the frontier runs as a cell, or the frontier's own (its timing cell)."""
-    from .registry import ROOT, STAGES
+    """The script of a stage the frontier runs as a cell."""
+    from .registry import STAGES
 
-    return str(ROOT / Frontier.script) if stage == "frontier" else str(STAGES[stage].script)
+    return str(STAGES[stage].script)
 
 
 # --------------------------------------------------------------------------- the stage
@@ -671,7 +671,7 @@ class Frontier(Stage):
         report = Report(
             "frontier",
             config=cfg,
-            inputs={**plan.inputs, "code_sha256": code_hash(_script("frontier"))},
+            inputs={**plan.inputs, "code_sha256": code_hash(Frontier.script_path())},
             results=results,
             metrics=FrontierResults.METRICS,
             n_samples={"settings": len(rows)},

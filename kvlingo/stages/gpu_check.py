@@ -61,9 +61,9 @@ import time
 from pathlib import Path
 
 from ..errors import Refusal
+from ..io import ROOT
 from .skeleton import Stage
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: gpu_check.py, perf.py, benchmark.py, tests/
 LENGTHS = (4096, 8192, 16384)
 DRY_LENGTHS = (32, 64)
 PROFILE_LENGTHS = (8192, 16384)  # where the handoff's time goes (a dry run: DRY_LENGTHS)

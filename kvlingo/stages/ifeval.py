@@ -43,8 +43,6 @@ from .skeleton import Stage, lock_run
 if TYPE_CHECKING:
     from ..inputs.models import PairConfig
 
-SCRIPT = Path(__file__).resolve().parents[2] / "ifeval.py"
-
 
 @dataclass(frozen=True)
 class IFEvalConfig:
@@ -146,7 +144,7 @@ class IFEval(Stage):
         )
         self.config = self._config(profile.name)
         self.inputs = {"data": data_info, **self.session.translator_inputs}
-        self.code_sha = resume.code_hash(SCRIPT)
+        self.code_sha = resume.code_hash(self.script_path())
         self.ident = self.session.identity(self.config, self.inputs, self.code_sha)
 
     def _config(self, profile: str) -> IFEvalConfig:

@@ -26,8 +26,6 @@ from .skeleton import Stage, lock_run
 if TYPE_CHECKING:
     from ..inputs.models import PairConfig
 
-SCRIPT = Path(__file__).resolve().parents[2] / "layers.py"
-
 
 @dataclass(frozen=True)
 class LayersConfig:
@@ -98,7 +96,10 @@ class Layers(Stage):
 
         maps = {r: sha256_file(f / MAPS_FILE) for r, f in self.folders.items()}
         self.identity = resume.identity(
-            self.cfg, {"data": manifest["files"][split_file], "maps": maps}, pair.identities(), resume.code_hash(SCRIPT)
+            self.cfg,
+            {"data": manifest["files"][split_file], "maps": maps},
+            pair.identities(),
+            resume.code_hash(self.script_path()),
         )
         self.key = resume.resume_key(self.identity)
         check_outputs([self.paths.report("layers"), *(self.paths.beside("layers", x) for x in (".md", ".png"))])

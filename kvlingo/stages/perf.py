@@ -49,7 +49,6 @@ import argparse
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..bench.shapes import RANDOM_PAIRS, arch_config, preset_names
@@ -67,7 +66,6 @@ if TYPE_CHECKING:
     from ..bench import timing
     from ..bench.roofline import Peaks
 
-SCRIPT = Path(__file__).resolve().parents[2] / "perf.py"
 SWITCH = {"auto": None, "on": True, "off": False}  # --fuse-keys, --defer-values → None (the device's default) or a bool
 # On a CPU a noisy timing gets extra trials up to 30 of them or 20 s in all: the handoff's steps
 # get many, a long re-prefill no more than --timing-repeats.
@@ -375,7 +373,7 @@ class Perf(Stage):
         return Report(
             "perf",
             config=cfg,
-            inputs={"code_sha256": resume.code_hash(SCRIPT)},
+            inputs={"code_sha256": resume.code_hash(self.script_path())},
             results=results,
             metrics=metrics,
             n_samples=n_samples,

@@ -53,7 +53,6 @@ from .skeleton import Stage, lock_run
 if TYPE_CHECKING:
     from ..inputs.models import PairConfig
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: the stage scripts live at its top
 
 SCRIPTS: dict[str, Path] = {}  # a stage's script in place of the registry's (tests run stand-ins)
 EVALS = ("benchmark", "ifeval")  # evaluation stages run on the native models and on each seed's maps, in order
@@ -570,7 +569,7 @@ class Recipe(Stage):
             inputs={
                 **plan.common,
                 "ifeval_data": plan.ifeval_data,
-                "code_sha256": code_hash(ROOT / Recipe.script, *scripts),
+                "code_sha256": code_hash(Recipe.script_path(), *scripts),
                 "ledger": {"path": str(ledger.path), "sha256": sha256_file(ledger.path)},
                 "cells": cells,
             },

@@ -30,8 +30,6 @@ from . import (
 )
 from .skeleton import Stage
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: the stage scripts live at its top
-
 
 @dataclass(frozen=True)
 class Entry:
@@ -41,7 +39,7 @@ class Entry:
     @property
     def script(self) -> Path:
         """The script a user types (.venv/bin/python SCRIPT)."""
-        return ROOT / self.stage.script
+        return self.stage.script_path()
 
 
 STAGES: dict[str, Entry] = {

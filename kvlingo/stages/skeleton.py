@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 from ..errors import Failure, Refusal, RunRefused
 from ..inputs.flags import StageParser, stage_parser
+from ..io import ROOT
 from ..progress import quiet_in_logs
 
 INTERRUPTED_STATUS = 130  # a stage ended by Ctrl-C exits with the shell's status for it (128 + SIGINT)
@@ -50,6 +51,11 @@ class Stage(ABC):
     resumable: ClassVar[bool] = False  # an interrupted run goes on with --resume
     common: ClassVar[bool] = True  # the flags every stage shares: --profile, the pair, the run folders, --cache
     data: ClassVar[bool] = False  # ... and --data (the prepared chats)
+
+    @classmethod
+    def script_path(cls) -> Path:
+        """The script's path in the repository (what the stage's code hash starts from)."""
+        return ROOT / cls.script
 
     def __init__(self, args):
         self.args = args

@@ -31,7 +31,6 @@ from ..records.paths import MANIFEST_FILE, TRANSLATORS, RunPaths, make_command
 from ..records.report import fmt_pm, fmt_table, read_report
 from .skeleton import Stage, say
 
-SCRIPT = Path(__file__).resolve().parents[2] / "summary.py"
 ARMS = ("native_source", "native_target", "closed_form", "distilled", "control", "no_context")
 LEGEND = {
     "native_source": "the source model reads the conversation itself",
@@ -101,7 +100,9 @@ class Summary(Stage):
             "reports": {n: sha256_file(paths.res / f"{n}.json") for n in self.page.reports},
             "translators": self.page.now,
         }
-        self.key = resume.resume_key(resume.identity({"run": paths.run}, self.inputs, None, resume.code_hash(SCRIPT)))
+        self.key = resume.resume_key(
+            resume.identity({"run": paths.run}, self.inputs, None, resume.code_hash(self.script_path()))
+        )
 
     def up_to_date(self) -> dict | None:
         """summary.json when it was made from the same reports and translators (the page is shown again)."""

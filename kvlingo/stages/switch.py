@@ -38,7 +38,6 @@ from .skeleton import Stage, lock_run
 if TYPE_CHECKING:
     from ..inputs.models import PairConfig
 
-SCRIPT = Path(__file__).resolve().parents[2] / "switch_cost.py"
 PATHS = {"re_reading": "target_reprefill", "switching": "source_cache_handoff"}
 
 
@@ -164,7 +163,9 @@ class Switch(Stage):
                 "manifest_sha256": sha256_file(self.folder / MANIFEST_FILE),
             },
         }
-        identity = resume.identity(self.cfg, self.inputs, self.pair_cfg.identities(), resume.code_hash(SCRIPT))
+        identity = resume.identity(
+            self.cfg, self.inputs, self.pair_cfg.identities(), resume.code_hash(self.script_path())
+        )
         self.key = resume.resume_key(identity)
 
     def up_to_date(self) -> dict | None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.settings import Refresh
@@ -45,8 +44,6 @@ from .skeleton import Stage, lock_run
 if TYPE_CHECKING:
     from ..eval.tasks.prompts import TaskItem
     from ..inputs.models import PairConfig
-
-SCRIPT = Path(__file__).resolve().parents[2] / "task_eval.py"
 
 
 @dataclass(frozen=True)
@@ -157,7 +154,7 @@ class Task(Stage):
         self.controls = control_paths(args, len(self.items))
         self.config = self._config(profile.name)
         self.inputs = {"data": data_info, **self.session.translator_inputs}
-        self.code_sha = resume.code_hash(SCRIPT)
+        self.code_sha = resume.code_hash(self.script_path())
         self.ident = self.session.identity(self.config, self.inputs, self.code_sha)
 
     def _config(self, profile: str) -> TaskConfig:

@@ -29,7 +29,6 @@ from ..inputs.profiles import get_profile
 from ..train.footprint import add_estimate_args
 from .skeleton import Stage, lock_run
 
-SCRIPT = Path(__file__).resolve().parents[2] / "train_translator.py"
 FIT_WEIGHTINGS = ("uniform", "attention")  # kvlingo.train.weighting
 MEASURED_UPDATES = 3  # updates timed before the measured time per update is printed
 
@@ -174,7 +173,7 @@ class Train(Stage):
         self.data_hashes = {f: manifest["files"][f] for f in names}
         self.cfg = train_config(args, self.profile, self.pair_cfg)
         check_split_size(self.cfg, manifest, self.data_dir)
-        self.code_sha = resume.code_hash(SCRIPT)
+        self.code_sha = resume.code_hash(self.script_path())
         self.identity = resume.identity(self.cfg, {"data": self.data_hashes}, self.pair_cfg.identities(), self.code_sha)
         self.key = resume.resume_key(self.identity)
 
