@@ -10,7 +10,7 @@ the target's own layer-0 keys and values (kvlingo.core.layer0):
 `Layer0` computes them from those tensors (the ones an export records under `reads.target_weights`, which the
 serving contract reads from the served model's safetensors and checks against their sha256), in the engine's
 dtype, with the operations of the models' own modules in their order (RMSNorm: FP32 statistics, the normed
-input rounded to the run dtype, then the weight; RoPE tables in FP32 rounded to the run dtype), so that its K/V
+input rounded to the run dtype, then the weight; RoPE: the family's own rotary module and rotation), so that its K/V
 are `ContextFree`'s bits (tests/serve/test_layer0.py). A model stub carries it as `layer0`
 (`kvlingo.core.layer0.of`), where a translator looks for the target's first layer.
 
@@ -22,13 +22,14 @@ tables switch with the length of a forward, and dynamic schedules are refused.
 from __future__ import annotations
 
 import re
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from ..core import arch
 from ..core.layer0 import check
-from ..core.rope import rotate_half, schedule_refusal
+from ..core.rope import schedule_refusal
 
 # The tensors of `Layer0`, by checkpoint name without the optional `model.` prefix (kvlingo.core.layer0 reads the
 # same ones); k_norm exists in Qwen3 only, the projection biases in Qwen2 only.
@@ -78,10 +79,10 @@ class Layer0:
         optional: tuple[str, ...] | None = None,
     ):
         """`config`: the target's transformers config; `tensors`: its layer-0 tensors by checkpoint name (see
-        `PARTS`); `rotary`: the family's rotary module built from that config (its `inv_freq` and
-        `attention_scaling`); `dtype`: the run dtype (the engine's); `optional`: the optional parts the model's
-        layer 0 has (`parts_of`), each then required (a Qwen3 layer 0 without its k_norm is refused, not run
-        without it); None: those `tensors` hold."""
+        `PARTS`); `rotary`: the family's rotary module built from that config (its cos and sin tables; the
+        family's `apply_rotary_pos_emb` beside it rotates); `dtype`: the run dtype (the engine's); `optional`: the
+        optional parts the model's layer 0 has (`parts_of`), each then required (a Qwen3 layer 0 without its k_norm
+        is refused, not run without it); None: those `tensors` hold."""
         check(config)  # NotContextFree, naming the architecture
         rope = dict(getattr(config, "rope_parameters", None) or {})
         why = schedule_refusal(rope)
@@ -103,8 +104,8 @@ class Layer0:
         self.k_norm = found["k_norm"]  # [head_dim] or None (a family without a key norm)
         self.eps = config.rms_norm_eps  # both norms' (the families build them with the config's rms_norm_eps)
         self.head_dim = arch.head_dim(config)
-        self.inv_freq = rotary.inv_freq.detach().to(torch.float32)  # [head_dim / 2]
-        self.scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.rotary = rotary
+        self.apply_rope = sys.modules[type(rotary).__module__].apply_rotary_pos_emb  # the family's own rotation
         self.dtype = dtype
 
     def _ids(self, ids) -> torch.Tensor:
@@ -137,14 +138,7 @@ class Layer0:
             k = rms_norm(k, self.k_norm, self.eps)
         k = k.transpose(1, 2)  # [1, kv_heads, T, head_dim]
         v = v_proj.to(self.dtype).view(1, T, -1, self.head_dim).transpose(1, 2)
-        cos, sin = self.rope(start, T, k.device)  # [T, head_dim]
-        k = k * cos + rotate_half(k) * sin
+        positions = torch.arange(start, start + T, device=k.device)[None]
+        cos, sin = self.rotary(v, positions)  # [1, T, head_dim] in the run dtype, as the model's forward
+        _, k = self.apply_rope(k, k, cos, sin)
         return k[0], v[0]
-
-    def rope(self, start: int, n: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [n, head_dim] of positions start.., computed in FP32 and rounded to the run dtype, as the
-        families' rotary modules compute them."""
-        pos = torch.arange(start, start + n, device=device).to(torch.float32)
-        freqs = pos[:, None] * self.inv_freq.to(device)[None, :]  # [n, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(self.dtype), (emb.sin() * self.scaling).to(self.dtype)
