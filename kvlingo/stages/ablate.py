@@ -14,15 +14,18 @@ continues with --resume. Writes RESULTS/RUN/ablation.{json,md,png}.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..core.settings import Geometry
 from ..errors import Failure, Refusal
+from ..eval.itemrows import read_rows
 from ..inputs.argtypes import whole
 from ..inputs.flags import add_task_data_args, generative_tasks
 from ..inputs.profiles import get_profile
@@ -213,6 +216,27 @@ def summarise(plan: Plan, setting: A.Setting, sub: str, toy_geometry, long: bool
     return row
 
 
+def tie_evidence(res: Path, tasks: Sequence[str]) -> dict:
+    """A row's validation evidence for `A.within_noise`, from its rows files: each validation metric's part per
+    conversation (in the benchmark's conversation order) and each task's translated answer per item (right or not)."""
+    convs = [json.loads(line) for line in (res / "benchmark-validation.rows.jsonl").read_text().splitlines() if line]
+    arms = [c["arms"]["distilled"] for c in convs]
+    evidence = {"ids": [c["id"] for c in convs]}
+    for metric in A.METRICS:
+        evidence[metric] = A.metric_per_conversation(arms, metric)[1]
+    items: dict[str, dict] = {}
+    for t in tasks:
+        _, rows, _ = read_rows(res / f"{'ifeval' if t == 'ifeval' else 'task-gsm8k'}-validation.rows.jsonl")
+        items[t] = {
+            str(r.get("doc_key", r.get("item_id"))): bool(
+                r["grades"]["prompt_level_strict_acc"] if t == "ifeval" else r["correct"]
+            )
+            for r in rows
+            if r.get("kind") == "item" and r.get("path") == "translated"
+        }
+    return {"val_conversations": evidence, "val_items": items}
+
+
 def add_test(plan: Plan, row: dict) -> None:
     res = plan.paths.nested(row["name"]).res
     bench = read_report(res / "benchmark.json")
@@ -230,6 +254,16 @@ def _pct(fig: dict | None, with_kept: bool = True) -> str:
     return out + (f" ({100 * fig['kept']:.0f} ± {100 * fig['kept_se']:.0f}%)" if with_kept else "")
 
 
+def _tie(row: dict, default: dict) -> str:
+    """best / yes / no: the row's standing against the best on the choosing metric and each validation task."""
+    tie = row.get("val_tie")
+    if not tie:
+        return ""
+    if row["name"] == default.get("best"):
+        return "best"
+    return "yes" if tie["tied"] else "no"
+
+
 def _num(x, fmt=".3f") -> str:
     return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
@@ -244,6 +278,7 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
             "val context KL",
             "val IFEval kept",
             "val GSM8K kept",
+            f"ties the best (≤ {A.TIE_SE:g} SE)",
             "test KL/token",
             "KL/conv ± SE",
             "test context KL ± SE",
@@ -259,6 +294,7 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
                 _num(r["val_context_kl"]),
                 _num(100 * r["val_ifeval"]["kept"], ".0f") + "%" if "val_ifeval" in r else "",
                 _num(100 * r["val_gsm8k"]["kept"], ".0f") + "%" if "val_gsm8k" in r else "",
+                _tie(r, results.default),
                 _num(r.get("test_kl")),
                 fmt_pm(r["test_kl_conversation"], fmt=".3f") if "test_kl_conversation" in r else "",
                 fmt_pm(r["test_context_kl_conversation"], fmt=".3f") if "test_context_kl_conversation" in r else "",
@@ -276,6 +312,7 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
                 "0",
                 "",
                 "",
+                "",
                 "0",
                 "",
                 "",
@@ -285,6 +322,7 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
             ],
             [
                 "native source (the source answers)",
+                "",
                 "",
                 "",
                 "",
@@ -486,7 +524,11 @@ class Ablate(Stage):
         plain = [r for r in rows if not r["long_budget"]]
         correlations = A.metric_correlations(plain)
         metric = A.choose_metric(correlations)
-        default = A.choose_default(plain, metric)
+        evidence = {r["name"]: tie_evidence(self.plan.paths.nested(r["name"]).res, self.tasks) for r in plain}
+        default = A.choose_default([{**r, **evidence[r["name"]]} for r in plain], metric, self.tasks)
+        ties = default.pop("ties", {})
+        for r in plain:  # each row's standing against the best (the evidence itself stays in the rows files)
+            r["val_tie"] = ties.get(r["name"])
         claims = [default.get("setting"), A.before(self.profile, self.cfg.pair.direction)]
         for name in dict.fromkeys(n for n in claims if n in self.by_name):  # in order, once each
             row = next(r for r in rows if r["name"] == name)

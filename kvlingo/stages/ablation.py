@@ -16,8 +16,10 @@ conversations (KL/token, the context metrics of kvlingo/eval/context.py, attenti
 agreement) and on the validation halves of IFEval and GSM8K (`Profile.ablate_items[0]` items
 each). Across the settings, each candidate metric's rank correlation with task retention (the
 mean of the IFEval and GSM8K shares of the native target's accuracy) says which one tracks the
-tasks; the default is the best setting by that metric among those costing at most
-`MAX_COST_FRACTION` of a re-prefill at the real shapes. The chosen default and the direction's
+tasks. Among the settings costing at most `MAX_COST_FRACTION` of a re-prefill at the real shapes,
+the best by that metric is found, and the default is the cheapest setting within `TIE_SE` paired
+standard errors of it, on that metric (per conversation) and on each validation task (per item):
+a difference within noise is a tie, and a tie goes to the cheaper handoff. The chosen default and the direction's
 default before are then scored on the test conversations and the test halves of the tasks
 (`ablate_items[1]` items each): the claims.
 
@@ -31,6 +33,7 @@ plus the exact layer 0's one projection per token where the setting reads or wri
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +48,19 @@ METRICS = {
     "val_context_top1": True,
     "val_attention_cosine": True,
 }
+# Each metric from the benchmark's per-conversation sums of an arm (kvlingo/eval/quality.py): numerator and
+# denominator summed over conversations, or (PER_CONVERSATION_MEAN) averaged per conversation.
+METRIC_SUMS = {
+    "val_kl": ("kl_sum", "n_tokens"),
+    "val_context_kl": ("ctx_kl_sum", "ctx_n_tokens"),
+    "val_context_weighted_kl": ("wkl_sum", "w_sum"),
+    "val_top1": ("top1_sum", "n_tokens"),
+    "val_context_top1": ("ctx_top1_sum", "ctx_n_tokens"),
+    "val_attention_cosine": ("attn_cos_sum", "attn_n"),
+}
+PER_CONVERSATION_MEAN = {"val_attention_cosine"}
+TIE_SE = 2.0  # a setting within this many paired SEs of the best (metric and each task) ties with it
+TASK_NAMES = {"ifeval": "IFEval", "gsm8k": "GSM8K"}
 # The objective rows: the profile's default translator trained with another objective (suffix, flags, note).
 OBJECTIVES = (
     ("context", ("--context-weight", "0.5"), "each reply token's KL weighted by how much the context moves it (α 0.5)"),
@@ -203,8 +219,64 @@ def choose_metric(correlations: dict[str, dict]) -> str:
     return max(finite, key=lambda k: (finite[k], k == "val_kl")) if finite else "val_kl"
 
 
-def choose_default(rows: list[dict], metric: str = "val_kl") -> dict[str, Any]:
-    """The admissible setting (cost ≤ MAX_COST_FRACTION) best by `metric` on validation; ties to the cheaper."""
+def ratio_influence(nums: Sequence[float], dens: Sequence[float]) -> tuple[float, list[float]]:
+    """R = Σnum / Σden over conversations and each conversation's influence on it, (num − R·den) / mean(den): the
+    delta method's linearisation, whose mean is 0 and whose SD / √n is R's standard error."""
+    total = sum(dens)
+    if not total:
+        return float("nan"), [0.0] * len(nums)
+    r, mean_den = sum(nums) / total, total / len(dens)
+    return r, [(a - r * d) / mean_den for a, d in zip(nums, dens)]
+
+
+def metric_per_conversation(arms: Sequence[dict], metric: str) -> tuple[float, list[float]]:
+    """A validation metric from the benchmark's per-conversation sums of one arm, and each conversation's part of it
+    (`ratio_influence` for a ratio of sums; the value itself for a per-conversation mean), in conversation order."""
+    num, den = METRIC_SUMS[metric]
+    if metric in PER_CONVERSATION_MEAN:
+        xs = [a[num] / a[den] if a[den] else 0.0 for a in arms]
+        return sum(xs) / len(xs), xs
+    return ratio_influence([a[num] for a in arms], [a[den] for a in arms])
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], centred: bool) -> tuple[float, float]:
+    """(mean of a − b, its SE) over the same conversations or items: for `centred` influences, the SE alone (their
+    mean is 0 by construction) with the difference taken from the values the caller holds."""
+    from ..eval.stats import mean_se
+
+    s = mean_se([x - y for x, y in zip(a, b, strict=True)])
+    return (0.0 if centred else s["mean"]), s["se"]
+
+
+def within_noise(best: dict, other: dict, metric: str, tasks: Sequence[str]) -> dict[str, Any]:
+    """Whether `other` is within TIE_SE paired standard errors of `best` on `metric` and on every validation task.
+
+    Each row carries `val_conversations` ({"ids", metric: per-conversation parts}) and `val_items`
+    ({task: {item key: correct}}): the validation evidence of `tie_evidence`. The comparison is one-sided (how much
+    worse `other` is), conversation by conversation and item by item on the ones both rows hold."""
+    higher = METRICS.get(metric, False)
+    sign = 1.0 if higher else -1.0  # worse = lower for higher-is-better metrics
+    a, b = best["val_conversations"], other["val_conversations"]
+    if a["ids"] != b["ids"]:
+        raise ValueError(f"{best['name']} and {other['name']} were scored on different validation conversations")
+    _, se = paired_difference(a[metric], b[metric], centred=metric not in PER_CONVERSATION_MEAN)
+    worse = sign * (best[metric] - other[metric])  # ≥ 0 when other is worse
+    out: dict[str, Any] = {"metric": {"worse_by": worse, "se": se, "tied": worse <= TIE_SE * se}}
+    for t in tasks:
+        ia, ib = best["val_items"][t], other["val_items"][t]
+        keys = sorted(set(ia) & set(ib))
+        d, se_t = paired_difference([float(ia[k]) for k in keys], [float(ib[k]) for k in keys], centred=False)
+        out[t] = {"worse_by_points": 100 * d, "se_points": 100 * se_t, "n": len(keys), "tied": d <= TIE_SE * se_t}
+    out["tied"] = all(v["tied"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
+def choose_default(rows: list[dict], metric: str = "val_kl", tasks: Sequence[str] | None = None) -> dict[str, Any]:
+    """The admissible setting (cost ≤ MAX_COST_FRACTION) best by `metric` on validation; ties to the cheaper.
+
+    With `tasks` (rows carrying `tie_evidence`): the cheapest admissible setting within TIE_SE paired SEs of the
+    best on `metric` and on each of those validation tasks (`within_noise`): a difference within noise is a tie,
+    and a tie goes to the cheaper handoff."""
     higher = METRICS.get(metric, False)
     ok = [
         r
@@ -221,7 +293,7 @@ def choose_default(rows: list[dict], metric: str = "val_kl") -> dict[str, Any]:
         }
     ranked = sorted(ok, key=lambda r: ((-1 if higher else 1) * r[metric], r["real"]["fraction_of_reprefill"]))
     best = ranked[0]
-    return {
+    out = {
         "setting": best["name"],
         "metric": metric,
         "value": best[metric],
@@ -229,6 +301,24 @@ def choose_default(rows: list[dict], metric: str = "val_kl") -> dict[str, Any]:
         "fraction_of_reprefill": best["real"]["fraction_of_reprefill"],
         "why": f"best {metric} on validation among the {len(ok)} settings costing ≤ {MAX_COST_FRACTION:.0%} of "
         "re-prefill at the real shapes (the test split and test items take no part)",
+    }
+    if tasks is None:
+        return out
+    ties = {r["name"]: within_noise(best, r, metric, tasks) for r in ranked}
+    tied = [r for r in ranked if ties[r["name"]]["tied"]]
+    pick = min(tied, key=lambda r: r["real"]["fraction_of_reprefill"])  # the best itself is always tied
+    names = ", ".join(r["name"] for r in tied)
+    return {
+        **out,
+        "setting": pick["name"],
+        "value": pick[metric],
+        "best": best["name"],
+        "fraction_of_reprefill": pick["real"]["fraction_of_reprefill"],
+        "ties": ties,
+        "why": f"the cheapest of the settings within {TIE_SE:g} paired SE of the best {metric} on validation "
+        f"({best['name']}) and of its validation {' and '.join(TASK_NAMES.get(t, t) for t in tasks)} accuracy "
+        f"({names}), among the {len(ok)} costing ≤ {MAX_COST_FRACTION:.0%} of re-prefill at the real shapes "
+        "(the test split and test items take no part)",
     }
 
 

@@ -60,6 +60,12 @@ def test_ablate_runs_and_resumes(tiny_pair_paths, tmp_path, monkeypatch):
     assert res["default"]["setting"] in tested and "crosshead" in tested  # the l2s default before is always tested
     assert all(r["test_gsm8k"]["n"] == 2 and r["test_n"] == 4 for r in rows if "test_kl" in r)
     assert rows[2]["refresh"] == "exact:0" and rows[2]["real"]["layer0_flops_per_token"] > 0
+    # the default: the cheapest row within noise of the best on the chosen metric and each validation task
+    ties = {r["name"]: r["val_tie"] for r in rows}
+    assert ties[res["default"]["best"]]["tied"] and ties[res["default"]["best"]]["metric"]["worse_by"] == 0
+    tied = [r for r in rows if ties[r["name"]]["tied"]]
+    assert res["default"]["setting"] == min(tied, key=lambda r: r["real"]["fraction_of_reprefill"])["name"]
+    assert all(t["gsm8k"]["n"] == 2 and "ifeval" not in t for t in ties.values())
     out = tmp_path / "results" / "tiny-l2s-ablate"
     assert (out / "ablation.png").read_bytes()[:4] == b"\x89PNG" and "Default" in (out / "ablation.md").read_text()
     assert (out / "token-w1" / "benchmark-validation.json").is_file()

@@ -106,3 +106,71 @@ def test_the_share_kept_and_its_paired_se_against_a_hand_count():
     ma, mb = sum(a) / n, sum(b) / n
     infl = [(x - ma) / mb - ma * (y - mb) / mb**2 for x, y in zip(a, b)]
     assert fig["kept_se"] == pytest.approx(math.sqrt(sum(v * v for v in infl) / (n - 1) / n), rel=1e-9)
+
+
+def _jackknife_se(stat, n: int) -> float:
+    """The jackknife SE of stat(kept indices) over n units: an estimator independent of the delta method."""
+    loo = [stat([j for j in range(n) if j != i]) for i in range(n)]
+    m = sum(loo) / n
+    return math.sqrt((n - 1) / n * sum((x - m) ** 2 for x in loo))
+
+
+def test_a_paired_ratio_difference_has_the_jackknife_se():
+    import random
+
+    rng = random.Random(0)
+    n = 300
+    den = [rng.randint(5, 60) for _ in range(n)]  # reply tokens per conversation
+    a = [d * rng.uniform(0.0, 0.1) for d in den]  # KL sums of two settings on the same conversations
+    b = [x + d * rng.uniform(-0.02, 0.05) for x, d in zip(a, den)]
+    ra, ia = A.ratio_influence(a, den)
+    rb, ib = A.ratio_influence(b, den)
+    assert ra == pytest.approx(sum(a) / sum(den)) and abs(sum(ia)) < 1e-9
+    _, se = A.paired_difference(ia, ib, centred=True)
+
+    def diff(idx):
+        return sum(a[i] for i in idx) / sum(den[i] for i in idx) - sum(b[i] for i in idx) / sum(den[i] for i in idx)
+
+    assert se == pytest.approx(_jackknife_se(diff, n), rel=0.02)
+
+
+def _evidenced(name, cost, kl_sums, correct):
+    arms = [{"kl_sum": k, "n_tokens": 10} for k in kl_sums]
+    value, parts = A.metric_per_conversation(arms, "val_kl")
+    return {
+        **_row(name, cost, val_kl=value),
+        "val_conversations": {"ids": list(range(len(kl_sums))), "val_kl": parts},
+        "val_items": {"gsm8k": {str(i): c for i, c in enumerate(correct)}},
+    }
+
+
+def test_the_default_is_the_cheapest_setting_within_noise_of_the_best():
+    import random
+
+    rng = random.Random(1)
+    base = [rng.uniform(0.5, 1.5) for _ in range(64)]
+    right = [i % 4 != 0 for i in range(64)]  # 75% right
+    best = _evidenced("best", 0.08, base, right)
+
+    def noisy(shift):  # zero-mean noise of SD ~0.03 per conversation (SE ~0.0004 per token), shifted
+        e = [rng.uniform(-0.05, 0.05) for _ in base]
+        return [x + v - sum(e) / len(e) + shift for x, v in zip(base, e)]
+
+    near = _evidenced("near", 0.02, noisy(0.002), right)  # worse by a fraction of an SE
+    far = _evidenced("far", 0.01, [x + 0.5 for x in base], right)  # clearly worse KL
+    down = [r and i % 3 != 0 for i, r in enumerate(right)]  # GSM8K 25 points down
+    wrong = _evidenced("wrong", 0.015, noisy(0.002), down)
+    costly = _evidenced("costly", 0.5, [x - 0.5 for x in base], right)  # best of all, over the cost cap
+    rows = [best, near, far, wrong, costly]
+    choice = A.choose_default(rows, "val_kl", ["gsm8k"])
+    assert best["val_kl"] < min(near["val_kl"], wrong["val_kl"])  # (the draws keep the best the best)
+    assert choice["best"] == "best" and choice["setting"] == "near"
+    ties = choice["ties"]
+    assert ties["best"]["tied"] and ties["near"]["tied"] and "costly" not in ties
+    assert not ties["far"]["tied"] and ties["far"]["metric"]["worse_by"] > 2 * ties["far"]["metric"]["se"]
+    assert ties["wrong"]["metric"]["tied"] and not ties["wrong"]["gsm8k"]["tied"] and not ties["wrong"]["tied"]
+    assert ties["wrong"]["gsm8k"]["worse_by_points"] == pytest.approx(100 * 16 / 64)  # items right on best only
+    assert A.choose_default(rows, "val_kl")["setting"] == "best"  # without the evidence: the best alone
+    mixed = [best, {**near, "val_conversations": {**near["val_conversations"], "ids": list(range(1, 65))}}]
+    with pytest.raises(ValueError, match="different validation conversations"):
+        A.choose_default(mixed, "val_kl", ["gsm8k"])
