@@ -214,3 +214,49 @@ def test_the_shared_down_projection_is_taken_once_per_capture_and_changes_no_bit
         assert not torch.equal(tr.map(Part.VALUES, again, slice(None)), whole)
     tr.map(Part.VALUES, again, slice(None)).sum().backward()
     assert tr.tok_down.grad is not None and tr.tok_down.grad[Part.VALUES].abs().sum() > 0
+
+
+class CacheKeys:
+    """Stands in for a bound key space: the captured keys as they are."""
+
+    def source_keys(self, cap, layers, dtype):
+        return cap.keys[layers].to(dtype)
+
+
+@pytest.mark.parametrize(
+    "base,rank,parts,layers",
+    [
+        ("headwise", 3, "both", 0),
+        ("headwise", 0, "keys", 2),
+        ("crosshead", 3, "values", 0),
+        ("crosslayer", 3, "both", 3),
+    ],
+)
+def test_map_into_writes_the_same_bits_as_map_into_a_cache_layout(base, rank, parts, layers):
+    """The engine's path (`map_into`: the base's maps written into the output, then the token term added in place)
+    against `map` (the sum taken as a new tensor), bit for bit, into a strided slice of a cache-shaped buffer."""
+    settings = {"k": 2, "rank": 0, "pairing": "proportional"} if base == "crosslayer" else {}
+    tr = TokenInput(
+        TOKEN_GEOM,
+        base={"family": base, "settings": settings},
+        rank=rank,
+        window=2,
+        token_parts=parts,
+        token_layers=layers,
+    )
+    tr.layer0 = Table(tr.d_tok // 2)
+    tr.space = tr.base.space = CacheKeys()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in tr.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        x = torch.randn(4, 2, 40, 8, generator=g)
+        cap = Capture(x, x, x, torch.empty(0), torch.randint(0, 50, (40,), generator=g))
+        for part in (Part.KEYS, Part.VALUES):
+            for chunk in (slice(None), slice(1, 3), slice(3, 4)):
+                want = tr.map(part, cap, chunk)
+                cache = torch.full((4, 2, 48, 8), float("nan"))  # a cache longer than the context
+                out = cache[chunk, :, :40]
+                tr.map_into(part, cap, chunk, out)
+                assert torch.equal(out, want), (part, chunk)
+                assert torch.isnan(cache[chunk, :, 40:]).all()  # nothing written past the context

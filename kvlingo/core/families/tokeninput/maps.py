@@ -183,6 +183,15 @@ class TokenInput(LinearFamily):
             return y + self.token_term(part, cap, tok)
         return torch.cat([y[:n] + self.token_term(part, cap, tok), y[n:]])
 
+    def map_into(self, part: Part, cap: Capture, layers: slice, out: torch.Tensor) -> None:
+        """`map` written into `out`: the base's maps straight into it, then the token term added in place. The same
+        bits as `map` (each element is the same one sum of the same two operands), without its two temporaries of
+        the chunk's size (the sum and the copy)."""
+        self.base.map_into(part, cap, layers, out)
+        tok = self._token_layers(part, layers)
+        if tok is not None:
+            out[: tok.stop - tok.start].add_(self.token_term(part, cap, tok))
+
     # ------------------------------------------------------------------ deferred values
     def value_maps(self) -> ValueMaps | None:
         """The base's value maps with the token term (`ValueMaps.token_weight`): the token features' values map
