@@ -11,7 +11,8 @@ Precisions of the no-grad path (`PRECISIONS`):
 - `fp32` (the default): FP32 maths, rounded once to the output dtype: the same bits as the
   gradient path on every device, so scores reproduce across CPU and GPU.
 - `fused`: FP32 maths, with the keys' norm and RoPE as one compiled kernel per chunk
-  (kvlingo.core.fused). Keys within `fused.TOLERANCE` (relative) of `fp32`, values identical.
+  (kvlingo.core.fused), which also adds a map's second term (the token input's token term) on its
+  way. Keys within `fused.TOLERANCE` (relative) of `fp32`, values identical.
   Chunks too small to be worth a compile, and machines where compiling fails, run the `fp32`
   finish.
 - `fast`: the maps' matmuls take their inputs in the run dtype (BF16 or FP16; TF32 for an FP32
@@ -177,8 +178,15 @@ def _translate_into(
     n, compute, T = k_out.shape[0], translator._compute, k_out.shape[2]
     space = translator.space
     key_map = scratch.take("yk" if compute == torch.float32 else "low", n, compute)  # [n, heads, tokens, d_out]
-    translator.map_into(Part.KEYS, cap, layers, key_map)
-    if not (fuse_keys and space.finish_keys_fused(key_map, layers, k_out)):
+    if fuse_keys:  # a map's second term (the token input's) goes to the compiled finish, which adds it
+        addend = translator.map_keys_into(cap, layers, key_map)
+        done = space.finish_keys_fused(key_map, layers, k_out, addend)
+        if not done and addend is not None:
+            key_map.add_(addend)  # the eager finish below: the sum `map_into` writes, the same bits
+    else:
+        translator.map_into(Part.KEYS, cap, layers, key_map)
+        done = False
+    if not done:
         yk = key_map
         if compute != torch.float32:  # widened once for the FP32 norm and RoPE
             yk = scratch.take("yk", n)

@@ -4,8 +4,11 @@ The `fp32` path (`KeySpace.finish_keys_into`) runs the norm and RoPE in the targ
 operations and order, about a dozen elementwise passes per token tile, so a translation of a
 model's own keys comes back bit for bit. The `fused` precision (kvlingo.core.engine) runs the
 same maths as one torch.compile (inductor) kernel that reads the maps' output once and writes
-the cache once. It is not the same bits: inductor sums the squares of the norm in its own
-order; `TOLERANCE` bounds the difference. Values are not touched.
+the cache once. A family whose key map is a sum written in two steps (the token-input maps: the
+base's maps, then the token term) hands the second term to the kernel, which adds it on the way
+(`Translator.map_keys_into`), so the sum is never written on its own. It is not the same bits:
+inductor sums the squares of the norm in its own order; `TOLERANCE` bounds the difference. Values
+are not touched.
 
 The kernel also takes the key map's output in a narrower dtype (the `fast-fused` precision: BF16
 or FP16 matmuls), widening it inside the kernel, so the FP32 staging copy is never written; on
@@ -36,15 +39,22 @@ _state: dict = {"kernel": None, "shapes": set(), "failure": None, "skipped": 0}
 
 
 def _finish(
-    yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor
+    yk: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor,
+    addend: torch.Tensor | None = None,
 ) -> None:
-    """yk [n, heads, tokens, d] (FP32, or narrower: widened here); weight [n, d] (None: no k_norm); cos/sin
-    [tokens, d] → out (any dtype).
+    """yk [n, heads, tokens, d] (FP32, or narrower: widened here), plus `addend` of its shape where given (a
+    family's term still to be summed, such as the token-input maps' token term); weight [n, d] (None: no k_norm);
+    cos/sin [tokens, d] → out (any dtype).
 
     The norm is `keyspace.rms_norm` itself. RoPE is written half by half, as `rope.apply_rope_into`
     computes it (k1·cos1 - k2·sin1, k2·cos2 + k1·sin2; the same values as `apply_rope`), which compiles
     to a faster kernel than `apply_rope`'s rotate_half with the same bits."""
-    yk = yk.float()
+    yk = yk.float() if addend is None else yk.float() + addend.float()
     y = yk if weight is None else rms_norm(yk, weight, eps)
     h = y.shape[-1] // 2
     y1, y2 = y[..., :h], y[..., h:]
@@ -52,12 +62,20 @@ def _finish(
 
 
 def finish_keys(
-    yk: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor
+    yk: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor,
+    addend: torch.Tensor | None = None,
 ) -> bool:
-    """Norm (when `weight` is given) and RoPE of yk into `out` as one compiled kernel. True when it ran;
-    False (the caller then writes every key itself) for a chunk off a CPU or CUDA device, not in a float
-    dtype, under `MIN_ELEMENTS`, past `MAX_SHAPES`, or after a compile failure."""
+    """Norm (when `weight` is given) and RoPE of yk (+ `addend`) into `out` as one compiled kernel. True when it
+    ran; False (the caller then sums and writes every key itself) for a chunk off a CPU or CUDA device, not in a
+    float dtype, under `MIN_ELEMENTS`, past `MAX_SHAPES`, or after a compile failure."""
     if yk.device.type not in DEVICES or yk.dtype not in DTYPES or yk.numel() < MIN_ELEMENTS or _state["failure"]:
+        return False
+    if addend is not None and (addend.shape != yk.shape or addend.dtype not in DTYPES):
         return False
     key = (
         yk.device.type,
@@ -69,6 +87,7 @@ def finish_keys(
         weight is None,
         eps,
         tuple(cos.stride()),
+        None if addend is None else (addend.dtype, tuple(addend.stride())),
     )
     new = key not in _state["shapes"]  # this call compiles
     if new and len(_state["shapes"]) >= MAX_SHAPES:
@@ -78,7 +97,7 @@ def finish_keys(
         _state["kernel"] = torch.compile(_finish, dynamic=False)
     try:
         with _quiet_cuda_probe() if new else nullcontext():
-            _state["kernel"](yk, weight, eps, cos, sin, out)
+            _state["kernel"](yk, weight, eps, cos, sin, out, addend)
     except Exception as err:  # no C++ compiler, or inductor cannot build the kernel: the eager finish runs
         _state["failure"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         return False

@@ -117,9 +117,13 @@ class KeySpace:
         if dest is not k_out:
             k_out.copy_(dest)  # the one rounding to the output dtype
 
-    def finish_keys_fused(self, yk: torch.Tensor, layers: slice, k_out: torch.Tensor) -> bool:
-        """`finish_keys_into` for a whole chunk as one compiled kernel (kvlingo.core.fused): the same maths,
-        not the same bits. False when the kernel did not run (then the caller's eager finish writes the keys)."""
+    def finish_keys_fused(
+        self, yk: torch.Tensor, layers: slice, k_out: torch.Tensor, addend: torch.Tensor | None = None
+    ) -> bool:
+        """`finish_keys_into` of yk (+ `addend`) for a whole chunk as one compiled kernel (kvlingo.core.fused): the
+        same maths, not the same bits. False when the kernel did not run (then the caller adds the addend and its
+        eager finish writes the keys)."""
         norm = self.name == "prenorm" and self.k_norm_weight is not None
         cos, sin = self.target_rope(yk.shape[2], device=yk.device)
-        return fused.finish_keys(yk, self.k_norm_weight[layers] if norm else None, self.k_norm_eps, cos, sin, k_out)
+        weight = self.k_norm_weight[layers] if norm else None
+        return fused.finish_keys(yk, weight, self.k_norm_eps, cos, sin, k_out, addend)

@@ -71,6 +71,13 @@ class Translator(nn.Module, ABC):
         """`map` written into `out` [n layers, target kv_heads, tokens, target head_dim] (maybe strided)."""
         out.copy_(self.map(part, cap, layers))
 
+    def map_keys_into(self, cap: Capture, layers: slice, out: torch.Tensor) -> torch.Tensor | None:
+        """The key map in two terms, for the engine's compiled finish: the first written into `out`, the second
+        returned (of `out`'s shape) for the finish to add on its way, or None when `out` holds the whole map.
+        `out` + the second term is `map`'s sum. A family whose map is one term writes it all (`map_into`)."""
+        self.map_into(Part.KEYS, cap, layers, out)
+        return None
+
     @abstractmethod
     def flops_per_token(self, part: Part | None = None) -> float:
         """Multiply-adds × 2 per context token of the key or value maps (`part`), or of both (None); norm

@@ -114,3 +114,74 @@ def test_fast_fused_finish_reads_the_narrow_map_output_and_matches_fast(models, 
         assert (mine - eager).abs().max().item() <= (fused.TOLERANCE + BF16_EPS) * eager.abs().max().item()
         assert (mine - ref).abs().max().item() <= FAST_BF16_TOLERANCE * ref.abs().max().item()
     assert cache.context(40)[0].data_ptr() == got[0].data_ptr()
+
+
+def random_token_maps(source, target, seed: int, rank: int = 4):
+    """The default family's maps (token input, window 3, head-wise base) with random weights, bound to the pair."""
+    from kvlingo.core.families.tokeninput.maps import TokenInput
+    from kvlingo.core.settings import Geometry
+
+    maps = TokenInput(Geometry.of(source, target), "prenorm", rank=rank, window=3).bind(source, target)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in maps.parameters():
+            p.normal_(0, 0.2, generator=g)
+    return maps.requires_grad_(False)
+
+
+def test_the_token_term_is_added_inside_the_fused_kernel(models, fused_any_size, monkeypatch):
+    """The default family under `fused`: the base's key maps are written into the chunk and the token term goes to
+    the compiled kernel, which adds it on its way (the sum is never written on its own). Keys within
+    fused.TOLERANCE of fp32, values bit for bit; the handoff as it runs (exact layer 0, deferred values) then
+    continues greedily to the same tokens; where compiling fails, the fp32 bits."""
+    from kvlingo.core.handoff import greedy_generate, translate_to_cache
+    from kvlingo.core.settings import Refresh
+
+    source, target = models["large", torch.float32], models["small", torch.float32]
+    maps = random_token_maps(source, target, 31)
+    addends = []
+    real = fused.finish_keys
+    monkeypatch.setattr(fused, "finish_keys", lambda *a: addends.append(a[6]) or real(*a))
+    ids = random_ids(40, target.config.vocab_size, 32)
+    with torch.no_grad():
+        cap = capture(source, ids)
+        exact = maps(cap, precision="fp32")
+        assert not addends  # the fp32 path sums the terms itself
+        got = maps(cap, precision="fused")
+    state = fused.status()
+    if state["failure"]:
+        pytest.skip(f"torch.compile cannot build the fused kernel here: {state['failure']}")
+    assert addends and all(a is not None and a.shape[1:] == exact[0].shape[1:] for a in addends)  # a chunk's term
+    assert sum(a.shape[0] for a in addends) == exact[0].shape[0]  # every layer's keys through the kernel
+    assert state["skipped_chunks"] == 0 and state["compiled_shapes"] >= 1
+    assert torch.equal(got[1], exact[1])
+    for layer in range(exact[0].shape[0]):
+        ref = exact[0][layer]
+        assert (got[0][layer] - ref).abs().max().item() <= fused.TOLERANCE * ref.abs().max().item()
+
+    new = random_ids(3, target.config.vocab_size, 33)[0].tolist()
+    tokens = {}
+    for precision in ("fp32", "fused"):
+        with torch.no_grad():
+            cache = translate_to_cache(
+                source,
+                target,
+                maps,
+                ids,
+                room=20,
+                precision=precision,
+                refresh=Refresh.parse("exact:0"),
+                defer_values=True,
+            )
+            tokens[precision], _ = greedy_generate(target, new, cache=cache, max_new_tokens=12)
+    assert tokens["fused"] == tokens["fp32"] and len(tokens["fp32"]) == 12
+
+    fused.reset()  # no C++ compiler: the eager finish, with the token term summed first, has fp32's bits
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: broken)
+    with torch.no_grad():
+        fallback = maps(cap, precision="fused")
+    assert fused.status()["failure"] and torch.equal(fallback[0], exact[0]) and torch.equal(fallback[1], exact[1])

@@ -192,6 +192,19 @@ class TokenInput(LinearFamily):
         if tok is not None:
             out[: tok.stop - tok.start].add_(self.token_term(part, cap, tok))
 
+    def map_keys_into(self, cap: Capture, layers: slice, out: torch.Tensor) -> torch.Tensor | None:
+        """The base's key maps into `out` and the token term returned, for the compiled finish to add (a chunk whose
+        layers do not all read the token features gets its partial sum in place, and None)."""
+        self.base.map_into(Part.KEYS, cap, layers, out)
+        tok = self._token_layers(Part.KEYS, layers)
+        if tok is None:
+            return None
+        term = self.token_term(Part.KEYS, cap, tok)
+        if term.shape[0] == out.shape[0]:
+            return term
+        out[: term.shape[0]].add_(term)
+        return None
+
     # ------------------------------------------------------------------ deferred values
     def value_maps(self) -> ValueMaps | None:
         """The base's value maps with the token term (`ValueMaps.token_weight`): the token features' values map
