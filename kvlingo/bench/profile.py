@@ -4,8 +4,7 @@ perf.py --kernels looks inside the optimised handoff from an existing source cac
 one phase at a time, on the pair and translator it timed:
 
     translate  the translation written into the target's cache; under the default translator (token-w3 with
-               exact:0; token-w3-reighth for s2l) that includes the target's exact layer 0 and the token
-               features its maps read
+               exact:0) that includes the target's exact layer 0 and the token features its maps read
     new_turn   the target's forward of the k-token new turn on that cache
     reprefill  the target re-reading the context and the new turn (what the handoff saves)
 

@@ -37,9 +37,9 @@ class Profile:
     # kvlingo/core/families), the refresh its handoffs run under, and its training objective's flags. In every
     # profile, the choice of `make ablate PROFILE=demo` (docs/results.md, "The default"): head-wise maps plus the
     # target's layer-0 features of each token and the two before it, with the target's exact layer 0 from the
-    # token ids; the token rank is the cheapest within noise of each direction's best: half the target's width
-    # for l2s (every cheaper rank loses GSM8K), an eighth of it for s2l (ties the best; a third of the cost).
-    family: tuple[str, str] = ("token-w3", "token-w3-reighth")
+    # token ids, token rank half the target's width; one setting for both directions. The cheaper ranks lose on
+    # the 28-layer pair in both directions (s2l's eighth rank ties on the 4-layer pair only).
+    family: tuple[str, str] = ("token-w3", "token-w3")
     refresh: tuple[str, str] = ("exact:0", "exact:0")
     objective: tuple[dict, dict] = ({}, {})
     # The default before the ablation's choice, per direction (variant names): scored on test beside it. Cross-head
