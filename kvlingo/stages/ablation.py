@@ -16,7 +16,8 @@ conversations (KL/token, the context metrics of kvlingo/eval/context.py, attenti
 agreement) and on the validation halves of IFEval and GSM8K (`Profile.ablate_items[0]` items
 each). Across the settings, each candidate metric's rank correlation with task retention (the
 mean of the IFEval and GSM8K shares of the native target's accuracy) says which one tracks the
-tasks. Among the settings costing at most `MAX_COST_FRACTION` of a re-prefill at the real shapes,
+tasks (where none does so significantly, exact p > `METRIC_P`, validation KL chooses). Among the
+settings costing at most `MAX_COST_FRACTION` of a re-prefill at the real shapes,
 the best by that metric is found, and the default is the cheapest setting within `TIE_SE` paired
 standard errors of it, on that metric (per conversation) and on each validation task (per item):
 a difference within noise is a tie, and a tie goes to the cheaper handoff. The chosen default and the direction's
@@ -59,6 +60,7 @@ METRIC_SUMS = {
     "val_attention_cosine": ("attn_cos_sum", "attn_n"),
 }
 PER_CONVERSATION_MEAN = {"val_attention_cosine"}
+METRIC_P = 0.01  # a metric chooses only where its rank correlation with retention is this significant (exact p)
 TIE_SE = 2.0  # a setting within this many paired SEs of the best (metric and each task) ties with it
 TASK_NAMES = {"ifeval": "IFEval", "gsm8k": "GSM8K"}
 # The objective rows: the profile's default translator trained with another objective (suffix, flags, note).
@@ -214,9 +216,15 @@ def metric_correlations(rows: list[dict]) -> dict[str, dict]:
 
 
 def choose_metric(correlations: dict[str, dict]) -> str:
-    """The validation metric that tracks retention best (highest signed correlation; val KL when none is finite)."""
+    """The validation metric that tracks retention best (highest signed correlation), where that correlation is
+    positive and significant (exact p ≤ METRIC_P); else val KL, the distillation's own objective: a metric that
+    does not track retention would choose on noise."""
     finite = {k: v["tracking"] for k, v in correlations.items() if math.isfinite(v["tracking"])}
-    return max(finite, key=lambda k: (finite[k], k == "val_kl")) if finite else "val_kl"
+    if not finite:
+        return "val_kl"
+    best = max(finite, key=lambda k: (finite[k], k == "val_kl"))
+    p = correlations[best].get("p", float("nan"))
+    return best if finite[best] > 0 and math.isfinite(p) and p <= METRIC_P else "val_kl"
 
 
 def ratio_influence(nums: Sequence[float], dens: Sequence[float]) -> tuple[float, list[float]]:

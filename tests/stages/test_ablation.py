@@ -77,18 +77,24 @@ def test_the_metric_that_tracks_retention_chooses_the_default_within_the_cap():
             val_ifeval={"kept": keep},
             val_gsm8k={"kept": keep},
         )
-        for i, (kl, ctx, keep) in enumerate([(0.1, 0.9, 0.3), (0.2, 0.5, 0.6), (0.3, 0.2, 0.8), (0.4, 0.1, 0.95)])
+        for i, (kl, ctx, keep) in enumerate(
+            [(0.1, 0.9, 0.3), (0.2, 0.5, 0.6), (0.3, 0.2, 0.8), (0.4, 0.1, 0.95), (0.05, 0.95, 0.2), (0.02, 0.99, 0.1)]
+        )
     ]
     corr = A.metric_correlations(rows)
     assert corr["val_context_kl"]["rho"] == pytest.approx(-1) and corr["val_context_kl"]["tracking"] == pytest.approx(1)
     assert corr["val_kl"]["tracking"] == pytest.approx(-1) and math.isnan(corr["val_top1"]["rho"])  # constant
     metric = A.choose_metric(corr)
-    assert metric in ("val_context_kl", "val_context_weighted_kl")
+    assert metric in ("val_context_kl", "val_context_weighted_kl") and corr[metric]["p"] <= A.METRIC_P
+    # four settings cannot show a metric tracks retention (exact p of a perfect ρ: 1/12): validation KL chooses
+    few = A.metric_correlations(rows[:4])
+    assert few["val_context_kl"]["tracking"] == pytest.approx(1) and few["val_context_kl"]["p"] > A.METRIC_P
+    assert A.choose_metric(few) == "val_kl"
     rows.append(_row("costly", 0.4, val_context_kl=0.01, val_context_weighted_kl=0.01, val_kl=0.01))
     choice = A.choose_default(rows, "val_context_kl")
     assert choice["setting"] == "s3" and choice["runner_up"] == "s2" and choice["metric"] == "val_context_kl"
     assert A.choose_default(rows[-1:], "val_context_kl")["setting"] is None
-    assert A.choose_default(rows, "val_kl")["setting"] == "s0"  # lower is better for KL metrics
+    assert A.choose_default(rows, "val_kl")["setting"] == "s5"  # lower is better for KL metrics
 
 
 def test_the_share_kept_and_its_paired_se_against_a_hand_count():
