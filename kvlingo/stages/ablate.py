@@ -14,7 +14,6 @@ continues with --resume. Writes RESULTS/RUN/ablation.{json,md,png}.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -29,7 +28,7 @@ from ..eval.itemrows import read_rows
 from ..inputs.argtypes import whole
 from ..inputs.flags import add_task_data_args, generative_tasks
 from ..inputs.profiles import get_profile
-from ..io import atomic_write_bytes, atomic_write_text, sha256_file
+from ..io import atomic_write_bytes, atomic_write_text, read_jsonl, sha256_file
 from ..records.paths import MAPS_FILE, TRANSLATORS, RunPaths, check_outputs, default_data, default_run
 from ..records.report import Metric, Report, figure, figure_png, fmt_pm, fmt_table, read_report
 from ..records.resume import code_hash
@@ -140,7 +139,7 @@ class Plan:
         )
 
     def generative(self, task: str, sub: str, split: str, native: bool, refresh: str = "none") -> K.Cell:
-        stage, report = ("ifeval", "ifeval") if task == "ifeval" else ("task", "task-gsm8k")
+        stage, report = ("ifeval" if task == "ifeval" else "task"), task_report(task)
         limit = self.cfg.items[0 if split == "validation" else 1]
         flags = {
             "--data-root": self.cfg.eval_root,
@@ -210,23 +209,23 @@ def summarise(plan: Plan, setting: A.Setting, sub: str, toy_geometry, long: bool
         **arm_figures(read_report(res / "benchmark-validation.json"), "val"),
     }
     for t in plan.cfg.tasks:
-        row[f"val_{t}"] = task_figures(
-            read_report(res / f"{'ifeval' if t == 'ifeval' else 'task-gsm8k'}-validation.json"), t
-        )
+        row[f"val_{t}"] = task_figures(read_report(res / f"{task_report(t)}-validation.json"), t)
     return row
 
 
-def tie_evidence(res: Path, tasks: Sequence[str]) -> dict:
-    """A row's validation evidence for `A.within_noise`, from its rows files: each validation metric's part per
+def task_report(task: str) -> str:
+    """The report name of a generative task's translated scores (ifeval, task-gsm8k)."""
+    return "ifeval" if task == "ifeval" else f"task-{task}"
+
+
+def tie_evidence(res: Path, metric: str, tasks: Sequence[str]) -> dict:
+    """A row's validation evidence for `A.within_noise`, from its rows files: the choosing metric's part per
     conversation (in the benchmark's conversation order) and each task's translated answer per item (right or not)."""
-    convs = [json.loads(line) for line in (res / "benchmark-validation.rows.jsonl").read_text().splitlines() if line]
-    arms = [c["arms"]["distilled"] for c in convs]
-    evidence = {"ids": [c["id"] for c in convs]}
-    for metric in A.METRICS:
-        evidence[metric] = A.metric_per_conversation(arms, metric)[1]
+    convs = read_jsonl(res / "benchmark-validation.rows.jsonl")
+    parts = A.metric_per_conversation([c["arms"]["distilled"] for c in convs], metric)[1]
     items: dict[str, dict] = {}
     for t in tasks:
-        _, rows, _ = read_rows(res / f"{'ifeval' if t == 'ifeval' else 'task-gsm8k'}-validation.rows.jsonl")
+        _, rows, _ = read_rows(res / f"{task_report(t)}-validation.rows.jsonl")
         items[t] = {
             str(r.get("doc_key", r.get("item_id"))): bool(
                 r["grades"]["prompt_level_strict_acc"] if t == "ifeval" else r["correct"]
@@ -234,7 +233,7 @@ def tie_evidence(res: Path, tasks: Sequence[str]) -> dict:
             for r in rows
             if r.get("kind") == "item" and r.get("path") == "translated"
         }
-    return {"val_conversations": evidence, "val_items": items}
+    return {"val_conversations": {"ids": [c["id"] for c in convs], metric: parts}, "val_items": items}
 
 
 def add_test(plan: Plan, row: dict) -> None:
@@ -242,9 +241,7 @@ def add_test(plan: Plan, row: dict) -> None:
     bench = read_report(res / "benchmark.json")
     row.update(arm_figures(bench, "test"))
     for t in plan.cfg.tasks:
-        row[f"test_{t}"] = task_figures(
-            read_report(res / f"{'ifeval' if t == 'ifeval' else 'task-gsm8k'}-test.json"), t
-        )
+        row[f"test_{t}"] = task_figures(read_report(res / f"{task_report(t)}-test.json"), t)
 
 
 def _pct(fig: dict | None, with_kept: bool = True) -> str:
@@ -524,7 +521,7 @@ class Ablate(Stage):
         plain = [r for r in rows if not r["long_budget"]]
         correlations = A.metric_correlations(plain)
         metric = A.choose_metric(correlations)
-        evidence = {r["name"]: tie_evidence(self.plan.paths.nested(r["name"]).res, self.tasks) for r in plain}
+        evidence = {r["name"]: tie_evidence(self.plan.paths.nested(r["name"]).res, metric, self.tasks) for r in plain}
         default = A.choose_default([{**r, **evidence[r["name"]]} for r in plain], metric, self.tasks)
         ties = default.pop("ties", {})
         for r in plain:  # each row's standing against the best (the evidence itself stays in the rows files)

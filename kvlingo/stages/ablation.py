@@ -247,34 +247,33 @@ def metric_per_conversation(arms: Sequence[dict], metric: str) -> tuple[float, l
     return ratio_influence([a[num] for a in arms], [a[den] for a in arms])
 
 
-def paired_difference(a: Sequence[float], b: Sequence[float], centred: bool) -> tuple[float, float]:
-    """(mean of a − b, its SE) over the same conversations or items: for `centred` influences, the SE alone (their
-    mean is 0 by construction) with the difference taken from the values the caller holds."""
-    from ..eval.stats import mean_se
-
-    s = mean_se([x - y for x, y in zip(a, b, strict=True)])
-    return (0.0 if centred else s["mean"]), s["se"]
-
-
 def within_noise(best: dict, other: dict, metric: str, tasks: Sequence[str]) -> dict[str, Any]:
     """Whether `other` is within TIE_SE paired standard errors of `best` on `metric` and on every validation task.
 
-    Each row carries `val_conversations` ({"ids", metric: per-conversation parts}) and `val_items`
-    ({task: {item key: correct}}): the validation evidence of `tie_evidence`. The comparison is one-sided (how much
-    worse `other` is), conversation by conversation and item by item on the ones both rows hold."""
+    Each row carries `val_conversations` ({"ids", metric: each conversation's part of it, `metric_per_conversation`})
+    and `val_items` ({task: {item key: correct}}): the validation evidence of `tie_evidence`. The comparison is
+    one-sided (how much worse `other` is), conversation by conversation and item by item on the ones both rows
+    hold."""
+    from ..eval.stats import paired_t
+
     higher = METRICS.get(metric, False)
     sign = 1.0 if higher else -1.0  # worse = lower for higher-is-better metrics
     a, b = best["val_conversations"], other["val_conversations"]
     if a["ids"] != b["ids"]:
         raise ValueError(f"{best['name']} and {other['name']} were scored on different validation conversations")
-    _, se = paired_difference(a[metric], b[metric], centred=metric not in PER_CONVERSATION_MEAN)
+    se = paired_t(a[metric], b[metric])["se"]  # of the difference of the two rows' parts, conversation by conversation
     worse = sign * (best[metric] - other[metric])  # ≥ 0 when other is worse
     out: dict[str, Any] = {"metric": {"worse_by": worse, "se": se, "tied": worse <= TIE_SE * se}}
     for t in tasks:
         ia, ib = best["val_items"][t], other["val_items"][t]
         keys = sorted(set(ia) & set(ib))
-        d, se_t = paired_difference([float(ia[k]) for k in keys], [float(ib[k]) for k in keys], centred=False)
-        out[t] = {"worse_by_points": 100 * d, "se_points": 100 * se_t, "n": len(keys), "tied": d <= TIE_SE * se_t}
+        d = paired_t([float(ia[k]) for k in keys], [float(ib[k]) for k in keys])
+        out[t] = {
+            "worse_by_points": 100 * d["mean_diff"],
+            "se_points": 100 * d["se"],
+            "n": len(keys),
+            "tied": d["mean_diff"] <= TIE_SE * d["se"],
+        }
     out["tied"] = all(v["tied"] for v in out.values() if isinstance(v, dict))
     return out
 

@@ -187,23 +187,25 @@ class TokenInput(LinearFamily):
         """`map` written into `out`: the base's maps straight into it, then the token term added in place. The same
         bits as `map` (each element is the same one sum of the same two operands), without its two temporaries of
         the chunk's size (the sum and the copy)."""
-        self.base.map_into(part, cap, layers, out)
-        tok = self._token_layers(part, layers)
-        if tok is not None:
-            out[: tok.stop - tok.start].add_(self.token_term(part, cap, tok))
+        term = self._base_into(part, cap, layers, out)
+        if term is not None:
+            out[: term.shape[0]].add_(term)
 
     def map_keys_into(self, cap: Capture, layers: slice, out: torch.Tensor) -> torch.Tensor | None:
         """The base's key maps into `out` and the token term returned, for the compiled finish to add (a chunk whose
         layers do not all read the token features gets its partial sum in place, and None)."""
-        self.base.map_into(Part.KEYS, cap, layers, out)
-        tok = self._token_layers(Part.KEYS, layers)
-        if tok is None:
-            return None
-        term = self.token_term(Part.KEYS, cap, tok)
-        if term.shape[0] == out.shape[0]:
+        term = self._base_into(Part.KEYS, cap, layers, out)
+        if term is None or term.shape[0] == out.shape[0]:
             return term
         out[: term.shape[0]].add_(term)
         return None
+
+    def _base_into(self, part: Part, cap: Capture, layers: slice, out: torch.Tensor) -> torch.Tensor | None:
+        """The base's maps written into `out`; the token term of the first layers of the chunk that read the token
+        features ([n ≤ chunk, heads, tokens, head_dim]), or None when none does."""
+        self.base.map_into(part, cap, layers, out)
+        tok = self._token_layers(part, layers)
+        return None if tok is None else self.token_term(part, cap, tok)
 
     # ------------------------------------------------------------------ deferred values
     def value_maps(self) -> ValueMaps | None:
