@@ -256,7 +256,7 @@ export: $(VENV)/.synced ## the run's translator, its evidence and a model card �
 summary: $(VENV)/.synced ## one table and one figure of the run's reports → results/RUN/summary.{md,png,json}
 	$(PY) summary.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))
 
-ablate: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## the translator's levers (families, exact layer 0, token identity, objectives) on one budget; metric and default chosen on validation, the best scored on test → results/PROFILE-DIRECTION-ablate/ablation.{json,md,png} (both directions)
+ablate: $(PUNKT) $(if $(filter demo scale,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## the translator's levers (families, exact layer 0, token identity, objectives) on one budget; metric and default chosen on validation, the best scored on test → results/PROFILE-DIRECTION-ablate/ablation.{json,md,png} (both directions)
 	$(MAKE) prepare
 	@mkdir -p results; status=0; pids=""; \
 	for d in $(ABLATE_DIRECTIONS); do \
@@ -270,7 +270,7 @@ ablate: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifes
 	for d in $(ABLATE_DIRECTIONS); do tail -n 40 results/ablate-$(if $(filter-out toy,$(PAIR)),$(PAIR)-)$$d.log; done; \
 	exit $$status
 
-frontier: $(PUNKT) $(if $(filter demo,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## prepare and train the run (when not done), then quality against cost from pure translation to re-prefill (refresh settings) → results/RUN/frontier.{json,md,png}
+frontier: $(PUNKT) $(if $(filter demo scale,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## prepare and train the run (when not done), then quality against cost from pure translation to re-prefill (refresh settings) → results/RUN/frontier.{json,md,png}
 	$(MAKE) prepare
 	$(MAKE) train TRAIN_ARGS="--resume $(TRAIN_ARGS)"
 	$(PY) frontier.py $(PAIR_FLAGS) --data-root $(EVAL_ROOT) $(FRONTIER_ARGS)

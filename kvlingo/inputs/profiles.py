@@ -55,6 +55,10 @@ class Profile:
     # IFEval prompts and GSM8K items per row of `make ablate`: on the validation half (every row; the choice) and on
     # the test half (the rows it evaluates in full; the claim)
     ablate_items: tuple[int, int] = (128, 256)
+    # The rows `make ablate` runs by default (empty: every default row of the families) and its longer budget for the
+    # best two by validation KL, in multiples of `updates` (0: none)
+    ablate_settings: tuple[str, ...] = ()
+    ablate_long_factor: int = 0
 
     def lr_for(self, direction: str) -> float:
         return self.lr[0] if direction == "l2s" else self.lr[1]
@@ -176,6 +180,11 @@ PROFILES: dict[str, Profile] = {
             fit_weighting="attention",
             switch_lengths=(250, 500, 1000),
             allow_cv=True,
+            # `make ablate PROFILE=scale`: the default and its on-policy objective at 8,192 conversations, then both
+            # for 8 × 400 updates (about 1.6 passes over the data): whether the budget, not the data, bounds the
+            # token maps (the demo's ablation keeps its 60-minute budget; its rank rows are in the demo's rows).
+            ablate_settings=("token-w3", "token-w3-onpolicy"),
+            ablate_long_factor=8,
         ),
         # Seconds, for the test suite's end-to-end pass.
         Profile(

@@ -344,12 +344,18 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
     n_val = rows[0]["val_n"] if rows else 0
     n_test = next((r["test_n"] for r in rows if "test_n" in r), "—")  # the tested rows share the test split
     p = cfg.pair
+    long_note = (
+        f", and the longer budget of either where it ran (rows named SETTING-long: the best two settings by "
+        f"validation KL trained again for {cfg.long_factor}× the updates, a budget lever outside the choice)"
+        if cfg.long_factor
+        else ""
+    )
     lines = [
         f"# Translator ablation: {p.large} / {p.small}, {p.direction}, profile {cfg.profile}\n\n",
         f"Same splits and budget for every setting. Validation: {n_val} conversations, the first "
         f"{cfg.items[0]} items of the validation half of IFEval and GSM8K (where the choice is made). Test: "
         f"{n_test} conversations and the first {cfg.items[1]} items of the "
-        "test half of each task, for the chosen default and the direction's default before. "
+        f"test half of each task, for the chosen default and the direction's default before{long_note}. "
         "Kept: the share of the native target's accuracy on the same items (± SE, paired). Cost: handoff FLOPs per "
         "context token at the real Qwen3-1.7B/0.6B shapes (translation, plus the exact layer 0 where a setting "
         "uses it) against the target's re-prefill per token. Context KL: KL on the reply tokens whose native "
@@ -388,7 +394,7 @@ def chosen_settings(args, profile, pair) -> tuple[str, ...]:
     """--settings, each a row of this direction (refused with the names there are), or the default rows."""
     geometry = Geometry(**pair.geometry)
     if args.settings is None:
-        return tuple(A.default_settings(profile, pair.direction, geometry))
+        return tuple(profile.ablate_settings or A.default_settings(profile, pair.direction, geometry))
     names = [s.name for s in A.settings_for(profile, pair.direction, geometry)]
     unknown = [s for s in args.settings if s not in names]
     if unknown:
@@ -422,14 +428,15 @@ class Ablate(Stage):
             nargs="+",
             default=None,
             help="rows to run: variants of the families (kvlingo/core/families) and the profile's default "
-            "translator under another objective (DEFAULT-context, -onpolicy, -reg); default: every default "
-            "row, the other direction's default before excepted",
+            "translator under another objective (DEFAULT-context, -onpolicy, -reg); default: the profile's "
+            "ablate_settings, else every default row, the other direction's default before excepted",
         )
         p.add_argument(
             "--long-factor",
             type=whole(0),
-            default=A.LONG_FACTOR,
-            help="train the best two again for this many × the updates (default 0: not)",
+            default=None,
+            help="train the best two by validation KL again for this many × the updates (0: not; default: the "
+            "profile's ablate_long_factor, 0 but for scale)",
         )
         p.add_argument(
             "--items",
@@ -454,7 +461,7 @@ class Ablate(Stage):
             profile=profile.name,
             data=str(args.data or default_data(profile.name)),
             settings=chosen_settings(args, profile, pair),
-            long_factor=args.long_factor,
+            long_factor=profile.ablate_long_factor if args.long_factor is None else args.long_factor,
             eval_root=args.data_root,
             tasks=self.tasks,
             items=tuple(args.items or profile.ablate_items),
@@ -526,14 +533,16 @@ class Ablate(Stage):
         ties = default.pop("ties", {})
         for r in plain:  # each row's standing against the best (the evidence itself stays in the rows files)
             r["val_tie"] = ties.get(r["name"])
+        # Scored on test: the default, the default before, and the longer budget of either where it ran (a budget
+        # lever beside its setting: no choice is made on it).
+        by_row = {r["name"]: r for r in rows}
         claims = [default.get("setting"), A.before(self.profile, self.cfg.pair.direction)]
-        for name in dict.fromkeys(n for n in claims if n in self.by_name):  # in order, once each
-            row = next(r for r in rows if r["name"] == name)
-            self.cells.ensure(self.plan.benchmark(self.by_name[name], name, "test"))
+        claimed = [n for n in dict.fromkeys(claims) if n in self.by_name]  # in order, once each
+        for name in [s for n in claimed for s in (n, f"{n}-long") if s in by_row]:
+            row, setting = by_row[name], self.by_name[by_row[name]["setting"]]
+            self.cells.ensure(self.plan.benchmark(setting, name, "test"))
             for t in self.tasks:
-                self.cells.ensure(
-                    self.plan.generative(t, name, "test", native=False, refresh=self.by_name[name].refresh)
-                )
+                self.cells.ensure(self.plan.generative(t, name, "test", native=False, refresh=setting.refresh))
             add_test(self.plan, row)
         tested = next((r for r in rows if "test_kl" in r), None)
         if tested is not None:  # the native source's KL on the same test conversations (any test benchmark holds it)

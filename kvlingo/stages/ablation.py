@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_COST_FRACTION = 0.10  # the default's handoff FLOPs, at most this fraction of re-prefill at the real shapes
-LONG_FACTOR = 0  # a longer budget for the best two settings, in multiples of the profile's updates (0: none)
 # Validation metrics whose rank correlation with task retention is measured, and whether higher is better.
 METRICS = {
     "val_kl": False,

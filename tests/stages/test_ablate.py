@@ -75,6 +75,52 @@ def test_ablate_runs_and_resumes(tiny_pair_paths, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_the_longer_budget_trains_the_best_again_and_scores_the_defaults_on_test(tiny_pair_paths, tmp_path):
+    """--long-factor 2: the best setting trained again for twice the updates, outside the choice, and scored on test
+    beside its setting (one setting: it is the default and the best)."""
+    torch.set_num_threads(1)
+    data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
+    argv = [
+        "--profile",
+        "tiny",
+        "--data",
+        str(data),
+        "--large",
+        str(tiny_pair_paths[0]),
+        "--small",
+        str(tiny_pair_paths[1]),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--data-root",
+        str(eval_root),
+        "--skip-tasks",
+        "ifeval",
+        "--settings",
+        "token-w1",
+        "--long-factor",
+        "2",
+        "--artifacts",
+        str(tmp_path / "artifacts"),
+        "--results",
+        str(tmp_path / "results"),
+    ]
+    res = ablate.main(argv)["results"]
+    rows = {r["name"]: r for r in res["rows"]}
+    assert list(rows) == ["token-w1", "token-w1-long"] and res["default"]["setting"] == "token-w1"
+    assert [rows[n]["long_budget"] for n in rows] == [False, True] and rows["token-w1-long"]["setting"] == "token-w1"
+    out = tmp_path / "results" / "tiny-l2s-ablate"
+    updates = [read_json(out / n / "train.json")["config"]["updates"] for n in rows]
+    assert updates == [4, 8]  # the tiny profile's 4 updates, then twice that
+    for r in rows.values():  # both on the same test split and items
+        assert r["test_n"] == 4 and r["test_gsm8k"]["n"] == 2 and r["test_kl"] >= 0
+    assert rows["token-w1-long"]["test_kl"] != rows["token-w1"]["test_kl"]
+    md = (out / "ablation.md").read_text()
+    assert "| token-w1-long " in md and "trained again for 2× the updates" in md
+
+
+@pytest.mark.slow
 def test_ablate_resume_redoes_cells_whose_maps_or_rows_changed(benchmarked_run, tiny_pair_paths, tmp_path, capsys):
     """Once, one flipped byte in a finished cell's maps.safetensors, or an edited benchmark.rows.jsonl, and
     `ablate.py --resume` skipped every cell."""

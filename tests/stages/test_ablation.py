@@ -58,6 +58,13 @@ def test_each_direction_runs_its_own_default_before_beside_the_levers():
     assert {f"{default}-{suffix}" for suffix, _, _ in A.OBJECTIVES} <= set(l2s)
 
 
+def test_the_scale_profiles_rows_are_rows_of_both_directions_and_train_longer():
+    scale = get_profile("scale")
+    for d in ("l2s", "s2l"):
+        assert set(scale.ablate_settings) <= {s.name for s in A.settings_for(scale, d, TOY)}
+    assert scale.ablate_long_factor > 1 and not DEMO.ablate_settings and DEMO.ablate_long_factor == 0
+
+
 def _row(name, cost, **metrics):
     return {"name": name, "real": {"fraction_of_reprefill": cost}, **metrics}
 
