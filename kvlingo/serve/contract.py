@@ -402,7 +402,10 @@ class ReusingKeySpace(KeySpace):
         n = torch.Size(shape).numel()
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
-            buf = self._buffers[name] = torch.empty(n, dtype=dtype, device=device)
+            # an ordinary tensor even under inference mode (the engine's forward), so that a call outside it may
+            # write the buffer too
+            with torch.inference_mode(False):
+                buf = self._buffers[name] = torch.empty(n, dtype=dtype, device=device)
         return buf[:n].view(shape)
 
 

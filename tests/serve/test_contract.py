@@ -234,6 +234,18 @@ def test_reused_buffers_strip_rope_bit_for_bit(exports, dtype, precision):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_reused_buffers_made_under_inference_mode_serve_a_call_outside_it(exports):
+    """An engine translates under inference mode; the same contract called afterwards outside it (a benchmark, a
+    user's check) reuses those buffers and gives the same bits."""
+    contract = Contract.load(exports["l2s"], served(exports["large"].parent / "small"), allow_unproven=True)
+    relay = Relay.load(exports["l2s"], device="cpu", dtype="float32", allow_unproven=True)
+    cap = relay.capture(prompt(exports["tok"]))
+    with torch.inference_mode():
+        inside = contract.translate(cap.keys, cap.values, torch.float32)
+    outside = contract.translate(cap.keys, cap.values, torch.float32)
+    assert torch.equal(inside[0], outside[0]) and torch.equal(inside[1], outside[1])
+
+
 # --------------------------------------------------------------------------- where serving sits
 ROOT = Path(__file__).resolve().parents[2]
 
