@@ -260,3 +260,36 @@ def test_map_into_writes_the_same_bits_as_map_into_a_cache_layout(base, rank, pa
                 tr.map_into(part, cap, chunk, out)
                 assert torch.equal(out, want), (part, chunk)
                 assert torch.isnan(cache[chunk, :, 40:]).all()  # nothing written past the context
+
+
+@pytest.mark.parametrize("base", ["headwise", "crosslayer", "crosshead"])
+def test_the_bf16_fast_path_runs_the_token_term_in_bf16_within_the_engines_tolerance(models, base):
+    """Under `fast` into a BF16 cache, the base's maps and the token term's matmuls run in BF16 (every base has a
+    fast path): every layer within FAST_BF16_TOLERANCE of the FP32 maths, nothing written past the context."""
+    from refs import random_ids
+
+    from kvlingo.core import engine
+    from kvlingo.core.engine import FAST_BF16_TOLERANCE
+
+    source, target = models["large", torch.bfloat16], models["small", torch.bfloat16]
+    settings = {"k": 2, "rank": 4, "pairing": "proportional"} if base == "crosslayer" else {}
+    tr = TokenInput(Geometry.of(source, target), "cache", base={"family": base, "settings": settings}, rank=3)
+    tr.bind(source, target)
+    g = torch.Generator().manual_seed(11)
+    ids = random_ids(40, target.config.vocab_size, 5)
+    with torch.no_grad():
+        for p in tr.parameters():
+            p.copy_(0.2 * torch.randn(p.shape, generator=g))
+        cap = capture(source, ids)
+        exact = tr(cap, torch.bfloat16, precision="fp32")
+        cache = [torch.full((*c.shape[:2], 48, c.shape[3]), float("nan"), dtype=torch.bfloat16) for c in exact]
+        fast = tr(cap, out=tuple(c[:, :, :40] for c in cache), precision="fast")
+    assert tr.fast_paths and engine.compute_dtype(tr, torch.bfloat16, "fast") == torch.bfloat16
+    assert tr._compute == tr.base._compute == torch.float32  # both back to FP32 after the translation
+    assert {dtype for _, dtype in tr._down} == {torch.float32, torch.bfloat16}  # t P taken in each compute dtype
+    for ref, got, c in zip(exact, fast, cache):
+        assert torch.isnan(c[:, :, 40:]).all()  # nothing written past the context
+        assert not torch.equal(ref, got)  # the BF16 matmuls really ran
+        for layer in range(ref.shape[0]):
+            bound = FAST_BF16_TOLERANCE * ref[layer].float().abs().max().item()
+            assert (got[layer].float() - ref[layer].float()).abs().max().item() <= bound

@@ -28,6 +28,8 @@ prices it, and the ablation counts it once.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -121,6 +123,18 @@ class TokenInput(LinearFamily):
         return self
 
     # ------------------------------------------------------------------ translation
+    @property
+    def fast_paths(self) -> bool:  # type: ignore[override]
+        """The engine's `fast` path where the base has one (head-wise, cross-layer): the base's maps and the token
+        term's two matmuls take their inputs in the run dtype, and the term is added in it (keys: inside the
+        compiled finish, in FP32)."""
+        return self.base.fast_paths
+
+    @contextmanager
+    def computing(self, dtype: torch.dtype) -> Iterator[None]:
+        with super().computing(dtype), self.base.computing(dtype):
+            yield
+
     def features(self, cap: Capture) -> torch.Tensor:
         """The token features t [tokens, w · 2 · kv width], FP32 (computed once per capture)."""
         if cap.ids is None:
