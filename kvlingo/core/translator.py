@@ -141,6 +141,13 @@ class Translator(nn.Module, ABC):
         self.space = KeySpace(self.key_space, source, target, device=self.device)
         return self
 
+    def use_space(self, space: KeySpace) -> None:
+        """Read source keys through `space`: this translator and every translator inside it (a composite family's
+        base), which shares its key space."""
+        for m in self.modules():
+            if isinstance(m, Translator):
+                m.space = space
+
     def _apply(self, fn, *args, **kwargs):  # .to(device) moves the bound k_norm too
         out = super()._apply(fn, *args, **kwargs)
         if self.space is not None:

@@ -218,7 +218,7 @@ class Contract:
                 layer0_dtype=dtype if wants_layer0 else None,
             )
             translator = load_state(folder, manifest).bind(source, target_stub)
-            translator.space = ReusingKeySpace.of(translator.space)
+            translator.use_space(ReusingKeySpace.of(translator.space))  # a token-input base's maps read it too
         except NotContextFree as err:
             raise Refused(
                 f"the {family} maps with refresh {refresh} read the target's layer 0 from the token ids, and "

@@ -330,8 +330,14 @@ def test_token_input_exact0_translation_is_the_relays_bit_for_bit(exports, dtype
     """The default translator's handoff through the contract (the token ids passed beside the cache; the target's
     layer 0 and token features from its checked layer-0 tensors alone) is Relay's (the loaded target's own layer 0,
     layers 1.. translated), head-major and token-major, in FP32 and BF16."""
+    from kvlingo.core.translator import Translator
+    from kvlingo.serve.contract import ReusingKeySpace
+
     contract = Contract.load(exports["token"], served(exports["small"]), allow_unproven=True, dtype=dtype)
     assert contract.config["family"] == "tokeninput" and contract.refresh == Refresh("exact", 0)
+    spaces = {id(m.space) for m in contract.translator.modules() if isinstance(m, Translator)}
+    assert spaces == {id(contract.translator.space)} and isinstance(contract.translator.space, ReusingKeySpace)
+    assert contract.translator.base.space is contract.translator.space  # the base's maps read the reused buffers
     assert isinstance(contract.layer0, Layer0) and contract.translator.layer0 is contract.layer0
     relay = Relay.load(exports["token"], device="cpu", dtype=str(dtype).removeprefix("torch."), allow_unproven=True)
     assert relay.refresh == contract.refresh
