@@ -146,7 +146,7 @@ def translate(
         torch.no_grad(),
         torch.autocast(device_type=device.type, enabled=False),
         matmul_precision(device, precision),
-        translator.computing(compute),
+        translator.computing(compute, precision in FUSED),
     ):
         for start in range(first, stop, step):
             layers = slice(start, min(stop, start + step))

@@ -14,6 +14,10 @@ The kernel also takes the key map's output in a narrower dtype (the `fast-fused`
 or FP16 matmuls), widening it inside the kernel, so the FP32 staging copy is never written; on
 CUDA torch.compile builds it with Triton.
 
+The source side has its kernel too (`strip_keys`): the cached keys' RoPE stripped with the source's
+schedule, read in the cache's dtype and written in the maps' input dtype in one pass, where the eager
+strip widens, rotates in five passes and narrows again.
+
 Each shape compiles once (`dynamic=False`: dynamic-shape kernels ran slower), so the kernel only
 takes chunks of `MIN_ELEMENTS` or more and at most `MAX_SHAPES` shapes per process (torch's own
 recompile limit is 8). Compiling needs a C++ compiler; where it fails, or past those limits,
@@ -35,7 +39,7 @@ TOLERANCE = 2.0**-20  # max |fused - fp32| / max |fp32 key| per chunk (measured 
 DEVICES = ("cpu", "cuda")  # inductor's C++ and Triton back ends
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the key map may write (widened in the kernel)
 
-_state: dict = {"kernel": None, "shapes": set(), "failure": None, "skipped": 0}
+_state: dict = {"kernels": {}, "shapes": {}, "failure": None, "skipped": 0}  # kernels and shapes by kernel name
 
 
 def _finish(
@@ -89,19 +93,44 @@ def finish_keys(
         tuple(cos.stride()),
         None if addend is None else (addend.dtype, tuple(addend.stride())),
     )
-    new = key not in _state["shapes"]  # this call compiles
-    if new and len(_state["shapes"]) >= MAX_SHAPES:
+    return _run("finish", _finish, key, yk, weight, eps, cos, sin, out, addend)
+
+
+def _strip(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """keys [n, heads, tokens, d] as cached (any float dtype) with RoPE stripped by the inverse tables cos/sin
+    [tokens, d] → out (any dtype): `rope.strip_rope`'s k·cos − rotate_half(k)·sin, half by half."""
+    k = keys.float()
+    h = k.shape[-1] // 2
+    k1, k2 = k[..., :h], k[..., h:]
+    out.copy_(torch.cat([k1 * cos[:, :h] + k2 * sin[:, :h], k2 * cos[:, h:] - k1 * sin[:, h:]], dim=-1))
+
+
+def strip_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> bool:
+    """`rope.strip_rope` of the cached `keys` into `out` (the maps' input dtype) as one compiled kernel. True when
+    it ran; False (the caller strips eagerly) under the same conditions as `finish_keys`."""
+    if keys.device.type not in DEVICES or keys.dtype not in DTYPES or keys.numel() < MIN_ELEMENTS or _state["failure"]:
+        return False
+    key = (keys.device.type, keys.dtype, tuple(keys.shape), tuple(keys.stride()), tuple(out.stride()), out.dtype)
+    return _run("strip", _strip, key + (tuple(cos.stride()),), keys, cos, sin, out)
+
+
+def _run(name: str, fn, key: tuple, *args) -> bool:
+    """Run kernel `name` (`fn` compiled once per process, one shape per distinct `key`): True when it ran."""
+    shapes = _state["shapes"].setdefault(name, set())
+    new = key not in shapes  # this call compiles
+    if new and len(shapes) >= MAX_SHAPES:
         _state["skipped"] += 1
         return False
-    if _state["kernel"] is None:
-        _state["kernel"] = torch.compile(_finish, dynamic=False)
+    kernel = _state["kernels"].get(name)
+    if kernel is None:
+        kernel = _state["kernels"][name] = torch.compile(fn, dynamic=False)
     try:
         with _quiet_cuda_probe() if new else nullcontext():
-            _state["kernel"](yk, weight, eps, cos, sin, out, addend)
-    except Exception as err:  # no C++ compiler, or inductor cannot build the kernel: the eager finish runs
+            kernel(*args)
+    except Exception as err:  # no C++ compiler, or inductor cannot build the kernel: the eager path runs
         _state["failure"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         return False
-    _state["shapes"].add(key)
+    shapes.add(key)
     return True
 
 
@@ -122,7 +151,8 @@ def status() -> dict:
     """What the fused finish did in this process: shapes compiled, chunks left to the eager finish past
     `MAX_SHAPES`, and why compiling failed (None when it did not)."""
     return {
-        "compiled_shapes": len(_state["shapes"]),
+        "compiled_shapes": sum(len(v) for v in _state["shapes"].values()),
+        "compiled_by_kernel": {k: len(v) for k, v in _state["shapes"].items()},
         "skipped_chunks": _state["skipped"],
         "failure": _state["failure"],
         "min_elements": MIN_ELEMENTS,
@@ -132,4 +162,4 @@ def status() -> dict:
 def reset() -> None:
     """Forget compiled kernels, shapes and any failure (tests)."""
     torch.compiler.reset()
-    _state.update(kernel=None, shapes=set(), failure=None, skipped=0)
+    _state.update(kernels={}, shapes={}, failure=None, skipped=0)

@@ -21,6 +21,7 @@ import torch
 
 from . import arch, fused
 from .cache import Capture
+from .fused import strip_keys as fused_strip
 from .norm import rms_norm, rms_norm_
 from .rope import RopeCache, apply_rope, apply_rope_into, strip_rope
 from .settings import KEY_SPACES  # noqa: F401  (re-exported)
@@ -74,9 +75,12 @@ class KeySpace:
         return self
 
     # ------------------------------------------------------------------ source side
-    def source_keys(self, cap: Capture, layers=slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def source_keys(
+        self, cap: Capture, layers=slice(None), dtype: torch.dtype = torch.float32, fused: bool = False
+    ) -> torch.Tensor:
         """Source key inputs [layers, heads, tokens, d_in] in `dtype` (FP32 maths, one rounding) for the selected
-        source layers."""
+        source layers. `fused`: the cache space's RoPE strip as one compiled kernel (`fused.strip_keys`, the same
+        maths, not the same bits), where it runs."""
         if self.name == "prenorm":
             if cap.prenorm is None:
                 raise ValueError(
@@ -84,6 +88,10 @@ class KeySpace:
                 )
             return cap.prenorm[layers].to(dtype)
         cos, sin = self.source_rope.inverse(cap.n_tokens, device=cap.keys.device)
+        if fused:
+            out = torch.empty(cap.keys[layers].shape, dtype=dtype, device=cap.keys.device)
+            if fused_strip(cap.keys[layers], cos, sin, out):
+                return out
         return strip_rope(cap.keys[layers].float(), cos, sin).to(dtype)
 
     # ------------------------------------------------------------------ target side

@@ -55,6 +55,7 @@ class Translator(nn.Module, ABC):
         self.key_space = key_space
         self.space: KeySpace | None = None  # bound to a pair's models by `bind`
         self._compute = torch.float32  # dtype of map inputs while the engine runs
+        self._fused = False  # while the engine runs `fused`: the source keys' RoPE stripped by the compiled kernel
         self._casts: dict = {}  # (parameter id, dtype) → (version, data pointer, cast copy)
 
     # ------------------------------------------------------------------ what a family provides
@@ -159,7 +160,7 @@ class Translator(nn.Module, ABC):
         FP32 (in the compute dtype while a `fast` translation runs)."""
         if part == Part.VALUES:
             return cap.values[layers].to(self._compute)
-        return self.space.source_keys(cap, layers, dtype=self._compute)
+        return self.space.source_keys(cap, layers, dtype=self._compute, fused=self._fused)
 
     def cast(self, p: torch.Tensor) -> torch.Tensor:
         """A parameter in the compute dtype (itself in FP32); the cast copy is kept until the parameter changes."""
@@ -174,13 +175,14 @@ class Translator(nn.Module, ABC):
         return hit[2]
 
     @contextmanager
-    def computing(self, dtype: torch.dtype):
-        """`source` and `cast` hand the maps their inputs in `dtype` inside the block (the engine's `fast` path)."""
-        self._compute = dtype
+    def computing(self, dtype: torch.dtype, fused: bool = False):
+        """`source` and `cast` hand the maps their inputs in `dtype` inside the block (the engine's `fast` path);
+        `fused`: `source` strips the keys' RoPE with the compiled kernel (`fused.strip_keys`)."""
+        self._compute, self._fused = dtype, fused
         try:
             yield
         finally:
-            self._compute = torch.float32
+            self._compute, self._fused = torch.float32, False
 
     def translate_layers(self, cap: Capture, layers: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """FP32 target keys and values for a run of target layers: [n, heads, tokens, head_dim] each."""

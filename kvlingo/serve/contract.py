@@ -46,6 +46,7 @@ import torch
 from ..core import arch
 from ..core.cache import Capture
 from ..core.families import FAMILIES
+from ..core.fused import strip_keys
 from ..core.keyspace import TARGET_WEIGHTS, KeySpace
 from ..core.layer0 import NotContextFree
 from ..core.refresh import Refresh, RefreshError
@@ -381,11 +382,17 @@ class ReusingKeySpace(KeySpace):
         reusing._buffers, reusing._negated = {}, None
         return reusing
 
-    def source_keys(self, cap: Capture, layers=slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def source_keys(
+        self, cap: Capture, layers=slice(None), dtype: torch.dtype = torch.float32, fused: bool = False
+    ) -> torch.Tensor:
         if self.name != "cache":
-            return super().source_keys(cap, layers, dtype)
+            return super().source_keys(cap, layers, dtype, fused)
         keys = cap.keys[layers]  # [n, heads, tokens, head_dim] as cached
         cos, sin = self.source_rope.inverse(cap.n_tokens, device=keys.device)
+        if fused:  # one compiled pass from the cache's dtype into the maps' input dtype
+            out = self._take("out" if dtype == torch.float32 else "low", keys.shape, dtype, keys.device)
+            if strip_keys(keys, cos, sin, out):
+                return out
         if self._negated is None or self._negated.shape != sin.shape or self._negated.device != sin.device:
             self._negated = -sin
         x = self._take("x", keys.shape, torch.float32, keys.device)

@@ -1,5 +1,6 @@
-"""The compiled finish of the keys (kvlingo/core/fused.py): within its tolerance of the FP32 path, the FP32 bits
-where compiling fails, and the BF16 map output read directly."""
+"""The compiled kernels of the keys (kvlingo/core/fused.py), the target side's finish and the source side's RoPE
+strip: within their tolerance of the FP32 path, the FP32 bits where compiling fails, and the BF16 map output read
+directly."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def test_fused_key_finish_within_tolerance_of_fp32(models, fused_any_size, key_s
     state = fused.status()
     if state["failure"]:
         pytest.skip(f"torch.compile cannot build the fused kernel here: {state['failure']}")
-    assert state["compiled_shapes"] == 1 and state["skipped_chunks"] == 0  # the compiled kernel ran
-    assert torch.equal(got[1], exact[1])
+    # the compiled finish ran; in the cache key space the source keys' strip too
+    assert state["compiled_by_kernel"] == {"finish": 1, **({"strip": 1} if key_space == "cache" else {})}
+    assert state["skipped_chunks"] == 0 and torch.equal(got[1], exact[1])
     rounding = 0.0 if dtype == torch.float32 else BF16_EPS
     for layer in range(exact[0].shape[0]):
         ref = exact[0][layer].float()
@@ -185,3 +187,23 @@ def test_the_token_term_is_added_inside_the_fused_kernel(models, fused_any_size,
     with torch.no_grad():
         fallback = maps(cap, precision="fused")
     assert fused.status()["failure"] and torch.equal(fallback[0], exact[0]) and torch.equal(fallback[1], exact[1])
+
+
+@pytest.mark.parametrize("keys_dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_the_compiled_strip_is_the_eager_strip_within_tolerance(models, fused_any_size, keys_dtype, out_dtype):
+    """The source keys' RoPE strip as one kernel, from the cache's dtype into the maps' input dtype: within
+    fused.TOLERANCE of `strip_rope` in FP32 maths (one rounding into BF16 beside it), from a strided view of the
+    cached keys into a strided (token-major) output."""
+    from kvlingo.core.rope import RopeCache, strip_rope
+
+    source = models["large", torch.float32]
+    d = source.config.head_dim
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(3, 2, 56, d, generator=g).to(keys_dtype)[1:3, :, :50]  # two layers of a longer cache
+    cos, sin = RopeCache(source).inverse(50)
+    out = torch.full((2, 50, 2, d), float("nan"), dtype=out_dtype).transpose(1, 2)
+    assert fused.strip_keys(keys, cos, sin, out)
+    want = strip_rope(keys.float(), cos, sin)
+    rounding = 0.0 if out_dtype == torch.float32 else BF16_EPS
+    assert (out.float() - want).abs().max().item() <= (fused.TOLERANCE + rounding) * want.abs().max().item()
+    assert not out.isnan().any() and fused.status()["compiled_by_kernel"] == {"strip": 1}

@@ -219,7 +219,7 @@ def test_the_shared_down_projection_is_taken_once_per_capture_and_changes_no_bit
 class CacheKeys:
     """Stands in for a bound key space: the captured keys as they are."""
 
-    def source_keys(self, cap, layers, dtype):
+    def source_keys(self, cap, layers, dtype, fused=False):
         return cap.keys[layers].to(dtype)
 
 

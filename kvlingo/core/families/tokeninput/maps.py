@@ -131,8 +131,8 @@ class TokenInput(LinearFamily):
         return self.base.fast_paths
 
     @contextmanager
-    def computing(self, dtype: torch.dtype) -> Iterator[None]:
-        with super().computing(dtype), self.base.computing(dtype):
+    def computing(self, dtype: torch.dtype, fused: bool = False) -> Iterator[None]:
+        with super().computing(dtype, fused), self.base.computing(dtype, fused):
             yield
 
     def features(self, cap: Capture) -> torch.Tensor:
