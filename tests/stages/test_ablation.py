@@ -58,11 +58,14 @@ def test_each_direction_runs_its_own_default_before_beside_the_levers():
     assert {f"{default}-{suffix}" for suffix, _, _ in A.OBJECTIVES} <= set(l2s)
 
 
-def test_the_scale_profiles_rows_are_rows_of_both_directions_and_train_longer():
+def test_the_scale_profiles_rows_are_rows_of_both_directions_train_longer_and_set_its_objective():
     scale = get_profile("scale")
     for d in ("l2s", "s2l"):
         assert set(scale.ablate_settings) <= {s.name for s in A.settings_for(scale, d, TOY)}
     assert scale.ablate_long_factor > 1 and not DEMO.ablate_settings and DEMO.ablate_long_factor == 0
+    # the objective its ablation chose for l2s is what `train.py --profile scale` trains by default
+    assert f"{scale.family_for('l2s')}-onpolicy" in scale.ablate_settings
+    assert scale.objective_for("l2s") == {"onpolicy": 0.5} and scale.objective_for("s2l") == {}
 
 
 def _row(name, cost, **metrics):
