@@ -415,6 +415,8 @@ class Ablate(Stage):
     summary = "Ablate the translator's levers on the same splits and budget: choices on validation, claims on test."
     examples = (
         "make ablate PROFILE=demo            (both directions on the toy pair, data prepared offline)",
+        "make ablate PROFILE=scale ABLATE_DIRECTIONS=l2s   (8,192 conversations, the default and its on-policy "
+        "objective, then both for 8x the updates)",
         ".venv/bin/python ablate.py --profile demo --large artifacts/toy/large --small artifacts/toy/small "
         "--device cpu --dtype float32 --data-root data/toy-eval --settings crosshead token-w3 --resume",
     )
