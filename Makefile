@@ -73,6 +73,8 @@ REFRESH      ?=
 # make ablate runs both directions at once, one CPU thread each (the toy models are too small to use two)
 ABLATE_DIRECTIONS ?= l2s s2l
 ABLATE_THREADS    ?= 1
+# each direction's log: results/ablate-[PROFILE-][PAIR-]DIRECTION.log (the demo profile and the 4-layer pair unnamed)
+ABLATE_LOG = ablate-$(if $(filter-out demo,$(PROFILE)),$(PROFILE)-)$(if $(filter-out toy,$(PAIR)),$(PAIR)-)
 EXPORT_ARGS  ?=
 # perf: float32 on a CPU (the CPU goal is FP32; BF16 is fast only where the CPU has AVX512-BF16 or AMX), bfloat16 on a GPU
 PERF_DTYPE   ?= auto
@@ -260,14 +262,14 @@ ablate: $(PUNKT) $(if $(filter demo scale,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/m
 	$(MAKE) prepare
 	@mkdir -p results; status=0; pids=""; \
 	for d in $(ABLATE_DIRECTIONS); do \
-	  log=results/ablate-$(if $(filter-out toy,$(PAIR)),$(PAIR)-)$$d.log; echo "ablate $$d: log in $$log"; \
+	  log=results/$(ABLATE_LOG)$$d.log; echo "ablate $$d: log in $$log"; \
 	  OMP_NUM_THREADS=$(ABLATE_THREADS) $(PY) ablate.py --profile $(PROFILE) --large $(LARGE) --small $(SMALL) \
 	    --direction $$d --device $(DEVICE) --dtype $(DTYPE) --data-root $(EVAL_ROOT) \
 	    $(if $(filter-out toy,$(PAIR)),--run $(PROFILE)-$(PAIR)-$$d-ablate) $(ABLATE_ARGS) \
 	    > $$log 2>&1 & pids="$$pids $$!"; \
 	done; \
 	for p in $$pids; do wait $$p || status=1; done; \
-	for d in $(ABLATE_DIRECTIONS); do tail -n 40 results/ablate-$(if $(filter-out toy,$(PAIR)),$(PAIR)-)$$d.log; done; \
+	for d in $(ABLATE_DIRECTIONS); do tail -n 40 results/$(ABLATE_LOG)$$d.log; done; \
 	exit $$status
 
 frontier: $(PUNKT) $(if $(filter demo scale,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json ## prepare and train the run (when not done), then quality against cost from pure translation to re-prefill (refresh settings) → results/RUN/frontier.{json,md,png}
