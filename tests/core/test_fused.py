@@ -118,12 +118,12 @@ def test_fast_fused_finish_reads_the_narrow_map_output_and_matches_fast(models, 
     assert cache.context(40)[0].data_ptr() == got[0].data_ptr()
 
 
-def random_token_maps(source, target, seed: int, rank: int = 4):
+def random_token_maps(source, target, seed: int, rank: int = 4, key_space: str = "prenorm"):
     """The default family's maps (token input, window 3, head-wise base) with random weights, bound to the pair."""
     from kvlingo.core.families.tokeninput.maps import TokenInput
     from kvlingo.core.settings import Geometry
 
-    maps = TokenInput(Geometry.of(source, target), "prenorm", rank=rank, window=3).bind(source, target)
+    maps = TokenInput(Geometry.of(source, target), key_space, rank=rank, window=3).bind(source, target)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in maps.parameters():
@@ -131,16 +131,18 @@ def random_token_maps(source, target, seed: int, rank: int = 4):
     return maps.requires_grad_(False)
 
 
-def test_the_token_term_is_added_inside_the_fused_kernel(models, fused_any_size, monkeypatch):
+@pytest.mark.parametrize("key_space", ["prenorm", "cache"])
+def test_the_token_term_is_added_inside_the_fused_kernel(models, fused_any_size, monkeypatch, key_space):
     """The default family under `fused`: the base's key maps are written into the chunk and the token term goes to
     the compiled kernel, which adds it on its way (the sum is never written on its own). Keys within
     fused.TOLERANCE of fp32, values bit for bit; the handoff as it runs (exact layer 0, deferred values) then
-    continues greedily to the same tokens; where compiling fails, the fp32 bits."""
+    continues greedily to the same tokens; where compiling fails, the fp32 bits. In the cache key space the source
+    keys' RoPE strip runs as its compiled kernel too."""
     from kvlingo.core.handoff import greedy_generate, translate_to_cache
     from kvlingo.core.settings import Refresh
 
     source, target = models["large", torch.float32], models["small", torch.float32]
-    maps = random_token_maps(source, target, 31)
+    maps = random_token_maps(source, target, 31, key_space=key_space)
     addends = []
     real = fused.finish_keys
     monkeypatch.setattr(fused, "finish_keys", lambda *a: addends.append(a[6]) or real(*a))
@@ -156,6 +158,7 @@ def test_the_token_term_is_added_inside_the_fused_kernel(models, fused_any_size,
     assert addends and all(a is not None and a.shape[1:] == exact[0].shape[1:] for a in addends)  # a chunk's term
     assert sum(a.shape[0] for a in addends) == exact[0].shape[0]  # every layer's keys through the kernel
     assert state["skipped_chunks"] == 0 and state["compiled_shapes"] >= 1
+    assert ("strip" in state["compiled_by_kernel"]) == (key_space == "cache")
     assert torch.equal(got[1], exact[1])
     for layer in range(exact[0].shape[0]):
         ref = exact[0][layer]
