@@ -59,10 +59,14 @@ def _finish(
     computes it (k1·cos1 - k2·sin1, k2·cos2 + k1·sin2; the same values as `apply_rope`), which compiles
     to a faster kernel than `apply_rope`'s rotate_half with the same bits."""
     yk = yk.float() if addend is None else yk.float() + addend.float()
-    y = yk if weight is None else rms_norm(yk, weight, eps)
+    out.copy_(_rope_halves(yk if weight is None else rms_norm(yk, weight, eps), cos, sin))
+
+
+def _rope_halves(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of y [..., tokens, d] by the tables cos/sin [tokens, d], half by half (traced into each kernel)."""
     h = y.shape[-1] // 2
     y1, y2 = y[..., :h], y[..., h:]
-    out.copy_(torch.cat([y1 * cos[:, :h] - y2 * sin[:, :h], y2 * cos[:, h:] + y1 * sin[:, h:]], dim=-1))
+    return torch.cat([y1 * cos[:, :h] - y2 * sin[:, :h], y2 * cos[:, h:] + y1 * sin[:, h:]], dim=-1)
 
 
 def finish_keys(
@@ -98,11 +102,9 @@ def finish_keys(
 
 def _strip(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
     """keys [n, heads, tokens, d] as cached (any float dtype) with RoPE stripped by the inverse tables cos/sin
-    [tokens, d] → out (any dtype): `rope.strip_rope`'s k·cos − rotate_half(k)·sin, half by half."""
-    k = keys.float()
-    h = k.shape[-1] // 2
-    k1, k2 = k[..., :h], k[..., h:]
-    out.copy_(torch.cat([k1 * cos[:, :h] + k2 * sin[:, :h], k2 * cos[:, h:] - k1 * sin[:, h:]], dim=-1))
+    [tokens, d] → out (any dtype): `rope.strip_rope` is RoPE with the sine negated (a separate function from
+    `_finish`, so that each kernel has its own compiled shapes)."""
+    out.copy_(_rope_halves(keys.float(), cos, -sin))
 
 
 def strip_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> bool:

@@ -87,12 +87,13 @@ class KeySpace:
                     "key space 'prenorm' needs the source's pre-norm key features; capture with want_prenorm=True"
                 )
             return cap.prenorm[layers].to(dtype)
-        cos, sin = self.source_rope.inverse(cap.n_tokens, device=cap.keys.device)
+        keys = cap.keys[layers]
+        cos, sin = self.source_rope.inverse(cap.n_tokens, device=keys.device)
         if fused:
-            out = torch.empty(cap.keys[layers].shape, dtype=dtype, device=cap.keys.device)
-            if fused_strip(cap.keys[layers], cos, sin, out):
+            out = torch.empty(keys.shape, dtype=dtype, device=keys.device)
+            if fused_strip(keys, cos, sin, out):
                 return out
-        return strip_rope(cap.keys[layers].float(), cos, sin).to(dtype)
+        return strip_rope(keys.float(), cos, sin).to(dtype)
 
     # ------------------------------------------------------------------ target side
     def target_keys(self, target_cap: Capture) -> torch.Tensor:

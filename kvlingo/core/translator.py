@@ -177,12 +177,16 @@ class Translator(nn.Module, ABC):
     @contextmanager
     def computing(self, dtype: torch.dtype, fused: bool = False):
         """`source` and `cast` hand the maps their inputs in `dtype` inside the block (the engine's `fast` path);
-        `fused`: `source` strips the keys' RoPE with the compiled kernel (`fused.strip_keys`)."""
-        self._compute, self._fused = dtype, fused
+        `fused`: `source` strips the keys' RoPE with the compiled kernel (`fused.strip_keys`). For this translator
+        and every translator inside it (a composite family's base)."""
+        inner = [m for m in self.modules() if isinstance(m, Translator)]
+        for m in inner:
+            m._compute, m._fused = dtype, fused
         try:
             yield
         finally:
-            self._compute, self._fused = torch.float32, False
+            for m in inner:
+                m._compute, m._fused = torch.float32, False
 
     def translate_layers(self, cap: Capture, layers: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """FP32 target keys and values for a run of target layers: [n, heads, tokens, head_dim] each."""

@@ -391,15 +391,18 @@ def plot(rows: list[dict], title: str) -> bytes:
 
 
 def chosen_settings(args, profile, pair) -> tuple[str, ...]:
-    """--settings, each a row of this direction (refused with the names there are), or the default rows."""
+    """--settings, else the profile's `ablate_settings`, each a row of this direction (refused with the names there
+    are); else the default rows."""
     geometry = Geometry(**pair.geometry)
-    if args.settings is None:
-        return tuple(profile.ablate_settings or A.default_settings(profile, pair.direction, geometry))
+    wanted = args.settings or profile.ablate_settings
+    if not wanted:
+        return tuple(A.default_settings(profile, pair.direction, geometry))
     names = [s.name for s in A.settings_for(profile, pair.direction, geometry)]
-    unknown = [s for s in args.settings if s not in names]
+    unknown = [s for s in wanted if s not in names]
     if unknown:
-        raise Refusal(f"--settings {unknown[0]}: no such row; choose among {', '.join(names)}")
-    return tuple(args.settings)
+        where = "--settings" if args.settings else f"profile {profile.name}'s ablate_settings:"
+        raise Refusal(f"{where} {unknown[0]}: no such row; choose among {', '.join(names)}")
+    return tuple(wanted)
 
 
 def _split_suffix(split: str) -> str:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from tinypair import task_inputs
+from tinypair import pair_flags, task_inputs
 
 import ablate
 from kvlingo.io import read_json
@@ -16,39 +16,24 @@ from kvlingo.stages import ablation as A
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module
 
 
+def tiny_argv(tiny_pair_paths, tmp_path, *rows) -> list[str]:
+    """ablate.py on the tiny profile and pair with task data made under tmp_path (GSM8K's 4 items; IFEval left
+    out), writing there; `rows`: the flags that pick the rows."""
+    data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
+    return [
+        *("--profile", "tiny", "--data", str(data), *pair_flags(tiny_pair_paths)),
+        *("--data-root", str(eval_root), "--skip-tasks", "ifeval", *rows),
+        *("--artifacts", str(tmp_path / "artifacts"), "--results", str(tmp_path / "results")),
+    ]
+
+
 @pytest.mark.slow
 def test_ablate_runs_and_resumes(tiny_pair_paths, tmp_path, monkeypatch):
     import ablate
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
-    argv = [
-        "--profile",
-        "tiny",
-        "--data",
-        str(data),
-        "--large",
-        str(tiny_pair_paths[0]),
-        "--small",
-        str(tiny_pair_paths[1]),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--data-root",
-        str(eval_root),
-        "--skip-tasks",
-        "ifeval",
-        "--settings",
-        "headwise-ridge0",
-        "crosshead",
-        "token-w1",
-        "--artifacts",
-        str(tmp_path / "artifacts"),
-        "--results",
-        str(tmp_path / "results"),
-    ]
+    argv = tiny_argv(tiny_pair_paths, tmp_path, "--settings", "headwise-ridge0", "crosshead", "token-w1")
     rep = ablate.main(argv)
     res = rep["results"]
     rows = res["rows"]
@@ -79,33 +64,7 @@ def test_the_longer_budget_trains_the_best_again_and_scores_the_defaults_on_test
     """--long-factor 2: the best setting trained again for twice the updates, outside the choice, and scored on test
     beside its setting (one setting: it is the default and the best)."""
     torch.set_num_threads(1)
-    data, eval_root = task_inputs(tmp_path, tiny_pair_paths[0])
-    argv = [
-        "--profile",
-        "tiny",
-        "--data",
-        str(data),
-        "--large",
-        str(tiny_pair_paths[0]),
-        "--small",
-        str(tiny_pair_paths[1]),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--data-root",
-        str(eval_root),
-        "--skip-tasks",
-        "ifeval",
-        "--settings",
-        "token-w1",
-        "--long-factor",
-        "2",
-        "--artifacts",
-        str(tmp_path / "artifacts"),
-        "--results",
-        str(tmp_path / "results"),
-    ]
+    argv = tiny_argv(tiny_pair_paths, tmp_path, "--settings", "token-w1", "--long-factor", "2")
     res = ablate.main(argv)["results"]
     rows = {r["name"]: r for r in res["rows"]}
     assert list(rows) == ["token-w1", "token-w1-long"] and res["default"]["setting"] == "token-w1"
@@ -162,3 +121,24 @@ def test_ablate_resume_redoes_cells_whose_maps_or_rows_changed(benchmarked_run, 
     capsys.readouterr()
     ablate.main([*argv, "--resume"])
     assert "up to date (finished with the same key" in capsys.readouterr().out
+
+
+def test_the_rows_come_from_the_flag_else_the_profile_and_an_unknown_one_is_refused_by_where_it_came_from():
+    from dataclasses import asdict, replace
+    from types import SimpleNamespace
+
+    from kvlingo.core.settings import Geometry
+    from kvlingo.errors import Refusal
+    from kvlingo.inputs.profiles import get_profile
+    from kvlingo.stages.ablate import chosen_settings
+
+    toy = Geometry(4, 2, 32, 4, 2, 32)
+    pair = SimpleNamespace(direction="l2s", geometry=asdict(toy))
+    scale, demo = get_profile("scale"), get_profile("demo")
+    assert chosen_settings(SimpleNamespace(settings=None), scale, pair) == scale.ablate_settings
+    assert chosen_settings(SimpleNamespace(settings=["crosshead"]), scale, pair) == ("crosshead",)
+    assert chosen_settings(SimpleNamespace(settings=None), demo, pair) == tuple(A.default_settings(demo, "l2s", toy))
+    with pytest.raises(Refusal, match="profile scale's ablate_settings: token-w9: no such row"):
+        chosen_settings(SimpleNamespace(settings=None), replace(scale, ablate_settings=("token-w9",)), pair)
+    with pytest.raises(Refusal, match="--settings token-w9: no such row"):
+        chosen_settings(SimpleNamespace(settings=["token-w9"]), scale, pair)

@@ -28,8 +28,6 @@ prices it, and the ablation counts it once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -129,11 +127,6 @@ class TokenInput(LinearFamily):
         term's two matmuls take their inputs in the run dtype, and the term is added in it (keys: inside the
         compiled finish, in FP32)."""
         return self.base.fast_paths
-
-    @contextmanager
-    def computing(self, dtype: torch.dtype, fused: bool = False) -> Iterator[None]:
-        with super().computing(dtype, fused), self.base.computing(dtype, fused):
-            yield
 
     def features(self, cap: Capture) -> torch.Tensor:
         """The token features t [tokens, w · 2 · kv width], FP32 (computed once per capture)."""
