@@ -221,6 +221,11 @@ def tiny_model(
     return model.to(dtype).eval().requires_grad_(False)
 
 
+def pair_flags(paths) -> list[str]:
+    """A stage's flags for the tiny pair at `paths` (large, small), on the CPU in FP32."""
+    return ["--large", str(paths[0]), "--small", str(paths[1]), "--device", "cpu", "--dtype", "float32"]
+
+
 def task_inputs(tmp_path: Path, tokenizer_dir) -> tuple[Path, Path]:
     """Prepared chat splits (train 20, validation 6, test 4) and a 4-item GSM8K set under tmp_path, for stages that
     train and then run generative cells (ablate, frontier). Returns (data folder, eval data root)."""

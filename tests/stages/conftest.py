@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tinypair import chat_rows, write_prepared
+from tinypair import chat_rows, pair_flags, write_prepared
 
 import benchmark
 import train_translator
@@ -27,16 +27,7 @@ def finished(tiny_pair_paths, tmp_path_factory):
             "test": chat_rows(tok, 4, 2, "x"),
         },
     )
-    pair = [
-        "--large",
-        str(tiny_pair_paths[0]),
-        "--small",
-        str(tiny_pair_paths[1]),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-    ]
+    pair = pair_flags(tiny_pair_paths)
     run = [
         "--profile",
         "tiny",
@@ -76,16 +67,7 @@ def benchmarked_run(tiny_pair_paths, tmp_path_factory):
     (root / "ifeval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     punkt = root / "nltk_data"
     grader.install_punkt(punkt)
-    pair = [
-        "--large",
-        str(tiny_pair_paths[0]),
-        "--small",
-        str(tiny_pair_paths[1]),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-    ]
+    pair = pair_flags(tiny_pair_paths)
     run = [
         "--profile",
         "tiny",
