@@ -197,12 +197,24 @@ def _translate_into(
             space.finish_keys_into(yk[:, :, begin:end], layers, k_out[:, :, begin:end], scratch, start=begin)
     if v_out is None:  # keys only: the values stay deferred
         return
-    if v_out.dtype == compute and (translator.fast_paths or v_out.is_contiguous()):
+    if v_out.dtype == compute and (v_out.is_contiguous() or (translator.fast_paths and rows_per_head(v_out))):
         translator.map_into(Part.VALUES, cap, layers, v_out)  # straight into the output (a cache's layout)
     else:
         yv = scratch.take("yk", n) if compute == torch.float32 else scratch.take("low", n, compute)
-        translator.map_into(Part.VALUES, cap, layers, yv)  # the key buffers are free again
-        v_out.copy_(yv)
+        if v_out.dtype == compute:  # e.g. token-major: what a matmul writes in place goes straight in
+            translator.map_into_via(Part.VALUES, cap, layers, v_out, yv)  # the key buffers are free again
+        else:
+            translator.map_into(Part.VALUES, cap, layers, yv)
+            v_out.copy_(yv)
+
+
+def rows_per_head(t: torch.Tensor) -> bool:
+    """Whether t [layers, heads, tokens, dim] holds each head's token rows contiguously and its layers and heads
+    as one run of heads (a cache's context view): what a batched matmul writes in place. A token-major layout
+    ([layers, tokens, heads, dim] underneath, an engine's cache) is not: a matmul into it would compute into a
+    temporary and copy, so the values go through scratch and one copy per chunk instead."""
+    L, H, T, d = t.shape
+    return t.stride(-1) == 1 and (T == 1 or t.stride(2) == d) and (L == 1 or t.stride(0) == H * t.stride(1))
 
 
 class Scratch:

@@ -72,6 +72,12 @@ class Translator(nn.Module, ABC):
         """`map` written into `out` [n layers, target kv_heads, tokens, target head_dim] (maybe strided)."""
         out.copy_(self.map(part, cap, layers))
 
+    def map_into_via(self, part: Part, cap: Capture, layers: slice, out: torch.Tensor, scratch: torch.Tensor) -> None:
+        """`map_into` for an `out` that a matmul cannot write in place (token-major, an engine's cache): into
+        `scratch` (contiguous, `out`'s shape and dtype), then copied. A family may write part of it in place."""
+        self.map_into(part, cap, layers, scratch)
+        out.copy_(scratch)
+
     def map_keys_into(self, cap: Capture, layers: slice, out: torch.Tensor) -> torch.Tensor | None:
         """The key map in two terms, for the engine's compiled finish: the first written into `out`, the second
         returned (of `out`'s shape) for the finish to add on its way, or None when `out` holds the whole map.

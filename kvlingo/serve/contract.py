@@ -310,13 +310,11 @@ class Contract:
         cap = Capture(keys, values, prenorm, torch.empty(0), ids)
         if self.refresh.kind == "exact":
             return self._with_own_layer0(cap, out_dtype, precision, token_major)
+        if not token_major:
+            return self.translator(cap, out_dtype, precision=precision)
         g = self.translator.geometry
-        if not token_major or type(self.translator).map_into is not Translator.map_into:
-            # head-wise maps write each head's rows in one strided matmul, which needs head-major outputs
-            out = self.translator(cap, out_dtype, precision=precision)
-            if not token_major:
-                return out
-            return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in out)
+        # the keys' finish writes the token-major rows itself; the values go through the engine's scratch, one copy
+        # per chunk of layers (a matmul cannot write a head's rows strided by the heads in place)
         k, v = (
             torch.empty(g.target_layers, cap.n_tokens, g.target_kv_heads, g.target_head_dim, dtype=out_dtype)
             for _ in "kv"
@@ -341,14 +339,8 @@ class Contract:
         k[0].copy_(k0)  # [kv_heads, tokens, head_dim]
         v[0].copy_(v0)
         rest = slice(1, g.target_layers)
-        if rest.start < rest.stop:
-            if token_major and type(self.translator).map_into is not Translator.map_into:
-                # head-wise maps write each head's rows in one strided matmul, which needs head-major outputs
-                hk, hv = self.translator(cap, out_dtype, target_layers=rest, precision=precision)
-                k[rest].copy_(hk)
-                v[rest].copy_(hv)
-            else:
-                self.translator(cap, target_layers=rest, out=(k[rest], v[rest]), precision=precision)
+        if rest.start < rest.stop:  # straight into the result, token-major or not (as `translate`)
+            self.translator(cap, target_layers=rest, out=(k[rest], v[rest]), precision=precision)
         return k, v
 
 

@@ -102,6 +102,16 @@ def test_family_without_fast_paths_keeps_fp32_maths_and_contiguous_scratch(model
         assert torch.equal(cache.context(20)[1], Headwise.map(maps, 1, cap, slice(None)))
 
 
+def test_rows_per_head_tells_a_caches_layout_from_a_token_major_one():
+    """Values map straight into an output whose heads' token rows are contiguous and whose layers and heads form one
+    run of heads (a cache's context view); a token-major output (an engine's cache) goes through scratch."""
+    cache = torch.empty(3, 2, 10, 4)
+    assert engine.rows_per_head(cache[:, :, :7]) and engine.rows_per_head(cache[1:2, :, :7])
+    token_major = torch.empty(3, 7, 2, 4).transpose(1, 2)
+    assert not engine.rows_per_head(token_major) and not engine.rows_per_head(token_major[1:2])
+    assert engine.rows_per_head(token_major[1:2, :, :1])  # one layer, one token: nothing to stride over
+
+
 def test_chunked_translation_equals_per_head_reference(large32, small32):
     """The batched, layer-chunked path against a plain per-(layer, head) loop."""
     ids = random_ids(21, large32.config.vocab_size, 6)

@@ -350,6 +350,13 @@ def test_token_input_exact0_translation_is_the_relays_bit_for_bit(exports, dtype
         got = contract.translate(cap.keys, cap.values, dtype, ids=ctx, token_major=token_major)
         assert got[0].dtype == dtype and got[0].transpose(1, 2).is_contiguous() == token_major
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if dtype == torch.bfloat16:  # the engine's BF16 paths: token-major (keys finished in place, values through
+        # the engine's scratch) the same bits as head-major
+        for precision in ("fast", "fast-fused"):
+            head = contract.translate(cap.keys, cap.values, dtype, ids=ctx, precision=precision)
+            tok = contract.translate(cap.keys, cap.values, dtype, ids=ctx, precision=precision, token_major=True)
+            assert tok[1].transpose(1, 2).is_contiguous() and not torch.equal(head[1], want[1])  # BF16 maths ran
+            assert torch.equal(tok[0], head[0]) and torch.equal(tok[1], head[1]), precision
     with pytest.raises(ValueError, match="pass ids="):
         contract.translate(cap.keys, cap.values, dtype)
     with pytest.raises(ValueError, match="token ids for a source cache"):

@@ -216,6 +216,33 @@ def test_the_shared_down_projection_is_taken_once_per_capture_and_changes_no_bit
     assert tr.tok_down.grad is not None and tr.tok_down.grad[Part.VALUES].abs().sum() > 0
 
 
+@pytest.mark.parametrize("window,tokens", [(3, 60), (2, 1), (3, 2)])
+def test_the_fast_down_projection_sums_the_windows_blocks_without_concatenating(window, tokens):
+    """Below FP32 (the engine's `fast` paths), t P is taken as Σ_s shift_s(t_own P_s): one matmul of the own
+    features against the window's blocks side by side, then the shifted adds. The identity itself, in FP64 against
+    the concatenated features' product (to 1e-12, for contexts shorter than the window too); in BF16, within four
+    BF16 roundings of the product of the magnitudes (inputs, each block's output, the sum)."""
+    tr = TokenInput(TOKEN_GEOM, base={"family": "headwise", "settings": {}}, rank=3, window=window)
+    tr.layer0 = Table(tr.d_tok // window)
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for p in tr.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(4, 2, tokens, 8, generator=g)
+    cap = Capture(x, x, x, torch.empty(0), torch.randint(0, 50, (tokens,), generator=g))
+    with torch.no_grad():
+        want = tr.features(cap).double() @ tr.tok_down[Part.VALUES].double()
+        tr._compute = torch.float64
+        got = tr.down_projection(Part.VALUES, cap)
+        assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=0, atol=1e-12)
+        tr._compute = torch.bfloat16
+        low = tr.down_projection(Part.VALUES, cap).double()
+        bound = 2.0**-6 * (tr.features(cap).abs() @ tr.tok_down[Part.VALUES].abs()).double()
+        assert ((low - want).abs() <= bound + 1e-6).all()
+    tr._compute = torch.float32
+    assert torch.equal(tr.layer0_projections(cap)[0], tr.features(cap)[:, : tr.d_tok // window // 2])
+
+
 class CacheKeys:
     """Stands in for a bound key space: the captured keys as they are."""
 
@@ -234,7 +261,8 @@ class CacheKeys:
 )
 def test_map_into_writes_the_same_bits_as_map_into_a_cache_layout(base, rank, parts, layers):
     """The engine's path (`map_into`: the base's maps written into the output, then the token term added in place)
-    against `map` (the sum taken as a new tensor), bit for bit, into a strided slice of a cache-shaped buffer."""
+    against `map` (the sum taken as a new tensor), bit for bit, into a strided slice of a cache-shaped buffer; and
+    into a token-major one (`map_into_via`: the token term straight in where it covers the chunk)."""
     settings = {"k": 2, "rank": 0, "pairing": "proportional"} if base == "crosslayer" else {}
     tr = TokenInput(
         TOKEN_GEOM,
@@ -260,6 +288,10 @@ def test_map_into_writes_the_same_bits_as_map_into_a_cache_layout(base, rank, pa
                 tr.map_into(part, cap, chunk, out)
                 assert torch.equal(out, want), (part, chunk)
                 assert torch.isnan(cache[chunk, :, 40:]).all()  # nothing written past the context
+                token_major = torch.full((4, 40, 2, 8), float("nan"))  # an engine's cache: [layers, tokens, heads, d]
+                out = token_major[chunk].transpose(1, 2)
+                tr.map_into_via(part, cap, chunk, out, torch.empty(out.shape))
+                assert torch.equal(out, want), (part, chunk, "token-major")
 
 
 @pytest.mark.parametrize("base", ["headwise", "crosslayer", "crosshead"])
