@@ -63,10 +63,15 @@ def _finish(
 
 
 def _rope_halves(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of y [..., tokens, d] by the tables cos/sin [tokens, d], half by half (traced into each kernel)."""
+    """RoPE of y [..., tokens, d] by the tables cos/sin [tokens, d], half by half (traced into each kernel):
+    (y1·cos1 − y2·sin1, y2·cos2 + y1·sin2), written over a [..., 2, d/2] view as y·cos + swap(y)·(∓1·sin). The
+    same bits (a − b·s = a + b·(−s) exactly), but one pointwise pass: a concatenation of the halves is
+    materialised in FP32 by inductor's CPU kernels and copied again, about twice the time at Qwen3's shapes."""
     h = y.shape[-1] // 2
-    y1, y2 = y[..., :h], y[..., h:]
-    return torch.cat([y1 * cos[:, :h] - y2 * sin[:, :h], y2 * cos[:, h:] + y1 * sin[:, h:]], dim=-1)
+    halves = y.unflatten(-1, (2, h))  # [..., tokens, 2, h]
+    sign = torch.tensor([-1.0, 1.0], dtype=sin.dtype, device=sin.device).view(2, 1)
+    c, s = cos.unflatten(-1, (2, h)), sin.unflatten(-1, (2, h)) * sign
+    return (halves * c + halves.flip(-2) * s).flatten(-2)
 
 
 def finish_keys(

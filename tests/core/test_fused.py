@@ -210,3 +210,21 @@ def test_the_compiled_strip_is_the_eager_strip_within_tolerance(models, fused_an
     rounding = 0.0 if out_dtype == torch.float32 else BF16_EPS
     assert (out.float() - want).abs().max().item() <= (fused.TOLERANCE + rounding) * want.abs().max().item()
     assert not out.isnan().any() and fused.status()["compiled_by_kernel"] == {"strip": 1}
+
+
+def test_the_kernels_rope_is_transformers_rotation_bit_for_bit():
+    """The kernels' RoPE (`fused._rope_halves`: the two halves over a [..., 2, d/2] view, one pointwise pass) is
+    transformers' `apply_rotary_pos_emb` on the keys bit for bit, eagerly and compiled, with the sine negated too
+    (the strip); into a token-major output as well."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 3, 40, 16, generator=g)
+    angles = torch.randn(40, 8, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    for s in (sin, -sin):
+        _, want = apply_rotary_pos_emb(k, k, cos[None], s[None])  # tables [batch, tokens, d]
+        assert torch.equal(fused._rope_halves(k, cos, s), want)
+        out = torch.empty(2, 40, 3, 16).transpose(1, 2)
+        torch.compile(lambda y, c, t, o: o.copy_(fused._rope_halves(y, c, t)), dynamic=False)(k, cos, s, out)
+        assert torch.equal(out, want)
