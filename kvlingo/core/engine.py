@@ -201,11 +201,7 @@ def _translate_into(
         translator.map_into(Part.VALUES, cap, layers, v_out)  # straight into the output (a cache's layout)
     else:
         yv = scratch.take("yk", n) if compute == torch.float32 else scratch.take("low", n, compute)
-        if v_out.dtype == compute:  # e.g. token-major: what a matmul writes in place goes straight in
-            translator.map_into_via(Part.VALUES, cap, layers, v_out, yv)  # the key buffers are free again
-        else:
-            translator.map_into(Part.VALUES, cap, layers, yv)
-            v_out.copy_(yv)
+        translator.map_into_via(Part.VALUES, cap, layers, v_out, yv)  # the key buffers are free again
 
 
 def rows_per_head(t: torch.Tensor) -> bool:

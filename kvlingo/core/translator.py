@@ -73,8 +73,9 @@ class Translator(nn.Module, ABC):
         out.copy_(self.map(part, cap, layers))
 
     def map_into_via(self, part: Part, cap: Capture, layers: slice, out: torch.Tensor, scratch: torch.Tensor) -> None:
-        """`map_into` for an `out` that a matmul cannot write in place (token-major, an engine's cache): into
-        `scratch` (contiguous, `out`'s shape and dtype), then copied. A family may write part of it in place."""
+        """`map_into` for an `out` that the maps cannot write in place (token-major, an engine's cache, or another
+        dtype): into `scratch` (contiguous, `out`'s shape, the compute dtype), then copied. A family may write part
+        of it in place."""
         self.map_into(part, cap, layers, scratch)
         out.copy_(scratch)
 

@@ -308,38 +308,34 @@ class Contract:
                 "pass ids="
             )
         cap = Capture(keys, values, prenorm, torch.empty(0), ids)
-        if self.refresh.kind == "exact":
-            return self._with_own_layer0(cap, out_dtype, precision, token_major)
-        if not token_major:
-            return self.translator(cap, out_dtype, precision=precision)
-        g = self.translator.geometry
-        # the keys' finish writes the token-major rows itself; the values go through the engine's scratch, one copy
-        # per chunk of layers (a matmul cannot write a head's rows strided by the heads in place)
-        k, v = (
-            torch.empty(g.target_layers, cap.n_tokens, g.target_kv_heads, g.target_head_dim, dtype=out_dtype)
-            for _ in "kv"
-        )
-        return self.translator(cap, out=(k.transpose(1, 2), v.transpose(1, 2)), precision=precision)
+        k, v = self._result(cap, out_dtype, token_major)
+        if self.refresh.kind != "exact":
+            return self.translator(cap, out=(k, v), precision=precision)
+        return self._with_own_layer0(cap, k, v, precision)
 
-    def _with_own_layer0(
-        self, cap: Capture, out_dtype: torch.dtype, precision: str | None, token_major: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """exact:0: layer 0 from the token ids (from the translator's own layer-0 projections where its maps read
-        them: computed once), layers 1.. translated straight into the result."""
+    def _result(self, cap: Capture, dtype: torch.dtype, token_major: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty target (keys, values) [layers, kv_heads, tokens, head_dim] on the cache's device; `token_major`:
+        views of [layers, tokens, kv_heads, head_dim] tensors (the keys' finish writes those rows itself, the
+        values' token term goes straight in, `Translator.map_into_via`)."""
         g, T = self.translator.geometry, cap.n_tokens
         L, H, d, device = g.target_layers, g.target_kv_heads, g.target_head_dim, cap.keys.device
-        if token_major:  # [layers, tokens, kv_heads, head_dim] underneath
-            k, v = (torch.empty(L, T, H, d, dtype=out_dtype, device=device).transpose(1, 2) for _ in "kv")
-        else:
-            k, v = (torch.empty(L, H, T, d, dtype=out_dtype, device=device) for _ in "kv")
+        if token_major:
+            return tuple(torch.empty(L, T, H, d, dtype=dtype, device=device).transpose(1, 2) for _ in "kv")
+        return tuple(torch.empty(L, H, T, d, dtype=dtype, device=device) for _ in "kv")
+
+    def _with_own_layer0(
+        self, cap: Capture, k: torch.Tensor, v: torch.Tensor, precision: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """exact:0 into (k, v): layer 0 from the token ids (from the translator's own layer-0 projections where its
+        maps read them: computed once), layers 1.. translated straight into the result."""
         if self.translator.reads_layer0:
             k0, v0 = self.layer0.kv_of(*self.translator.layer0_projections(cap))
         else:
             k0, v0 = self.layer0.kv(cap.ids)
         k[0].copy_(k0)  # [kv_heads, tokens, head_dim]
         v[0].copy_(v0)
-        rest = slice(1, g.target_layers)
-        if rest.start < rest.stop:  # straight into the result, token-major or not (as `translate`)
+        rest = slice(1, k.shape[0])
+        if rest.start < rest.stop:
             self.translator(cap, target_layers=rest, out=(k[rest], v[rest]), precision=precision)
         return k, v
 

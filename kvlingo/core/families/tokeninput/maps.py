@@ -131,12 +131,6 @@ class TokenInput(LinearFamily):
 
     def features(self, cap: Capture) -> torch.Tensor:
         """The token features t [tokens, w · 2 · kv width], FP32 (computed once per capture)."""
-        if cap.ids is None:
-            raise TranslatorError(
-                "token input needs the captured token ids (Capture.ids), which a bare cache lacks: "
-                "hand over from the messages or ids, or capture with relay.capture(ids) or "
-                "kvlingo.core.cache.capture"
-            )
         if self._memo is not None and self._memo[0] is cap.ids:
             return self._memo[1]
         t = self.own_features(cap)  # [T, 2·kvw]
@@ -149,7 +143,11 @@ class TokenInput(LinearFamily):
         """Each token's own layer-0 features [tokens, 2 · kv width], FP32 (the first part of the window; computed
         once per capture)."""
         if cap.ids is None:
-            self.features(cap)  # raises with what to pass
+            raise TranslatorError(
+                "token input needs the captured token ids (Capture.ids), which a bare cache lacks: "
+                "hand over from the messages or ids, or capture with relay.capture(ids) or "
+                "kvlingo.core.cache.capture"
+            )
         if self._own is not None and self._own[0] is cap.ids:
             return self._own[1]
         t = self.layer0.token_features(cap.ids).float()
