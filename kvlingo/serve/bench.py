@@ -15,6 +15,7 @@ Nothing here imports vLLM at module level; the engine calls take `vllm.LLM` obje
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -59,6 +60,89 @@ def ratio(slow: list[float], fast: list[float]) -> dict[str, float]:
         "low": min(slow) / max(fast),
         "high": max(slow) / min(fast),
     }
+
+
+# --------------------------------------------------------------------------- where a translation's time goes
+def run_state() -> dict[str, Any]:
+    """What a translation's speed could depend on in this process, now: torch's intra-op threads, the CPUs this
+    process may run on, whether inference mode is on, and the machine's NUMA nodes."""
+    import torch
+
+    nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return {
+        "threads": torch.get_num_threads(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "inference_mode": torch.is_inference_mode_enabled(),
+        "numa_nodes": len(nodes) or 1,
+    }
+
+
+class Suspects:
+    """One translation call timed wherever an engine could make it slower than a benchmark does: before vLLM is
+    imported, after it, beside one engine, beside two, and inside the engine's own load (its `translate_s`),
+    each row with the process state it ran in (`run_state`). A suspect that costs nothing leaves its row at the
+    first row's time."""
+
+    def __init__(self, trials: int, warmups: int = 1):
+        self.trials, self.warmups = trials, warmups
+        self.rows: list[dict[str, Any]] = []
+
+    def time(self, where: str, call: Callable[[], Any]) -> dict[str, Any]:
+        """`warmups` untimed calls, then `trials` timed ones; the row is kept and returned."""
+        for _ in range(self.warmups):
+            call()
+        times = []
+        for _ in range(self.trials):
+            t = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t)
+        return self.add(where, times)
+
+    def add(self, where: str, times: list[float], **state) -> dict[str, Any]:
+        """A row of seconds measured elsewhere (the engine's own), with the state it ran in where known."""
+        row = {"where": where, "trials": list(times), **spread(times), **{**run_state(), **state}}
+        self.rows.append(row)
+        return row
+
+    def table(self) -> str:
+        """The rows as markdown, each median also as a multiple of the first row's."""
+        if not self.rows:
+            return ""
+        base = self.rows[0]["median"]
+        lines = [
+            "| where the translation ran | n | median s | min | max | × first row | torch threads | CPUs allowed "
+            "| inference mode |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in self.rows:
+            cells = [r["where"], r["n"], f"{r['median']:.3f}", f"{r['min']:.3f}", f"{r['max']:.3f}"]
+            cells += [f"{r['median'] / base:.2f}", r["threads"], r["affinity"], "yes" if r["inference_mode"] else "no"]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        return "\n".join(lines)
+
+
+def first_touch(shapes: list[tuple[int, ...]], dtype, trials: int) -> dict[str, Any]:
+    """The allocation suspect: seconds to allocate tensors of `shapes` and write every byte once (the page faults
+    of fresh memory, which a translation that allocates its result pays), against writing the same bytes into
+    tensors written before. Trials interleaved; returns each path's trials and spread, and the difference of
+    medians."""
+    import torch
+
+    kept = [torch.zeros(s, dtype=dtype) for s in shapes]
+
+    def fresh():
+        for s in shapes:
+            torch.empty(s, dtype=dtype).fill_(1)
+
+    def reused():
+        for t in kept:
+            t.fill_(1)
+
+    times = interleaved({"fresh": fresh, "reused": reused}, trials, 1)
+    out: dict[str, Any] = {k: {"trials": v, **spread(v)} for k, v in times.items()}
+    out["bytes"] = sum(t.numel() * t.element_size() for t in kept)
+    out["cost_s"] = out["fresh"]["median"] - out["reused"]["median"]
+    return out
 
 
 def first_token(llm, ids: list[int], extra: dict | None = None):

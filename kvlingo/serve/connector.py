@@ -38,6 +38,7 @@ and "no-save" loads but leaves the store as it was (repeated trials of one promp
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -458,6 +459,8 @@ class KvlingoConnector(KVConnectorBase_V1):
                 "translate_s": t2 - t1,
                 "write_s": t3 - t2,
                 "threads": torch.get_num_threads(),
+                "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                "inference_mode": torch.is_inference_mode_enabled(),
             },
             load.log_file,
         )

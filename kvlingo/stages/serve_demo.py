@@ -138,6 +138,12 @@ def add_real_args(real) -> None:
         choices=PRECISIONS,
         help="the translation's precision (default: FP32 maths, as kvlingo.Relay translates)",
     )
+    real.add_argument(
+        "--suspect-trials",
+        type=whole(0),
+        default=3,
+        help="timed calls per suspect of a slower translation inside the engine (0: none)",
+    )
     real.add_argument("--kv-gib", type=whole(1), default=2, help="KV cache GiB per engine (VLLM_CPU_KVCACHE_SPACE)")
     real.add_argument("--allow-unproven", action="store_true", help="waive the gate for the random maps (required)")
     real.add_argument("--out", default="results/serve", help="folder of real.json")
@@ -255,6 +261,7 @@ def run_prepare_real(args) -> int:
 def run_real(args) -> int:
     engine_env(args.kv_gib)
     import torch
+    from transformers import AutoTokenizer
 
     bench, STORE = serve_module("bench"), serve_module("store").STORE
     if not args.allow_unproven:
@@ -269,18 +276,34 @@ def run_real(args) -> int:
         raise Refusal(f"{export} holds no exported translator: run prepare-real --family {args.family} first")
     refresh = json.loads((export / "config.json").read_text()).get("refresh", "none")
     print(f"timing-only run: the gate is waived (--allow-unproven) for random {args.family} maps {export}")
-    source = make_engine(str(root / "large"), None, args.dtype, args.tokens + 64)
-    target = make_engine(str(root / "small"), str(export), args.dtype, args.tokens + 64, True, args.precision)
     g = torch.Generator().manual_seed(0)
-    vocab = len(target.get_tokenizer())
+    vocab = len(AutoTokenizer.from_pretrained(root / "small"))  # the engines serve the folders' tokenizer
     ids = torch.randint(3, vocab, (args.tokens,), generator=g).tolist()
+    suspects = bench.Suspects(args.suspect_trials) if args.suspect_trials else None
+    probe = translation_probe(export, root, ids, args) if suspects else None
+    if suspects:  # the suspects of a slower translation inside the engine, one by one as the process gains them
+        suspects.time("no engine, vLLM not imported", probe["call"])
+        import vllm  # noqa: F401
+
+        suspects.time("after vLLM's import", probe["call"])
+    source = make_engine(str(root / "large"), None, args.dtype, args.tokens + 64)
+    if suspects:
+        suspects.time("beside the source engine", probe["call"])
+    target = make_engine(str(root / "small"), str(export), args.dtype, args.tokens + 64, True, args.precision)
+    if suspects:
+        suspects.time("beside both engines", probe["call"])
     t = time.perf_counter()
     bench.first_token(source, ids)  # the source reads the context; its connector saves the cache
     source_s = time.perf_counter() - t
-    saved = max(STORE.entries.values(), key=lambda e: e.n).n
+    entry = max(STORE.entries.values(), key=lambda e: e.n)  # the source's cache, the only one stored yet
+    saved = entry.n
     timed = real_trials(target, ids, args)
+    found = in_engine(suspects, probe, target, entry, ids, args) if suspects else None
+    own_cache_trials(target, ids, args, timed)
     env = provenance()
     print_real(timed, args, source_s, saved, env, refresh)
+    if suspects:
+        print_suspects(suspects, found)
     out = {
         "stage": "serve-real",
         "config": {**vars(args), "refresh": refresh},
@@ -290,7 +313,8 @@ def run_real(args) -> int:
         "speedup": timed["speed"],
         "loads": timed["loads"],
         "calls": bench.STARTS,
-        "decisions": timed["decisions"],
+        "decisions": list(serve_module("connector").DECISIONS),  # every request of the run, in order
+        "suspects": {"rows": suspects.rows, **found} if suspects else None,
         "wall_s": time.time() - t0,
     }
     name = f"real-{args.family}-{args.precision or 'fp32'}.json"
@@ -299,9 +323,87 @@ def run_real(args) -> int:
     return 0
 
 
+def translation_probe(export: Path, root: Path, ids: list[int], args) -> dict:
+    """The connector's translation outside any engine: the export accepted for the target folder as the connector
+    accepts it, called on a random source cache of the context's shape (keys as cached) with the context's ids,
+    into token-major results, in the engines' dtype and the run's precision."""
+    import torch
+
+    contract = serve_module("contract")
+    dtype = getattr(torch, args.dtype)
+    accepted = contract.Contract.load(
+        export, contract.ServedModel.describe(str(root / "small")), allow_unproven=True, dtype=dtype
+    )
+    g = accepted.translator.geometry
+    gen = torch.Generator().manual_seed(1)
+    shape = (g.source_layers, g.source_kv_heads, len(ids), g.source_head_dim)
+    keys, values = (torch.randn(shape, generator=gen).to(dtype) for _ in "kv")
+
+    def call(keys=keys, values=values):
+        return accepted.translate(keys, values, dtype, None, args.precision, token_major=True, ids=ids)
+
+    result = [(g.target_layers, len(ids), g.target_kv_heads, g.target_head_dim)] * 2
+    return {"call": call, "contract": accepted, "dtype": dtype, "result_shapes": result}
+
+
+def in_engine(suspects, probe: dict, target, entry, ids: list[int], args) -> dict:
+    """The last suspects, interleaved round by round: the engine's own translation (its load's translate_s, a
+    connector request with the source's saved cache), the same call on that saved cache outside the engine in this
+    process, and again under inference mode; then the allocation of the result (`bench.first_touch`). `entry`:
+    the source's stored cache, which the engine's loads translate (before the target's own cache is stored)."""
+    import torch
+
+    bench, DECISIONS = serve_module("bench"), serve_module("connector").DECISIONS
+    keys, values = entry.prefix(len(ids))
+    inside, outside, inference, states = [], [], [], []
+    for r in range(args.suspect_trials + 1):  # the first round is a warm-up
+        mark = len(DECISIONS)
+        bench.first_token(target, ids, bench.NO_SAVE)
+        load = next(d for d in reversed(DECISIONS[mark:]) if d.get("event") == "loaded")
+        t = time.perf_counter()
+        probe["call"](keys, values)
+        out_s = time.perf_counter() - t
+        with torch.inference_mode():
+            t = time.perf_counter()
+            probe["call"](keys, values)
+            inf_s = time.perf_counter() - t
+        if r:
+            inside.append(load["translate_s"])
+            outside.append(out_s)
+            inference.append(inf_s)
+            states.append(load)
+    last = states[-1]
+    suspects.add(
+        "inside the engine's load (translate_s)",
+        inside,
+        **{k: last[k] for k in ("threads", "affinity", "inference_mode") if k in last},
+    )
+    suspects.add("outside it, the engine's saved cache", outside)
+    with torch.inference_mode():
+        suspects.add("outside it, the same, inference mode", inference)
+    alloc = bench.first_touch(probe["result_shapes"], probe["dtype"], args.suspect_trials)
+    return {"allocation": alloc}
+
+
+def print_suspects(suspects, found: dict) -> None:
+    """Where the connector's translation time goes: each suspect's row, and the allocation line."""
+    a = found["allocation"]
+    numa = suspects.rows[0]["numa_nodes"]
+    print(
+        "\nThe same translation wherever the engine could make it slower (each row a suspect: vLLM's import, a "
+        "second engine in the process, the engine's load with its threads, CPU binding and inference mode):\n"
+    )
+    print(suspects.table())
+    print(
+        f"\nallocation: the result ({a['bytes'] / 2**20:.0f} MiB) allocated and written fresh "
+        f"{a['fresh']['median']:.3f} s against written into touched memory {a['reused']['median']:.3f} s "
+        f"({a['cost_s']:+.3f} s per translation); NUMA nodes: {numa}."
+    )
+
+
 def real_trials(target, ids: list[int], args) -> dict:
     """The target engine's TTFT, interleaved: re-prefill against the connector (translating the source's saved
-    cache), then the connector's floor (its own cache written back). Returns {times, speed, loads, decisions}."""
+    cache). Returns {times, speed, loads, decisions}."""
     bench, DECISIONS = serve_module("bench"), serve_module("connector").DECISIONS
     mark = len(DECISIONS)
     times = bench.interleaved(
@@ -314,15 +416,19 @@ def real_trials(target, ids: list[int], args) -> dict:
     )
     loads = [d for d in DECISIONS[mark:] if d.get("event") == "loaded"][args.warmups :]
     speed = bench.ratio(times["reprefill"], times["connector"])
-    # The connector's floor in this engine: once the target holds its own cache of the context (saved by one
-    # ordinary request through the connector), a load writes it back with no translation.
+    return {"times": times, "speed": speed, "loads": loads, "decisions": DECISIONS[mark:]}
+
+
+def own_cache_trials(target, ids: list[int], args, timed: dict) -> None:
+    """The connector's floor in this engine, added to `timed`'s times: once the target holds its own cache of the
+    context (saved by one ordinary request through the connector), a load writes it back with no translation."""
+    bench = serve_module("bench")
     bench.first_token(target, ids)
-    times.update(
+    timed["times"].update(
         bench.interleaved(
             {"own cache": lambda: bench.first_token(target, ids, bench.NO_SAVE)}, args.trials, args.warmups
         )
     )
-    return {"times": times, "speed": speed, "loads": loads, "decisions": DECISIONS[mark:]}
 
 
 def print_real(timed: dict, args, source_s: float, saved: int, env: dict, refresh: str) -> None:
