@@ -71,10 +71,15 @@ def run_state() -> dict[str, Any]:
     nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
     return {
         "threads": torch.get_num_threads(),
-        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "affinity": allowed_cpus(),
         "inference_mode": torch.is_inference_mode_enabled(),
         "numa_nodes": len(nodes) or 1,
     }
+
+
+def allowed_cpus() -> int:
+    """How many CPUs this process may run on (its affinity where the OS reports one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class Suspects:
@@ -88,15 +93,8 @@ class Suspects:
         self.rows: list[dict[str, Any]] = []
 
     def time(self, where: str, call: Callable[[], Any]) -> dict[str, Any]:
-        """`warmups` untimed calls, then `trials` timed ones; the row is kept and returned."""
-        for _ in range(self.warmups):
-            call()
-        times = []
-        for _ in range(self.trials):
-            t = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t)
-        return self.add(where, times)
+        """`warmups` untimed calls, then `trials` timed ones (`interleaved`); the row is kept and returned."""
+        return self.add(where, interleaved({where: call}, self.trials, self.warmups)[where])
 
     def add(self, where: str, times: list[float], **state) -> dict[str, Any]:
         """A row of seconds measured elsewhere (the engine's own), with the state it ran in where known."""

@@ -38,7 +38,6 @@ and "no-save" loads but leaves the store as it was (repeated trials of one promp
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
@@ -51,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from ..core.engine import PRECISIONS
 from . import paged
+from .bench import allowed_cpus
 from .contract import Contract, Refused, ServedModel, SourceModel
 from .store import STORE
 
@@ -459,7 +459,7 @@ class KvlingoConnector(KVConnectorBase_V1):
                 "translate_s": t2 - t1,
                 "write_s": t3 - t2,
                 "threads": torch.get_num_threads(),
-                "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                "affinity": allowed_cpus(),
                 "inference_mode": torch.is_inference_mode_enabled(),
             },
             load.log_file,

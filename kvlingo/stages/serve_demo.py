@@ -343,7 +343,7 @@ def translation_probe(export: Path, root: Path, ids: list[int], args) -> dict:
         return accepted.translate(keys, values, dtype, None, args.precision, token_major=True, ids=ids)
 
     result = [(g.target_layers, len(ids), g.target_kv_heads, g.target_head_dim)] * 2
-    return {"call": call, "contract": accepted, "dtype": dtype, "result_shapes": result}
+    return {"call": call, "dtype": dtype, "result_shapes": result}
 
 
 def in_engine(suspects, probe: dict, target, entry, ids: list[int], args) -> dict:
@@ -355,7 +355,7 @@ def in_engine(suspects, probe: dict, target, entry, ids: list[int], args) -> dic
 
     bench, DECISIONS = serve_module("bench"), serve_module("connector").DECISIONS
     keys, values = entry.prefix(len(ids))
-    inside, outside, inference, states = [], [], [], []
+    inside, outside, inference = [], [], []
     for r in range(args.suspect_trials + 1):  # the first round is a warm-up
         mark = len(DECISIONS)
         bench.first_token(target, ids, bench.NO_SAVE)
@@ -371,12 +371,10 @@ def in_engine(suspects, probe: dict, target, entry, ids: list[int], args) -> dic
             inside.append(load["translate_s"])
             outside.append(out_s)
             inference.append(inf_s)
-            states.append(load)
-    last = states[-1]
     suspects.add(
         "inside the engine's load (translate_s)",
         inside,
-        **{k: last[k] for k in ("threads", "affinity", "inference_mode") if k in last},
+        **{k: load[k] for k in ("threads", "affinity", "inference_mode")},  # the last load's state
     )
     suspects.add("outside it, the engine's saved cache", outside)
     with torch.inference_mode():
