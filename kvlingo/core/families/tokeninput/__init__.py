@@ -58,6 +58,20 @@ TOKENINPUT = Family(
         Variant("token-w2", {"window": 2}, "the token and the one before it, own layer 0", refresh=OWN_LAYER0),
         Variant("token-w1", {"window": 1}, "token identity of each token alone, own layer 0", refresh=OWN_LAYER0),
         Variant(
+            "token-w5",
+            {"window": 5},
+            "the token and the four before it, own layer 0 (a wider window for deep pairs)",
+            refresh=OWN_LAYER0,
+            default_run=False,
+        ),
+        Variant(
+            "token-w8",
+            {"window": 8},
+            "the token and the seven before it, own layer 0 (a wider window for deep pairs)",
+            refresh=OWN_LAYER0,
+            default_run=False,
+        ),
+        Variant(
             "token-w3-rquarter",
             {"token_rank": quarter_target_width},
             "token-w3 through a rank of a quarter of the target width",
