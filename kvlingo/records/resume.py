@@ -15,14 +15,17 @@ an interrupted one with an equal key is resumed; any difference is refused with
 
 Code hash. A stage hashes its own script plus the closure of `kvlingo` modules it imports,
 found statically from the import statements of each file (function-level imports
-included), so an edit to a module the stage never imports (the toy world, say) leaves its
-key alone, and the hash does not depend on which branch happened to import what.
+included) and from the strings that name a module of the package for a lazy import
+("kvlingo.core.families.tokeninput.maps:TokenInput", the families' maps), so an edit to a
+module the stage never imports (the toy world, say) leaves its key alone, and the hash does
+not depend on which branch happened to import what.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -57,8 +60,12 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+LAZY = re.compile(rf"({PACKAGE}(?:\.\w+)+)(?::\w+)?")  # "kvlingo.a.b" or "kvlingo.a.b:Name", imported on use
+
+
 def _imports(path: Path) -> set[str]:
-    """Dotted names of every module a file imports (absolute and relative, at any depth)."""
+    """Dotted names of every module a file imports (absolute and relative, at any depth), and of every module a
+    string constant names in full (`LAZY`: a lazy import by name, as the families declare their maps)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     here = _module_name(path) if path.resolve().is_relative_to(ROOT / PACKAGE) else ""
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
@@ -74,6 +81,8 @@ def _imports(path: Path) -> set[str]:
                 mod = node.module or ""
             out.add(mod)
             out.update(f"{mod}.{a.name}" for a in node.names)  # `from pkg import module`
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (m := LAZY.fullmatch(node.value)):
+            out.add(m.group(1))
     return out
 
 

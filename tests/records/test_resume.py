@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,25 @@ def test_reports_and_ledgers_edited_out_of_shape_are_made_again_or_refused(tmp_p
         with pytest.raises(ResumeRefused, match=why):
             Ledger(ledger, {}, resume=True)
         assert json.loads(ledger.read_text()) == state  # refused before anything is written
+
+
+def test_the_code_hash_follows_the_families_lazy_maps(tmp_path):
+    """A family names its maps' module in a string ("kvlingo.….maps:Class", imported on first use), where the tensor
+    maths of every translator lives: the code hash of every stage that trains or loads one must cover those files,
+    so that an edit to them makes a resume refuse rather than reuse translators made by other code."""
+    from kvlingo.core.families import FAMILIES
+    from kvlingo.io import ROOT
+    from kvlingo.records.resume import _imports, imported_files
+
+    maps = {ROOT / Path(*f.maps.partition(":")[0].split(".")).with_suffix(".py") for f in FAMILIES.values()}
+    assert all(m.is_file() for m in maps), maps
+    for script in ("train_translator.py", "benchmark.py", "task_eval.py", "ifeval.py", "frontier.py", "layers.py"):
+        missing = maps - set(imported_files(script))
+        assert not missing, f"{script}'s code hash misses {sorted(str(m) for m in missing)}"
+
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text(
+        'MAPS = "kvlingo.core.fit:NormalEquations"\nNAME = "kvlingo.core.rope"\n'
+        'PROSE = "see kvlingo.core.kl for the KL"\nPARTIAL = "kvlingo."\n'
+    )
+    assert _imports(lazy) == {"kvlingo.core.fit", "kvlingo.core.rope"}
