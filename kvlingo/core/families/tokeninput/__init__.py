@@ -101,6 +101,14 @@ TOKENINPUT = Family(
             "token-w3 in the first half of the target's layers only",
             refresh=OWN_LAYER0,
         ),
+        Variant(
+            "token-w3-crosslayer",
+            {"base": "crosslayer", "k": 2, "rank": eighth_target_width},
+            "token-w3 on a cross-layer base (every source KV head of the two source layers ranked best for each "
+            "target layer, through a rank of an eighth of the target width): cross-layer inputs with token identity",
+            refresh=OWN_LAYER0,
+            default_run=False,
+        ),
         Variant("token-w3-full", {"token_rank": 0}, "token-w3 at full rank", refresh=OWN_LAYER0, default_run=False),
     ),
     reads_layer0=True,
