@@ -44,6 +44,24 @@ def test_real_cost_counts_flops_at_the_real_shapes():
     assert s2l["fraction_of_reprefill"] < cross["fraction_of_reprefill"]  # the 1.7B's re-prefill costs more
 
 
+def test_the_wider_windows_and_the_cross_layer_base_fit_the_budget_in_both_directions():
+    """The deep pair's levers beyond token-w3 (run with --settings) are priced as their own rows: the window adds its
+    tokens to the shared down-projection only, the cross-layer base its two source layers at an eighth of the real
+    width (128), and each stays within the budget at the real shapes in both directions, dearer than token-w3."""
+    deep = Geometry(28, 2, 32, 28, 2, 32)
+    for direction in ("l2s", "s2l"):
+        by = {s.name: s for s in A.settings_for(DEMO, direction, deep)}
+        cost = {
+            n: A.real_cost(by[n], direction, deep) for n in ("token-w3", "token-w5", "token-w8", "token-w3-crosslayer")
+        }
+        frac = [cost[n]["fraction_of_reprefill"] for n in ("token-w3", "token-w5", "token-w8", "token-w3-crosslayer")]
+        assert frac == sorted(frac) and frac[-1] < A.MAX_COST_FRACTION, (direction, frac)
+        w3, w5 = cost["token-w3"]["translate_flops_per_token"], cost["token-w5"]["translate_flops_per_token"]
+        assert w5 - w3 == pytest.approx(2 * 2 * 2 * 2048 * 512 * 27 / 28, rel=1e-6)  # two more tokens' rows of P
+        assert cost["token-w3-crosslayer"]["real_settings"]["base"]["settings"]["rank"] == 128
+        assert not by["token-w5"].default_run and not by["token-w3-crosslayer"].default_run
+
+
 def test_each_direction_runs_its_own_default_before_beside_the_levers():
     l2s, s2l = A.default_settings(DEMO, "l2s", TOY), A.default_settings(DEMO, "s2l", TOY)
     assert "crosshead" in l2s and "crosslayer-k4-rhalf" not in l2s
