@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -49,11 +48,10 @@ def test_the_code_hash_follows_the_families_lazy_maps(tmp_path):
     maths of every translator lives: the code hash of every stage that trains or loads one must cover those files,
     so that an edit to them makes a resume refuse rather than reuse translators made by other code."""
     from kvlingo.core.families import FAMILIES
-    from kvlingo.io import ROOT
-    from kvlingo.records.resume import _imports, imported_files
+    from kvlingo.records.resume import _imports, _module_file, imported_files
 
-    maps = {ROOT / Path(*f.maps.partition(":")[0].split(".")).with_suffix(".py") for f in FAMILIES.values()}
-    assert all(m.is_file() for m in maps), maps
+    maps = {_module_file(f.maps.partition(":")[0]) for f in FAMILIES.values()}
+    assert None not in maps and len(maps) == 4, maps  # headwise, crosslayer (and crosshead), residual, tokeninput
     for script in ("train_translator.py", "benchmark.py", "task_eval.py", "ifeval.py", "frontier.py", "layers.py"):
         missing = maps - set(imported_files(script))
         assert not missing, f"{script}'s code hash misses {sorted(str(m) for m in missing)}"

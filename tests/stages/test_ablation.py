@@ -49,12 +49,11 @@ def test_the_wider_windows_and_the_cross_layer_base_fit_the_budget_in_both_direc
     tokens to the shared down-projection only, the cross-layer base its two source layers at an eighth of the real
     width (128), and each stays within the budget at the real shapes in both directions, dearer than token-w3."""
     deep = Geometry(28, 2, 32, 28, 2, 32)
+    names = ("token-w3", "token-w5", "token-w8", "token-w3-crosslayer")
     for direction in ("l2s", "s2l"):
         by = {s.name: s for s in A.settings_for(DEMO, direction, deep)}
-        cost = {
-            n: A.real_cost(by[n], direction, deep) for n in ("token-w3", "token-w5", "token-w8", "token-w3-crosslayer")
-        }
-        frac = [cost[n]["fraction_of_reprefill"] for n in ("token-w3", "token-w5", "token-w8", "token-w3-crosslayer")]
+        cost = {n: A.real_cost(by[n], direction, deep) for n in names}
+        frac = [cost[n]["fraction_of_reprefill"] for n in names]
         assert frac == sorted(frac) and frac[-1] < A.MAX_COST_FRACTION, (direction, frac)
         w3, w5 = cost["token-w3"]["translate_flops_per_token"], cost["token-w5"]["translate_flops_per_token"]
         assert w5 - w3 == pytest.approx(2 * 2 * 2 * 2048 * 512 * 27 / 28, rel=1e-6)  # two more tokens' rows of P
