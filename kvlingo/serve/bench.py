@@ -282,13 +282,17 @@ def random_export(
     dtype: str = "bfloat16",
     seed: int = 0,
     refresh: str = "none",
+    flags: dict | None = None,
 ) -> Path:
-    """An exported translator of `family` with random maps N(0, 0.02) for the pair of folders, handing over under
-    `refresh` and recording the target tensors its handoff reads with their sha256 (`inputs.reads.handoff_reads`),
-    without evidence (the gate refuses it: a timing-only run must waive it). Kept while it reads back as these
-    settings."""
+    """An exported translator of `family` (its option values `flags` by dest, e.g. a variant's; the rest its
+    defaults) with random maps N(0, 0.02) for the pair of folders, handing over under `refresh` and recording the
+    target tensors its handoff reads with their sha256 (`inputs.reads.handoff_reads`), without evidence (the gate
+    refuses it: a timing-only run must waive it). Kept while it reads back as these settings."""
+    import json
+
     import torch
 
+    from ..core.settings import Geometry
     from ..core.translator import TranslatorError
     from ..inputs.models import resolve_pair
     from ..inputs.reads import handoff_reads
@@ -300,18 +304,28 @@ def random_export(
         state_bytes,
         write_export,
     )
+    from ..train.config import family_settings
 
     out = Path(out)
     if (out / CONFIG_FILE).is_file():
         try:
             config, _, _ = read_export(out)
-            settings = (config.get("family"), config.get("key_space"), config.get("direction"), config.get("refresh"))
-            if settings == (family, key_space, direction, refresh) and "reads" in config:
+            kept = (config.get("family"), config.get("key_space"), config.get("direction"), config.get("refresh"))
+            geometry = config["geometry"]
+            settings = family_settings(family, flags, Geometry(**geometry))
+            spec = {"family": family, "key_space": key_space, "settings": settings, "geometry": geometry}
+            wanted = json.loads(json.dumps(build(spec, device="meta").settings()))
+            if (
+                kept == (family, key_space, direction, refresh)
+                and config.get("settings") == wanted
+                and "reads" in config
+            ):
                 return out
-        except TranslatorError:  # damaged, edited or of an older format: made again
+        except (TranslatorError, KeyError, TypeError, ValueError):  # damaged, edited or of an older format: made again
             pass
     pair, _ = resolve_pair(str(large), str(small), direction, "cpu", dtype)
-    maps = build({"family": family, "key_space": key_space, "settings": {}, "geometry": pair.geometry})
+    settings = family_settings(family, flags, pair.geometry)
+    maps = build({"family": family, "key_space": key_space, "settings": settings, "geometry": pair.geometry})
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in maps.parameters():

@@ -4,8 +4,8 @@
                   on the CPU; at each switch the next model starts from the other's translated cache, and its
                   time to first token is timed against vLLM's own re-prefill of the same prompt
     prepare-real  random Qwen3-1.7B and 0.6B weights saved as model folders (the toy tokenizer), and a random
-                  translator exported for them (suite environment): by default the default translator's family,
-                  token input (token-w3's settings) with refresh exact:0
+                  translator exported for them (suite environment): by default the default translator (token-w5:
+                  token input over a window of five tokens) with refresh exact:0
     real          time to first token of the 0.6B at a long context: vLLM's re-prefill against the connector
                   (translating the 1.7B engine's cache), trials interleaved
 
@@ -91,15 +91,18 @@ def add_toy_args(toy) -> None:
     toy.add_argument("--out", default="results/serve", help="folder of demo.json")
 
 
-def _default_family() -> str:
-    """The family of the pilot profile's l2s default (what `make run` trains on the real pair)."""
+def default_translator() -> tuple[str, str, dict]:
+    """The pilot profile's l2s default (what `make run` trains on the real pair): its variant's name, its family and
+    the variant's option values by dest (the rest are the family's defaults)."""
     from ..core.families import variant
     from ..inputs.profiles import get_profile
 
-    return variant(get_profile("pilot").family_for("l2s"))[0].name
+    name = get_profile("pilot").family_for("l2s")
+    fam, v = variant(name)
+    return name, fam.name, dict(v.flags)
 
 
-DEFAULT_FAMILY = _default_family()
+DEFAULT_VARIANT, DEFAULT_FAMILY, _ = default_translator()
 
 
 def add_prepare_args(prep) -> None:
@@ -108,9 +111,10 @@ def add_prepare_args(prep) -> None:
     prep.add_argument("--dtype", default="bfloat16", help="weights dtype")
     prep.add_argument(
         "--family",
-        default=DEFAULT_FAMILY,
+        default=None,
         choices=sorted(FAMILIES),
-        help="translator family of the random maps (default: the pilot profile's, l2s)",
+        help=f"translator family of the random maps, at its own defaults (default: the pilot profile's l2s default "
+        f"translator, {DEFAULT_VARIANT} of the {DEFAULT_FAMILY} family)",
     )
     prep.add_argument(
         "--refresh",
@@ -126,7 +130,8 @@ def add_real_args(real) -> None:
         "--family",
         default=DEFAULT_FAMILY,
         choices=sorted(FAMILIES),
-        help="translator family of the random maps (prepare-real's; default: the pilot profile's, l2s)",
+        help=f"translator family of the random maps (prepare-real's; default: {DEFAULT_FAMILY}, the family of the "
+        f"pilot profile's l2s default)",
     )
     real.add_argument("--tokens", type=whole(2), default=4096, help="context length")
     real.add_argument("--dtype", default="bfloat16", help="the engines' dtype")
@@ -245,14 +250,24 @@ def run_prepare_real(args) -> int:
     bench, root = serve_module("bench"), Path(args.root)
     large = bench.random_model_folder("Qwen/Qwen3-1.7B", root / "large", Path(args.tokenizer), args.dtype, seed=1)
     small = bench.random_model_folder("Qwen/Qwen3-0.6B", root / "small", Path(args.tokenizer), args.dtype, seed=2)
-    refresh = Refresh.parse(args.refresh or ("exact:0" if FAMILIES[args.family].reads_layer0 else "none"))
+    # the default translator's own settings (a variant's window and rank), or a named family at its defaults
+    name, family, flags = default_translator() if args.family is None else (args.family, args.family, {})
+    refresh = Refresh.parse(args.refresh or ("exact:0" if FAMILIES[family].reads_layer0 else "none"))
     if refresh.kind not in ("none", "tail", "exact"):
         raise Refusal(f"--refresh {refresh}: a KV connector serves none, tail:W and exact:0 only")
     export = bench.random_export(
-        large, small, root / f"export-l2s-{args.family}", "l2s", args.family, "cache", args.dtype, refresh=str(refresh)
+        large,
+        small,
+        root / f"export-l2s-{family}",
+        "l2s",
+        family,
+        "cache",
+        args.dtype,
+        refresh=str(refresh),
+        flags=flags,
     )
     print(
-        f"random-weight pair {large}, {small}; random {args.family} maps (cache key space, refresh {refresh}, "
+        f"random-weight pair {large}, {small}; random {name} maps (cache key space, refresh {refresh}, "
         f"no evidence) {export}"
     )
     return 0
