@@ -133,10 +133,12 @@ def test_two_ranks_equal_one_process(runs, tiny_pair_paths, parallel_data):
         load_state(art / "dist" / "distilled").weight, load_state(art / "dist" / "closed_form").weight
     )
     dist, single = runs.dist["results"], runs.single["results"]
+    # The curves are FP32 means over every reply token, summed per rank and all-reduced: another order of the same
+    # few hundred terms than one process's, so they agree to a few float32 steps (1e-5 relative), not bit for bit.
     for a, b in zip(dist["val_kl_curve"] + dist["loss_curve"], single["val_kl_curve"] + single["loss_curve"]):
         assert a["update"] == b["update"] and abs(
             a.get("val_kl", a.get("loss")) - b.get("val_kl", b.get("loss"))
-        ) <= 1e-6 * abs(b.get("val_kl", b.get("loss")))
+        ) <= 1e-5 * abs(b.get("val_kl", b.get("loss"))), (a, b)
     assert dist["fit"]["n_conversations"] == single["fit"]["n_conversations"] == N_FIT
     assert dist["fit"]["n_tokens"] == single["fit"]["n_tokens"]
     assert runs.dist["env"]["world_size"] == 2 and runs.single["env"]["world_size"] == 1
