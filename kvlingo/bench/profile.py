@@ -3,8 +3,8 @@
 perf.py --kernels looks inside the optimised handoff from an existing source cache at each context length,
 one phase at a time, on the pair and translator it timed:
 
-    translate  the translation written into the target's cache; under the default translator (token-w3 with
-               exact:0) that includes the target's exact layer 0 and the token features its maps read
+    translate  the translation written into the target's cache; under the default translator (token input
+               with exact:0) that includes the target's exact layer 0 and the token features its maps read
     new_turn   the target's forward of the k-token new turn on that cache
     reprefill  the target re-reading the context and the new turn (what the handoff saves)
 

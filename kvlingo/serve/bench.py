@@ -292,6 +292,7 @@ def random_export(
 
     import torch
 
+    from ..core.families import FAMILIES
     from ..core.settings import Geometry
     from ..core.translator import TranslatorError
     from ..inputs.models import resolve_pair
@@ -304,7 +305,6 @@ def random_export(
         state_bytes,
         write_export,
     )
-    from ..train.config import family_settings
 
     out = Path(out)
     if (out / CONFIG_FILE).is_file():
@@ -312,7 +312,7 @@ def random_export(
             config, _, _ = read_export(out)
             kept = (config.get("family"), config.get("key_space"), config.get("direction"), config.get("refresh"))
             geometry = config["geometry"]
-            settings = family_settings(family, flags, Geometry(**geometry))
+            settings = FAMILIES[family].settings_from(flags or {}, Geometry(**geometry), FAMILIES)
             spec = {"family": family, "key_space": key_space, "settings": settings, "geometry": geometry}
             wanted = json.loads(json.dumps(build(spec, device="meta").settings()))
             if (
@@ -324,7 +324,7 @@ def random_export(
         except (TranslatorError, KeyError, TypeError, ValueError):  # damaged, edited or of an older format: made again
             pass
     pair, _ = resolve_pair(str(large), str(small), direction, "cpu", dtype)
-    settings = family_settings(family, flags, pair.geometry)
+    settings = FAMILIES[family].settings_from(flags or {}, Geometry(**pair.geometry), FAMILIES)
     maps = build({"family": family, "key_space": key_space, "settings": settings, "geometry": pair.geometry})
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

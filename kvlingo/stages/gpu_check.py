@@ -10,7 +10,7 @@ skipped and the table says so):
      DynamicCache) every row's second speedup is taken against;
   3. the toy demo's benchmark (benchmark.py --profile demo) on CUDA, on the trained demo run carried over;
   4. where the time goes: perf.py --kernels at 8,192 and 16,384 tokens, l2s then s2l, each direction's
-     default handoff (token-w3 with exact:0) as perf runs it optimised (CUDA graphs on), a few trials.
+     default handoff (token input with exact:0) as perf runs it optimised (CUDA graphs on), a few trials.
 
 It writes OUT/gpu-check.md (the table, with the tests' and the toy benchmark's lines under it, then the
 profile section), OUT/gpu-check.json (every row with its raw trials, and the profiles) and each perf

@@ -23,24 +23,28 @@ def export_run(
     family: str = "crosshead",
     direction: str = "l2s",
     refresh: str = "none",
+    flags: dict | None = None,
 ) -> Path:
-    """Closed-form maps of the pair fitted on `train`, benchmarked on `data`'s test split and exported; returns
-    the export folder (its gate verdict is whatever the figures say)."""
+    """Closed-form maps of the pair (the family's option values `flags` by dest, e.g. a variant's; the rest its
+    defaults) fitted on `train`, benchmarked on `data`'s test split and exported; returns the export folder (its
+    gate verdict is whatever the figures say)."""
     import benchmark
     import export
     from kvlingo.core.translator import Geometry
     from kvlingo.inputs.models import load_pair, resolve_pair
     from kvlingo.records.saved import build, save_translator
     from kvlingo.train.closed_form import fit_closed_form
+    from kvlingo.train.config import family_settings
 
     cfg, tok = resolve_pair(str(large), str(small), direction, "cpu", "float32")
     pair = load_pair(cfg, tok)
+    geometry = Geometry.of(pair.source, pair.target)
     translator = build(
         {
             "family": family,
             "key_space": key_space,
-            "settings": {},
-            "geometry": asdict(Geometry.of(pair.source, pair.target)),
+            "settings": family_settings(family, flags, geometry),
+            "geometry": asdict(geometry),
         }
     ).bind(pair.source, pair.target)
     fit_closed_form(pair.source, pair.target, translator, train)

@@ -50,3 +50,29 @@ def test_first_touch_times_fresh_against_reused_memory_of_the_results_bytes():
     assert out["bytes"] == (4 * 16 * 2 * 8 + 3 * 5) * 2
     assert out["fresh"]["n"] == out["reused"]["n"] == 2
     assert out["cost_s"] == pytest.approx(out["fresh"]["median"] - out["reused"]["median"])
+
+
+def test_the_random_export_is_the_default_variants_and_is_made_again_for_other_settings(tiny_pair_paths, tmp_path):
+    """`make serve-perf` times random maps of the default translator: prepare-real exports the pilot profile's l2s
+    variant with its own settings (token-w5's window, not the family's default of three), keeps a folder that reads
+    back as the same settings and makes it again for others."""
+    import json
+
+    from kvlingo.core.families import variant
+    from kvlingo.inputs.profiles import get_profile
+    from kvlingo.stages.serve_demo import default_translator
+
+    name, family, flags = default_translator()
+    assert (name, family) == (get_profile("pilot").family_for("l2s"), variant(name)[0].name)
+    large, small = tiny_pair_paths
+    out = tmp_path / "export"
+
+    def export(**kw):
+        bench.random_export(large, small, out, "l2s", family, "cache", "float32", refresh="exact:0", **kw)
+        return json.loads((out / "config.json").read_text()), (out / "config.json").stat().st_mtime_ns
+
+    default, made = export(flags=flags)
+    assert default["family"] == "tokeninput" and default["settings"]["window"] == flags["window"] == 5
+    assert export(flags=flags)[1] == made  # kept: it reads back as these settings
+    own, _ = export()
+    assert own["settings"]["window"] == 3 and own["settings"]["rank"] == default["settings"]["rank"]

@@ -143,7 +143,7 @@ def test_an_exact0_translators_frontier_starts_at_exact0_without_the_layer_sweep
         str(tmp_path / "r"),
     ]
     for run, flags, grid, sweep in (
-        ("default", [], frontier.EXACT0_SETTINGS, False),  # the profile's: token-w3 with exact:0
+        ("default", [], frontier.EXACT0_SETTINGS, False),  # the profile's: token input with exact:0
         ("plain", ["--family", "headwise", "--refresh", "none"], frontier.SETTINGS, True),
     ):
         train_translator.main([*pair, "--run", run, "--data", str(data), "--updates", "1", *flags])

@@ -63,7 +63,7 @@ def test_the_dry_run_runs_every_step_into_one_table(bench_inputs, tmp_path, caps
     assert {(r["direction"], r["context"]) for r in rows} == {(d, n) for d in ("l2s", "s2l") for n in (32, 64)}
     optimised = [r for r in rows if r["mode"] == "optimised"]
     assert {r["deferred"] for r in optimised} == {True, False} and not any(r["graphed"] for r in rows)
-    assert {r["family"] for r in rows} == {"tokeninput"}  # the pilot profile's default (token-w3), both directions
+    assert {r["family"] for r in rows} == {"tokeninput"}  # the pilot profile's default (token input), both directions
     for r in rows:
         assert r["vs_eager"] > 0 and r["vs_eager_interval"][0] <= r["vs_eager"] <= r["vs_eager_interval"][1]
         assert len(r["handoff_trials_s"]) >= 2 and r["limit"] > 0
