@@ -69,9 +69,10 @@ def test_deferred_attention_equals_sdpa_over_the_translated_values(mask_kind, ma
     assert got.shape == (1, 5, 6, 16)
     assert (got - ref.transpose(1, 2)).abs().max().item() <= 1e-5
     monkeypatch.setattr(attention, "SCORE_ELEMENTS", 2 * 3 * 16)  # one query row per chunk: the same rows
-    assert torch.allclose(
-        attention.deferred_attention(query, key, own, mask, deferred, scaling=0.3), got, atol=1e-6, rtol=0
-    )
+    # A row's matmuls at another number of rows may take another kernel blocking (another order of the same sums):
+    # a few float32 steps of the output's scale, not bit for bit.
+    chunked = attention.deferred_attention(query, key, own, mask, deferred, scaling=0.3)
+    assert (chunked - got).abs().max().item() <= 8 * torch.finfo(torch.float32).eps * got.abs().max().item()
 
 
 def test_deferred_attention_of_one_query_without_a_mask_sees_every_key():
