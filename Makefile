@@ -290,7 +290,7 @@ SERVE_PY     := $(SERVE_VENV)/bin/python
 SERVE_PYTHON ?= 3.11
 SERVE_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 SERVE_ARGS   ?=
-# serve-perf: the random maps' family and refresh (SERVE_FAMILY empty: the default translator, token-w5, with the
+# serve-perf: the random maps' family and refresh (SERVE_FAMILY empty: the default translator, token-w3, with the
 # target's exact layer 0; SERVE_REFRESH empty: exact:0 for a family that reads the target's layer 0, else none), and
 # the translation's precision (fast-fused: the maps' matmuls in the engine's BF16 with FP32 accumulation, the keys'
 # norm and RoPE compiled; kvlingo/core/engine.py)
@@ -333,7 +333,7 @@ serve-demo: $(SERVE_VENV)/.synced toy artifacts/serve-l2s/export/config.json art
 	$(SERVE_RUN) $(SERVE_PY) serve_demo.py toy --large $(TOY)/large --small $(TOY)/small \
 	  --l2s artifacts/serve-l2s/export --s2l artifacts/serve-s2l/export $(SERVE_ARGS)
 
-serve-perf: $(SERVE_VENV)/.synced toy ## TTFT at Qwen3-1.7B → 0.6B shapes (random weights and the default's token-w5 maps with exact:0, BF16, 4,096 tokens): vLLM re-prefill against the connector, and the same translation timed at each suspect of a slower engine (vLLM's import, a second engine, the engine's load, allocation) → results/serve/real-*.json (SERVE_FAMILY=crosshead)
+serve-perf: $(SERVE_VENV)/.synced toy ## TTFT at Qwen3-1.7B → 0.6B shapes (random weights and the default's token-w3 maps with exact:0, BF16, 4,096 tokens): vLLM re-prefill against the connector, and the same translation timed at each suspect of a slower engine (vLLM's import, a second engine, the engine's load, allocation) → results/serve/real-*.json (SERVE_FAMILY=crosshead)
 	HF_HUB_OFFLINE=1 $(PY) serve_demo.py prepare-real --tokenizer $(TOY)/small $(if $(SERVE_FAMILY),--family $(SERVE_FAMILY)) \
 	  $(if $(SERVE_REFRESH),--refresh $(SERVE_REFRESH))
 	$(SERVE_RUN) $(SERVE_PY) serve_demo.py real --allow-unproven $(if $(SERVE_FAMILY),--family $(SERVE_FAMILY)) --precision $(SERVE_PRECISION) \

@@ -4,8 +4,8 @@
                   on the CPU; at each switch the next model starts from the other's translated cache, and its
                   time to first token is timed against vLLM's own re-prefill of the same prompt
     prepare-real  random Qwen3-1.7B and 0.6B weights saved as model folders (the toy tokenizer), and a random
-                  translator exported for them (suite environment): by default the default translator (token-w5:
-                  token input over a window of five tokens) with refresh exact:0
+                  translator exported for them (suite environment): by default the default translator (token-w3:
+                  token input over a window of three tokens) with refresh exact:0
     real          time to first token of the 0.6B at a long context: vLLM's re-prefill against the connector
                   (translating the 1.7B engine's cache), trials interleaved
 

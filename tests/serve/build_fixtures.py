@@ -4,7 +4,7 @@ run there, on transformers 5.24; the serving environment's 5.19 runs only what t
     .venv/bin/python tests/serve/build_fixtures.py OUT
 
 writes under OUT: the toy pair (toy/), three exported large → small translators fitted in closed form on six
-conversations (exports/: cross-head maps in the cache and prenorm key spaces, and token input, token-w3
+conversations (exports/: cross-head maps in the cache and prenorm key spaces, and the default translator, token-w3
 with refresh exact:0, in the cache key space), a tokenizer folder that is not the pair's (other-tokenizer/), the
 large model's own cache of the first prompt (source-cache.safetensors), and fixtures.json: the prompts and, per
 export, `Relay.chat`'s greedy reply to each, as token ids (the reference the engine's translated handoff must
@@ -47,9 +47,8 @@ def main(out: Path) -> None:
     data = out / "data" / "tiny"
     train = read_split(data, "train")[:6]
     exports = {space: export_run(out, space, large, small, train, data, space) for space in ("cache", "prenorm")}
-    # Token input: head-wise maps plus the target's layer-0 features of each token and the two before it (the
-    # family's own defaults, token-w3's; the l2s default, token-w5, reads the same tensors over a wider window),
-    # measured with the target's exact layer 0
+    # The default translator: head-wise maps plus the target's layer-0 features of each token and the two before it
+    # (the tokeninput family's defaults are token-w3's), measured with the target's exact layer 0
     exports["tokeninput"] = export_run(
         out, "tokeninput", large, small, train, data, "cache", family="tokeninput", refresh="exact:0"
     )

@@ -52,10 +52,11 @@ def test_first_touch_times_fresh_against_reused_memory_of_the_results_bytes():
     assert out["cost_s"] == pytest.approx(out["fresh"]["median"] - out["reused"]["median"])
 
 
-def test_the_random_export_is_the_default_variants_and_is_made_again_for_other_settings(tiny_pair_paths, tmp_path):
+def test_the_random_export_takes_a_variants_settings_and_is_made_again_for_other_settings(tiny_pair_paths, tmp_path):
     """`make serve-perf` times random maps of the default translator: prepare-real exports the pilot profile's l2s
-    variant with its own settings (token-w5's window, not the family's default of three), keeps a folder that reads
-    back as the same settings and makes it again for others."""
+    variant with that variant's own option values (`default_translator`); a variant's values reach the export (the
+    window of five, not the family's three), a folder that reads back as the same settings is kept, and one of other
+    settings is made again."""
     import json
 
     from kvlingo.core.families import variant
@@ -63,16 +64,17 @@ def test_the_random_export_is_the_default_variants_and_is_made_again_for_other_s
     from kvlingo.stages.serve_demo import default_translator
 
     name, family, flags = default_translator()
-    assert (name, family) == (get_profile("pilot").family_for("l2s"), variant(name)[0].name)
+    fam, v = variant(get_profile("pilot").family_for("l2s"))
+    assert (name, family, flags) == (v.name, fam.name, dict(v.flags))
     large, small = tiny_pair_paths
     out = tmp_path / "export"
 
     def export(**kw):
-        bench.random_export(large, small, out, "l2s", family, "cache", "float32", refresh="exact:0", **kw)
+        bench.random_export(large, small, out, "l2s", "tokeninput", "cache", "float32", refresh="exact:0", **kw)
         return json.loads((out / "config.json").read_text()), (out / "config.json").stat().st_mtime_ns
 
-    default, made = export(flags=flags)
-    assert default["family"] == "tokeninput" and default["settings"]["window"] == flags["window"] == 5
-    assert export(flags=flags)[1] == made  # kept: it reads back as these settings
+    wide, made = export(flags=dict(variant("token-w5")[1].flags))
+    assert wide["family"] == "tokeninput" and wide["settings"]["window"] == 5
+    assert export(flags={"window": 5})[1] == made  # kept: it reads back as these settings
     own, _ = export()
-    assert own["settings"]["window"] == 3 and own["settings"]["rank"] == default["settings"]["rank"]
+    assert own["settings"]["window"] == 3 and own["settings"]["rank"] == wide["settings"]["rank"]

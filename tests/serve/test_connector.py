@@ -2,7 +2,7 @@
 
 Four engines share this process and its store of source caches: the toy pair's large model (it saves what it
 computes), and three of the small model: two translating the large engine's saved cache (cross-head maps, and the
-token input, token-w3 with refresh exact:0, both in the cache key space) and one running the large model
+default translator, token-w3 with refresh exact:0, both in the cache key space) and one running the large model
 beside it (prenorm maps). The references come from the suite's own environment (build_fixtures.py): `Relay.chat`'s
 greedy replies, the small model's own replies, the large model's cache. Without vLLM (the suite's `make test`) the
 module is skipped.
@@ -126,7 +126,7 @@ def test_own_cache_through_the_connector_reproduces_vllm_greedy_output(fx, engin
 def test_translated_handoff_gives_relay_chats_replies(fx, engines, export, engine):
     """The small engine starting from the large model's translated cache decodes, token for token, what
     `kvlingo.Relay.chat` decodes with the same maps: cross-head maps in the cache key space from the large engine's
-    saved cache, prenorm maps with the large model run beside the engine, and token input (token-w3,
+    saved cache, prenorm maps with the large model run beside the engine, and the default translator (token-w3,
     exact:0) from the saved cache and the prompt's token ids."""
     for ids, ref in zip(fx["prompts"], fx["relay"][export]):
         STORE.clear()

@@ -1,6 +1,6 @@
 """kvlingo.serve without vLLM: the connector's contract (what it accepts, what it refuses and why), its
 translation on model stubs (RoPE tables and the checked target tensors) against `kvlingo.Relay`'s on the loaded
-pair, the default translator's (token-w5, exact:0) included, the source model run beside an engine; and serving as
+pair, the default translator's (token-w3, exact:0) included, the source model run beside an engine; and serving as
 a leaf that nothing else imports. The engines' tests are tests/serve/test_connector.py (make test-serve)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from kvlingo.stages.serve_demo import default_translator
 def exports(tiny_pair_paths, tmp_path_factory):
     """Self-pair exports (the tiny small model on both sides, exact fits, so the gate passes honestly) in the
     cache and prenorm key spaces, and large → small ones in the cache key space: cross-head, and the default
-    translator (token-w5: head-wise maps plus the target's layer-0 features of each token and the four before it,
+    translator (token-w3: head-wise maps plus the target's layer-0 features of each token and the two before it,
     measured with refresh exact:0)."""
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("serve_contract")
@@ -46,7 +46,7 @@ def exports(tiny_pair_paths, tmp_path_factory):
         for space in ("cache", "prenorm")
     }
     out["l2s"] = export_run(root, "l2s", large, small, train, data, "cache")
-    _, family, flags = default_translator()  # the l2s default's family and its variant's window
+    _, family, flags = default_translator()  # the l2s default's family and its variant's options
     out["token"] = export_run(
         root, "token", large, small, train, data, "cache", family=family, refresh="exact:0", flags=flags
     )
@@ -328,7 +328,7 @@ def test_the_contract_store_and_demo_parser_load_without_vllm():
     assert out.stdout.strip() == "False"
 
 
-# --------------------------------------------------------------------------- the default translator: token-w5, exact:0
+# --------------------------------------------------------------------------- the default translator: token-w3, exact:0
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_input_exact0_translation_is_the_relays_bit_for_bit(exports, dtype):
     """The default translator's handoff through the contract (the token ids passed beside the cache; the target's

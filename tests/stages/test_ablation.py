@@ -58,9 +58,7 @@ def test_the_wider_windows_and_the_cross_layer_base_fit_the_budget_in_both_direc
         w3, w5 = cost["token-w3"]["translate_flops_per_token"], cost["token-w5"]["translate_flops_per_token"]
         assert w5 - w3 == pytest.approx(2 * 2 * 2 * 2048 * 512 * 27 / 28, rel=1e-6)  # two more tokens' rows of P
         assert cost["token-w3-crosslayer"]["real_settings"]["base"]["settings"]["rank"] == 128
-        # the window of five is l2s's default, a row of every plain run; the other two are run with --settings
-        assert by["token-w5"].default_run
-        assert not by["token-w8"].default_run and not by["token-w3-crosslayer"].default_run
+        assert not any(by[n].default_run for n in ("token-w5", "token-w8", "token-w3-crosslayer"))  # --settings only
 
 
 def test_each_direction_runs_its_own_default_before_beside_the_levers():
@@ -69,8 +67,7 @@ def test_each_direction_runs_its_own_default_before_beside_the_levers():
     assert "crosslayer-k4-rhalf" in s2l and "crosshead" not in s2l
     objectives = {f"{DEMO.family_for(d)}-{suffix}" for d in ("l2s", "s2l") for suffix, _, _ in A.OBJECTIVES}
     assert set(l2s) - {"crosshead"} - objectives == set(s2l) - {"crosslayer-k4-rhalf"} - objectives
-    assert {"token-w3", "token-w5"} <= set(l2s) & set(s2l)  # both directions' defaults, in both directions' runs
-    assert (DEMO.family_for("l2s"), DEMO.family_for("s2l")) == ("token-w5", "token-w3")
+    assert "token-w3" in l2s and "token-w3" in s2l
     rows = A.settings_for(DEMO, "l2s", TOY)
     assert not {s.name for s in rows if not s.default_run} & set(l2s + s2l)
     # the objective rows train the profile's default translator under each objective

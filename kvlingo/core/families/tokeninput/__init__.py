@@ -60,8 +60,9 @@ TOKENINPUT = Family(
         Variant(
             "token-w5",
             {"window": 5},
-            "the token and the four before it, own layer 0 (the l2s default: the wider window the deep pair needs)",
+            "the token and the four before it, own layer 0 (a wider window for deep pairs)",
             refresh=OWN_LAYER0,
+            default_run=False,
         ),
         Variant(
             "token-w8",
