@@ -347,7 +347,8 @@ def shown_output(after: str) -> str:
 def test_toy_export_then_the_toy_example(scratch):
     """The README's two commands as written (`make toy-export`: the demo profile, one torch thread, a few CPU
     minutes), then its claims: the example prints the README's output block line for line, and the export is
-    the default translator with the evidence figures the README quotes."""
+    the default translator with the evidence figures the README quotes (to the rounding another CPU's training
+    takes)."""
     readme_has("make", "toy-export")
     readme_has(".venv/bin/python", "examples/relay_toy.py")
     run(["make", "toy-export"], scratch, timeout=1800)
@@ -365,12 +366,20 @@ def test_toy_export_then_the_toy_example(scratch):
     assert config["settings"]["window"] == 3 and config["settings"]["base"]["family"] == "headwise"
     translated, control = evidence["arms"]["translated"], evidence["arms"]["control"]
     prose = " ".join(README.read_text().split())
-    claim = (
-        f"top-1 agreement {translated['top1_agreement']:.3f} with the native target and NLL Δ "
-        f"{translated['nll_delta_vs_native_target']:.3f} nats per reply token ({translated['n_tokens']:,} reply "
-        f"tokens), against {control['nll_delta_vs_native_target']:.2f}"
+    claim = re.search(
+        r"top-1 agreement (\d\.\d+) with the native target and NLL Δ (\d\.\d+) nats per reply token \(([\d,]+) reply "
+        r"tokens[^)]*\), against (\d\.\d+)",
+        prose,
     )
-    assert claim in prose, claim
+    assert claim, "the README no longer states the toy export's evidence"
+    top1, nll, tokens, control_nll = float(claim[1]), float(claim[2]), int(claim[3].replace(",", "")), float(claim[4])
+    # Distillation follows the machine's float rounding (its matmul kernels' order of summation), so one CPU's run is
+    # not bit for bit another's: the same commit's export read NLL Δ 0.024 on one machine and 0.021 on another, the
+    # control 2.35 and 2.36. The figures are held to differences of that size; the counts and the answers exactly.
+    assert abs(translated["top1_agreement"] - top1) <= 0.005, (translated["top1_agreement"], top1)
+    assert abs(translated["nll_delta_vs_native_target"] - nll) <= 0.005, (translated["nll_delta_vs_native_target"], nll)
+    assert abs(control["nll_delta_vs_native_target"] - control_nll) <= 0.05, (control, control_nll)
+    assert translated["n_tokens"] == tokens
     assert f"{translated['n_conversations']} held-out test conversations" in prose
 
 
