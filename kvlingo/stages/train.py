@@ -29,7 +29,8 @@ from ..inputs.profiles import get_profile
 from ..train.footprint import add_estimate_args
 from .skeleton import Stage, lock_run
 
-FIT_WEIGHTINGS = ("uniform", "attention")  # kvlingo.train.weighting
+FIT_WEIGHTINGS = ("uniform", "attention")  # kvlingo.train.weighting (a test holds them equal)
+VALUE_FITS = ("values", "output")  # kvlingo.train.weighting
 MEASURED_UPDATES = 3  # updates timed before the measured time per update is printed
 
 
@@ -99,6 +100,14 @@ class Train(Stage):
             default=None,
             help="closed-form weighting: uniform, or context positions by the target's reply-time "
             "attention (default: the profile's)",
+        )
+        p.add_argument(
+            "--value-fit",
+            choices=VALUE_FITS,
+            default="values",
+            help="closed form of the value maps: fitted to the target's values, or to what its reply-time "
+            "queries read from the context through them (the attention output; head-wise bases only; "
+            "default: values)",
         )
         p.add_argument(
             "--ridge",
@@ -247,6 +256,13 @@ class Train(Stage):
                 )
         spec = {"family": cfg.family, "key_space": cfg.key_space, "settings": cfg.family_settings}
         self.empty = build_translator({**spec, "geometry": self.pair_cfg.geometry})  # a geometry it cannot map: now
+        if not args.init_from:
+            from ..train.closed_form import check_value_fit
+
+            try:
+                check_value_fit(self.empty, cfg.value_fit)
+            except ValueError as e:
+                raise Refusal(f"--value-fit {cfg.value_fit}: {e}") from None
         self.init = None
         if args.init_from:
             self.init = read_manifest(args.init_from)  # refuses a missing or damaged folder before anything is written
@@ -608,7 +624,8 @@ class Train(Stage):
             (
                 f"# train: {paths.run}\n\n{pair.source_spec.name_or_path} → {pair.target_spec.name_or_path} "
                 f"({self.pair_cfg.direction}), family {cfg.family}, key space {cfg.key_space}, refresh {cfg.refresh}, "
-                f"fit weighting {cfg.fit_weighting}, {self.pair_cfg.dtype} on {self.pair_cfg.device}; {cfg.updates} "
+                f"fit weighting {cfg.fit_weighting}, value fit {cfg.value_fit}, {self.pair_cfg.dtype} on "
+                f"{self.pair_cfg.device}; {cfg.updates} "
                 f"updates × batch {cfg.batch}, lr {cfg.lr:g}, seed {cfg.seed}.\n\n{table}\nFrozen model weights "
                 f"verified unchanged. Wall time {wall:.1f} s.\n\n![curves](train.png)\n"
             ),
@@ -684,6 +701,7 @@ def train_config(args, profile, pair_cfg):
         family_settings=settings,
         key_space=args.key_space,
         fit_weighting=given(args.fit_weighting, profile.fit_weighting),
+        value_fit=args.value_fit,
         ridge=ridge_value(str(given(args.ridge, profile.ridge))),
         aux_attn_weight=positive("aux-attn-weight", args.aux_attn_weight, allow_zero=True),
         refresh=refresh,
@@ -833,5 +851,6 @@ def closed_form_start(
         progress=bar,
         world=world,
         kind=pair.cache,
+        value_fit=cfg.value_fit,
     )
     return translator, stats, {"fit_key": fit_key, "fit": stats}

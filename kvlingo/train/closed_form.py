@@ -10,6 +10,13 @@ they double the tokens per conversation.
 
 Weighting "uniform": every position weighs 1. "attention": see `weighting.py`.
 
+Value fit "values": the value maps are fitted to the target's values, position by position, as the
+keys are. "output": to what the native target's scored queries read from the context through them,
+Σ_j p_ij v_j per query and query head (`weighting.output_rows`), which weighs each value by the
+attention it gets and lets errors that the attention averages away cost nothing. The keys are
+fitted as before. It needs one fit block per target KV head (head-wise maps, or token input on a
+head-wise base).
+
 The normal equations stream (kvlingo.core.fit): memory is independent of the number of
 tokens, and the solve is one batched FP64 call over every block. Under data parallelism each
 rank accumulates its share of the conversations (every N-th, by position in the fit list) and
@@ -37,7 +44,14 @@ from ..core.handoff import as_ids
 from ..core.translator import LinearFamily
 from .distributed import SINGLE, World
 from .ranking import rank_layers
-from .weighting import FIT_WEIGHTINGS, attention_fit_weights, capture_with_queries, scored_attention
+from .weighting import (
+    FIT_WEIGHTINGS,
+    VALUE_FITS,
+    attention_fit_weights,
+    capture_with_queries,
+    output_rows,
+    scored_attention,
+)
 
 
 def normal_equations(
@@ -48,17 +62,17 @@ def normal_equations(
     weighting: str = "uniform",
     progress: Callable | None = None,
     kind: str = "preallocated",
+    value_fit: str = "values",
 ) -> NormalEquations:
     """The FP64 normal equations of `translator`'s least-squares blocks over all of `rows` (not yet solved).
 
     This is one rank's part of the fit: data-parallel callers pass their share of the rows and
     sum the parts (`World.sum_normal_equations`) before solving.
     """
-    if weighting not in FIT_WEIGHTINGS:
-        raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
+    _check(weighting, value_fit)
     ne = _equations(translator, source)
     for row in progress(rows) if progress else rows:
-        _accumulate(ne, source, target, translator, row, weighting, kind)
+        _accumulate(ne, source, target, translator, row, weighting, kind, value_fit)
     return ne
 
 
@@ -73,23 +87,26 @@ def fit_closed_form(
     held_out_every: int = 5,
     world: World = SINGLE,
     kind: str = "preallocated",
+    value_fit: str = "values",
 ) -> dict[str, Any]:
     """FP64 least squares of `translator` (bound to source/target) over `rows`, solved into its parameters.
 
     `ridge` is λ, or "auto" (chosen per block on held-out conversations). With a distributed
     `world`, this rank reads its share of `rows` and the ranks' sums are added before every solve.
-    The captures are prefills on caches of `kind`. Returns the fit's statistics.
+    The captures are prefills on caches of `kind`. `value_fit` "output" fits the values to the attention
+    output (module docstring). Returns the fit's statistics.
     """
-    if weighting not in FIT_WEIGHTINGS:
-        raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
+    _check(weighting, value_fit)
     if not isinstance(translator, LinearFamily):
         raise ValueError(f"the {translator.family} family has no closed form")
+    check_value_fit(translator, value_fit)
     stats: dict[str, Any] = {
         "n_conversations": len(rows),
         "family": translator.family,
         "key_space": translator.key_space,
         "weighting": weighting,
         "ridge": ridge,
+        **({"value_fit": value_fit} if value_fit != "values" else {}),
     }
     if translator.needs_plan:
         ranked = rank_layers(source, target, translator, rows, held_out_every, progress, world, kind)
@@ -105,7 +122,7 @@ def fit_closed_form(
     mine = [(i, row) for i, row in enumerate(rows) if i % world.size == world.rank]
     for i, row in progress(mine) if progress else mine:
         part = int(auto and i % held_out_every == held_out_every - 1)
-        _accumulate(parts[part], source, target, translator, row, weighting, kind)
+        _accumulate(parts[part], source, target, translator, row, weighting, kind, value_fit)
     for part in parts:
         if part is not None:
             world.sum_normal_equations(part)
@@ -119,6 +136,29 @@ def fit_closed_form(
     return stats
 
 
+def _check(weighting: str, value_fit: str) -> None:
+    if weighting not in FIT_WEIGHTINGS:
+        raise ValueError(f"fit weighting {weighting!r} is not one of {FIT_WEIGHTINGS}")
+    if value_fit not in VALUE_FITS:
+        raise ValueError(f"value fit {value_fit!r} is not one of {VALUE_FITS}")
+
+
+def check_value_fit(translator: LinearFamily, value_fit: str) -> None:
+    """Refuses the attention-output value fit for a translator without one fit block per target layer and KV head
+    (what the target's queries read is a sum over one KV head's positions)."""
+    if value_fit != "output":
+        return
+    L, B, _, d_out = translator.fit_blocks()
+    g = translator.geometry
+    if (L, B, d_out) != (g.target_layers, g.target_kv_heads, g.target_head_dim):
+        raise ValueError(
+            f"the attention-output value fit needs one fit block per target layer and KV head "
+            f"({g.target_layers} × {g.target_kv_heads} of width {g.target_head_dim}); the {translator.family} "
+            f"maps fit {L} × {B} of width {d_out}: use a head-wise base (--family headwise, or tokeninput with "
+            "--base headwise), or --value-fit values"
+        )
+
+
 def _equations(translator: LinearFamily, source) -> NormalEquations:
     L, B, d_in, d_out = translator.fit_blocks()
     device = next(source.parameters()).device
@@ -126,22 +166,34 @@ def _equations(translator: LinearFamily, source) -> NormalEquations:
 
 
 def _accumulate(
-    ne: NormalEquations, source, target, translator: LinearFamily, row: dict, weighting: str, kind: str
+    ne: NormalEquations,
+    source,
+    target,
+    translator: LinearFamily,
+    row: dict,
+    weighting: str,
+    kind: str,
+    value_fit: str = "values",
 ) -> None:
     """Add one conversation's tokens (source design, target features, weights) to `ne`."""
     device = next(source.parameters()).device
     space, prenorm = translator.space, translator.needs_prenorm
     prefix, reply = row["prefix_ids"], row["reply_ids"]
     ids = as_ids(prefix + reply, device)  # [1, tokens]
+    n_ctx = len(prefix) - 1  # handoff_split: the cache holds prefix[:-1], the target scores from prefix[-1]
     with torch.no_grad():
         src = capture(source, ids, want_prenorm=prenorm, logits_to_keep=1, kind=kind)
-        if weighting == "attention":
-            n_ctx = len(prefix) - 1  # handoff_split: the cache holds prefix[:-1], the target scores from prefix[-1]
+        weights = queries = None
+        if weighting == "attention" or value_fit == "output":
             tgt, queries = capture_with_queries(target, ids, prenorm, q_start=n_ctx, n_q=len(reply), kind=kind)
+        else:
+            tgt = capture(target, ids, want_prenorm=prenorm, logits_to_keep=1, kind=kind)
+        if weighting == "attention":
             attn = scored_attention(target, tgt.keys, queries, n_ctx, n_ctx, space.target_rope)
             weights = attention_fit_weights(attn, ids.shape[1])  # [layers, kv_heads, tokens]
-        else:
-            tgt, weights = capture(target, ids, want_prenorm=prenorm, logits_to_keep=1, kind=kind), None
         w = translator.block_weights(weights)
         ne.update(Part.KEYS, translator.design(Part.KEYS, src), translator.block_targets(space.target_keys(tgt)), w)
-        ne.update(Part.VALUES, translator.design(Part.VALUES, src), translator.block_targets(tgt.values), w)
+        x, y = translator.design(Part.VALUES, src), translator.block_targets(tgt.values)
+        if value_fit == "output":
+            x, y, w = output_rows(target, tgt.keys, queries, n_ctx, n_ctx, space.target_rope, x, y)
+        ne.update(Part.VALUES, x, y, w)

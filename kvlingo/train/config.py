@@ -47,6 +47,7 @@ class TrainConfig:
     fit_weighting: str = (
         "uniform"  # uniform, or attention: context positions weighted by the target's reply-time attention
     )
+    value_fit: str = "values"  # values, or output: the value maps fitted to the target's reply-time attention output
     ridge: float | str = "auto"  # ridge λ of the closed-form fit, or "auto": chosen per block on held-out conversations
     aux_attn_weight: float = 0.0  # weight of the attention-output MSE next to the KL (0: KL only)
     refresh: Refresh = Refresh()  # what the target recomputes under the translated cache in training (exact:0)
@@ -78,6 +79,7 @@ class TrainConfig:
             "n_fit": self.n_fit,
             "seed": self.seed,
             **({"n_train": self.n_train} if self.n_train else {}),
+            **({"value_fit": self.value_fit} if self.value_fit != "values" else {}),
         }
 
 

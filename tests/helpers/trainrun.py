@@ -26,8 +26,8 @@ def write_train_split(folder: Path, train: list[dict], val: list[dict]) -> Path:
 TOK: list = []  # the tiny pair's tokenizer folder, set by the data fixture
 
 
-def fitted(pair, rows, key_space="prenorm", weighting="uniform", ridge=0.0):
+def fitted(pair, rows, key_space="prenorm", weighting="uniform", ridge=0.0, value_fit="values"):
     """A head-wise translator fitted in closed form on `rows`, bound to the pair, and its fit statistics."""
     tr = Headwise(Geometry.of(pair.source, pair.target), key_space).bind(pair.source, pair.target)
-    stats = fit_closed_form(pair.source, pair.target, tr, rows, weighting, ridge)
+    stats = fit_closed_form(pair.source, pair.target, tr, rows, weighting, ridge, value_fit=value_fit)
     return tr, stats

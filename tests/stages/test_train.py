@@ -225,6 +225,11 @@ def test_resume_refuses_each_change_and_accepts_none(
         (("--ridge", "-1"), "train_translator: --ridge -1.0 is invalid: it must be a finite number ≥ 0"),
         (("--ridge", "much"), "train_translator: --ridge much is invalid: give a number ≥ 0, or auto"),
         (("--weight-decay", "nan"), "train_translator.py: argument --weight-decay: nan is out of range"),
+        (
+            ("--family", "crosshead", "--value-fit", "output"),
+            "train_translator: --value-fit output: the attention-output value fit needs one fit block per target "
+            "layer and KV head",
+        ),
     ],
 )
 def test_settings_out_of_range_are_refused_in_one_line_before_any_weights_load(
@@ -661,3 +666,20 @@ def test_zero_updates_is_refused_and_writes_nothing(tiny_pair_paths, train_data,
     err = refused(main, cli(tiny_pair_paths, train_data[0], tmp_path, "zero", "--updates", "0"), capsys)
     assert "--updates 0 distils nothing" in err and "--closed-form-only" in err
     assert not files_under(tmp_path / "results") and not files_under(tmp_path / "artifacts")
+
+
+def test_the_value_fit_on_the_attention_output_is_a_fit_setting(tiny_pair_paths, train_data, tmp_path):
+    """`--value-fit output` on the default translator: recorded in the config and the fit, a closed form of its own
+    (not the plain fit's, reused), the keys' maps the plain fit's."""
+    plain = main(cli(tiny_pair_paths, train_data[0], tmp_path, "plain", "--closed-form-only"))
+    out = main(cli(tiny_pair_paths, train_data[0], tmp_path, "out", "--closed-form-only", "--value-fit", "output"))
+    assert plain["config"]["value_fit"] == "values" and "value_fit" not in plain["results"]["fit"]
+    assert out["config"]["value_fit"] == "output" and out["results"]["fit"]["value_fit"] == "output"
+    assert out["config"]["family"] == plain["config"]["family"] == "tokeninput"
+    a = load_state(tmp_path / "artifacts" / "plain" / "closed_form").state_dict()
+    b = load_state(tmp_path / "artifacts" / "out" / "closed_form").state_dict()
+    assert a.keys() == b.keys()
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    kv = [k for k in a if a[k].dim() and a[k].shape[0] == 2]  # tensors stacked [keys, values, ...]
+    assert kv and all(torch.equal(a[k][0], b[k][0]) for k in kv), [k for k in kv if not torch.equal(a[k][0], b[k][0])]
+    assert any(not torch.equal(a[k][1], b[k][1]) for k in kv)

@@ -118,3 +118,49 @@ def test_closed_form_and_translation_across_depth_kv_heads_and_head_dim(family):
         kv = translate(source, tr, ids, torch.float32, cap=capture_source(source, ids, [tr]))
         out = continue_target(target, kv, tiny_ids(3, 78))
     assert out.logits.shape[-2:] == (3, 320) and torch.isfinite(out.logits).all()
+
+
+def test_value_fit_on_the_attention_output_minimises_what_the_queries_read(tiny_pair_paths, pair32, train_data):
+    """--value-fit output: the keys are the plain fit's; the values minimise the error of what the scored queries
+    read from the context (measured with eager attention's probabilities), where the plain fit minimises the
+    error of each value, and each fit is the better one on its own objective over the fit conversations."""
+    rows = train_data[1][:8]
+    plain, _ = fitted(pair32, rows)
+    out, stats = fitted(pair32, rows, value_fit="output")
+    assert stats["value_fit"] == "output"
+    assert torch.equal(out.weight[0], plain.weight[0]) and torch.equal(out.bias[0], plain.bias[0])
+    assert not torch.allclose(out.weight[1], plain.weight[1], atol=1e-3)
+    eager = load_model(ModelSpec.parse(str(tiny_pair_paths[1])), "cpu", torch.float32, attn="eager")
+
+    def errors(maps) -> tuple[float, float]:
+        """(Σ |v̂ − v|² over every position, Σ |Σ_j p_ij (v̂_j − v_j)|² over scored queries and query heads)."""
+        raw = read = 0.0
+        for r in rows:
+            n_ctx, R = len(r["prefix_ids"]) - 1, len(r["reply_ids"])
+            ids = as_ids(r["prefix_ids"] + r["reply_ids"], "cpu")
+            with torch.no_grad():
+                s, t = capture(pair32.source, ids), capture(pair32.target, ids)
+                v = maps._affine(1, maps.source(1, s), slice(None), None).double()
+                attn = eager(input_ids=ids, output_attentions=True).attentions
+            d = v - t.values.double()  # [L, H, T, head_dim]
+            raw += d.pow(2).sum().item()
+            group = attn[0].shape[1] // d.shape[1]
+            for l, a in enumerate(attn):
+                p = a[0, :, n_ctx : n_ctx + R, :n_ctx].double()  # [q_heads, R, ctx]
+                read += (p @ d[l, :, :n_ctx].repeat_interleave(group, 0)).pow(2).sum().item()
+        return raw, read
+
+    (plain_raw, plain_read), (out_raw, out_read) = errors(plain), errors(out)
+    assert out_read < plain_read and plain_raw < out_raw, (plain_raw, plain_read, out_raw, out_read)
+
+
+def test_value_fit_on_the_attention_output_refuses_a_cross_head_base(pair32, train_data):
+    from kvlingo.records.saved import build
+
+    g = Geometry.of(pair32.source, pair32.target)
+    tr = build({"family": "crosshead", "key_space": "prenorm", "settings": {}, "geometry": asdict(g)})
+    tr = tr.bind(pair32.source, pair32.target)
+    with pytest.raises(ValueError, match="one fit block per target layer and KV head"):
+        fit_closed_form(pair32.source, pair32.target, tr, train_data[1][:2], "uniform", 0.0, value_fit="output")
+    with pytest.raises(ValueError, match="value fit 'raw' is not one of"):
+        fit_closed_form(pair32.source, pair32.target, tr, train_data[1][:2], "uniform", 0.0, value_fit="raw")

@@ -110,6 +110,14 @@ TOKENINPUT = Family(
             default_run=False,
         ),
         Variant("token-w3-full", {"token_rank": 0}, "token-w3 at full rank", refresh=OWN_LAYER0, default_run=False),
+        Variant(
+            "token-w3-outfit",
+            note="token-w3 with its value maps fitted in closed form to the target's attention output (what its "
+            "reply-time queries read from the context), not to the raw values",
+            refresh=OWN_LAYER0,
+            train_flags=("--value-fit", "output"),
+            default_run=False,
+        ),
     ),
     reads_layer0=True,
 )
