@@ -18,8 +18,7 @@ Closed form: one least-squares problem per block of the base with the token feat
 to its design, [x, t, 1] → y (kvlingo.core.fit). The base's part of the solution goes to the
 base (a rank-r cross-layer base keeps the reduced-rank solution of its own rows); the token
 part, one M per block, is stacked over layers (and heads) and reduced to rank r by
-`fit.reduced_rank` under the token features' second moment (averaged over the blocks).
-Distillation trains everything.
+`fit.reduced_rank` under the token features' second moment. Distillation trains everything.
 
 Cost: the base's FLOPs plus 2 · 2 · (w·d_t·r + L·r·d_out) per token at rank r (2 · 2 · L · w·d_t
 · d_out at full rank). The features themselves are layer 0's k and v projections: the work of
@@ -336,11 +335,9 @@ class TokenInput(LinearFamily):
         m = tok.permute(0, 3, 1, 2, 4).reshape(two, dt, L, B * db)  # [2, d_tok, L_tok, d_out]: heads side by side
         with torch.no_grad():
             if self.rank:
-                # The features' second moment, averaged over the blocks that read them: equal blocks (a uniform fit
-                # of raw values) give the first exactly; attention weighting and the output fit weigh them per block.
-                A_tok = ne.A.cpu()[:, :L_tok, :, d_in : ne.d_in, d_in : ne.d_in]  # [2, L_tok, B, d_tok, d_tok]
-                first = A_tok[:, 0, 0]
-                A_tok = first + (A_tok - first[:, None, None]).mean((1, 2))
+                # The features' second moment in the first block: every block's under a uniform fit of raw values;
+                # layer 0's, KV head 0's under attention weighting or the output value fit, which weigh blocks apart.
+                A_tok = ne.A.cpu()[:, 0, 0, d_in : ne.d_in, d_in : ne.d_in]
                 down, up = reduced_rank(m.reshape(two, dt, L * B * db), A_tok, self.rank)
                 self.tok_down.copy_(down.float())
                 self.tok_up.copy_(up.view(two, self.rank, L, B * db).transpose(1, 2).float())
