@@ -61,6 +61,21 @@ def test_the_wider_windows_and_the_cross_layer_base_fit_the_budget_in_both_direc
         assert not any(by[n].default_run for n in ("token-w5", "token-w8", "token-w3-crosslayer"))  # --settings only
 
 
+def test_the_attention_output_value_fit_is_a_row_of_its_own_at_token_w3s_cost():
+    """token-w3-outfit trains token-w3 with `--value-fit output` (a closed-form setting: the handoff's cost is
+    token-w3's), run with --settings only, and the training stage's parser takes its flags."""
+    from kvlingo.stages.train import Train
+
+    for direction in ("l2s", "s2l"):
+        by = {s.name: s for s in A.settings_for(DEMO, direction, TOY)}
+        row, w3 = by["token-w3-outfit"], by["token-w3"]
+        assert row.train_flags == ("--value-fit", "output") and row.option_flags == w3.option_flags
+        assert row.refresh == w3.refresh and not row.default_run
+        assert A.real_cost(row, direction, TOY) == A.real_cost(w3, direction, TOY)
+    args = Train.parser().parse_args(["--family", row.family, *row.flags])
+    assert args.value_fit == "output"
+
+
 def test_each_direction_runs_its_own_default_before_beside_the_levers():
     l2s, s2l = A.default_settings(DEMO, "l2s", TOY), A.default_settings(DEMO, "s2l", TOY)
     assert "crosshead" in l2s and "crosslayer-k4-rhalf" not in l2s
