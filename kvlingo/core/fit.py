@@ -15,6 +15,14 @@ without keeping a single token.
 Reduced rank. `reduced_rank` keeps the rank-r part of a solution that best reproduces its own
 fitted values (Σ w |x̃ᵀW̃ − x̃ᵀW̃_r|² minimal): W̃_r = W̃ V V ᵀ with V the top-r eigenvectors of
 W̃ᵀ A W̃, returned as the factors (W̃ V, Vᵀ).
+
+Inputs of lower rank than their width. Features that are a linear image of fewer dimensions (a target's
+layer-0 k and v projections where 2 · KV width > hidden size) leave directions their second moment does
+not reach but for FP32 rounding (eigenvalues ~1e-15 of the largest). Least squares there fits rounding noise,
+with weights in the millions that cancel on every real input, in FP32 to a few per cent and in BF16 not at
+all. `numerical_span` finds the directions the inputs take (eigenvalues above `SPAN_CUTOFF` of the largest)
+and `in_basis` rewrites the normal equations in a basis of them: the minimum-norm solution, whose weights
+vanish on the rest.
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ from __future__ import annotations
 import torch
 
 RIDGE_GRID = (0.0, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # relative strengths α tried by `--ridge auto`
+# An input direction whose second moment is below this share of the largest is rounding, not signal: FP32 features
+# put ~1e-15 there; the smallest real directions of the toy pairs' token features sit at 7e-9 or above.
+SPAN_CUTOFF = 1e-11
 
 
 class NormalEquations:
@@ -132,8 +143,30 @@ class NormalEquations:
             "held_out_error": float(held.sum()),
         }
 
+    def in_basis(self, T: torch.Tensor) -> NormalEquations:
+        """The same least-squares problem on the inputs x̃ T (T [d_in + 1, d' + 1]; its last column the bias's,
+        T's last row (0, …, 0, 1)): A' = Tᵀ A T, B' = Tᵀ B, Y unchanged. A solution W̃' gives W̃ = T W̃'."""
+        T = T.to(self.device, torch.float64)
+        out = NormalEquations(self.A.shape[1], self.A.shape[2], T.shape[1] - 1, self.B.shape[-1], str(self.device))
+        for part in range(2):
+            for layer in range(self.A.shape[1]):  # one layer at a time: a temporary of one layer's blocks
+                out.A[part, layer] = T.T @ self.A[part, layer] @ T
+                out.B[part, layer] = T.T @ self.B[part, layer]
+        out.Y, out.n_tokens = self.Y.clone(), self.n_tokens
+        return out
+
     def state_dict(self) -> dict:
         return {"A": self.A, "B": self.B, "Y": self.Y, "n_tokens": self.n_tokens}
+
+
+def numerical_span(moments: torch.Tensor, cutoff: float = SPAN_CUTOFF) -> torch.Tensor | None:
+    """An orthonormal basis [d, k] of the directions some of `moments` [..., d, d] (second moments of the same
+    inputs, PSD) reach above `cutoff` of the largest eigenvalue of their sum; None when that is all d of them."""
+    total = moments.reshape(-1, *moments.shape[-2:]).to(torch.float64).sum(0)
+    total = 0.5 * (total + total.T)
+    vals, vecs = torch.linalg.eigh(total)  # ascending
+    keep = vals > cutoff * vals[-1].clamp_min(0)
+    return None if bool(keep.all()) else vecs[:, keep]
 
 
 def reduced_rank(augmented: torch.Tensor, A: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

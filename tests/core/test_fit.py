@@ -167,3 +167,47 @@ def test_fit_solves_match_lstsq_in_fp64_to_1e9():
         got = ne.solve_augmented(ridge)[0]
         ref = lstsq_blocks(x, y, w, ridge)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-9
+
+
+def test_a_solution_in_another_basis_is_the_same_solution():
+    """`in_basis`: the normal equations of the inputs x̃ T, solved, then mapped back by T, give the direct solution
+    (T invertible, the bias column kept)."""
+    x, y, _, _ = _data(seed=3)
+    ne = NormalEquations(2, 3, 6, 6)
+    ne.update(0, x, y)
+    ne.update(1, x, y)
+    g = torch.Generator().manual_seed(4)
+    T = torch.eye(7, dtype=torch.float64)
+    T[:6, :6] = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    T[:6, 6] = torch.randn(6, generator=g, dtype=torch.float64)  # an input offset in the last column, bias row kept
+    moved = ne.in_basis(T)
+    assert moved.d_in == 6 and moved.n_tokens == ne.n_tokens and torch.equal(moved.Y, ne.Y)
+    assert _rel(T @ moved.solve_augmented(0.0), ne.solve_augmented(0.0)) < 1e-9
+
+
+def test_inputs_of_lower_rank_are_solved_on_their_span_as_minimum_norm_least_squares():
+    """Inputs that are a linear image of 3 dimensions in 8, rounded to FP32 (as a target's layer-0 features are where
+    2 · KV width > hidden): `numerical_span` finds the 3 directions; solved in that basis, the weights are the
+    minimum-norm least-squares solution (reference: torch.linalg.pinv of the inputs), where a plain solve of the full
+    equations puts large weights on the directions only rounding reaches."""
+    from kvlingo.core.fit import numerical_span
+
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(1, 2, 300, 3, generator=g, dtype=torch.float64)
+    x = (z @ torch.randn(3, 8, generator=g, dtype=torch.float64)).float().double()
+    y = z @ torch.randn(3, 4, generator=g, dtype=torch.float64) + 0.1 * torch.randn(1, 2, 300, 4, generator=g)
+    ne = NormalEquations(1, 2, 8, 4)
+    ne.update(0, x, y)
+    ne.update(1, x, y)
+    span = numerical_span(ne.A[..., :8, :8])
+    assert span.shape == (8, 3) and numerical_span(NormalEquations(1, 1, 8, 4).A[..., :8, :8] + torch.eye(8)) is None
+    assert (x - x @ span @ span.T).abs().max().item() < 1e-5  # the inputs lie in it, but for rounding
+    T = torch.zeros(9, 4, dtype=torch.float64)
+    T[:8, :3], T[8, 3] = span, 1.0
+    got = T @ ne.in_basis(T).solve_augmented(0.0)  # [2, 1, 2, 9, 4]
+    for h in range(2):
+        xa = torch.cat([x[0, h], torch.ones(300, 1, dtype=torch.float64)], 1)
+        ref = torch.linalg.pinv(xa, rtol=1e-6) @ y[0, h]
+        assert _rel(got[1, 0, h], ref) < 1e-6
+    plain = ne.solve_augmented(0.0)
+    assert plain.abs().max() > 1e3 * got.abs().max()  # what the span prevents

@@ -325,3 +325,36 @@ def test_the_bf16_fast_path_runs_the_token_term_in_bf16_within_the_engines_toler
         for layer in range(ref.shape[0]):
             bound = FAST_BF16_TOLERANCE * ref[layer].float().abs().max().item()
             assert (got[layer].float() - ref[layer].float()).abs().max().item() <= bound
+
+
+def test_token_features_of_lower_rank_than_their_width_carry_no_rounding_weights():
+    """A target whose layer-0 k and v projections are wider than its hidden size (2 · KV width 32 > hidden 16, as
+    Qwen3-0.6B's 2,048 > 1,024 and the deep toy pair's small model): its token features span 16 of their 32
+    directions per token, FP32 rounding the rest. The closed form solves on their span (fit.numerical_span): the
+    token maps stay of the size of the base's, and the BF16 fast path stays within the engine's tolerance of the
+    FP32 maths, where maps fitted on rounding would be far outside it."""
+    from refs import random_ids
+    from tinypair import tiny_model
+
+    from kvlingo.core.engine import FAST_BF16_TOLERANCE
+
+    source = tiny_model("qwen3", "default", seed=1)
+    target = tiny_model("qwen3", "default", seed=2, hidden=16, heads=2, kv_heads=2, head_dim=8)
+    g = Geometry.of(source, target)
+    assert 2 * g.target_kv_heads * g.target_head_dim > target.config.hidden_size
+    tr = TokenInput(g, "cache", base={"family": "headwise", "settings": {}}).bind(source, target)
+    rows = [
+        {"prefix_ids": random_ids(40, 320, s)[0].tolist(), "reply_ids": random_ids(8, 320, 50 + s)[0].tolist()}
+        for s in range(24)
+    ]
+    fit_closed_form(source, target, tr, rows, "uniform", 0.0)
+    base = tr.base.weight.abs().max().item()
+    assert tr.tok_down.abs().max().item() < 100 * max(1.0, base), (tr.tok_down.abs().max().item(), base)
+    with torch.no_grad():
+        cap = capture(source, random_ids(40, 320, 99))
+        exact = tr(cap, torch.bfloat16, precision="fp32")
+        fast = tr(cap, torch.bfloat16, precision="fast")
+    for ref, got in zip(exact, fast):
+        for layer in range(ref.shape[0]):
+            bound = FAST_BF16_TOLERANCE * ref[layer].float().abs().max().item()
+            assert (got[layer].float() - ref[layer].float()).abs().max().item() <= bound, layer

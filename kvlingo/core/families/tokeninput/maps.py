@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ...cache import Capture
-from ...fit import NormalEquations, reduced_rank
+from ...fit import NormalEquations, numerical_span, reduced_rank
 from ...preallocated import ValueMaps
 from ...settings import half_target_width
 from ...translator import PARTS, Geometry, LinearFamily, Part, Translator, TranslatorError
@@ -317,8 +317,17 @@ class TokenInput(LinearFamily):
     def solve_from(self, ne: NormalEquations, ridge) -> None:
         """The token features' blocks (the parts and first layers that read them) solved with them; every other
         block solved on the base's inputs alone, so that its base map does not count on a token term it lacks."""
-        sol = ne.solve_augmented(ridge)  # [2, L, B, d_in + d_tok + 1, d_out]
         d_in = ne.d_in - self.d_tok
+        # Token features of lower rank than their width (2 · KV width > hidden): solved on the directions they take
+        # (fit.numerical_span), so the token maps carry no weight on directions only rounding reaches.
+        span = numerical_span(ne.A.cpu()[..., d_in : ne.d_in, d_in : ne.d_in])  # [d_tok, k], or None: all of them
+        if span is not None:
+            basis = torch.zeros(ne.d_in + 1, d_in + span.shape[1] + 1, dtype=torch.float64)
+            basis[:d_in, :d_in] = torch.eye(d_in, dtype=torch.float64)
+            basis[d_in : ne.d_in, d_in:-1] = span
+            basis[-1, -1] = 1.0
+            ne = ne.in_basis(basis)
+        sol = ne.solve_augmented(ridge)  # [2, L, B, d_in + (d_tok or the span's k) + 1, d_out]
         keep = list(range(d_in)) + [ne.d_in]  # the base's rows and the bias
         with_tokens = torch.zeros(sol.shape[:2], dtype=torch.bool)  # [2, L]: blocks that read the token features
         for part in self.tok_parts:
@@ -330,7 +339,7 @@ class TokenInput(LinearFamily):
         base_A = ne.A.cpu()[..., keep, :][..., keep]
         _set_base(self.base, base_sol, base_A)
         L_tok = self.n_tok_layers
-        tok = sol[:, :L_tok, :, d_in : ne.d_in, :]  # [2, L_tok, B, d_tok, d_out_block]
+        tok = sol[:, :L_tok, :, d_in : ne.d_in, :]  # [2, L_tok, B, d_tok or k, d_out_block]
         two, L, B, dt, db = tok.shape
         m = tok.permute(0, 3, 1, 2, 4).reshape(two, dt, L, B * db)  # [2, d_tok, L_tok, d_out]: heads side by side
         with torch.no_grad():
@@ -339,10 +348,11 @@ class TokenInput(LinearFamily):
                 # layer 0's, KV head 0's under attention weighting or the output value fit, which weigh blocks apart.
                 A_tok = ne.A.cpu()[:, 0, 0, d_in : ne.d_in, d_in : ne.d_in]
                 down, up = reduced_rank(m.reshape(two, dt, L * B * db), A_tok, self.rank)
-                self.tok_down.copy_(down.float())
+                self.tok_down.copy_((down if span is None else span @ down).float())
                 self.tok_up.copy_(up.view(two, self.rank, L, B * db).transpose(1, 2).float())
             else:
-                self.tok_weight.copy_(m.transpose(1, 2).float())
+                full = m.transpose(1, 2)  # [2, L_tok, d_tok, d_out]
+                self.tok_weight.copy_((full if span is None else span @ full).float())
             for part in PARTS:  # a part without a token term keeps zero maps (never read)
                 if part not in self.tok_parts:
                     for p in (self.tok_down, self.tok_up) if self.rank else (self.tok_weight,):
