@@ -16,13 +16,9 @@ Reduced rank. `reduced_rank` keeps the rank-r part of a solution that best repro
 fitted values (Σ w |x̃ᵀW̃ − x̃ᵀW̃_r|² minimal): W̃_r = W̃ V V ᵀ with V the top-r eigenvectors of
 W̃ᵀ A W̃, returned as the factors (W̃ V, Vᵀ).
 
-Inputs of lower rank than their width. Features that are a linear image of fewer dimensions (a target's
-layer-0 k and v projections where 2 · KV width > hidden size) leave directions their second moment does
-not reach but for FP32 rounding (eigenvalues ~1e-15 of the largest). Least squares there fits rounding noise,
-with weights in the millions that cancel on every real input, in FP32 to a few per cent and in BF16 not at
-all. `numerical_span` finds the directions the inputs take (eigenvalues above `SPAN_CUTOFF` of the largest)
-and `in_basis` rewrites the normal equations in a basis of them: the minimum-norm solution, whose weights
-vanish on the rest.
+Inputs of lower rank than their width. `in_basis` rewrites the normal equations for the inputs x̃ T: with T an
+orthonormal basis of the directions the inputs take (beside the bias), the solution mapped back by T is the
+minimum-norm least-squares one, with no weight on directions the inputs reach only through rounding.
 """
 
 from __future__ import annotations
@@ -30,9 +26,6 @@ from __future__ import annotations
 import torch
 
 RIDGE_GRID = (0.0, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # relative strengths α tried by `--ridge auto`
-# An input direction whose second moment is below this share of the largest is rounding, not signal: FP32 features
-# put ~1e-15 there; the smallest real directions of the toy pairs' token features sit at 7e-9 or above.
-SPAN_CUTOFF = 1e-11
 
 
 class NormalEquations:
@@ -157,16 +150,6 @@ class NormalEquations:
 
     def state_dict(self) -> dict:
         return {"A": self.A, "B": self.B, "Y": self.Y, "n_tokens": self.n_tokens}
-
-
-def numerical_span(moments: torch.Tensor, cutoff: float = SPAN_CUTOFF) -> torch.Tensor | None:
-    """An orthonormal basis [d, k] of the directions some of `moments` [..., d, d] (second moments of the same
-    inputs, PSD) reach above `cutoff` of the largest eigenvalue of their sum; None when that is all d of them."""
-    total = moments.reshape(-1, *moments.shape[-2:]).to(torch.float64).sum(0)
-    total = 0.5 * (total + total.T)
-    vals, vecs = torch.linalg.eigh(total)  # ascending
-    keep = vals > cutoff * vals[-1].clamp_min(0)
-    return None if bool(keep.all()) else vecs[:, keep]
 
 
 def reduced_rank(augmented: torch.Tensor, A: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,6 +119,20 @@ class ContextFree:
             attn = self.layer.self_attn
             return torch.cat([attn.k_proj(h), attn.v_proj(h)], -1)[0]
 
+    def feature_span(self) -> torch.Tensor | None:
+        """An orthonormal basis [2 · kv width, k] (FP64, CPU) of the directions `token_features` take: the column
+        space of [W_k; W_v] (beside their biases, where the family has them), as the features are that map of h.
+        None when it is all of them (2 · kv width ≤ hidden). Where it is not (Qwen3-0.6B: 2,048 > 1,024), the
+        other directions hold the features' rounding alone, in any dtype, which a least-squares fit must not read."""
+        attn = self.layer.self_attn
+        m = torch.cat([attn.k_proj.weight, attn.v_proj.weight]).detach().cpu().double()  # [2 · kv width, hidden]
+        if attn.k_proj.bias is not None:
+            bias = torch.cat([attn.k_proj.bias, attn.v_proj.bias]).detach().cpu().double()
+            m = torch.cat([m, bias[:, None]], 1)
+        if m.shape[1] >= m.shape[0]:
+            return None
+        return torch.linalg.svd(m, full_matrices=False).U  # [2 · kv width, hidden (+ 1)]
+
     def kv(self, ids, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer-0 (keys, values) a forward of `ids` at positions start.. caches, each [kv_heads, tokens,
         head_dim]."""

@@ -104,3 +104,23 @@ def test_a_first_layer_that_is_not_context_free_is_refused_by_name(pair):
     with pytest.raises(RefreshError, match="exact:0: the first layer of a 'qwen3_next'"):
         refreshed_kv(pair.source, other, tr, ids, Refresh.parse("exact:0"), cap=cap)
     check(pair.target.config)  # the families the suite serves pass
+
+
+@pytest.mark.parametrize("model_type,schedule", [("qwen3", "default"), ("qwen2", "yarn")])
+def test_the_token_features_span_the_column_space_of_the_k_and_v_projections(model_type, schedule):
+    """`feature_span`: where 2 · KV width (32) > hidden (16), the features [W_k; W_v] h (+ b: Qwen2's biases) lie in
+    an orthonormal basis of 16 directions (17 with the biases) computed from the weights, and reach every one of
+    them; where 2 · KV width ≤ hidden, None."""
+    from refs import random_ids
+    from tinypair import tiny_model
+
+    model = tiny_model(model_type, schedule, hidden=16, heads=2, kv_heads=2, head_dim=8)
+    lz = ContextFree(model)
+    span = lz.feature_span()
+    k = 16 + (model_type == "qwen2")
+    assert span.shape == (32, k) and torch.allclose(span.T @ span, torch.eye(k, dtype=torch.float64))
+    t = lz.token_features(random_ids(120, 320, 3)).double()  # [tokens, 32]
+    inside = t @ span
+    assert (t - inside @ span.T).abs().max() < 1e-5 * t.abs().max()  # they lie in it, but for rounding
+    assert torch.linalg.matrix_rank(inside).item() == k  # and reach every direction of it
+    assert ContextFree(tiny_model(model_type, schedule)).feature_span() is None  # hidden 64 ≥ 2 · KV width 32

@@ -36,6 +36,9 @@ class TableLayer0:
     def token_features(self, ids):
         return self.table[ids]
 
+    def feature_span(self):
+        return None  # a random table's features take every direction
+
 
 def fake(tr: TokenInput, tokens: int, seed: int = 0) -> Capture:
     g = torch.Generator().manual_seed(seed)
@@ -147,6 +150,9 @@ class Table:
 
     def token_features(self, ids):
         return self.table[ids]
+
+    def feature_span(self):
+        return None  # a random table's features take every direction
 
 
 @pytest.mark.parametrize("parts,layers", SETTINGS)
@@ -330,7 +336,7 @@ def test_the_bf16_fast_path_runs_the_token_term_in_bf16_within_the_engines_toler
 def test_token_features_of_lower_rank_than_their_width_carry_no_rounding_weights():
     """A target whose layer-0 k and v projections are wider than its hidden size (2 · KV width 32 > hidden 16, as
     Qwen3-0.6B's 2,048 > 1,024 and the deep toy pair's small model): its token features span 16 of their 32
-    directions per token, FP32 rounding the rest. The closed form solves on their span (fit.numerical_span): the
+    directions per token, FP32 rounding the rest. The closed form solves on their span (from layer 0's weights): the
     token maps stay of the size of the base's, and the BF16 fast path stays within the engine's tolerance of the
     FP32 maths, where maps fitted on rounding would be far outside it."""
     from refs import random_ids
@@ -343,6 +349,11 @@ def test_token_features_of_lower_rank_than_their_width_carry_no_rounding_weights
     g = Geometry.of(source, target)
     assert 2 * g.target_kv_heads * g.target_head_dim > target.config.hidden_size
     tr = TokenInput(g, "cache", base={"family": "headwise", "settings": {}}).bind(source, target)
+    span = tr.feature_span()  # the window's three places, each the 16 directions of [W_k; W_v] in 32
+    assert span.shape == (96, 48) and torch.allclose(span.T @ span, torch.eye(48, dtype=torch.float64))
+    with torch.no_grad():
+        t = tr.layer0.token_features(random_ids(40, 320, 7)).double()  # [tokens, 32]
+    assert (t - t @ span[:32, :16] @ span[:32, :16].T).abs().max() < 1e-5 * t.abs().max()  # they lie in it
     rows = [
         {"prefix_ids": random_ids(40, 320, s)[0].tolist(), "reply_ids": random_ids(8, 320, 50 + s)[0].tolist()}
         for s in range(24)

@@ -18,7 +18,10 @@ Closed form: one least-squares problem per block of the base with the token feat
 to its design, [x, t, 1] → y (kvlingo.core.fit). The base's part of the solution goes to the
 base (a rank-r cross-layer base keeps the reduced-rank solution of its own rows); the token
 part, one M per block, is stacked over layers (and heads) and reduced to rank r by
-`fit.reduced_rank` under the token features' second moment. Distillation trains everything.
+`fit.reduced_rank` under the token features' second moment. Where 2 · kv width > hidden (Qwen3-0.6B; the deep
+toy pair's small model) the features take only the column space of layer 0's [W_k; W_v]: the problem is solved in a
+basis of it (`feature_span`, `fit.NormalEquations.in_basis`), the minimum-norm solution, and the maps carry no
+weight on the other directions, which hold the features' rounding alone. Distillation trains everything.
 
 Cost: the base's FLOPs plus 2 · 2 · (w·d_t·r + L·r·d_out) per token at rank r (2 · 2 · L · w·d_t
 · d_out at full rank). The features themselves are layer 0's k and v projections: the work of
@@ -35,7 +38,7 @@ import torch
 from torch import nn
 
 from ...cache import Capture
-from ...fit import NormalEquations, numerical_span, reduced_rank
+from ...fit import NormalEquations, reduced_rank
 from ...preallocated import ValueMaps
 from ...settings import half_target_width
 from ...translator import PARTS, Geometry, LinearFamily, Part, Translator, TranslatorError
@@ -314,13 +317,19 @@ class TokenInput(LinearFamily):
     def block_weights(self, w):
         return self.base.block_weights(w)
 
+    def feature_span(self) -> torch.Tensor | None:
+        """An orthonormal basis [d_tok, k] of the directions the token features take (FP64): the target layer 0's
+        (`layer0.ContextFree.feature_span`) at each place of the window. None when that is all of them."""
+        own = self.layer0.feature_span()
+        return None if own is None else torch.block_diag(*[own] * self.window)
+
     def solve_from(self, ne: NormalEquations, ridge) -> None:
         """The token features' blocks (the parts and first layers that read them) solved with them; every other
         block solved on the base's inputs alone, so that its base map does not count on a token term it lacks."""
         d_in = ne.d_in - self.d_tok
         # Token features of lower rank than their width (2 · KV width > hidden): solved on the directions they take
-        # (fit.numerical_span), so the token maps carry no weight on directions only rounding reaches.
-        span = numerical_span(ne.A.cpu()[..., d_in : ne.d_in, d_in : ne.d_in])  # [d_tok, k], or None: all of them
+        # (the minimum-norm solution), so the token maps carry no weight on directions only rounding reaches.
+        span = self.feature_span()  # [d_tok, k], or None: all of them
         if span is not None:
             basis = torch.zeros(ne.d_in + 1, d_in + span.shape[1] + 1, dtype=torch.float64)
             basis[:d_in, :d_in] = torch.eye(d_in, dtype=torch.float64)
