@@ -256,6 +256,11 @@ class Train(Stage):
                 )
         spec = {"family": cfg.family, "key_space": cfg.key_space, "settings": cfg.family_settings}
         self.empty = build_translator({**spec, "geometry": self.pair_cfg.geometry})  # a geometry it cannot map: now
+        if args.init_from and cfg.value_fit != "values":
+            raise Refusal(
+                f"--value-fit {cfg.value_fit} with --init-from: the closed form is the folder's, fitted as it was; "
+                "drop one of them"
+            )
         if not args.init_from:
             from ..train.closed_form import check_value_fit
 

@@ -226,6 +226,10 @@ def test_resume_refuses_each_change_and_accepts_none(
         (("--ridge", "much"), "train_translator: --ridge much is invalid: give a number ≥ 0, or auto"),
         (("--weight-decay", "nan"), "train_translator.py: argument --weight-decay: nan is out of range"),
         (
+            ("--value-fit", "output", "--init-from", "elsewhere"),
+            "train_translator: --value-fit output with --init-from: the closed form is the folder's",
+        ),
+        (
             ("--family", "crosshead", "--value-fit", "output"),
             "train_translator: --value-fit output: the attention-output value fit needs one fit block per target "
             "layer and KV head",
