@@ -32,6 +32,7 @@ from ..io import atomic_write_bytes, atomic_write_text, read_jsonl, sha256_file
 from ..records.paths import MAPS_FILE, TRANSLATORS, RunPaths, check_outputs, default_data, default_run
 from ..records.report import Metric, Report, figure, figure_png, fmt_pm, fmt_table, read_report
 from ..records.resume import code_hash
+from ..train.config import DEFAULT_SEED
 from . import ablation as A
 from . import cells as K
 from .ledger import LEDGER_FILE
@@ -51,6 +52,7 @@ class AblationConfig:
     data: str  # prepared chat data
     settings: tuple[str, ...]  # the settings run (kvlingo/stages/ablation.py SETTINGS)
     long_factor: int  # the best two settings are trained again for this many × the profile's updates (0: not)
+    seeds: tuple[int, ...]  # each setting trained with each seed; its figures the mean, its ties with their spread
     eval_root: str  # prepared IFEval and GSM8K data root
     tasks: tuple[str, ...]  # generative evaluations run per setting (ifeval, gsm8k)
     items: tuple[int, int]  # IFEval prompts and GSM8K items per row: validation half, test half
@@ -109,12 +111,13 @@ class Plan:
             **kw,
         )
 
-    def train(self, setting: A.Setting, sub: str, updates: int | None = None) -> K.Cell:
+    def train(self, setting: A.Setting, sub: str, updates: int | None = None, seed: int = DEFAULT_SEED) -> K.Cell:
         flags = {
             "--data": self.cfg.data,
             "--family": setting.family,
             "--updates": updates,
             "--refresh": setting.refresh,
+            **({"--seed": seed} if seed != DEFAULT_SEED else {}),  # the default seed's cells keep their keys
         }
         return self.cell(
             "train",
@@ -189,11 +192,17 @@ def arm_figures(report: dict, prefix: str) -> dict:
     }
 
 
+def seed_run(sub: str, seed: int) -> str:
+    """The folder of a setting's cells trained with `seed` (the default seed's: the setting's own)."""
+    return sub if seed == DEFAULT_SEED else f"{sub}-s{seed}"
+
+
 def summarise(plan: Plan, setting: A.Setting, sub: str, toy_geometry, long: bool) -> dict:
     res = plan.paths.nested(sub).res
     train = read_report(res / "train.json")["results"]
     row = {
         "name": sub,
+        "run": sub,
         "setting": setting.name,
         "family": setting.family,
         "flags": list(setting.flags),
@@ -237,7 +246,8 @@ def tie_evidence(res: Path, metric: str, tasks: Sequence[str]) -> dict:
 
 
 def add_test(plan: Plan, row: dict) -> None:
-    res = plan.paths.nested(row["name"]).res
+    """A trained row's test figures (one seed's: the row's `run` folder)."""
+    res = plan.paths.nested(row["run"]).res
     bench = read_report(res / "benchmark.json")
     row.update(arm_figures(bench, "test"))
     for t in plan.cfg.tasks:
@@ -341,6 +351,28 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
             for m, c in results.correlations.items()
         ],
     )
+    seeds = cfg.seeds
+    per_seed = ""
+    if len(seeds) > 1:
+        per_seed = (
+            f"\nEach row is the mean over {len(seeds)} training seeds ({', '.join(map(str, seeds))}); its SEs and its "
+            "ties add the seeds' spread to the conversations' and items' (√(se² + var_seeds / N)). Per seed:\n\n"
+            + fmt_table(
+                ["setting", "seed", "val KL", "test KL/token", "test IFEval %", "test GSM8K %"],
+                [
+                    [
+                        r["name"],
+                        s["seed"],
+                        _num(s["val_kl"]),
+                        _num(s.get("test_kl")),
+                        _pct(s.get("test_ifeval"), False),
+                        _pct(s.get("test_gsm8k"), False),
+                    ]
+                    for r in rows
+                    for s in A.seeds_of(r)
+                ],
+            )
+        )
     n_val = rows[0]["val_n"] if rows else 0
     n_test = next((r["test_n"] for r in rows if "test_n" in r), "—")  # the tested rows share the test split
     p = cfg.pair
@@ -361,6 +393,7 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
         "uses it) against the target's re-prefill per token. Context KL: KL on the reply tokens whose native "
         "prediction the context moves by more than 1 nat.\n\n",
         table,
+        per_seed,
         "\nWhich validation metric tracks task retention (the mean of the IFEval and GSM8K shares kept) across "
         "the settings:\n\n",
         corr,
@@ -452,6 +485,14 @@ class Ablate(Stage):
             help="IFEval prompts and GSM8K items per row on the validation and test halves (default: the "
             "profile's ablate_items)",
         )
+        p.add_argument(
+            "--seeds",
+            type=int,
+            nargs="+",
+            default=None,
+            help=f"train every setting with each of these seeds (its figures the mean over them; a tie counts the "
+            f"seeds' spread beside the conversations'); default: {DEFAULT_SEED}, one training run per setting",
+        )
         add_task_data_args(p)
 
     def check(self) -> None:
@@ -461,12 +502,16 @@ class Ablate(Stage):
         self.profile = profile = get_profile(args.profile)
         pair, _ = pair_config_from_args(args)
         self.tasks = generative_tasks(args)
+        seeds = tuple(args.seeds or (DEFAULT_SEED,))
+        if len(set(seeds)) != len(seeds):
+            raise Refusal(f"--seeds {' '.join(map(str, seeds))}: name each seed once")
         self.cfg = AblationConfig(
             run=args.run or f"{default_run(profile.name, pair.direction)}-ablate",
             profile=profile.name,
             data=str(args.data or default_data(profile.name)),
             settings=chosen_settings(args, profile, pair),
             long_factor=profile.ablate_long_factor if args.long_factor is None else args.long_factor,
+            seeds=seeds,
             eval_root=args.data_root,
             tasks=self.tasks,
             items=tuple(args.items or profile.ablate_items),
@@ -521,20 +566,30 @@ class Ablate(Stage):
         return native
 
     def _validate(self, setting, sub: str, updates: int | None = None) -> dict:
-        cells, plan = self.cells, self.plan
-        cells.ensure(plan.train(setting, sub, updates))
-        cells.ensure(plan.benchmark(setting, sub, "validation"))
-        for t in self.tasks:
-            cells.ensure(plan.generative(t, sub, "validation", native=False, refresh=setting.refresh))
-        return summarise(plan, setting, sub, self.geometry, long=updates is not None)
+        """The setting trained with each seed and scored on validation: one row (`A.over_seeds`)."""
+        cells, plan, rows = self.cells, self.plan, []
+        for seed in self.cfg.seeds:
+            run = seed_run(sub, seed)
+            cells.ensure(plan.train(setting, run, updates, seed))
+            cells.ensure(plan.benchmark(setting, run, "validation"))
+            for t in self.tasks:
+                cells.ensure(plan.generative(t, run, "validation", native=False, refresh=setting.refresh))
+            rows.append({**summarise(plan, setting, run, self.geometry, long=updates is not None), "seed": seed})
+        return A.over_seeds(rows, sub)
 
     def _choose_and_claim(self, rows: list[dict], native: dict) -> dict:
         """The metric and the default chosen on validation; the default and the default before scored on test."""
         plain = [r for r in rows if not r["long_budget"]]
         correlations = A.metric_correlations(plain)
         metric = A.choose_metric(correlations)
-        evidence = {r["name"]: tie_evidence(self.plan.paths.nested(r["name"]).res, metric, self.tasks) for r in plain}
-        default = A.choose_default([{**r, **evidence[r["name"]]} for r in plain], metric, self.tasks)
+        evidence = {
+            r["name"]: [
+                {metric: s[metric], **tie_evidence(self.plan.paths.nested(s["run"]).res, metric, self.tasks)}
+                for s in A.seeds_of(r)
+            ]
+            for r in plain
+        }
+        default = A.choose_default([{**r, "val_evidence": evidence[r["name"]]} for r in plain], metric, self.tasks)
         ties = default.pop("ties", {})
         for r in plain:  # each row's standing against the best (the evidence itself stays in the rows files)
             r["val_tie"] = ties.get(r["name"])
@@ -545,13 +600,17 @@ class Ablate(Stage):
         claimed = [n for n in dict.fromkeys(claims) if n in self.by_name]  # in order, once each
         for name in [s for n in claimed for s in (n, f"{n}-long") if s in by_row]:
             row, setting = by_row[name], self.by_name[by_row[name]["setting"]]
-            self.cells.ensure(self.plan.benchmark(setting, name, "test"))
-            for t in self.tasks:
-                self.cells.ensure(self.plan.generative(t, name, "test", native=False, refresh=setting.refresh))
-            add_test(self.plan, row)
+            for s in A.seeds_of(row):
+                self.cells.ensure(self.plan.benchmark(setting, s["run"], "test"))
+                for t in self.tasks:
+                    self.cells.ensure(self.plan.generative(t, s["run"], "test", native=False, refresh=setting.refresh))
+                add_test(self.plan, s)
+            if "seeds" in row:
+                row.update(A.seed_means(row["seeds"], "test_"))
         tested = next((r for r in rows if "test_kl" in r), None)
         if tested is not None:  # the native source's KL on the same test conversations (any test benchmark holds it)
-            report = read_report(self.plan.paths.nested(tested["name"]).res / "benchmark.json", "benchmark")
+            run = A.seeds_of(tested)[0]["run"]
+            report = read_report(self.plan.paths.nested(run).res / "benchmark.json", "benchmark")
             src = report["results"]["quality"]["arms"]["native_source"]
             native.update(
                 test_source_kl=src["kl_token_mean"],
@@ -580,10 +639,12 @@ class Ablate(Stage):
                 "test_conversations": tested["test_n"] if tested else 0,
                 "validation_items_per_task": cfg.items[0],
                 "test_items_per_task": cfg.items[1],
+                "training_seeds": len(cfg.seeds),
             },
             wall_time_s=time.time() - self.t0,
             device=cfg.pair.device,
             dtype=cfg.pair.dtype,
+            seeds={"training": list(cfg.seeds)},
             files={png.name: sha256_file(png)},
         ).write(plan.paths.report("ablation"))
         print(md)

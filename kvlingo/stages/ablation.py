@@ -246,32 +246,75 @@ def metric_per_conversation(arms: Sequence[dict], metric: str) -> tuple[float, l
     return ratio_influence([a[num] for a in arms], [a[den] for a in arms])
 
 
-def within_noise(best: dict, other: dict, metric: str, tasks: Sequence[str]) -> dict[str, Any]:
-    """Whether `other` is within TIE_SE paired standard errors of `best` on `metric` and on every validation task.
+def seeds_of(row: dict) -> list[dict]:
+    """A row's per-seed rows (`over_seeds`): the row itself where it was trained with one seed."""
+    return row.get("seeds") or [row]
 
-    Each row carries `val_conversations` ({"ids", metric: each conversation's part of it, `metric_per_conversation`})
-    and `val_items` ({task: {item key: correct}}): the validation evidence of `tie_evidence`. The comparison is
-    one-sided (how much worse `other` is), conversation by conversation and item by item on the ones both rows
-    hold."""
+
+def with_seed_spread(se: float, per_seed: Sequence[float]) -> float:
+    """The SE of a figure averaged over training seeds: the conversations' (or items') SE and the seeds' spread
+    together, √(se² + var_seeds / N). Conservative: the conversation-by-seed part of the spread is in both terms.
+    One seed: `se` itself."""
+    n = len(per_seed)
+    if n < 2:
+        return se
+    m = sum(per_seed) / n
+    var = sum((x - m) ** 2 for x in per_seed) / (n - 1)
+    return math.sqrt(se**2 + var / n)
+
+
+def _evidence(row: dict, metric: str) -> list[dict]:
+    """A row's validation evidence per training seed: `val_evidence` (a list), else the row's own."""
+    ev = row.get("val_evidence")
+    if ev is not None:
+        return ev
+    return [{metric: row[metric], "val_conversations": row["val_conversations"], "val_items": row["val_items"]}]
+
+
+def _seed_mean(xss: Sequence[Sequence[float]]) -> list[float]:
+    return [sum(xs) / len(xs) for xs in zip(*xss)]
+
+
+def within_noise(best: dict, other: dict, metric: str, tasks: Sequence[str]) -> dict[str, Any]:
+    """Whether `other` is within TIE_SE standard errors of `best` on `metric` and on every validation task.
+
+    Each row carries, per training seed (`val_evidence`: a list, the seeds in the same order in both rows; else the
+    row itself for one seed), the metric's value, `val_conversations` ({"ids", metric: each conversation's part of
+    it, `metric_per_conversation`}) and `val_items` ({task: {item key: correct}}): the validation evidence of
+    `tie_evidence`. The comparison is one-sided (how much worse `other` is), conversation by conversation and item
+    by item on the ones both rows hold, each averaged over the seeds; with several seeds the SE adds the spread of
+    the per-seed differences (`with_seed_spread`), so a gap one training run opens by chance is not a verdict."""
     from ..eval.stats import paired_t
 
     higher = METRICS.get(metric, False)
     sign = 1.0 if higher else -1.0  # worse = lower for higher-is-better metrics
-    a, b = best["val_conversations"], other["val_conversations"]
-    if a["ids"] != b["ids"]:
-        raise ValueError(f"{best['name']} and {other['name']} were scored on different validation conversations")
-    se = paired_t(a[metric], b[metric])["se"]  # of the difference of the two rows' parts, conversation by conversation
-    worse = sign * (best[metric] - other[metric])  # ≥ 0 when other is worse
-    out: dict[str, Any] = {"metric": {"worse_by": worse, "se": se, "tied": worse <= TIE_SE * se}}
+    ea, eb = _evidence(best, metric), _evidence(other, metric)
+    if len(ea) != len(eb):
+        raise ValueError(f"{best['name']} and {other['name']} were trained with different numbers of seeds")
+    for a, b in zip(ea, eb):
+        if a["val_conversations"]["ids"] != b["val_conversations"]["ids"]:
+            raise ValueError(f"{best['name']} and {other['name']} were scored on different validation conversations")
+    worse_s = [sign * (a[metric] - b[metric]) for a, b in zip(ea, eb)]  # ≥ 0 where other is worse
+    parts_a = _seed_mean([a["val_conversations"][metric] for a in ea])
+    parts_b = _seed_mean([b["val_conversations"][metric] for b in eb])
+    se_conv = paired_t(parts_a, parts_b)["se"]  # of the two rows' parts, conversation by conversation
+    worse, se = sum(worse_s) / len(worse_s), with_seed_spread(se_conv, worse_s)
+    spread = {"seeds": len(ea), "se_conversations": se_conv} if len(ea) > 1 else {}
+    out: dict[str, Any] = {"metric": {"worse_by": worse, "se": se, "tied": worse <= TIE_SE * se, **spread}}
     for t in tasks:
-        ia, ib = best["val_items"][t], other["val_items"][t]
-        keys = sorted(set(ia) & set(ib))
-        d = paired_t([float(ia[k]) for k in keys], [float(ib[k]) for k in keys])
+        ia, ib = [a["val_items"][t] for a in ea], [b["val_items"][t] for b in eb]
+        keys = sorted(set.intersection(*(set(x) for x in ia + ib)))
+        d = paired_t(
+            _seed_mean([[float(x[k]) for k in keys] for x in ia]),
+            _seed_mean([[float(x[k]) for k in keys] for x in ib]),
+        )
+        per_seed = [sum(float(x[k]) - float(y[k]) for k in keys) / max(1, len(keys)) for x, y in zip(ia, ib)]
+        se_t = with_seed_spread(d["se"], per_seed)
         out[t] = {
             "worse_by_points": 100 * d["mean_diff"],
-            "se_points": 100 * d["se"],
+            "se_points": 100 * se_t,
             "n": len(keys),
-            "tied": d["mean_diff"] <= TIE_SE * d["se"],
+            "tied": d["mean_diff"] <= TIE_SE * se_t,
         }
     out["tied"] = all(v["tied"] for v in out.values() if isinstance(v, dict))
     return out
@@ -353,3 +396,67 @@ def kept(translated: dict, native: dict, comparison: dict) -> dict[str, float]:
         "native": b,
         "native_se": native["se"],
     }
+
+
+# A row's figures that depend on its training seed (the rest, its setting and cost, are the same for every seed), and
+# the (value, SE) fields of a figure held as a dict (a task's share kept, a per-conversation mean).
+SEEDED = ("val_", "test_", "closed_form_val_kl", "distilled_val_kl", "train_wall_s", "best_update")
+SE_FIELDS = (
+    ("mean", "se"),
+    ("accuracy", "accuracy_se"),
+    ("kept", "kept_se"),
+    ("delta_points", "delta_se_points"),
+    ("native", "native_se"),
+)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _figure_over_seeds(figs: Sequence[dict]) -> dict:
+    """One figure dict from each seed's: every number the mean over the seeds (unchanged where they agree), each SE
+    with the seeds' spread (`with_seed_spread`, from the RMS of the seeds' SEs), other fields as a list per seed
+    (a McNemar p of each seed's answers)."""
+    out: dict[str, Any] = {}
+    for f in figs[0]:
+        xs = [d.get(f) for d in figs]
+        if all(_number(x) for x in xs):
+            out[f] = xs[0] if all(x == xs[0] for x in xs) else sum(xs) / len(xs)
+        else:
+            out[f] = xs
+    for value, se in SE_FIELDS:
+        if value in out and se in out and all(_number(d[value]) and _number(d[se]) for d in figs):
+            rms = math.sqrt(sum(d[se] ** 2 for d in figs) / len(figs))
+            out[se] = with_seed_spread(rms, [d[value] for d in figs])
+    if "mcnemar_p" in out:
+        out["mcnemar_p"] = [d.get("mcnemar_p") for d in figs]  # per seed: a mean of p-values is not a p-value
+    out["seeds"] = len(figs)
+    return out
+
+
+def seed_means(rows: Sequence[dict], prefix: tuple[str, ...] | str = SEEDED) -> dict:
+    """The seeded figures (keys starting with `prefix`) of one setting's per-seed rows, over the seeds: numbers the
+    mean (unchanged where the seeds agree: a count), figure dicts by `_figure_over_seeds`, anything else a list per seed."""
+    out: dict[str, Any] = {}
+    for k in rows[0]:
+        if not k.startswith(prefix) or not all(k in r for r in rows):
+            continue
+        xs = [r[k] for r in rows]
+        if all(isinstance(x, dict) for x in xs):
+            out[k] = _figure_over_seeds(xs)
+        elif all(_number(x) for x in xs):
+            out[k] = xs[0] if all(x == xs[0] for x in xs) else sum(xs) / len(xs)
+        else:
+            out[k] = xs
+    return out
+
+
+def over_seeds(rows: Sequence[dict], name: str) -> dict:
+    """One setting trained with each of several seeds (one row each, in the seeds' order, its folder under "run") as
+    one row named `name`: its seeded figures over the seeds (`seed_means`), each seed's own row under "seeds". One
+    seed: that row, named `name`."""
+    if len(rows) == 1:
+        return {**rows[0], "name": name}
+    shared = {k: v for k, v in rows[0].items() if not k.startswith(SEEDED) and k not in ("seed", "run")}
+    return {**shared, "name": name, **seed_means(rows), "seeds": list(rows)}

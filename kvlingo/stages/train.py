@@ -26,6 +26,7 @@ from ..errors import Refusal
 from ..inputs.argtypes import number, share, whole
 from ..inputs.flags import add_family_args, add_refresh_arg, family_flags
 from ..inputs.profiles import get_profile
+from ..train.config import DEFAULT_SEED
 from ..train.footprint import add_estimate_args
 from .skeleton import Stage, lock_run
 
@@ -127,7 +128,7 @@ class Train(Stage):
             default=1.0,
             help="clip the translator's gradient norm per update (0: off)",
         )
-        p.add_argument("--seed", type=int, default=42, help="seed of the data order and every RNG")
+        p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the data order and every RNG")
         p.add_argument("--updates", type=whole(0), default=None, help="distillation updates (default: the profile's)")
         p.add_argument("--batch", type=whole(1), default=None, help="conversations per update (default: the profile's)")
         p.add_argument(

@@ -4,6 +4,7 @@ changed."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -77,6 +78,44 @@ def test_the_longer_budget_trains_the_best_again_and_scores_the_defaults_on_test
     assert rows["token-w1-long"]["test_kl"] != rows["token-w1"]["test_kl"]
     md = (out / "ablation.md").read_text()
     assert "| token-w1-long " in md and "trained again for 2× the updates" in md
+
+
+@pytest.mark.slow
+def test_every_setting_trains_with_each_seed_and_its_row_is_their_mean(tiny_pair_paths, tmp_path):
+    """--seeds 42 43: each setting trained twice (the default seed in the setting's folder, 43 beside it with
+    --seed 43), each scored on validation and, for the claims, on test; the row holds the means and each seed's
+    own, the ties carry the seeds' spread, and the report lists them."""
+    torch.set_num_threads(1)
+    argv = tiny_argv(tiny_pair_paths, tmp_path, "--settings", "crosshead", "token-w1", "--seeds", "42", "43")
+    rep = ablate.main(argv)
+    res = rep["results"]
+    out = tmp_path / "results" / "tiny-l2s-ablate"
+    assert rep["config"]["seeds"] == [42, 43] and rep["n_samples"]["training_seeds"] == 2
+    for r in res["rows"]:
+        seeds = r["seeds"]
+        assert [s["seed"] for s in seeds] == [42, 43] and [s["run"] for s in seeds] == [r["name"], f"{r['name']}-s43"]
+        assert [read_json(out / s["run"] / "train.json")["config"]["seed"] for s in seeds] == [42, 43]
+        assert seeds[0]["val_kl"] != seeds[1]["val_kl"]  # two training runs, not one read twice
+        assert r["val_kl"] == pytest.approx((seeds[0]["val_kl"] + seeds[1]["val_kl"]) / 2)
+        assert r["val_tie"]["metric"]["seeds"] == 2
+        if "test_kl" in r:  # a claim: every seed's translator scored on test
+            assert all(s["test_n"] == 4 and s["test_gsm8k"]["n"] == 2 for s in seeds)
+            assert r["test_kl"] == pytest.approx((seeds[0]["test_kl"] + seeds[1]["test_kl"]) / 2)
+            assert r["test_gsm8k"]["seeds"] == 2
+    assert "crosshead" in [r["name"] for r in res["rows"] if "test_kl" in r]
+    md = (out / "ablation.md").read_text()
+    assert "the mean over 2 training seeds (42, 43)" in md and "Validation: 6 conversations" in md
+    assert re.search(r"\| crosshead +\| 43 +\| " + f"{res['rows'][0]['seeds'][1]['val_kl']:.3f}", md)
+    again = ablate.main([*argv, "--resume"])  # every cell read back
+    assert json.dumps(again["results"]["rows"]) == json.dumps(res["rows"])
+
+
+def test_a_seed_named_twice_is_refused_before_anything_runs(tiny_pair_paths, tmp_path, capsys):
+    argv = tiny_argv(tiny_pair_paths, tmp_path, "--settings", "crosshead", "--seeds", "42", "42")
+    with pytest.raises(SystemExit) as e:
+        ablate.main(argv)
+    assert e.value.code == 2 and "--seeds 42 42: name each seed once" in capsys.readouterr().err
+    assert not (tmp_path / "results" / "tiny-l2s-ablate").exists()
 
 
 @pytest.mark.slow

@@ -224,3 +224,146 @@ def test_the_default_is_the_cheapest_setting_within_noise_of_the_best():
     mixed = [best, {**near, "val_conversations": {**near["val_conversations"], "ids": list(range(1, 65))}}]
     with pytest.raises(ValueError, match="different validation conversations"):
         A.choose_default(mixed, "val_kl", ["gsm8k"])
+
+
+def _seeded(name, cost, per_seed):
+    """A row trained with several seeds: per seed (KL sums per conversation, GSM8K answers), its evidence."""
+    ev = []
+    for kl_sums, correct in per_seed:
+        one = _evidenced(name, cost, kl_sums, correct)
+        ev.append(
+            {"val_kl": one["val_kl"], "val_conversations": one["val_conversations"], "val_items": one["val_items"]}
+        )
+    return {**_row(name, cost, val_kl=sum(e["val_kl"] for e in ev) / len(ev)), "val_evidence": ev}
+
+
+def test_with_one_seed_the_seed_evidence_gives_the_single_runs_verdict():
+    import random
+
+    rng = random.Random(3)
+    base = [rng.uniform(0.5, 1.5) for _ in range(40)]
+    other = [x + rng.uniform(-0.02, 0.06) for x in base]
+    right = [i % 3 != 0 for i in range(40)]
+    a, b = _evidenced("a", 0.01, base, right), _evidenced("b", 0.01, other, right[::-1])
+    single = A.within_noise(a, b, "val_kl", ["gsm8k"])
+    listed = A.within_noise(
+        _seeded("a", 0.01, [(base, right)]), _seeded("b", 0.01, [(other, right[::-1])]), "val_kl", ["gsm8k"]
+    )
+    assert listed == single and "seeds" not in single["metric"]
+
+
+def test_a_gap_one_training_seed_opens_is_a_tie_over_seeds_and_a_steady_gap_is_not():
+    """Seed 2 alone puts `lucky` behind `best` by more than ten conversation SEs; seed 1 puts it ahead. Over the
+    three seeds the spread of the per-seed differences joins the SE and the verdict is a tie (the SE of a hand
+    count: √(se_conv² + var(d_s) / 3)); a gap every seed shows (`steady`) stays a loss."""
+    import random
+
+    from kvlingo.eval.stats import paired_t
+
+    rng = random.Random(5)
+    base = [rng.uniform(0.5, 1.5) for _ in range(64)]
+    right = [True] * 64
+
+    def shifted(d):  # the same conversations, each moved by d per token (10 tokens each) and a little noise
+        return [x + 10 * d + rng.uniform(-0.01, 0.01) for x in base]
+
+    best = _seeded("best", 0.01, [(shifted(0.0), right)] * 3)
+    lucky = _seeded("lucky", 0.01, [(shifted(-0.03), right), (shifted(0.02), right), (shifted(0.025), right)])
+    steady = _seeded("steady", 0.01, [(shifted(0.02), right), (shifted(0.021), right), (shifted(0.019), right)])
+    one_seed = {**lucky, "val_evidence": lucky["val_evidence"][1:2]}
+    first = A.within_noise({**best, "val_evidence": best["val_evidence"][:1]}, one_seed, "val_kl", ["gsm8k"])
+    assert not first["metric"]["tied"] and first["metric"]["worse_by"] > 10 * first["metric"]["se"]
+    over = A.within_noise(best, lucky, "val_kl", ["gsm8k"])
+    assert over["metric"]["tied"] and over["metric"]["seeds"] == 3
+    d = [e["val_kl"] - b["val_kl"] for e, b in zip(lucky["val_evidence"], best["val_evidence"])]
+    mean_parts = [
+        [sum(p) / 3 for p in zip(*(e["val_conversations"]["val_kl"] for e in r["val_evidence"]))] for r in (best, lucky)
+    ]
+    se_conv = paired_t(*mean_parts)["se"]
+    m = sum(d) / 3
+    hand = math.sqrt(se_conv**2 + sum((x - m) ** 2 for x in d) / 2 / 3)
+    assert over["metric"]["worse_by"] == pytest.approx(m) and over["metric"]["se"] == pytest.approx(hand)
+    assert over["metric"]["se_conversations"] == pytest.approx(se_conv)
+    loss = A.within_noise(best, steady, "val_kl", ["gsm8k"])
+    assert not loss["metric"]["tied"] and not loss["tied"]
+    choice = A.choose_default([best, lucky, steady], "val_kl", ["gsm8k"])
+    assert choice["ties"]["lucky"]["tied"] and not choice["ties"]["steady"]["tied"]
+    with pytest.raises(ValueError, match="different numbers of seeds"):
+        A.within_noise(best, one_seed, "val_kl", ["gsm8k"])
+
+
+def test_a_tasks_gap_over_seeds_counts_items_and_the_seeds_spread():
+    """GSM8K over two seeds: per item, the share of seeds that got it right; the SE adds the per-seed gaps' spread."""
+    from kvlingo.eval.stats import paired_t
+
+    kl = [1.0] * 20
+    best = _seeded("best", 0.01, [(kl, [True] * 20), (kl, [True] * 20)])
+    a = [i >= 4 for i in range(20)]  # 4 items down on seed 1
+    b = [i >= 12 for i in range(20)]  # 12 down on seed 2
+    other = _seeded("other", 0.01, [(kl, a), (kl, b)])
+    out = A.within_noise(best, other, "val_kl", ["gsm8k"])["gsm8k"]
+    shares = [(float(x) + float(y)) / 2 for x, y in zip(a, b)]
+    d = paired_t([1.0] * 20, shares)
+    gaps = [4 / 20, 12 / 20]
+    se = math.sqrt(d["se"] ** 2 + (gaps[0] - gaps[1]) ** 2 / 2 / 2)
+    assert out["worse_by_points"] == pytest.approx(100 * 8 / 20) and out["se_points"] == pytest.approx(100 * se)
+    assert out["n"] == 20 and out["tied"] == (d["mean_diff"] <= A.TIE_SE * se)
+
+
+def test_a_settings_seeds_make_one_row_of_their_means_with_the_seeds_spread_in_each_se():
+    fig = [
+        {
+            "kept": 0.8,
+            "kept_se": 0.03,
+            "accuracy": 0.6,
+            "accuracy_se": 0.04,
+            "native": 0.75,
+            "native_se": 0.02,
+            "mcnemar_p": 0.01,
+            "n": 256,
+        },
+        {
+            "kept": 0.9,
+            "kept_se": 0.04,
+            "accuracy": 0.7,
+            "accuracy_se": 0.03,
+            "native": 0.75,
+            "native_se": 0.02,
+            "mcnemar_p": 0.2,
+            "n": 256,
+        },
+    ]
+    rows = [
+        {
+            "name": "w3",
+            "run": "w3",
+            "seed": 42,
+            "setting": "w3",
+            "params": 10,
+            "val_kl": 0.1,
+            "val_gsm8k": fig[0],
+            "best_update": 300,
+            "real": {"fraction_of_reprefill": 0.05},
+        },
+        {
+            "name": "w3-s43",
+            "run": "w3-s43",
+            "seed": 43,
+            "setting": "w3",
+            "params": 10,
+            "val_kl": 0.2,
+            "val_gsm8k": fig[1],
+            "best_update": None,
+            "real": {"fraction_of_reprefill": 0.05},
+        },
+    ]
+    row = A.over_seeds(rows, "w3")
+    assert row["name"] == "w3" and row["params"] == 10 and row["seeds"] == rows and "run" not in row
+    assert row["val_kl"] == pytest.approx(0.15) and row["best_update"] == [300, None]
+    g = row["val_gsm8k"]
+    assert g["kept"] == pytest.approx(0.85) and g["n"] == 256 and g["native"] == 0.75 and g["seeds"] == 2
+    rms = math.sqrt((0.03**2 + 0.04**2) / 2)
+    assert g["kept_se"] == pytest.approx(math.sqrt(rms**2 + 0.1**2 / 2 / 2))
+    assert g["native_se"] == pytest.approx(0.02) and g["mcnemar_p"] == [0.01, 0.2]
+    assert A.seeds_of(row) == rows and A.over_seeds(rows[1:], "w3")["run"] == "w3-s43"
+    assert A.seeds_of(rows[0]) == [rows[0]]
