@@ -437,7 +437,8 @@ def _figure_over_seeds(figs: Sequence[dict]) -> dict:
 
 def seed_means(rows: Sequence[dict], prefix: tuple[str, ...] | str = SEEDED) -> dict:
     """The seeded figures (keys starting with `prefix`) of one setting's per-seed rows, over the seeds: numbers the
-    mean (unchanged where the seeds agree: a count), figure dicts by `_figure_over_seeds`, anything else a list per seed."""
+    mean (unchanged where the seeds agree: a count), figure dicts by `_figure_over_seeds`, anything else a list per
+    seed."""
     out: dict[str, Any] = {}
     for k in rows[0]:
         if not k.startswith(prefix) or not all(k in r for r in rows):
