@@ -271,6 +271,9 @@ def _tie(row: dict, default: dict) -> str:
     return "yes" if tie["tied"] else "no"
 
 
+KL = ".3g"  # KL columns: three significant figures (a translator's KL can be 0.0014 where the source's is 0.14)
+
+
 def _num(x, fmt=".3f") -> str:
     return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
@@ -297,12 +300,12 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
             [
                 r["name"] + (" **(default)**" if r["name"] == results.default.get("setting") else ""),
                 f"{100 * r['real']['fraction_of_reprefill']:.1f}",
-                _num(r["val_kl"]),
-                _num(r["val_context_kl"]),
+                _num(r["val_kl"], KL),
+                _num(r["val_context_kl"], KL),
                 _num(100 * r["val_ifeval"]["kept"], ".0f") + "%" if "val_ifeval" in r else "",
                 _num(100 * r["val_gsm8k"]["kept"], ".0f") + "%" if "val_gsm8k" in r else "",
                 _tie(r, results.default),
-                _num(r.get("test_kl")),
+                _num(r.get("test_kl"), KL),
                 fmt_pm(r["test_kl_conversation"], fmt=".3f") if "test_kl_conversation" in r else "",
                 fmt_pm(r["test_context_kl_conversation"], fmt=".3f") if "test_context_kl_conversation" in r else "",
                 _num(r.get("test_context_top1")),
@@ -335,9 +338,9 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
                 "",
                 "",
                 "",
-                _num(native.get("test_source_kl")),
+                _num(native.get("test_source_kl"), KL),
                 "",
-                _num(native.get("test_source_context_kl")),
+                _num(native.get("test_source_context_kl"), KL),
                 _num(native.get("test_source_context_top1")),
                 _pct(native.get("test_ifeval_source"), False),
                 _pct(native.get("test_gsm8k_source"), False),
@@ -363,8 +366,8 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
                     [
                         r["name"],
                         s["seed"],
-                        _num(s["val_kl"]),
-                        _num(s.get("test_kl")),
+                        _num(s["val_kl"], KL),
+                        _num(s.get("test_kl"), KL),
                         _pct(s.get("test_ifeval"), False),
                         _pct(s.get("test_gsm8k"), False),
                     ]

@@ -105,7 +105,7 @@ def test_every_setting_trains_with_each_seed_and_its_row_is_their_mean(tiny_pair
     assert "crosshead" in [r["name"] for r in res["rows"] if "test_kl" in r]
     md = (out / "ablation.md").read_text()
     assert "the mean over 2 training seeds (42, 43)" in md and "Validation: 6 conversations" in md
-    assert re.search(r"\| crosshead +\| 43 +\| " + f"{res['rows'][0]['seeds'][1]['val_kl']:.3f}", md)
+    assert re.search(r"\| crosshead +\| 43 +\| " + f"{res['rows'][0]['seeds'][1]['val_kl']:.3g}", md)
     again = ablate.main([*argv, "--resume"])  # every cell read back
     assert json.dumps(again["results"]["rows"]) == json.dumps(res["rows"])
 
