@@ -8,8 +8,11 @@ settings, each validation metric's rank correlation with task retention says whi
 tasks; the default is the best setting by that metric among those costing at most 10% of a
 re-prefill at the real shapes. The default and the direction's default before are then scored on
 the test conversations and the test halves of the tasks, beside the native rows
-(scored once and shared). Every step is a resumable cell (the recipe's ledger): a killed run
-continues with --resume. Writes RESULTS/RUN/ablation.{json,md,png}.
+(scored once and shared). With --seeds, every setting is trained and scored with each seed (the
+default seed's cells in the setting's folder, the others in SETTING-sSEED): a row is the mean over its
+seeds, and its ties and SEs add the seeds' spread (kvlingo/stages/ablation.py, `within_noise`). Every
+step is a resumable cell (the recipe's ledger): a killed run continues with --resume. Writes
+RESULTS/RUN/ablation.{json,md,png}.
 """
 
 from __future__ import annotations
