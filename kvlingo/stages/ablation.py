@@ -255,12 +255,9 @@ def with_seed_spread(se: float, per_seed: Sequence[float]) -> float:
     """The SE of a figure averaged over training seeds: the conversations' (or items') SE and the seeds' spread
     together, √(se² + var_seeds / N). Conservative: the conversation-by-seed part of the spread is in both terms.
     One seed: `se` itself."""
-    n = len(per_seed)
-    if n < 2:
-        return se
-    m = sum(per_seed) / n
-    var = sum((x - m) ** 2 for x in per_seed) / (n - 1)
-    return math.sqrt(se**2 + var / n)
+    from ..eval.stats import mean_se
+
+    return se if len(per_seed) < 2 else math.hypot(se, mean_se(per_seed)["se"])  # mean_se's SE² is var / N
 
 
 def _evidence(row: dict, metric: str) -> list[dict]:
@@ -414,17 +411,18 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _over_seeds(xs: list) -> Any:
+    """One field over the seeds: numbers the mean (unchanged where the seeds agree: a count), else a list per seed."""
+    if all(_number(x) for x in xs):
+        return xs[0] if all(x == xs[0] for x in xs) else sum(xs) / len(xs)
+    return xs
+
+
 def _figure_over_seeds(figs: Sequence[dict]) -> dict:
     """One figure dict from each seed's: every number the mean over the seeds (unchanged where they agree), each SE
     with the seeds' spread (`with_seed_spread`, from the RMS of the seeds' SEs), other fields as a list per seed
     (a McNemar p of each seed's answers)."""
-    out: dict[str, Any] = {}
-    for f in figs[0]:
-        xs = [d.get(f) for d in figs]
-        if all(_number(x) for x in xs):
-            out[f] = xs[0] if all(x == xs[0] for x in xs) else sum(xs) / len(xs)
-        else:
-            out[f] = xs
+    out: dict[str, Any] = {f: _over_seeds([d.get(f) for d in figs]) for f in figs[0]}
     for value, se in SE_FIELDS:
         if value in out and se in out and all(_number(d[value]) and _number(d[se]) for d in figs):
             rms = math.sqrt(sum(d[se] ** 2 for d in figs) / len(figs))
@@ -436,20 +434,13 @@ def _figure_over_seeds(figs: Sequence[dict]) -> dict:
 
 
 def seed_means(rows: Sequence[dict], prefix: tuple[str, ...] | str = SEEDED) -> dict:
-    """The seeded figures (keys starting with `prefix`) of one setting's per-seed rows, over the seeds: numbers the
-    mean (unchanged where the seeds agree: a count), figure dicts by `_figure_over_seeds`, anything else a list per
-    seed."""
+    """The seeded figures (keys starting with `prefix`) of one setting's per-seed rows, over the seeds: figure dicts by
+    `_figure_over_seeds`, other fields by `_over_seeds`."""
     out: dict[str, Any] = {}
     for k in rows[0]:
-        if not k.startswith(prefix) or not all(k in r for r in rows):
-            continue
-        xs = [r[k] for r in rows]
-        if all(isinstance(x, dict) for x in xs):
-            out[k] = _figure_over_seeds(xs)
-        elif all(_number(x) for x in xs):
-            out[k] = xs[0] if all(x == xs[0] for x in xs) else sum(xs) / len(xs)
-        else:
-            out[k] = xs
+        if k.startswith(prefix) and all(k in r for r in rows):
+            xs = [r[k] for r in rows]
+            out[k] = _figure_over_seeds(xs) if all(isinstance(x, dict) for x in xs) else _over_seeds(xs)
     return out
 
 
