@@ -508,7 +508,7 @@ class Frontier(Stage):
             default=None,
             type=refresh_setting,
             help=f"refresh settings (default: the grid, {' '.join(SETTINGS)}; for a translator trained with the "
-            f"target's exact layer 0: {' '.join(EXACT0_SETTINGS)})",
+            f"target's exact layer 0: {' '.join(EXACT0_SETTINGS)})".replace("%", "%%"),  # argparse formats help with %
         )
         add_task_data_args(p)
         p.add_argument(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -40,7 +41,9 @@ STAGES = (
     "train_translator",
     "estimate",
     "summary",
-)
+    "gpu_check",
+    "layers",
+)  # serve_demo.py has subcommands, each its own parser; its --help runs below
 
 
 @pytest.mark.parametrize("name", STAGES)
@@ -155,3 +158,20 @@ def test_every_count_and_size_flag_is_checked_at_parse_time(name, monkeypatch):
         opt for a in parser._actions if a.type in (int, float) for opt in a.option_strings[:1] if opt not in UNBOUNDED
     )
     assert not plain, f"{name}: {plain} take any int/float; give them kvlingo.inputs.argtypes whole()/number()"
+
+
+# --------------------------------------------------------------------------- --help as typed
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p.name for p in ROOT.glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_stage_script_prints_its_help_as_typed(script):
+    """`python SCRIPT --help` at the repository root exits 0 with its usage, options and examples: argparse formats
+    each flag's help with %, so a bare % in a help string (`tail:10%`) would crash the help of that one script."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, f"{script} --help exits {out.returncode}: {out.stderr.strip().splitlines()[-1:]}"
+    assert out.stdout.startswith(f"usage: {script}") and "options:" in out.stdout and "examples:" in out.stdout
