@@ -6,13 +6,13 @@ conversations (benchmark --split validation: KL/token, the context-token metrics
 agreement) and the validation halves of IFEval and GSM8K after a prompt handoff. Across the
 settings, each validation metric's rank correlation with task retention says which tracks the
 tasks; the default is the best setting by that metric among those costing at most 10% of a
-re-prefill at the real shapes. The default and the direction's default before are then scored on
-the test conversations and the test halves of the tasks, beside the native rows
-(scored once and shared). With --seeds, every setting is trained and scored with each seed (the
-default seed's cells in the setting's folder, the others in SETTING-sSEED): a row is the mean over its
-seeds, and its ties and SEs add the seeds' spread (kvlingo/stages/ablation.py, `within_noise`). Every
-step is a resumable cell (the recipe's ledger): a killed run continues with --resume. Writes
-RESULTS/RUN/ablation.{json,md,png}.
+re-prefill at the real shapes. The chosen default, the profile's default and the direction's default
+before are then scored on the test conversations and the test halves of the tasks, beside the native
+rows (scored once and shared); a choice that is not the profile's default is paired against it there.
+With --seeds, every setting is trained and scored with each seed (the default seed's cells in the
+setting's folder, the others in SETTING-sSEED): a row is the mean over its seeds, and its ties and SEs
+add the seeds' spread (kvlingo/stages/ablation.py, `within_noise`). Every step is a resumable cell (the
+recipe's ledger): a killed run continues with --resume. Writes RESULTS/RUN/ablation.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -140,9 +140,7 @@ class Plan:
             "--control-dtypes": "none",
             "--refresh": setting.refresh,
         }
-        return self.cell(
-            "benchmark", sub, flags, "benchmark" + ("" if split == "test" else f"-{split}"), fresh_flag="--force"
-        )
+        return self.cell("benchmark", sub, flags, _benchmark_report(split), fresh_flag="--force")
 
     def generative(self, task: str, sub: str, split: str, native: bool, refresh: str = "none") -> K.Cell:
         stage, report = ("ifeval" if task == "ifeval" else "task"), task_report(task)
@@ -230,14 +228,15 @@ def task_report(task: str) -> str:
     return "ifeval" if task == "ifeval" else f"task-{task}"
 
 
-def tie_evidence(res: Path, metric: str, tasks: Sequence[str]) -> dict:
-    """A row's validation evidence for `A.within_noise`, from its rows files: the choosing metric's part per
-    conversation (in the benchmark's conversation order) and each task's translated answer per item (right or not)."""
-    convs = read_jsonl(res / "benchmark-validation.rows.jsonl")
-    parts = A.metric_per_conversation([c["arms"]["distilled"] for c in convs], metric)[1]
+def tie_evidence(res: Path, metric: str, tasks: Sequence[str], split: str = "validation") -> dict:
+    """A row's evidence for `A.within_noise` on `split`, from its rows files: the choosing metric (its value, and
+    each conversation's part of it in the benchmark's conversation order) and each task's translated answer per item
+    (right or not). The keys are `within_noise`'s whatever the split."""
+    convs = read_jsonl(res / f"{_benchmark_report(split)}.rows.jsonl")
+    value, parts = A.metric_per_conversation([c["arms"]["distilled"] for c in convs], metric)
     items: dict[str, dict] = {}
     for t in tasks:
-        _, rows, _ = read_rows(res / f"{task_report(t)}-validation.rows.jsonl")
+        _, rows, _ = read_rows(res / f"{task_report(t)}{_split_suffix(split)}.rows.jsonl")
         items[t] = {
             str(r.get("doc_key", r.get("item_id"))): bool(
                 r["grades"]["prompt_level_strict_acc"] if t == "ifeval" else r["correct"]
@@ -245,7 +244,7 @@ def tie_evidence(res: Path, metric: str, tasks: Sequence[str]) -> dict:
             for r in rows
             if r.get("kind") == "item" and r.get("path") == "translated"
         }
-    return {"val_conversations": {"ids": [c["id"] for c in convs], metric: parts}, "val_items": items}
+    return {metric: value, "val_conversations": {"ids": [c["id"] for c in convs], metric: parts}, "val_items": items}
 
 
 def add_test(plan: Plan, row: dict) -> None:
@@ -393,7 +392,8 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
         f"Same splits and budget for every setting. Validation: {n_val} conversations, the first "
         f"{cfg.items[0]} items of the validation half of IFEval and GSM8K (where the choice is made). Test: "
         f"{n_test} conversations and the first {cfg.items[1]} items of the "
-        f"test half of each task, for the chosen default and the direction's default before{long_note}. "
+        f"test half of each task, for the chosen default, the profile's default and the direction's default "
+        f"before{long_note}. "
         "Kept: the share of the native target's accuracy on the same items (± SE, paired). Cost: handoff FLOPs per "
         "context token at the real Qwen3-1.7B/0.6B shapes (translation, plus the exact layer 0 where a setting "
         "uses it) against the target's re-prefill per token. Context KL: KL on the reply tokens whose native "
@@ -403,7 +403,8 @@ def markdown(cfg: AblationConfig, results: AblationResults) -> str:
         "\nWhich validation metric tracks task retention (the mean of the IFEval and GSM8K shares kept) across "
         "the settings:\n\n",
         corr,
-        f"\n**Default: {results.default['setting']}**, chosen by {results.metric} — {results.default['why']}.\n\n"
+        f"\n**Default: {results.default['setting']}**, chosen by {results.metric} — {results.default['why']}.\n\n",
+        _on_test_line(results.default),
         "![retention against cost](ablation.png)\n",
     ]
     return "".join(lines)
@@ -442,6 +443,29 @@ def chosen_settings(args, profile, pair) -> tuple[str, ...]:
         where = "--settings" if args.settings else f"profile {profile.name}'s ablate_settings:"
         raise Refusal(f"{where} {unknown[0]}: no such row; choose among {', '.join(names)}")
     return tuple(wanted)
+
+
+def _on_test_line(default: dict) -> str:
+    """The chosen default against the profile's default on test, in words (empty where they are the same row)."""
+    c = default.get("on_test_against_profile_default")
+    if not c:
+        return ""
+    parts = [f"KL/token {c['kl_per_token']['worse_by']:+.3g} ± {c['kl_per_token']['se']:.2g}"]
+    parts += [
+        f"{A.TASK_NAMES[t]} {c[t]['worse_by_points']:+.1f} ± {c[t]['se_points']:.1f} points (n {c[t]['n']})"
+        for t in A.TASK_NAMES
+        if t in c
+    ]
+    verdict = "not worse beyond two SE on any" if c["tied"] else "worse beyond two SE on at least one"
+    return (
+        f"On test, {default['setting']} against the profile's default {c['profile_default']}, paired and averaged "
+        f"over the seeds (positive: {default['setting']} is worse): {'; '.join(parts)}; {verdict}.\n\n"
+    )
+
+
+def _benchmark_report(split: str) -> str:
+    """The benchmark's report name on a split: the test split's is the plain `benchmark` (as `make benchmark`'s)."""
+    return "benchmark" + ("" if split == "test" else f"-{split}")
 
 
 def _split_suffix(split: str) -> str:
@@ -590,7 +614,7 @@ class Ablate(Stage):
         metric = A.choose_metric(correlations)
         evidence = {
             r["name"]: [
-                {metric: s[metric], **tie_evidence(self.plan.paths.nested(s["run"]).res, metric, self.tasks)}
+                {**tie_evidence(self.plan.paths.nested(s["run"]).res, metric, self.tasks), metric: s[metric]}
                 for s in A.seeds_of(r)
             ]
             for r in plain
@@ -599,10 +623,12 @@ class Ablate(Stage):
         ties = default.pop("ties", {})
         for r in plain:  # each row's standing against the best (the evidence itself stays in the rows files)
             r["val_tie"] = ties.get(r["name"])
-        # Scored on test: the default, the default before, and the longer budget of either where it ran (a budget
-        # lever beside its setting: no choice is made on it).
+        # Scored on test: the chosen default, the profile's own default (what users get: the chosen one is paired
+        # against it on test), the default before, and the longer budget of any of them where it ran (a budget lever
+        # beside its setting: no choice is made on it).
         by_row = {r["name"]: r for r in rows}
-        claims = [default.get("setting"), A.before(self.profile, self.cfg.pair.direction)]
+        shipped = self.profile.family_for(self.cfg.pair.direction)
+        claims = [default.get("setting"), shipped, A.before(self.profile, self.cfg.pair.direction)]
         claimed = [n for n in dict.fromkeys(claims) if n in self.by_name]  # in order, once each
         for name in [s for n in claimed for s in (n, f"{n}-long") if s in by_row]:
             row, setting = by_row[name], self.by_name[by_row[name]["setting"]]
@@ -613,6 +639,8 @@ class Ablate(Stage):
                 add_test(self.plan, s)
             if "seeds" in row:
                 row.update(A.seed_means(row["seeds"], "test_"))
+        if default.get("setting") not in (None, shipped) and shipped in by_row:
+            default["on_test_against_profile_default"] = self._on_test(by_row[shipped], by_row[default["setting"]])
         tested = next((r for r in rows if "test_kl" in r), None)
         if tested is not None:  # the native source's KL on the same test conversations (any test benchmark holds it)
             run = A.seeds_of(tested)[0]["run"]
@@ -625,6 +653,24 @@ class Ablate(Stage):
             )
         results = AblationResults(rows=rows, correlations=correlations, metric=metric, default=default, native=native)
         return {"results": results, "tested": tested}
+
+    def _on_test(self, shipped: dict, chosen: dict) -> dict:
+        """The chosen row against the profile's default on the test halves, paired conversation by conversation and
+        item by item and averaged over the seeds (`A.within_noise` with test evidence: worse_by > 0 where the chosen
+        row is worse). A claim beside the choice: it does not change it."""
+        metric = "val_kl"  # per reply token: the figure the tables report as test KL/token
+
+        def evidence(row: dict) -> list[dict]:
+            res = lambda s: self.plan.paths.nested(s["run"]).res  # noqa: E731
+            return [tie_evidence(res(s), metric, self.tasks, "test") for s in A.seeds_of(row)]
+
+        out = A.within_noise(
+            {"name": shipped["name"], "val_evidence": evidence(shipped)},
+            {"name": chosen["name"], "val_evidence": evidence(chosen)},
+            metric,
+            self.tasks,
+        )
+        return {"profile_default": shipped["name"], "kl_per_token": out.pop("metric"), **out}
 
     def publish(self, out: dict) -> dict:
         cfg, plan, results, tested = self.cfg, self.plan, out["results"], out["tested"]

@@ -81,11 +81,18 @@ def test_the_longer_budget_trains_the_best_again_and_scores_the_defaults_on_test
 
 
 @pytest.mark.slow
-def test_every_setting_trains_with_each_seed_and_its_row_is_their_mean(tiny_pair_paths, tmp_path):
+def test_every_setting_trains_with_each_seed_and_its_row_is_their_mean(tiny_pair_paths, tmp_path, monkeypatch):
     """--seeds 42 43: each setting trained twice (the default seed in the setting's folder, 43 beside it with
     --seed 43), each scored on validation and, for the claims, on test; the row holds the means and each seed's
-    own, the ties carry the seeds' spread, and the report lists them."""
+    own, the ties carry the seeds' spread, and the report lists them. Where the choice is not the profile's
+    default (here: the choice made crosshead, the profile's default token-w1), both are scored on test and paired
+    there, averaged over the seeds."""
+    from kvlingo.inputs.profiles import Profile
+
     torch.set_num_threads(1)
+    choose = A.choose_default
+    monkeypatch.setattr(A, "choose_default", lambda *a: {**choose(*a), "setting": "crosshead"})
+    monkeypatch.setattr(Profile, "family_for", lambda self, direction: "token-w1")
     argv = tiny_argv(tiny_pair_paths, tmp_path, "--settings", "crosshead", "token-w1", "--seeds", "42", "43")
     rep = ablate.main(argv)
     res = rep["results"]
@@ -102,9 +109,20 @@ def test_every_setting_trains_with_each_seed_and_its_row_is_their_mean(tiny_pair
             assert all(s["test_n"] == 4 and s["test_gsm8k"]["n"] == 2 for s in seeds)
             assert r["test_kl"] == pytest.approx((seeds[0]["test_kl"] + seeds[1]["test_kl"]) / 2)
             assert r["test_gsm8k"]["seeds"] == 2
-    assert "crosshead" in [r["name"] for r in res["rows"] if "test_kl" in r]
+    rows = {r["name"]: r for r in res["rows"]}
+    assert all("test_kl" in r for r in rows.values())  # the choice and the profile's default, both claims
+    vs = res["default"]["on_test_against_profile_default"]
+    assert vs["profile_default"] == "token-w1" and vs["kl_per_token"]["seeds"] == 2
+    # worse_by: the chosen row's test KL per token less the profile default's, each the mean over the seeds
+    assert vs["kl_per_token"]["worse_by"] == pytest.approx(rows["crosshead"]["test_kl"] - rows["token-w1"]["test_kl"])
+    acc = {n: [s["test_gsm8k"]["accuracy"] for s in rows[n]["seeds"]] for n in rows}
+    assert vs["gsm8k"]["n"] == 2 and vs["gsm8k"]["worse_by_points"] == pytest.approx(
+        100 * (sum(acc["token-w1"]) - sum(acc["crosshead"])) / 2
+    )
+    assert vs["kl_per_token"]["se"] > 0 and vs["tied"] == (vs["kl_per_token"]["tied"] and vs["gsm8k"]["tied"])
     md = (out / "ablation.md").read_text()
     assert "the mean over 2 training seeds (42, 43)" in md and "Validation: 6 conversations" in md
+    assert "On test, crosshead against the profile's default token-w1, paired and averaged over the seeds" in md
     assert re.search(r"\| crosshead +\| 43 +\| " + f"{res['rows'][0]['seeds'][1]['val_kl']:.3g}", md)
     again = ablate.main([*argv, "--resume"])  # every cell read back
     assert json.dumps(again["results"]["rows"]) == json.dumps(res["rows"])
