@@ -86,6 +86,29 @@ DEMO_PAIRS_mismatched := large:mismatched mismatched:small
 # the mismatched pairs' caches line up neither layer by layer nor head by head: token input beside cross-layer maps
 DEMO_FAMILY_mismatched := tokeninput --base crosslayer
 
+# Variables that name a choice or a count are checked here, before any target runs: a typo is one line naming the
+# choices, not a run under another pair's name, make's "No rule to make target", or a launcher's traceback.
+ifeq ($(filter $(PAIR),toy deep mismatched),)
+$(error PAIR=$(PAIR) is not a toy pair: one of toy (4 layers), deep (28 layers), mismatched (make demo only))
+endif
+ifeq ($(PAIR),mismatched)
+ifneq ($(filter-out demo help toy,$(MAKECMDGOALS)),)
+ifneq ($(origin LARGE),command line)
+$(error PAIR=mismatched is two pairs (large ↔ mismatched, mismatched ↔ small) and runs as such only in make demo; \
+  for one of them give LARGE= and SMALL=, e.g. LARGE=$(TOY)/large SMALL=$(TOY)/mismatched)
+endif
+endif
+endif
+ifeq ($(filter $(TASK),arc gsm8k),)
+$(error TASK=$(TASK) is not a task: one of arc, gsm8k (IFEval has its own targets: make ifeval, make ifeval-native))
+endif
+ifeq ($(filter $(HANDOFF),prompt trace),)
+$(error HANDOFF=$(HANDOFF) is not a handoff: one of prompt, trace)
+endif
+ifeq ($(shell echo '$(NPROC)' | grep -xE '[1-9][0-9]*'),)
+$(error NPROC=$(NPROC) is not a count of ranks: a whole number, 1 or more (make train NPROC=8: torchrun, 8 ranks))
+endif
+
 # Python caches compiled modules in .venv even where the environment turns that off: without the
 # cache every process recompiles torch and transformers (seconds per stage, minutes per test run).
 export PYTHONDONTWRITEBYTECODE =
@@ -239,7 +262,7 @@ task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the nat
 PERF_DIRECTIONS = $(if $(filter command line environment,$(origin DIRECTION)),$(DIRECTION),l2s s2l)
 PERF_CMD = $(PY) perf.py $(if $(filter command line,$(origin LARGE) $(origin SMALL)),--large $(LARGE) --small $(SMALL)) \
   --device $(DEVICE) --dtype $(PERF_DTYPE) $(PERF_ARGS) --direction
-perf: $(VENV)/.synced ## speed at real shapes, random weights: each direction's default family at 4k, the handoff against re-prefill, optimised, what the maps cost, the physical limit (DIRECTION=s2l: one direction; PERF_ARGS=--full: 1k/2k/4k, 4 paths, shipped rows, every family; LARGE=Qwen/Qwen3-4B SMALL=...) → results/perf/perf.json, results/perf-s2l/perf.json
+perf: $(VENV)/.synced ## speed at real shapes, random weights: each direction's default family at 4k, the handoff against re-prefill, optimised, what the maps cost, the physical limit (DIRECTION=s2l: one direction; PERF_ARGS=--full: 1k/2k/4k, 4 paths, shipped rows, every family; LARGE=Qwen/Qwen3-4B SMALL=... PERF_ARGS=--family crosshead: other depths) → results/perf/perf.json, results/perf-s2l/perf.json
 	$(PERF_CMD) $(firstword $(PERF_DIRECTIONS))
 	$(if $(word 2,$(PERF_DIRECTIONS)),$(PERF_CMD) $(word 2,$(PERF_DIRECTIONS)))
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -39,3 +41,44 @@ def test_make_perf_passes_a_named_pair():
     )
     assert "--large meta-llama/Llama-3.2-3B --small meta-llama/Llama-3.2-1B" in proc.stdout
     assert "--large" not in subprocess.run(["make", "-n", "perf"], cwd=ROOT, capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ablate", "PROFILE=demo", "PAIR=dep"], "PAIR=dep is not a toy pair: one of toy (4 layers), deep (28 layers)"),
+        (["ablate", "PROFILE=demo", "PAIR=mismatched"], "PAIR=mismatched is two pairs"),
+        (["task", "TASK=arcc"], "TASK=arcc is not a task: one of arc, gsm8k"),
+        (["task", "HANDOFF=promt"], "HANDOFF=promt is not a handoff: one of prompt, trace"),
+        (["train", "NPROC=0"], "NPROC=0 is not a count of ranks"),
+        (["train", "NPROC=two"], "NPROC=two is not a count of ranks"),
+    ],
+)
+def test_a_mistyped_choice_or_count_is_one_line_before_any_target_runs(args, message):
+    """Before these checks: PAIR=dep or mismatched ran the 4-layer pair under that pair's run name, TASK=arcc was
+    make's "No rule to make target", NPROC=0 torchrun's traceback. `make -n` shows that nothing would run."""
+    out = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_the_checked_variables_pass_where_they_are_right():
+    """The right spellings run (dry): one pair of the mismatched demo with its models named, torchrun with 8 ranks,
+    a GSM8K trace handoff, the deep pair's ablation."""
+    for args, expect in [
+        (
+            [
+                "ablate",
+                "PROFILE=demo",
+                "PAIR=mismatched",
+                "LARGE=artifacts/toy/large",
+                "SMALL=artifacts/toy/mismatched",
+            ],
+            "--small artifacts/toy/mismatched",
+        ),
+        (["train", "NPROC=8"], "--nproc-per-node 8 train_translator.py --"),
+        (["task", "TASK=gsm8k", "HANDOFF=trace"], "--task gsm8k --handoff trace"),
+        (["ablate", "PROFILE=demo", "PAIR=deep"], "--run demo-deep-$d-ablate"),
+    ]:
+        out = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 0 and expect in out.stdout, (args, out.stderr)

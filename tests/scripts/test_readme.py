@@ -419,3 +419,16 @@ def test_a_proven_export_then_the_real_pair_example(scratch):
 def test_every_example_is_run_by_a_slow_test():
     ran = {"examples/relay_toy.py", "examples/relay_qwen.py"}
     assert {str(p.relative_to(ROOT)) for p in EXAMPLES} == ran
+
+
+def test_the_protocol_names_the_default_translator_every_profile_takes():
+    """docs/protocol.md's Profiles section says which translator each profile defaults to: a change of default
+    fails here until the sentence follows."""
+    from kvlingo.inputs.profiles import PROFILES
+
+    section = " ".join((ROOT / "docs/protocol.md").read_text().split("## Profiles", 1)[1].split("|", 1)[0].split())
+    assert {(p.family, p.refresh, p.baseline) for p in PROFILES.values()} == {
+        (("token-w3", "token-w3"), ("exact:0", "exact:0"), ("crosshead", "crosslayer-k4-rhalf"))
+    }
+    assert "in every profile both directions take token-w3" in section and "(`exact:0`)" in section
+    assert "cross-head maps l2s and cross-layer k=4 at half rank s2l" in section
