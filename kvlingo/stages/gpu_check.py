@@ -61,6 +61,7 @@ import time
 from pathlib import Path
 
 from ..errors import Refusal
+from ..inputs.argtypes import number
 from ..io import ROOT
 from .skeleton import Stage
 
@@ -82,7 +83,8 @@ class GpuCheck(Stage):
     examples = (
         "python3 gpu_check.py",
         ".venv/bin/python gpu_check.py --dry-run --out /tmp/gc",
-        "make gpu-check PY=python3 GPU_CHECK_ARGS='--out $OUT/gpu-check'",
+        "# into $OUT through make: $$OUT (make would read $OUT as its own variable $O followed by UT)",
+        "make gpu-check PY=python3 GPU_CHECK_ARGS='--out $$OUT/gpu-check'",
     )
     common = False
 
@@ -97,7 +99,7 @@ class GpuCheck(Stage):
         )
         p.add_argument(
             "--budget-s",
-            type=float,
+            type=number(above=0),
             default=None,
             help="no step runs past this many seconds from the start (default 460; a dry run 1800)",
         )
@@ -153,7 +155,7 @@ class GpuCheck(Stage):
         if args.profile_worker:
             return profile_worker(args.directions, args.dry_run, out)
         out.mkdir(parents=True, exist_ok=True)
-        deadline = self.t0 + (args.budget_s or (1800.0 if args.dry_run else 460.0))
+        deadline = self.t0 + (args.budget_s if args.budget_s is not None else 1800.0 if args.dry_run else 460.0)
         factor = DRY_FACTOR if args.dry_run else 1.0
         print(f"gpu-check: {self.env_line}", flush=True)
         return [run_step(name, argv, deadline, out / log, factor) for name, argv, log in step_commands(args, out)]

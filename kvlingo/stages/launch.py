@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -303,6 +304,11 @@ class SlurmLauncher:
         cluster: str = "slurm",
         say: Callable[[str], None] = print,
     ):
+        if cluster == "slurm" and shutil.which("srun") is None:  # submitit's own test, which it fails with a traceback
+            raise RunRefused(
+                "--launcher slurm: no SLURM on this machine (`srun` is not on PATH); run with --launcher local, "
+                "or add --submitit-cluster local (or debug) to try the slurm path on this machine"
+            )
         self.folder, self.settings, self.cluster, self.say = Path(folder), settings, cluster, say
         self.nproc = settings.gpus_per_cell
 
@@ -395,7 +401,9 @@ def add_launch_args(parser) -> None:
         "--submitit-cluster",
         choices=("slurm", "local", "debug"),
         default="slurm",
-        help="slurm: run the jobs through submitit's local or debug executor instead (checks, no cluster)",
+        help="with --launcher slurm, where the jobs run: slurm (default): on the cluster, through sbatch; "
+        "local: as processes on this machine, through submitit's local executor; debug: one after another "
+        "in this process, through submitit's debug executor, which opens pdb on a failure (checks without a cluster)",
     )
 
 

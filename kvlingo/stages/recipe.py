@@ -475,6 +475,7 @@ class Recipe(Stage):
                 plan.res / K.LEDGER_FILE,
             ]
         )
+        self.launcher = launcher_from_args(args, plan.res)  # refuses launch settings this machine cannot honour
         lock_run(plan.res, "recipe")  # the ledger serialises cells; this keeps a second recipe off the same run
         if args.force and args.resume:
             raise Refusal("--force runs every cell again and --resume keeps finished ones: give one of them")
@@ -483,9 +484,7 @@ class Recipe(Stage):
         self.ledger = K.Ledger(
             self.plan.res / K.LEDGER_FILE, asdict(self.cfg), self.args.resume, reuse=not self.args.force
         )
-        self.cells = K.Cells(
-            self.ledger, self.args.resume, self.runner, launcher=launcher_from_args(self.args, self.plan.res)
-        )
+        self.cells = K.Cells(self.ledger, self.args.resume, self.runner, launcher=self.launcher)
 
     def run(self) -> dict:
         """The four steps (module docstring), each a level of cells; a failed cell stops the recipe."""

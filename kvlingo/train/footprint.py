@@ -34,6 +34,7 @@ one gradient all-reduce. Attention FLOPs are causal: 4·head_dim·q_heads·layer
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
@@ -50,8 +51,8 @@ PASS_OVERHEAD_S = {"cuda": 0.03, "mps": 0.05, "cpu": 0.0}  # per forward or back
 PASSES_PER_CONVERSATION = 4  # native forward, source prefill, target forward and backward on the translated cache
 ALLREDUCE_GBPS = 100.0  # assumed ring all-reduce bandwidth between GPUs of one node (NVLink-class), GB/s
 
-# Dense peak TFLOP/s (bf16/fp16 tensor cores, fp32 without TF32 as torch's default) and memory
-# in GiB, for the name a CUDA device reports; the first name found in it wins.
+# Dense peak TFLOP/s (bf16/fp16 tensor cores, fp32 without TF32 as torch's default) and memory in GiB. A planned
+# GPU (--gpu) is named whole, in any case (`planned_gpu`); the name a CUDA device reports holds one (`detected_card`).
 DEVICES: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989.0, "fp32": 67.0, "memory_gib": 140.0},
     "H100": {"bf16": 989.0, "fp32": 67.0, "memory_gib": 79.6},
@@ -145,6 +146,28 @@ class Device:
     basis: str  # where the throughput figure comes from, for the printout
 
 
+def planned_gpu(name: str, needed: bool = True) -> str | None:
+    """The table's name for a GPU named by the user (--gpu): the whole name, in any case, or refused naming the
+    nearest, so that a typo never plans with another card's figures. An unknown name passes (None) only where the
+    table would supply nothing (`needed` False: memory and throughput both given), as a label."""
+    key = {k.lower(): k for k in DEVICES}.get(name.strip().lower())
+    if key is not None or not needed:
+        return key
+    near = difflib.get_close_matches(name.strip().upper(), list(DEVICES), n=1, cutoff=0.6)
+    raise RunRefused(
+        f"--gpu {name!r} is not a GPU the estimate knows"
+        + (f" (did you mean {near[0]}?)" if near else "")
+        + f": name one of {', '.join(DEVICES)} (any case), or, for another GPU or memory size, "
+        "pass --memory-limit-gib and --assume-tflops"
+    )
+
+
+def detected_card(name: str) -> dict[str, float] | None:
+    """The table's card for the name a CUDA device reports ("NVIDIA H100 80GB HBM3"): the first listed name in it
+    (A100 is listed before A10); None for an unlisted device, whose throughput is then assumed."""
+    return next((v for k, v in DEVICES.items() if k in name), None)
+
+
 def describe_device(
     kind: str,
     dtype_bytes: int,
@@ -157,6 +180,8 @@ def describe_device(
     `name` override what is read or assumed (a planned device, or a share of a busy one)."""
     precision = "fp32" if dtype_bytes == 4 else "bf16"
     memory = None
+    name = name or None  # an empty --gpu: this machine's device
+    planned = name is not None
     if kind == "cuda" and name is None:
         import torch
 
@@ -169,7 +194,12 @@ def describe_device(
     elif kind == "cpu" and name is None:
         name, memory = "CPU", float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     name = name or kind
-    entry = next((v for k, v in DEVICES.items() if k in name), None) if kind == "cuda" else None
+    entry = None
+    if kind == "cuda" and planned:
+        name = planned_gpu(name, memory_gib is None or tflops is None) or name
+        entry = DEVICES.get(name)
+    elif kind == "cuda":
+        entry = detected_card(name)
     if memory_gib is not None:
         memory = memory_gib * GIB
     elif memory is None:

@@ -32,3 +32,14 @@ def test_estimate_time_follows_the_assumed_throughput(capsys):
     two = estimate.main([*base, "--assume-tflops", "200"])
     assert "given (--assume-tflops)" in capsys.readouterr().out
     assert one.peak_bytes == two.peak_bytes and one.seconds_per_update > two.seconds_per_update  # memory does not move
+
+
+def test_a_mistyped_gpu_is_refused_naming_the_nearest(capsys):
+    """`--gpu H1000` once planned with the H100's figures (a substring match); `--gpu h100` was refused."""
+    import estimate
+
+    with pytest.raises(SystemExit) as e:
+        estimate.main(["--profile", "paper-budget", "--gpu", "H1000"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "(did you mean H100?)" in err, err
+    assert estimate.main(["--profile", "paper-budget", "--gpu", "h100"]).device.name == "H100"

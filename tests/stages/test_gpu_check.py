@@ -112,3 +112,48 @@ def test_it_names_what_is_missing_before_running_anything(tmp_path, capsys, monk
     assert "transformers" in err and "older than the 99.0 pyproject.toml pins" in err and "pip download" in err
     assert f"{tmp_path / 'none'} is missing (make prepare PROFILE=demo makes it" in err
     assert stage.version_of("5.24.0.dev0") == (5, 24, 0) < stage.pinned_transformers()
+
+
+@pytest.mark.parametrize("budget", ["0", "-10", "nan"])
+def test_a_budget_that_is_not_positive_is_refused_at_parse_time(budget, tmp_path, capsys):
+    import gpu_check
+
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--budget-s", budget, "--dry-run", "--out", str(tmp_path / "gc")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--budget-s" in err and "> 0" in err and not (tmp_path / "gc").exists()
+
+
+@pytest.mark.parametrize("flags, budget_s", [([], 1800.0), (["--budget-s", "30"], 30.0), (["--budget-s", "0.5"], 0.5)])
+def test_the_budget_is_the_flag_given_else_the_default(flags, budget_s, tmp_path, monkeypatch, capsys):
+    import time
+
+    import gpu_check
+    from kvlingo.stages import gpu_check as stage
+
+    left = []
+
+    def step(name, argv, deadline, log, factor=1.0):
+        left.append(deadline - time.time())
+        return {"step": name, "status": "passed", "tail": ""}
+
+    monkeypatch.setattr(stage, "run_step", step)
+    skip = ["--skip", "perf", "benchmark", "profile"]  # the tests step alone, stood in for by `step`
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path / "gc"), *skip, *flags]) == 0
+    assert len(left) == 1 and budget_s - 60 < left[0] <= budget_s
+
+
+def test_the_help_make_example_hands_the_shell_its_out_variable():
+    """make reads `$OUT` as its variable `$O` then `UT` (`--out UT/gpu-check`): the example must survive make."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from kvlingo.stages.gpu_check import GpuCheck
+
+    root = Path(__file__).resolve().parents[2]
+    lines = [e for e in GpuCheck.examples if e.startswith("make ") and "OUT" in e]
+    assert lines, GpuCheck.examples
+    for line in lines:
+        made = subprocess.run(["make", "-n", *shlex.split(line)[1:]], cwd=root, capture_output=True, text=True)
+        assert made.returncode == 0 and "--out $OUT/gpu-check" in made.stdout, (line, made.stdout, made.stderr)

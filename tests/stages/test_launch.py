@@ -241,6 +241,19 @@ def test_slurm_needs_the_cells_device_named(world, capsys):
     assert not (root / "results").exists()
 
 
+def test_slurm_without_srun_is_refused_before_anything_is_written(world, monkeypatch, capsys):
+    """No SLURM on this machine: one line naming the fix and status 2, not submitit's traceback after the ledger."""
+    argv, root = world
+    path = [d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "srun").exists()]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    with pytest.raises(SystemExit) as e:
+        recipe.main(argv("nosrun", "--launcher", "slurm", "--skip", "ifeval"))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "`srun` is not on PATH" in err and "--launcher local" in err and "--submitit-cluster local" in err
+    assert not (root / "results").exists() and not (root / "artifacts").exists()
+
+
 def test_local_launcher_refuses_a_gpu_named_twice():
     from kvlingo.errors import RunRefused
     from kvlingo.stages.launch import LocalLauncher

@@ -82,3 +82,32 @@ def test_graph_memory_matches_what_autograd_saves(tiny_pair_paths, parallel_data
     n, C = len(row["reply_ids"]), len(row["prefix_ids"]) - 1
     predicted = est.memory["translation"] + est.memory["target graph"] + 2 * 4 * n * tgt.vocab
     assert 0.8 < saved / predicted < 1.25, (saved, predicted, C, n)
+
+
+def test_a_planned_gpu_is_named_whole_in_any_case_or_refused_with_the_nearest():
+    h100 = E.DEVICES["H100"]["memory_gib"] * E.GIB
+    for name in ("H100", "h100", " H100 "):
+        dev = E.describe_device("cuda", 2, name=name)
+        assert (dev.name, dev.memory_bytes) == ("H100", h100) and "989 TFLOP/s" in dev.basis
+    for typo, near in (("H1000", "H100"), ("A100 40GB", "A100"), ("h20", "H200")):
+        with pytest.raises(E.RunRefused, match=rf"--gpu '{typo}' is not a GPU .* \(did you mean {near}\?\)"):
+            E.describe_device("cuda", 2, name=typo)
+    with pytest.raises(E.RunRefused, match="name one of H200, H100, A100, L40S, A10, 4090") as e:
+        E.describe_device("cuda", 2, name="MI300X", memory_gib=192.0)  # the throughput would come from the table
+    assert "did you mean" not in str(e.value)
+    label = E.describe_device("cuda", 2, name="MI300X", memory_gib=192.0, tflops=700.0)  # the table supplies nothing
+    assert (label.name, label.memory_bytes, label.tflops) == ("MI300X", 192.0 * E.GIB, 700.0)
+
+
+@pytest.mark.parametrize(
+    "reported, card",
+    [("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA A100-SXM4-40GB", "A100"), ("NVIDIA A10", "A10"), ("Tesla T4", None)],
+)
+def test_a_detected_gpu_maps_to_the_card_its_reported_name_holds(reported, card, monkeypatch):
+    props = SimpleNamespace(name=reported, total_memory=40 * E.GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda rank: props)
+    for name in (None, ""):  # no --gpu, or an empty one: this machine's device
+        dev = E.describe_device("cuda", 2, name=name)
+        assert dev.name == reported and dev.memory_bytes == 40 * E.GIB  # the device's own memory, not the table's
+        peak = E.DEVICES[card]["bf16"] if card else None
+        assert dev.tflops == (peak * E.MFU if card else E.FALLBACK_TFLOPS["cuda"]["bf16"]), dev
