@@ -103,7 +103,7 @@ from ..records.report import Metric, Report, seal_problem
 from ..records.resume import diff, resume_key
 from . import models
 from .models import tokenizer_digest
-from .profiles import Profile
+from .profiles import PROFILES, Profile
 
 SPLITS = ("train", "validation", "test")
 VARIANTS = ("natural", "packed")
@@ -591,13 +591,14 @@ def check_tokenizer(manifest: dict[str, Any], digest: str, chat_template_sha256:
         )
 
 
-def open_prepared(data_dir: str | os.PathLike, pair=None) -> dict[str, Any]:
+def open_prepared(data_dir: str | os.PathLike, pair=None, profile: str | None = None) -> dict[str, Any]:
     """The manifest of a complete prepared data folder, after checking every file's sha256 and, given a
     `PairConfig`, its tokenizer digest and chat template. SplitIntegrityError otherwise.
 
-    A folder without a manifest is incomplete (a killed or running rebuild) and is refused.
+    A folder without a manifest is incomplete (a killed or running rebuild) and is refused; the refusal says how to
+    prepare it for `profile` (the stage's --profile: `prepare_hint`).
     """
-    manifest = verify_split(data_dir)
+    manifest = verify_split(data_dir, profile)
     if pair is not None:
         check_tokenizer(manifest, pair.tokenizer_sha256, pair.chat_template_sha256)
     return manifest
@@ -612,24 +613,45 @@ def load_tokenizer(name_or_path: str):
 
 
 # --------------------------------------------------------------------------- files and manifest
+def prepare_hint(data_dir: str | os.PathLike, profile: str | None = None) -> str:
+    """The commands that prepare `data_dir` for `profile` (the stage's --profile; None: the folder's name, where
+    that is a profile), as typed: prepare.py writes OUT/PROFILE/, so a folder of another name is prepared under
+    it and passed with --data."""
+    folder = Path(data_dir)
+    if profile is None and folder.name in PROFILES:
+        profile = folder.name
+    local = "add --source PATH --tokenizer PATH for a local corpus and tokenizer"
+    if profile is None or folder.name != profile:
+        name = profile or "PROFILE"
+        return (
+            f"`.venv/bin/python prepare.py --profile {name} --out {folder}` ({local}) writes {folder / name}/; "
+            f"then pass --data {folder / name}" + ("" if profile else " (PROFILE: the run's profile)")
+        )
+    script = f".venv/bin/python prepare.py --profile {profile}"
+    if folder.parent.resolve() != Path("data").resolve():  # prepare.py's --out default, and the Makefile's
+        return f"`{script} --out {folder.parent}` ({local}); or pass --data where it is prepared"
+    return (
+        f"`make prepare PROFILE={profile}` (SOURCE=PATH SMALL=PATH for a local corpus and pair), or `{script}` "
+        f"({local}); or pass --data where it is prepared"
+    )
+
+
 def split_path(data_dir: str | os.PathLike, split: str, variant: str) -> Path:
     if split not in SPLITS or variant not in VARIANTS:
         raise ValueError(f"unknown split/variant {split}.{variant}; splits {SPLITS}, variants {VARIANTS}")
     return Path(data_dir) / f"{split}.{variant}.jsonl"
 
 
-def verify_split(data_dir: str | os.PathLike) -> dict[str, Any]:
+def verify_split(data_dir: str | os.PathLike, profile: str | None = None) -> dict[str, Any]:
     """Check every file the manifest lists against its sha256; return the manifest.
 
-    Raises SplitIntegrityError naming the first missing or changed file.
+    Raises SplitIntegrityError naming the first missing or changed file (a missing manifest: with how to prepare
+    the folder for `profile`, `prepare_hint`).
     """
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
     if not path.is_file():
-        raise SplitIntegrityError(
-            f"{path} not found: prepare the data first (make prepare PROFILE={data_dir.name}, or .venv/bin/python "
-            f"prepare.py --profile {data_dir.name} --out {data_dir.parent}; a folder of another name: --data)"
-        )
+        raise SplitIntegrityError(f"{path} not found: prepare the data first: {prepare_hint(data_dir, profile)}")
     manifest = read_json(path)
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(manifest, dict) or manifest.get("stage") != "prepare" or not isinstance(files, dict):
@@ -656,15 +678,14 @@ def read_split(
     variant: str = "natural",
     vocab_size: int | None = None,
     limit: int | None = None,
+    profile: str | None = None,
 ) -> list[dict]:
     """Rows of one prepared file (the first `limit`), each checked for what a handoff reads: a prefix of
-    at least 2 ids, a non-empty reply, ids inside the vocabulary."""
-    path, folder = split_path(data_dir, split, variant), Path(data_dir)
+    at least 2 ids, a non-empty reply, ids inside the vocabulary. A missing file is refused with how to prepare
+    the folder for `profile` (`prepare_hint`)."""
+    path = split_path(data_dir, split, variant)
     if not path.is_file():
-        raise SplitIntegrityError(
-            f"{path} not found; prepare the data first (make prepare PROFILE={folder.name}, or .venv/bin/python "
-            f"prepare.py --profile {folder.name} --out {folder.parent})"
-        )
+        raise SplitIntegrityError(f"{path} not found: prepare the data first: {prepare_hint(data_dir, profile)}")
     rows = read_jsonl(path)[:limit]
     if not rows:
         raise SplitIntegrityError(

@@ -32,6 +32,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -490,13 +491,15 @@ def gather(paths: RunPaths, kind: str = "distilled", evidence: bool = True) -> t
                 else f"no {kind} translator"
             )
             raise EvidenceError(f"{bench_path} scored {what}; re-run `{rerun('benchmark')}`")
+        collect(bench, kind)  # the benchmark's refusals first: no IFEval rescored for maps it cannot vouch for
         ifeval = read_report(ifeval_path, "ifeval") if ifeval_path.is_file() else None
         if ifeval is not None:
             used = (ifeval["inputs"].get("translator") or {}).get("maps_sha256")
             if ifeval["config"].get("translator") != kind or used != manifest["maps_sha256"]:
                 raise EvidenceError(
                     f"{ifeval_path} answered with other maps than {folder}; re-run "
-                    f"`{rerun('ifeval')}` (IFEval is part of the evidence when it exists)"
+                    f"`{ifeval_command(paths, manifest, kind, ifeval, bench)}` (IFEval is part of the evidence "
+                    "when it exists)"
                 )
         found = collect(bench, kind, ifeval)
         pair = bench["config"]["pair"]
@@ -529,6 +532,45 @@ def run_settings(paths: RunPaths, manifest: dict[str, Any]) -> tuple[str | None,
         if isinstance(cfg, dict) and cfg.get("profile") and isinstance(cfg.get("pair"), dict):
             return cfg["profile"], cfg["pair"]
     return None, None
+
+
+# The Makefile's evaluation data for a profile (EVAL_ROOT, IFEVAL_SOURCE): demo and scale run on the toy world.
+TOY_PROFILES = ("demo", "scale")
+TOY_EVAL = ("data/toy-eval", "artifacts/toy/corpus/ifeval.jsonl")
+
+
+def ifeval_command(paths: RunPaths, manifest: dict[str, Any], kind: str, ifeval: dict, bench: dict) -> str:
+    """`make ifeval …` that scores run `paths`' `kind` translator (manifest `manifest`) as the export needs it:
+    the run's make command (`make_command`) plus what the Makefile's defaults would get wrong: the translator
+    (IFEVAL_ARGS, ifeval.py's --translator: distilled unless told), the benchmark's refresh (REFRESH; ifeval.py's
+    default is the translator's own), and the data the run's IFEval report read (EVAL_ROOT, and IFEVAL_SOURCE
+    where no prepared copy is there to read)."""
+    profile, pair = run_settings(paths, manifest)
+    words = [make_command("ifeval", paths.run, profile, pair)]
+    if kind != "distilled":
+        words.append(f"IFEVAL_ARGS={shlex.quote(f'--translator {kind}')}")
+    refresh = str(Refresh.parse(bench["config"].get("refresh") or "none"))
+    if refresh != str(trained_refresh(paths.translator(kind))):
+        words.append(f"REFRESH={refresh}")
+    default_root, default_source = TOY_EVAL if profile in TOY_PROFILES else ("data", None)
+    root, source, data = default_root, None, ifeval["inputs"].get("data") or {}
+    if data.get("prepared"):  # EVAL_ROOT/ifeval/ifeval.jsonl, copied from a local file or the Hub
+        root, source = shown(Path(data["prepared"]).parent.parent), data.get("origin", {}).get("local_source")
+        if root != default_root:
+            words.append(f"EVAL_ROOT={shlex.quote(root)}")
+    elif data.get("source"):  # ifeval.py --source, read in place: make prepares EVAL_ROOT's copy from it
+        source = data["source"]
+    if source and shown(source) != default_source and not (Path(root) / "ifeval" / "manifest.json").is_file():
+        words.append(f"IFEVAL_SOURCE={shlex.quote(shown(source))}")
+    return " ".join(words)
+
+
+def shown(path: str | Path) -> str:
+    """`path` as a command typed at the repository root names it: relative under the working folder, else whole."""
+    path = Path(path)
+    with contextlib.suppress(ValueError):
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    return str(path)
 
 
 def export_config(

@@ -94,7 +94,7 @@ class Plan:
         p = cfg.pair
         self.flags = K.stage_flags(cfg.profile, p, cfg.artifacts, cfg.results)
         self.inputs = {
-            "data": K.data_hash(cfg.data),
+            "data": K.data_hash(cfg.data, cfg.profile),
             "models": p.identities(),
             "eval_data": {t: sha256_file(Path(cfg.eval_root) / t / "manifest.json") for t in cfg.tasks},
         }

@@ -168,7 +168,7 @@ class Benchmark(Stage):
         if args.refresh is None:
             args.refresh = trained_refresh(*self.folders.values()) if self.folders else Refresh.parse("none")
         data_dir = Path(args.data) if args.data else default_data(profile.name)
-        manifest = open_prepared(data_dir, self.pair_cfg)
+        manifest = open_prepared(data_dir, self.pair_cfg, profile.name)
         self.convs = read_split(data_dir, args.split, args.variant, limit=args.limit)
         if len(self.convs) < 2:
             raise Refusal(

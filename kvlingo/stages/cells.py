@@ -231,9 +231,12 @@ def copy_file(src: str | Path, dst: str | Path) -> None:
 
 
 # --------------------------------------------------------------------------- input hashes
-def data_hash(folder: str | Path) -> dict[str, Any]:
+def data_hash(folder: str | Path, profile: str | None = None) -> dict[str, Any]:
     """The prepared data's identity: its manifest's sha256 (which vouches for every split file), or,
-    with no manifest, the sha256 of each JSONL file in the folder."""
+    with no manifest, the sha256 of each JSONL file in the folder. None there: refused with how to prepare it for
+    `profile` (the stage's --profile)."""
+    from ..inputs.data import prepare_hint
+
     folder = Path(folder)
     manifest = folder / "manifest.json"
     if manifest.is_file():
@@ -241,8 +244,7 @@ def data_hash(folder: str | Path) -> dict[str, Any]:
     files = {p.name: sha256_file(p) for p in sorted(folder.glob("*.jsonl"))}
     if not files:
         raise ValueError(
-            f"{folder} holds no prepared data (no manifest.json, no *.jsonl); "
-            f"prepare it first (make prepare PROFILE={folder.name}, or .venv/bin/python prepare.py --profile "
-            f"{folder.name} --out {folder.parent}) or pass --data"
+            f"{folder} holds no prepared data (no manifest.json, no *.jsonl); prepare it first: "
+            f"{prepare_hint(folder, profile)}"
         )
     return {"files": files}

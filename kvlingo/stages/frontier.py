@@ -111,7 +111,7 @@ class Plan:
         self.cfg, self.paths = cfg, RunPaths(cfg.run, cfg.artifacts, cfg.results)
         p = cfg.pair
         self.flags = K.stage_flags(cfg.profile, p, cfg.artifacts, cfg.results)
-        self.inputs = {"data": K.data_hash(cfg.data), "models": p.identities()}
+        self.inputs = {"data": K.data_hash(cfg.data, cfg.profile), "models": p.identities()}
 
     def sub(self, run: str, setting: str) -> RunPaths:
         return RunPaths(run, self.cfg.artifacts, self.cfg.results).nested(f"frontier/{slug(setting)}")

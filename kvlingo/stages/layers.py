@@ -79,7 +79,7 @@ class Layers(Stage):
                 raise Refusal(f"no trained translator at {folder}: train the run first (make train RUN={run})")
             read_manifest(folder)  # refuses a damaged or edited manifest, or maps that do not match it
         data_dir = Path(args.data) if args.data else default_data(profile.name)
-        manifest = open_prepared(data_dir, pair)
+        manifest = open_prepared(data_dir, pair, profile.name)
         self.data_dir = data_dir
         self.cfg = LayersConfig(
             args.out or f"{default_run(profile.name, pair.direction)}-layers",

@@ -1,8 +1,9 @@
 """Prepare chat data (prepare.py): natural and packed train/validation/test splits in the target's chat template.
 
 Usage:
-    .venv/bin/python prepare.py --profile demo --source artifacts/toy/corpus/chats.jsonl \\
-        --tokenizer artifacts/toy/tokenizer
+    .venv/bin/python toy_world.py --out artifacts/toy --chats 2048   # the demo's source: corpus/chats.2048.jsonl
+    .venv/bin/python prepare.py --profile demo --source artifacts/toy/corpus/chats.2048.jsonl \\
+        --tokenizer artifacts/toy/tokenizer                         # (make prepare PROFILE=demo runs both)
     .venv/bin/python prepare.py --profile pilot                  # streams Nemotron chat rows from the Hub
 
 Writes <out>/<profile>/{train,validation,test}.{natural,packed}.jsonl and, last, manifest.json
@@ -26,8 +27,11 @@ class Prepare(Stage):
     script = "prepare.py"
     summary = "Prepare chat data: natural and packed train/validation/test splits in the target's chat template."
     examples = (
-        "# offline, from a local JSONL in Nemotron chat format",
-        ".venv/bin/python prepare.py --profile demo --source artifacts/toy/corpus/chats.jsonl "
+        "# offline, from a local JSONL in Nemotron chat format. The demo profile's 1,024 conversations need the",
+        "# toy world's 2,048 held-out chats (chats.jsonl holds too few usable ones): after make toy,",
+        "# `.venv/bin/python toy_world.py --out artifacts/toy --chats 2048` writes them (make prepare PROFILE=demo",
+        "# runs both)",
+        ".venv/bin/python prepare.py --profile demo --source artifacts/toy/corpus/chats.2048.jsonl "
         "--tokenizer artifacts/toy/tokenizer",
         "# the real data, streamed from the Hub at the pinned revision (--revision SHA: another), Qwen3's tokenizer",
         ".venv/bin/python prepare.py --profile pilot --tokenizer Qwen/Qwen3-0.6B",

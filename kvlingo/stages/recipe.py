@@ -216,7 +216,7 @@ class Plan:
         p = cfg.pair
         self.flags = K.stage_flags(cfg.profile, p, cfg.artifacts, cfg.results)
         try:
-            self.common = {"data": K.data_hash(cfg.data), "models": p.identities()}
+            self.common = {"data": K.data_hash(cfg.data, cfg.profile), "models": p.identities()}
         except ValueError as e:
             raise Refusal(str(e)) from None
         self.ifeval_data = self._ifeval_data() if "ifeval" in cfg.evals else None

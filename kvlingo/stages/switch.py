@@ -111,7 +111,7 @@ class Switch(Stage):
 
             args.refresh = trained_refresh(self.folder)
         data_dir = Path(args.data) if args.data else default_data(profile.name)
-        manifest = open_prepared(data_dir, self.pair_cfg)
+        manifest = open_prepared(data_dir, self.pair_cfg, profile.name)
         self.convs = read_split(data_dir, "test", "natural")
         self.cfg = SwitchConfig(
             profile=profile.name,

@@ -178,7 +178,7 @@ class Train(Stage):
         self.pair_cfg, self.tokenizer = pair_config_from_args(args)  # configs and tokenizers only: before weights
         self.world = distributed.init(self.pair_cfg.device)  # torchrun's ranks (kvlingo/train/distributed.py)
         self.data_dir = Path(args.data) if args.data else default_data(self.profile.name)
-        manifest = open_prepared(self.data_dir, self.pair_cfg)
+        manifest = open_prepared(self.data_dir, self.pair_cfg, self.profile.name)
         names = (split_path(self.data_dir, s, "natural").name for s in ("train", "validation"))
         self.data_hashes = {f: manifest["files"][f] for f in names}
         self.cfg = train_config(args, self.profile, self.pair_cfg)

@@ -455,3 +455,29 @@ def test_a_source_that_is_a_folder_is_named_as_one(tmp_path):
         read_source(tmp_path, "arc")
     with pytest.raises(ValueError, match=f"source file {tmp_path} is a folder, not a file"):
         prepare(None, get_profile("tiny"), source=tmp_path, out_root=tmp_path / "out")
+
+
+def test_a_missing_data_folder_names_the_run_s_profile_and_a_command_that_makes_it(prepare_world, tmp_path):
+    """Once, `--profile tiny --data /x/data` said `make prepare PROFILE=data`: a profile named after the folder,
+    which is none. The hint names the stage's --profile, and its prepare.py command, run as printed (with the
+    source and tokenizer it says to add), makes the folder it says to pass as --data."""
+    import shlex
+
+    from kvlingo.inputs.data import prepare_hint
+    from kvlingo.inputs.profiles import PROFILES
+
+    for folder, given in ((tmp_path / "data", "tiny"), (tmp_path / "elsewhere" / "tiny", None)):
+        with pytest.raises(SplitIntegrityError) as e:
+            open_prepared(folder, profile=given)
+        msg = str(e.value)
+        named = re.findall(r"(?:--profile |PROFILE=)([^\s`]+)", msg)
+        assert named and set(named) == {"tiny"} <= set(PROFILES), msg
+        argv = shlex.split(re.search(r"`\.venv/bin/python prepare\.py ([^`]*)`", msg)[1])
+        assert "--source PATH --tokenizer PATH" in msg
+        out = Path(argv[argv.index("--out") + 1])
+        profile = replace(PROFILE, name=argv[argv.index("--profile") + 1])
+        prepare(prepare_world["tok"], profile, source=prepare_world["source"], out_root=out, tokenizer_name="fixture")
+        then = re.search(r"then pass --data (\S+)", msg)
+        assert open_prepared(then[1] if then else folder)["files"] == prepare_world["result"].manifest["files"], msg
+    assert "`make prepare PROFILE=tiny`" in prepare_hint(Path("data") / "tiny", "tiny")  # the Makefile's folder
+    assert "PROFILE=demo" not in prepare_hint(Path("data") / "demo", "tiny")  # the run's profile, not the folder's

@@ -107,3 +107,37 @@ def test_a_re_export_that_fails_leaves_the_good_export_whole(tmp_path, monkeypat
     assert (out / "maps.safetensors").read_bytes() == b"new maps"
     assert json.loads((out / CONFIG_FILE).read_text())["family"] == "tokeninput"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_the_ifeval_command_an_export_suggests_reads_the_run_s_ifeval_data(tmp_path, monkeypatch):
+    """The `make ifeval` an export suggests reads what the run's IFEval report read: EVAL_ROOT where its prepared
+    copy is, IFEVAL_SOURCE only where make would have to prepare one, neither where the Makefile's default is it;
+    and the translator and refresh only where ifeval.py's defaults would be others."""
+    from kvlingo.core.settings import Refresh
+    from kvlingo.records import saved
+    from kvlingo.records.paths import RunPaths
+
+    monkeypatch.chdir(tmp_path)  # the repository root the command is typed at
+    monkeypatch.setattr(saved, "trained_refresh", lambda *folders: Refresh.parse("none"))
+    pair = {"large": "L", "small": "S", "direction": "l2s", "device": "cpu", "dtype": "float32"}
+
+    def command(profile, data, kind="distilled", refresh="none"):
+        manifest = {"config": {"profile": profile, "pair": pair}}
+        return saved.ifeval_command(
+            RunPaths("r"), manifest, kind, {"inputs": {"data": data}}, {"config": {"refresh": refresh}}
+        )
+
+    run = "make ifeval PROFILE=tiny RUN=r LARGE=L SMALL=S DEVICE=cpu DTYPE=float32"
+    prepared = {"prepared": str(tmp_path / "evals" / "ifeval" / "ifeval.jsonl"), "origin": {"local_source": "/s.jsonl"}}
+    assert command("tiny", prepared) == f"{run} EVAL_ROOT=evals IFEVAL_SOURCE=/s.jsonl"  # no copy left there
+    (tmp_path / "evals" / "ifeval").mkdir(parents=True)
+    (tmp_path / "evals" / "ifeval" / "manifest.json").write_text("{}")
+    assert command("tiny", prepared) == f"{run} EVAL_ROOT=evals"
+    assert command("tiny", prepared, "closed_form", "tail:2") == (
+        f"{run} IFEVAL_ARGS='--translator closed_form' REFRESH=tail:2 EVAL_ROOT=evals"
+    )
+    toy = {"prepared": str(tmp_path / "data" / "toy-eval" / "ifeval" / "ifeval.jsonl"), "origin": {}}
+    assert command("demo", toy) == "make ifeval PROFILE=demo RUN=r LARGE=L SMALL=S"  # the Makefile's own data
+    read = {"source": str(tmp_path / "artifacts" / "toy" / "corpus" / "ifeval.jsonl")}  # ifeval.py --source
+    assert command("demo", read) == "make ifeval PROFILE=demo RUN=r LARGE=L SMALL=S"  # PROFILE=demo's IFEVAL_SOURCE
+    assert command("tiny", read) == f"{run} IFEVAL_SOURCE=artifacts/toy/corpus/ifeval.jsonl"  # no default there

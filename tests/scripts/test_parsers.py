@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,10 @@ def test_every_help_example_parses_and_names_real_paths(name, monkeypatch, toy_p
         for flag, value in zip(argv, argv[1:]):
             if flag not in PATH_FLAGS:
                 continue
-            if value.startswith("artifacts/toy/"):
+            more = re.fullmatch(r"artifacts/toy/corpus/chats\.(\d+)\.jsonl", value)
+            if more:  # not made by `make toy`: the example says how (toy_world.py --chats N)
+                assert f"--chats {more[1]}" in parser.epilog, f"{name}: {flag} {value}: say how it is made"
+            elif value.startswith("artifacts/toy/"):
                 assert (toy_pair / value.removeprefix("artifacts/toy/")).exists(), f"{name}: {flag} {value}"
             else:
                 assert value.startswith(OUTPUTS) or value.startswith("Qwen/"), f"{name}: {flag} {value}"

@@ -233,3 +233,24 @@ def test_benchmark_scores_the_validation_and_train_splits(tiny_pair_paths, tmp_p
     native = arms["native_target"]
     assert native["context_kl_token_mean"] == 0 if native["context_tokens"] else native["context_tokens"] == 0
     assert 0 < arms["distilled"]["attention_cosine"]["mean"] <= 1 and arms["distilled"]["attention_cosine"]["n"] == 5
+
+
+def test_a_missing_data_folder_is_refused_with_a_command_for_the_stage_s_profile(tiny_pair_paths, tmp_path, capsys):
+    """Once, `benchmark.py --profile tiny --data /x/data` said `make prepare PROFILE=data, or prepare.py --profile
+    data ...`: a profile named after the folder, which is none. The hint names --profile's, and the folder given."""
+    import re
+
+    from stagecli import refused
+
+    import benchmark
+    from kvlingo.inputs.profiles import PROFILES
+
+    large, small = (str(p) for p in tiny_pair_paths)
+    flags = ["--profile", "tiny", "--large", large, "--small", small, "--device", "cpu", "--skip-missing"]
+    flags += ["--artifacts", str(tmp_path / "a"), "--results", str(tmp_path / "r")]
+    for folder, out, then in ((tmp_path / "data", tmp_path / "data", True), (tmp_path / "tiny", tmp_path, False)):
+        err = refused(benchmark.main, [*flags, "--data", str(folder)], capsys)
+        named = re.findall(r"(?:--profile |PROFILE=)([^\s`]+)", err)
+        assert named and set(named) == {"tiny"} <= set(PROFILES), err
+        assert f"`.venv/bin/python prepare.py --profile tiny --out {out}`" in err, err
+        assert (f"then pass --data {folder / 'tiny'}" in err) == then, err

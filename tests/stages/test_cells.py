@@ -116,3 +116,12 @@ def test_cells_run_on_the_cache_kind_their_driver_was_given():
     assert (
         recipe.parse_args(["--cache", "dynamic"]).cache == "dynamic" and recipe.parse_args([]).cache == "preallocated"
     )
+
+
+def test_data_hash_of_an_empty_folder_names_the_run_s_profile(tmp_path):
+    """Once, the hint named a profile after the folder (`make prepare PROFILE=data`), which is none."""
+    with pytest.raises(ValueError) as e:
+        K.data_hash(tmp_path / "data", "tiny")
+    msg = str(e.value)
+    assert f"prepare.py --profile tiny --out {tmp_path / 'data'}`" in msg and "PROFILE=data" not in msg, msg
+    assert f"then pass --data {tmp_path / 'data' / 'tiny'}" in msg, msg

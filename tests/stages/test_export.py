@@ -1,15 +1,19 @@
-"""The export stage: it refuses a benchmark of other maps, and a benchmark report that is a folder."""
+"""The export stage: it refuses a benchmark of other maps, and a benchmark report that is a folder; a refusal for
+IFEval names a make command that makes the evidence, and one for the benchmark comes before it."""
 
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from stagecli import refused
-from toyrun import run_flags
+from toyrun import REFRESH, run_flags
 
+import benchmark
 import export
 from kvlingo.io import read_json
 from kvlingo.records.saved import load_state, save_translator
@@ -62,3 +66,78 @@ def test_export_refuses_a_benchmark_of_other_maps(toy_run, tmp_path, capsys):
         r"DTYPE=float32` first",
         err,
     ), err
+
+
+def makefile_ifeval(command: str) -> None:
+    """`make ifeval VAR=…` as the Makefile's ifeval target runs it for PROFILE=tiny, here (the working folder is the
+    repository root): EVAL_ROOT/ifeval prepared first when it is not there (from IFEVAL_SOURCE), then
+    `ifeval.py --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(REFRESH_FLAG) $(IFEVAL_ARGS)`."""
+    import ifeval
+
+    words = shlex.split(command)
+    assert words[:2] == ["make", "ifeval"], command
+    v = {"EVAL_ROOT": "data", "DIRECTION": "l2s", "DEVICE": "auto", "DTYPE": "bfloat16", "IFEVAL_ARGS": ""}
+    v.update(w.split("=", 1) for w in words[2:])
+    if not Path(v["EVAL_ROOT"], "ifeval", "manifest.json").is_file():
+        source = ["--source", v["IFEVAL_SOURCE"]] if v.get("IFEVAL_SOURCE") else []
+        ifeval.main(["--prepare", "--data-root", v["EVAL_ROOT"], *source])
+    pair = [f"--{k.lower()}={v[k]}" for k in ("PROFILE", "LARGE", "SMALL", "DIRECTION", "DEVICE", "DTYPE", "RUN")]
+    refresh = [f"--refresh={v['REFRESH']}"] if v.get("REFRESH") else []
+    ifeval.main(["--data-root", v["EVAL_ROOT"], *pair, *refresh, *shlex.split(v["IFEVAL_ARGS"])])
+
+
+def test_an_ifeval_of_other_maps_is_refused_with_a_make_command_that_scores_these(
+    toy_run, tmp_path, capsys, monkeypatch
+):
+    """Once, exporting the closed-form maps of a run whose IFEval answered with the distilled ones suggested
+    `make ifeval PROFILE=tiny RUN=…` alone: that scored the distilled maps again (and the export refused the same
+    way), without the run's refresh, and, offline, without its IFEval prompts it could not prepare any. Typed as
+    shown at the repository root, the command now makes the evidence, and the export goes through."""
+    import nltk
+
+    from kvlingo.eval.tasks import grader
+
+    for part in ("artifacts", "results"):
+        shutil.copytree(toy_run["root"] / part / "toy", tmp_path / part / "toy")
+    art = tmp_path / "artifacts" / "toy"
+    shutil.rmtree(art / "export")
+    (art / "distilled").rename(art / "closed_form")  # a run of closed-form maps; its IFEval answered with others
+    monkeypatch.chdir(tmp_path)  # the repository root: artifacts/, results/ and data/ are the stages' defaults
+    pair = toy_run["pair"]
+    flags = ["--large", str(pair / "large"), "--small", str(pair / "small"), "--device", "cpu", "--dtype", "float32"]
+    bench_flags = ["--skip-missing", "--timing-conversations", "0", "--control-dtypes", "float32", "--refresh", REFRESH]
+    benchmark.main(["--profile", "tiny", "--run", "toy", *flags, "--data", str(toy_run["data"]), *bench_flags])
+    export_flags = ["--run", "toy", "--translator", "closed_form"]
+    err = refused(export.main, export_flags, capsys)
+    command = re.search(r"re-run `(make ifeval [^`]*)`", err)
+    assert command and "answered with other maps" in err, err
+    command = command[1]
+    assert "IFEVAL_ARGS='--translator closed_form'" in command and f"REFRESH={REFRESH}" in command, command
+    assert f"IFEVAL_SOURCE={pair / 'corpus' / 'ifeval.jsonl'}" in command, command  # the run's local prompts
+    nltk_home = tmp_path / "nltk_data"
+    grader.install_punkt(nltk_home)
+    try:
+        makefile_ifeval(command)
+    finally:
+        nltk.data.path.remove(str(nltk_home.resolve()))
+    export.main(export_flags)
+    evidence = read_json(art / "export" / "evidence.json")
+    assert evidence["translator"] == "closed_form" and evidence["ifeval"]["paths"]["translated"]["n"] > 0
+
+
+def test_a_benchmark_that_cannot_prove_the_maps_is_named_before_their_ifeval(toy_run, tmp_path, capsys):
+    """The export of closed-form maps benchmarked beside distilled ones (the control arm the distilled maps') is
+    refused for its benchmark first: once, it asked for IFEval of these maps, which can take hours on a real pair, and
+    then refused for the benchmark anyway."""
+    for part in ("artifacts", "results"):
+        shutil.copytree(toy_run["root"] / part / "toy", tmp_path / part / "toy")
+    art = tmp_path / "artifacts" / "toy"
+    shutil.copytree(art / "distilled", art / "closed_form")
+    pair = toy_run["pair"]
+    flags = ["--large", str(pair / "large"), "--small", str(pair / "small"), "--device", "cpu", "--dtype", "float32"]
+    bench_flags = ["--timing-conversations", "0", "--control-dtypes", "float32", "--refresh", REFRESH]
+    benchmark.main(
+        ["--profile", "tiny", *run_flags(tmp_path, "toy"), *flags, "--data", str(toy_run["data"]), *bench_flags]
+    )
+    err = refused(export.main, [*run_flags(tmp_path, "toy"), "--translator", "closed_form"], capsys)
+    assert "control arm used the distilled translator, not closed_form" in err and "make ifeval" not in err, err

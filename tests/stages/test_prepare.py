@@ -119,3 +119,35 @@ def test_cli_builds_then_reports_up_to_date(prepare_world, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         prepare.main(["--profile", "tiny", "--tokenizer", str(tok_dir), "--out", str(tmp_path / "hub")])
     assert e.value.code == 2 and "--source PATH" in capsys.readouterr().err
+
+
+def test_every_offline_help_example_fills_its_profile(toy_pair, tmp_path, capsys):
+    """Once, the first --help example fed the demo profile chats.jsonl, whose usable conversations left
+    validation.natural short (226 of 256, with a warning). Each example with a toy --source runs as typed after
+    `make toy` (a chats.N.jsonl source made as the --help text says: toy_world.py --chats N) and fills every split."""
+    import re
+    import shlex
+
+    from kvlingo.stages.prepare import Prepare
+    from kvlingo.stages.toy import more_chats
+
+    offline = [
+        shlex.split(line)[2:]
+        for line in Prepare.examples
+        if line.startswith(".venv/bin/python prepare.py") and "--source artifacts/toy/" in line
+    ]
+    assert len(offline) >= 2  # the demo's and the tiny profile's
+    for i, argv in enumerate(offline):
+        source = argv[argv.index("--source") + 1]
+        more = re.fullmatch(r"artifacts/toy/corpus/chats\.(\d+)\.jsonl", source)
+        toy = toy_pair
+        if more:  # a corpus file toy_world.py --chats N writes: made here from the toy pair's world, as said
+            assert f"toy_world.py --out artifacts/toy --chats {more[1]}" in " ".join(Prepare.examples), source
+            toy = tmp_path / f"toy{i}"
+            (toy / "corpus").mkdir(parents=True)
+            more_chats(toy, read_json(toy_pair / "manifest.json"), int(more[1]))
+        argv = [str(toy_pair / v.removeprefix("artifacts/toy/")) if v.startswith("artifacts/toy/") else v for v in argv]
+        argv[argv.index("--source") + 1] = str(toy / source.removeprefix("artifacts/toy/"))
+        prepare.main([a for a in argv if a != "--force"] + ["--out", str(tmp_path / f"data{i}")])
+        out = capsys.readouterr().out
+        assert "built" in out and "WARNING" not in out, (argv, out)
