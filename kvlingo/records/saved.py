@@ -350,7 +350,14 @@ def collect(benchmark: dict[str, Any], kind: str, ifeval: dict[str, Any] | None 
     if control_of != kind:
         raise EvidenceError(
             f"the benchmark's control arm used the {control_of} translator, not {kind}, so it says "
-            f"nothing about these maps; export the {control_of} maps, or benchmark the {kind} maps alone"
+            f"nothing about these maps; export the {control_of} maps, or "
+            + (
+                "benchmark a run that holds only the closed-form maps (the control takes the distilled maps "
+                "where they exist): `make train RUN=NAME TRAIN_ARGS=--closed-form-only`, then `make benchmark "
+                "RUN=NAME` and export RUN=NAME"
+                if kind == "closed_form"
+                else f"run `make benchmark` again with the {kind} maps present"
+            )
         )
     paired = benchmark["results"]["quality"].get("paired", {})
     env = benchmark["env"]

@@ -141,3 +141,4 @@ def test_a_benchmark_that_cannot_prove_the_maps_is_named_before_their_ifeval(toy
     )
     err = refused(export.main, [*run_flags(tmp_path, "toy"), "--translator", "closed_form"], capsys)
     assert "control arm used the distilled translator, not closed_form" in err and "make ifeval" not in err, err
+    assert "`make train RUN=NAME TRAIN_ARGS=--closed-form-only`, then `make benchmark RUN=NAME`" in err, err
