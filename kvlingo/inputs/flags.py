@@ -288,8 +288,9 @@ def add_timing_args(parser, warmups: str = "the profile's", repeats: str = "the 
     )
 
 
-def add_task_data_args(parser) -> None:
-    """--data-root, --skip-tasks and --resume of the stages that run IFEval and GSM8K as cells (ablate, frontier)."""
+def add_task_data_args(parser, resume_note: str = "") -> None:
+    """--data-root, --skip-tasks and --resume of the stages that run IFEval and GSM8K as cells (ablate, frontier);
+    `resume_note`: what else --resume allows, in words."""
     parser.add_argument(
         "--data-root", default="data", help="prepared IFEval and GSM8K data root (ROOT/ifeval, ROOT/gsm8k)"
     )
@@ -297,7 +298,7 @@ def add_task_data_args(parser) -> None:
         "--skip-tasks", nargs="*", choices=GENERATIVE_TASKS, default=[], help="generative evaluations to leave out"
     )
     parser.add_argument(
-        "--resume", action="store_true", help="keep finished cells whose key matches; refuse changed ones"
+        "--resume", action="store_true", help="keep finished cells whose key matches; refuse changed ones" + resume_note
     )
 
 

@@ -64,6 +64,9 @@ class AblationConfig:
     pair: PairConfig
 
 
+ROW_FIELDS = ("settings", "seeds")  # which rows run: not part of what a resume must find unchanged (Ablate.load)
+
+
 @dataclass
 class AblationResults:
     rows: list  # one per setting (and long run): cost, validation figures, test figures where scored
@@ -523,7 +526,10 @@ class Ablate(Stage):
             help=f"train every setting with each of these seeds (its figures the mean over them; a tie counts the "
             f"seeds' spread beside the conversations'); default: {DEFAULT_SEED}, one training run per setting",
         )
-        add_task_data_args(p)
+        add_task_data_args(
+            p,
+            "; --settings and --seeds may differ from the first run's: the cells the rows share are kept, new rows run",
+        )
 
     def check(self) -> None:
         from ..inputs.models import pair_config_from_args
@@ -560,7 +566,10 @@ class Ablate(Stage):
         lock_run(plan.paths.res, "ablate")
 
     def load(self) -> None:
-        self.ledger = K.Ledger(self.plan.paths.res / LEDGER_FILE, asdict(self.cfg), self.args.resume)
+        # The rows and seeds may change on --resume (rows added, dropped or reordered): every cell is keyed by its own
+        # setting, seed, inputs and code, so another set of rows reuses exactly the cells it shares with the first.
+        shared = {k: v for k, v in asdict(self.cfg).items() if k not in ROW_FIELDS}
+        self.ledger = K.Ledger(self.plan.paths.res / LEDGER_FILE, shared, self.args.resume)
         self.cells = K.Cells(self.ledger, self.args.resume, runner=K.run_in_process)
         self.geometry = Geometry(**self.cfg.pair.geometry)
         rows = A.settings_for(self.profile, self.cfg.pair.direction, self.geometry)

@@ -128,6 +128,26 @@ def test_every_setting_trains_with_each_seed_and_its_row_is_their_mean(tiny_pair
     assert json.dumps(again["results"]["rows"]) == json.dumps(res["rows"])
 
 
+@pytest.mark.slow
+def test_a_resume_may_add_and_reorder_rows_and_keeps_the_cells_they_share(tiny_pair_paths, tmp_path, capsys):
+    """--resume with another --settings (a row added, the order changed) runs the new row's cells only: every cell
+    is keyed by its own setting, seed, inputs and code. Other settings of the run (here --items) are still refused."""
+    torch.set_num_threads(1)
+    ablate.main(tiny_argv(tiny_pair_paths, tmp_path, "--settings", "crosshead"))
+    out = tmp_path / "results" / "tiny-l2s-ablate"
+    before = read_json(out / "recipe-state.json")["cells"]
+    argv = tiny_argv(tiny_pair_paths, tmp_path, "--settings", "token-w1", "crosshead")
+    res = ablate.main([*argv, "--resume"])["results"]
+    after = read_json(out / "recipe-state.json")["cells"]
+    assert [r["name"] for r in res["rows"]] == ["crosshead", "token-w1"]
+    assert {n: after[n]["runs"] for n in before} == {n: e["runs"] for n, e in before.items()}  # read back, not rerun
+    assert {n: after[n]["key"] for n in before} == {n: e["key"] for n, e in before.items()}
+    assert any("token-w1" in n for n in set(after) - set(before))
+    with pytest.raises(SystemExit) as e:
+        ablate.main([*argv, "--items", "2", "2", "--resume"])
+    assert e.value.code == 2 and "settings changed: items" in capsys.readouterr().err
+
+
 def test_a_seed_named_twice_is_refused_before_anything_runs(tiny_pair_paths, tmp_path, capsys):
     argv = tiny_argv(tiny_pair_paths, tmp_path, "--settings", "crosshead", "--seeds", "42", "42")
     with pytest.raises(SystemExit) as e:
