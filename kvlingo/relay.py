@@ -37,7 +37,7 @@ from .core.cache import Capture, build_cache
 from .core.handoff import capture_source, greedy_generate, stop_ids, translate
 from .core.refresh import Refresh
 from .core.translator import Geometry, Translator, TranslatorError
-from .inputs.models import Pair, load_pair, render_ids, resolve_pair
+from .inputs.models import PYTHON_API, Pair, load_pair, render_ids, resolve_pair
 from .records.saved import (
     CARD_FILE,
     CONFIG_FILE,
@@ -138,6 +138,7 @@ class Relay:
             config["direction"],
             device,
             dtype or rec["dtype"],
+            naming=PYTHON_API,
         )
         if pair_cfg.tokenizer_sha256 != rec["tokenizer_sha256"]:
             raise TranslatorError(
@@ -153,6 +154,8 @@ class Relay:
                 direction=pair_cfg.direction,
                 models=pair_cfg.identities(),
                 geometry=Geometry(**pair_cfg.geometry),
+                pair_fix=f"give large= and small= the models it was trained for ({model_name(rec['large'])}, "
+                f"{model_name(rec['small'])}), or leave them out to load those",
             )
         except TranslatorError as err:
             raise TranslatorError(f"{folder}: {err}") from None
@@ -248,12 +251,7 @@ class Relay:
             raise ValueError(f"max_new_tokens is {max_new_tokens!r}; give a whole number, 0 or more")
         ids = self.prompt_ids(messages, enable_thinking)  # translate(ids) checks them
         limit = min(m.config.max_position_embeddings for m in (self.source, self.target))
-        if len(ids) + max_new_tokens > limit:
-            raise ValueError(
-                f"the prompt is {len(ids)} tokens and max_new_tokens {max_new_tokens}: the reply would run past the "
-                f"models' {limit} positions; give max_new_tokens={max(0, limit - len(ids))} or less, or shorten the "
-                "conversation"
-            )
+        check_room(len(ids), max_new_tokens, limit, "the models'")
         return greedy_generate(
             self.target,
             ids[-1:],
@@ -278,13 +276,10 @@ class Relay:
             raise ValueError(f"model is {model!r}; give 'target' or 'source'")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens is {max_new_tokens!r}; give a whole number, 0 or more")
-        ids = self._in_range(self.prompt_ids(messages, enable_thinking))
+        ids = self.prompt_ids(messages, enable_thinking)
         net = self.target if model == "target" else self.source
-        if len(ids) + max_new_tokens > net.config.max_position_embeddings:
-            raise ValueError(
-                f"the prompt is {len(ids)} tokens and max_new_tokens {max_new_tokens}: the reply would run past the "
-                f"{model}'s {net.config.max_position_embeddings} positions; lower max_new_tokens"
-            )
+        check_room(len(ids), max_new_tokens, net.config.max_position_embeddings, f"the {model}'s")
+        ids = self._in_range(ids)
         out, _ = greedy_generate(
             net, ids, max_new_tokens=max_new_tokens, eos_ids=stop_ids(self.tokenizer), kind=self.pair.cache
         )
@@ -324,7 +319,7 @@ class Relay:
         if len(ids) > limit:
             raise ValueError(
                 f"the prompt is {len(ids)} tokens, more than the models read "
-                f"(max_position_embeddings {limit}); shorten the conversation"
+                f"(max_position_embeddings {limit}); shorten the conversation to at most {limit} tokens"
             )
         return ids
 
@@ -396,6 +391,24 @@ def _token_id(i: Any) -> int:
         return operator.index(i)
     except TypeError:
         raise ValueError(f"prompt ids must be integers, got {i!r}; pass token ids or chat messages") from None
+
+
+def check_room(n: int, max_new_tokens: int, limit: int, whose: str) -> None:
+    """Refuse a prompt of `n` tokens whose reply of up to `max_new_tokens` would run past `limit` positions,
+    naming what fits: a shorter conversation, and a lower max_new_tokens only where a positive one fits."""
+    if n + max_new_tokens <= limit:
+        return
+    room, keep = limit - n, limit - max_new_tokens  # new tokens after this prompt; prompt tokens before this reply
+    fixes = [f"give max_new_tokens={room} or less"] if room > 0 else []
+    fixes += [f"shorten the conversation to at most {keep} tokens"] if keep > 0 else []
+    fixes = fixes or [f"shorten the conversation and give max_new_tokens below {limit}"]
+    what = (
+        f"the prompt alone is {n} tokens, more than {whose} {limit} positions"
+        if n > limit
+        else f"the prompt is {n} tokens and max_new_tokens {max_new_tokens}: the reply would run past {whose} "
+        f"{limit} positions"
+    )
+    raise ValueError(f"{what}; {', or '.join(fixes)}")
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:

@@ -514,9 +514,57 @@ def test_chats_with_nothing_to_answer_and_replies_past_the_positions_are_refused
         long = [{"role": "user", "content": "the cat sat " * 4}]
         n = len(relay.prompt_ids(long))
         with pytest.raises(
-            ValueError, match=f"run past the models' {limit} positions; give max_new_tokens={limit - n}"
+            ValueError, match=f"run past the models' {limit} positions; give max_new_tokens={limit - n} or less$"
         ):
             relay.chat(long, max_new_tokens=limit)
+        for net in (relay.source, relay.target):  # positions for the prompt and a few tokens at most
+            m.setattr(net.config, "max_position_embeddings", n + 2)
+        with pytest.raises(
+            ValueError,
+            match=f"the models' {n + 2} positions; give max_new_tokens=2 or less, or shorten the conversation to "
+            f"at most {n - 2} tokens$",
+        ):
+            relay.chat(long, max_new_tokens=4)
+        for limit, max_new in ((n, 4), (n - 3, 4), (n - 3, 0)):  # no positive max_new_tokens fits: none is offered
+            for net in (relay.source, relay.target):
+                m.setattr(net.config, "max_position_embeddings", limit)
+            for call in (relay.chat, relay.native_chat):
+                with pytest.raises(
+                    ValueError, match=f"shorten the conversation to at most {limit - max_new} tokens$"
+                ) as err:
+                    call(long, max_new_tokens=max_new)
+                assert "give max_new_tokens" not in str(err.value)
+                assert ("prompt alone is" in str(err.value)) == (limit < n)
+
+
+def test_a_training_run_folder_is_refused_naming_its_export(proven):
+    run = proven["export"].parent  # ARTIFACTS/RUN, which holds export/
+    with pytest.raises(TranslatorError, match=f"not a complete exported translator; load {proven['export']}, the"):
+        Relay.load(run, device="cpu")
+
+
+def test_api_refusals_name_the_api_s_arguments_not_the_command_line_s(proven, tmp_path):
+    """Relay.load takes device=, dtype=, large= and small=: its refusals say those, never DEVICE= or --large."""
+    from tinypair import tiny_model
+
+    small = proven["small"]
+    deep = tmp_path / "deep"  # the same tokenizer, one layer more: maps of the self pair do not fit it
+    cfg = json.loads((small / "config.json").read_text())
+    tiny_model("qwen3", vocab=cfg["vocab_size"], layers=3, eos_token_id=cfg["eos_token_id"]).save_pretrained(deep)
+    for f in small.iterdir():
+        if f.name not in ("config.json", "generation_config.json") and f.suffix != ".safetensors":
+            shutil.copy(f, deep / f.name)
+    for kwargs, why in (
+        ({"device": "cpux"}, "device='cpux' is not a device .*; use 'cuda' \\(or 'cuda:N'\\), 'mps', 'cpu' or 'auto'"),
+        ({"dtype": "fp8"}, "dtype='fp8' is not supported; use one of 'bfloat16', 'float32', 'float16'"),
+        (
+            {"large": str(deep)},
+            "it was trained for another pair; give large= and small= the models it was trained for",
+        ),
+    ):
+        with pytest.raises((ValueError, TranslatorError), match=why) as err:
+            Relay.load(proven["export"], **kwargs)
+        assert not any(flag in str(err.value) for flag in ("DEVICE", "DTYPE", "--large", "--direction"))
 
 
 def test_a_model_folder_is_named_as_one_not_as_an_export(tiny_pair_paths):

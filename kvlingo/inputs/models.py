@@ -188,17 +188,45 @@ def read_tensors(files: Sequence[Path], select) -> dict[str, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- device and dtype
-def resolve_device(device: str | None = None) -> str:
+@dataclass(frozen=True)
+class Naming:
+    """How a refusal names the input it refuses and the values to give instead, as the caller's user writes
+    them: make variables on the command line (`COMMAND_LINE`: DEVICE=cpux; use cpu or auto) or keyword
+    arguments in Python (`PYTHON_API`, kvlingo.Relay: device='cpux'; use 'cpu' or 'auto'). One check, two
+    wordings: the caller passes its naming down."""
+
+    setting: str  # an input set to a value, formatted from {NAME} (upper case), {name} and {value}
+    value: str  # a value on its own, formatted from {value}
+
+    def given(self, name: str, value: Any) -> str:
+        return self.setting.format(NAME=name.upper(), name=name, value=value)
+
+    def shown(self, value: Any) -> str:
+        return self.value.format(value=value)
+
+    def choices(self, *values: Any) -> str:
+        """'a, b or c' as this naming writes each value."""
+        words = [self.shown(v) for v in values]
+        return ", ".join(words[:-1]) + " or " + words[-1]
+
+
+COMMAND_LINE = Naming(setting="{NAME}={value}", value="{value}")
+PYTHON_API = Naming(setting="{name}={value!r}", value="{value!r}")
+
+
+def resolve_device(device: str | None = None, naming: Naming = COMMAND_LINE) -> str:
     """'auto' (or None/'') picks cuda, then mps, then cpu."""
     if device and device != "auto":
         if not (device in ("cpu", "cuda", "mps") or (device.startswith("cuda:") and device[5:].isdigit())):
             raise PairError(
-                f"DEVICE={device} is not a device this suite runs on; use cuda (or cuda:N), mps, cpu or auto"
+                f"{naming.given('device', device)} is not a device this suite runs on; use "
+                f"{naming.shown('cuda')} (or {naming.shown('cuda:N')}), {naming.choices('mps', 'cpu', 'auto')}"
             )
+        instead = f"use {naming.given('device', 'cpu')} or {naming.given('device', 'auto')}"
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise PairError(f"DEVICE={device} but torch sees no CUDA device; use DEVICE=cpu or DEVICE=auto")
+            raise PairError(f"{naming.given('device', device)} but torch sees no CUDA device; {instead}")
         if device == "mps" and not torch.backends.mps.is_available():
-            raise PairError("DEVICE=mps but MPS is not available; use DEVICE=cpu or DEVICE=auto")
+            raise PairError(f"{naming.given('device', device)} but MPS is not available; {instead}")
         return device
     if torch.cuda.is_available():
         return "cuda"
@@ -217,11 +245,14 @@ DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, naming: Naming = COMMAND_LINE) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise PairError(f"DTYPE={dtype} is not supported; use one of bfloat16, float32, float16")
+        raise PairError(
+            f"{naming.given('dtype', dtype)} is not supported; use one of "
+            + ", ".join(naming.shown(d) for d in ("bfloat16", "float32", "float16"))
+        )
     return DTYPES[dtype]
 
 
@@ -458,13 +489,15 @@ def resolve_pair(
     device: str = "auto",
     dtype: str = "bfloat16",
     cache: str = "preallocated",
+    naming: Naming = COMMAND_LINE,
 ) -> tuple[PairConfig, Any]:
     """Check a pair from its configs and tokenizers alone (no weights), and resolve it.
 
-    Returns (PairConfig, the target's tokenizer). Raises PairError before any weights load.
+    Returns (PairConfig, the target's tokenizer). Raises PairError before any weights load, naming a bad
+    device or dtype as `naming` says the caller's user gives them.
     """
     src_spec, tgt_spec = pair_specs(direction, ModelSpec.parse(large), ModelSpec.parse(small))
-    device, dt = resolve_device(device), resolve_dtype(dtype)
+    device, dt = resolve_device(device, naming), resolve_dtype(dtype, naming)
     src_spec, tgt_spec = pin_revision(src_spec), pin_revision(tgt_spec)
     src_tok, tgt_tok = load_tokenizer(src_spec), load_tokenizer(tgt_spec)
     src_cfg, tgt_cfg = load_config(src_spec), load_config(tgt_spec)

@@ -54,7 +54,7 @@ from ..io import (
     sha256_bytes,
     sha256_file,
 )
-from .paths import MANIFEST_FILE, MAPS_FILE, RunPaths, make_command
+from .paths import MANIFEST_FILE, MAPS_FILE, TRANSLATORS, RunPaths, make_command
 from .report import CONTENT_HASH, fmt_pm, fmt_table, read_report, seal_problem, sealed
 
 # =========================================================================== the folder
@@ -214,9 +214,12 @@ def check_expected(
     direction: str | None = None,
     models: dict[str, Any] | None = None,
     geometry: Geometry | None = None,
+    pair_fix: str = "check --large/--small/--direction",
 ) -> None:
     """Refuse a translator made for another family, key space, direction, pair or geometry (TranslatorError
-    naming the field, both values and the fix). Fields the manifest does not record are not compared."""
+    naming the field, both values and the fix). Fields the manifest does not record are not compared.
+    `pair_fix` is the fix for another pair's geometry in the words of the caller's inputs (the stages' flags
+    by default; kvlingo.Relay names its large=/small= arguments)."""
     if family is not None and manifest["family"] != family:
         raise TranslatorError(
             f"translator family is {manifest['family']!r}, this run asks for {family!r}; "
@@ -235,7 +238,7 @@ def check_expected(
     if geometry is not None and Geometry(**manifest["geometry"]) != geometry:
         raise TranslatorError(
             f"translator geometry {manifest['geometry']} does not fit this pair's "
-            f"{asdict(geometry)}: it was trained for another pair; check --large/--small/--direction"
+            f"{asdict(geometry)}: it was trained for another pair; {pair_fix}"
         )
     for role, ident in (models or {}).items():
         trained = manifest.get("models", {}).get(role)
@@ -668,16 +671,36 @@ def _swap_folder(new: Path, out: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
+def export_fix(folder: Path) -> str:
+    """The fix for a folder that is not a complete export: the export of its run where there is one, else the
+    command that writes it (`make export` from the repository root, its run named from the folder)."""
+    translator = next((k for k in TRANSLATORS if folder.name == k and (folder / MANIFEST_FILE).is_file()), None)
+    run = folder.parent if translator or folder.name == "export" else folder  # ARTIFACTS/RUN/{distilled,export}
+    if (run / "export" / CONFIG_FILE).is_file():
+        return f"load {run / 'export'}, the export of its run"
+    if not (translator or any((run / k / MANIFEST_FILE).is_file() for k in TRANSLATORS)):
+        return "give the folder `make export RUN=...` wrote (ARTIFACTS/RUN/export)"
+    flags = [] if translator in (None, "distilled") else [f"--translator {translator}"]
+    artifacts = Path("artifacts").resolve()  # make runs export.py from the repository root with --artifacts artifacts
+    if run.resolve().is_relative_to(artifacts):
+        name = run.resolve().relative_to(artifacts).as_posix()
+    else:
+        name = run.name
+        flags.append(f"--artifacts {shlex.quote(str(run.parent))}")
+    command = make_command("export", name, None) + (f" EXPORT_ARGS={shlex.quote(' '.join(flags))}" if flags else "")
+    return (
+        f"it is a training run's folder: export it with `{command}` (from the repository root), then load "
+        f"{run / 'export'}"
+    )
+
+
 def read_export(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None, str | None]:
     """(config, evidence or None, why there is none) of an export folder; the maps hash is checked by the loader."""
     folder = Path(folder)
     if not (folder / CONFIG_FILE).is_file():
-        hint = (
-            " It is a training folder: export it with `make export RUN=...`."
-            if (folder / MANIFEST_FILE).is_file()
-            else ""
+        raise TranslatorError(
+            f"{folder} holds no {CONFIG_FILE}: not a complete exported translator; {export_fix(folder)}"
         )
-        raise TranslatorError(f"{folder} holds no {CONFIG_FILE}: not a complete exported translator.{hint}")
     try:
         config = read_json(folder / CONFIG_FILE)
     except DamagedFile as e:

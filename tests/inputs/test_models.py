@@ -8,12 +8,14 @@ import pytest
 from tinypair import corpus, load_tiny_pair, qwen3_config, tiny_model
 
 from kvlingo.inputs.models import (
+    PYTHON_API,
     ModelSpec,
     PairError,
     check_pair,
     load_pair,
     load_tokenizer,
     resolve_device,
+    resolve_dtype,
     resolve_pair,
 )
 from kvlingo.toy.tokenizer import save_tokenizer, train_chat_tokenizer
@@ -241,3 +243,30 @@ def test_resolve_device_refuses_a_device_it_does_not_know():
     for bad in ("tpu", "cuda:x", "gpu", "CPU"):
         with pytest.raises(PairError, match="cuda \\(or cuda:N\\), mps, cpu or auto"):
             resolve_device(bad)
+
+
+def test_a_bad_device_or_dtype_is_named_as_the_caller_s_user_gives_it(monkeypatch):
+    """The command line names its make variables (DEVICE=, DTYPE=); the Python API (naming=PYTHON_API, as
+    kvlingo.Relay passes it) names its keyword arguments, with the values to give as Python strings."""
+    for naming, unknown, cuda, dtype in (
+        (
+            {},
+            "^DEVICE=cpux is not a device this suite runs on; use cuda \\(or cuda:N\\), mps, cpu or auto$",
+            "^DEVICE=cuda but torch sees no CUDA device; use DEVICE=cpu or DEVICE=auto$",
+            "^DTYPE=fp8 is not supported; use one of bfloat16, float32, float16$",
+        ),
+        (
+            {"naming": PYTHON_API},
+            "^device='cpux' is not a device this suite runs on; use 'cuda' \\(or 'cuda:N'\\), 'mps', 'cpu' or 'auto'$",
+            "^device='cuda' but torch sees no CUDA device; use device='cpu' or device='auto'$",
+            "^dtype='fp8' is not supported; use one of 'bfloat16', 'float32', 'float16'$",
+        ),
+    ):
+        with pytest.raises(PairError, match=unknown):
+            resolve_device("cpux", **naming)
+        with monkeypatch.context() as m:
+            m.setattr("torch.cuda.is_available", lambda: False)
+            with pytest.raises(PairError, match=cuda):
+                resolve_device("cuda", **naming)
+        with pytest.raises(PairError, match=dtype):
+            resolve_dtype("fp8", **naming)

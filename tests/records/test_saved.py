@@ -141,3 +141,44 @@ def test_the_ifeval_command_an_export_suggests_reads_the_run_s_ifeval_data(tmp_p
     read = {"source": str(tmp_path / "artifacts" / "toy" / "corpus" / "ifeval.jsonl")}  # ifeval.py --source
     assert command("demo", read) == "make ifeval PROFILE=demo RUN=r LARGE=L SMALL=S"  # PROFILE=demo's IFEVAL_SOURCE
     assert command("tiny", read) == f"{run} IFEVAL_SOURCE=artifacts/toy/corpus/ifeval.jsonl"  # no default there
+
+
+def test_a_training_run_folder_given_as_an_export_names_its_export_or_the_command_that_writes_it(tmp_path, monkeypatch):
+    """ARTIFACTS/RUN (or its distilled/ or closed_form/ maps) is not an export: the refusal names RUN/export where
+    it exists, and otherwise `make export` with the run it would export (run from the repository root)."""
+    import shlex
+
+    from kvlingo.records.saved import CONFIG_FILE, MANIFEST_FILE, read_export
+
+    monkeypatch.chdir(tmp_path)
+    run = Path("artifacts") / "demo-l2s"
+    for kind in ("closed_form", "distilled"):
+        (run / kind).mkdir(parents=True)
+        (run / kind / MANIFEST_FILE).write_text("{}")
+    (run / "export").mkdir()
+    (run / "export" / CONFIG_FILE).write_text("{}")
+    for given in (run, run / "distilled"):
+        with pytest.raises(TranslatorError, match=f"not a complete exported translator; load {run / 'export'}, the"):
+            read_export(given)
+    (run / "export" / CONFIG_FILE).unlink()
+    then = f"\\(from the repository root\\), then load {run / 'export'}$"
+    for given in (run, run / "distilled", run / "export"):
+        with pytest.raises(
+            TranslatorError, match=f"training run's folder: export it with `make export RUN=demo-l2s` {then}"
+        ):
+            read_export(given)
+    with pytest.raises(
+        TranslatorError, match=f"`make export RUN=demo-l2s EXPORT_ARGS='--translator closed_form'` {then}"
+    ):
+        read_export(run / "closed_form")
+    elsewhere = tmp_path / "runs" / "mine"
+    (elsewhere / "distilled").mkdir(parents=True)
+    (elsewhere / "distilled" / MANIFEST_FILE).write_text("{}")
+    flags = shlex.quote(f"--artifacts {elsewhere.parent}")
+    with pytest.raises(TranslatorError) as err:
+        read_export(elsewhere)
+    assert f"`make export RUN=mine EXPORT_ARGS={flags}`" in str(err.value)
+    with pytest.raises(
+        TranslatorError, match="give the folder `make export RUN=...` wrote \\(ARTIFACTS/RUN/export\\)$"
+    ):
+        read_export(tmp_path / "runs")
