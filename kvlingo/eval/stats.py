@@ -20,6 +20,24 @@ def mean_se(xs: Sequence[float]) -> dict[str, float]:
     return {"mean": m, "se": math.sqrt(var / n), "n": n}
 
 
+def ratio_influence(nums: Sequence[float], dens: Sequence[float]) -> tuple[float, list[float]]:
+    """R = Σnum / Σden over conversations and each conversation's influence on it, (num − R·den) / mean(den): the
+    delta method's linearisation, whose mean is 0 and whose SD / √n is R's standard error (the conversations are
+    the sample; a conversation's tokens are not independent)."""
+    total = sum(dens)
+    if not total:
+        return float("nan"), [0.0] * len(nums)
+    r, mean_den = sum(nums) / total, total / len(dens)
+    return r, [(a - r * d) / mean_den for a, d in zip(nums, dens)]
+
+
+def ratio_mean_se(nums: Sequence[float], dens: Sequence[float]) -> dict[str, float]:
+    """Σnum / Σden (a KL or NLL per token over conversations) with its SE (`ratio_influence`) and n conversations.
+    With equal denominators it is `mean_se` of the per-conversation ratios."""
+    r, influence = ratio_influence(nums, dens)
+    return {"mean": r, "se": mean_se(influence)["se"], "n": len(nums)}
+
+
 def _t_sf(t: float, df: int) -> float:
     """Two-sided p-value of Student's t via the regularised incomplete beta function."""
     if df <= 0 or math.isnan(t):

@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..eval.stats import ratio_influence
+
 MAX_COST_FRACTION = 0.10  # the default's handoff FLOPs, at most this fraction of re-prefill at the real shapes
 # Validation metrics whose rank correlation with task retention is measured, and whether higher is better.
 METRICS = {
@@ -224,16 +226,6 @@ def choose_metric(correlations: dict[str, dict]) -> str:
     best = max(finite, key=lambda k: (finite[k], k == "val_kl"))
     p = correlations[best].get("p", float("nan"))
     return best if finite[best] > 0 and math.isfinite(p) and p <= METRIC_P else "val_kl"
-
-
-def ratio_influence(nums: Sequence[float], dens: Sequence[float]) -> tuple[float, list[float]]:
-    """R = Σnum / Σden over conversations and each conversation's influence on it, (num − R·den) / mean(den): the
-    delta method's linearisation, whose mean is 0 and whose SD / √n is R's standard error."""
-    total = sum(dens)
-    if not total:
-        return float("nan"), [0.0] * len(nums)
-    r, mean_den = sum(nums) / total, total / len(dens)
-    return r, [(a - r * d) / mean_den for a, d in zip(nums, dens)]
 
 
 def metric_per_conversation(arms: Sequence[dict], metric: str) -> tuple[float, list[float]]:

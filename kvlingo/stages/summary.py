@@ -7,8 +7,9 @@ writes RESULTS/RUN/summary.md (the page), summary.png (KL and task accuracy per 
 summary.json (last: what each cell was read from, and the maps sha256 it scored). A cell is "—"
 where no stage scored that arm (IFEval and the tasks score the native paths, the distilled
 maps and, unless run with --no-controls, the control and no-context floors; the closed-form
-maps are scored by the benchmark only). A cell whose report scored other maps than the run's
-translator now holds is marked "(other maps)", named under the table with the command that
+maps are scored by the benchmark only). A task column reads its test-split reports (task-arc-test.json, ...)
+where there are any, else those on all items, never the validation split's. A cell whose report scored other
+maps than the run's translator now holds is marked "(other maps)", named under the table with the command that
 scores the current maps, and left out of the figure and the gate. A run with no report is
 refused, naming the runs that have some. Reports unchanged since the last summary: up to date.
 """
@@ -26,9 +27,9 @@ from ..core.settings import DIRECTIONS
 from ..errors import Refusal
 from ..inputs.flags import add_run_args
 from ..inputs.profiles import PROFILES
-from ..io import read_json, sha256_file
+from ..io import read_json, read_jsonl, sha256_file
 from ..records.paths import MANIFEST_FILE, TRANSLATORS, RunPaths, make_command
-from ..records.report import fmt_pm, fmt_table, read_report
+from ..records.report import fmt_interval, fmt_pm, fmt_table, read_report
 from .skeleton import Stage, say
 
 ARMS = ("native_source", "native_target", "closed_form", "distilled", "control", "no_context")
@@ -48,6 +49,7 @@ TASKS = (
 )
 # The path of an IFEval or task report that stands for an arm; "translated" is the arm of the maps it used.
 NATIVE_PATHS = ("native_source", "native_target", "no_context")
+SPLITS = ("", "-test")  # the item splits a task column may read: all items, or the test half (where claims are made)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,9 @@ class Summary(Stage):
         self.inputs = {
             "reports": {n: sha256_file(paths.res / f"{n}.json") for n in self.page.reports},
             "translators": self.page.now,
+            "benchmark_rows": None  # the SEs' per-conversation sums, when the benchmark's sealed file is there
+            if self.page.conversations is None
+            else sha256_file(paths.res / "benchmark.rows.jsonl"),
         }
         self.key = resume.resume_key(
             resume.identity({"run": paths.run}, self.inputs, None, resume.code_hash(self.script_path()))
@@ -217,11 +222,34 @@ def current_translators(art: Path) -> dict[str, dict]:
 
 
 def run_reports(res: Path) -> dict[str, dict]:
-    """The reports a summary reads, by name (benchmark, ifeval, ifeval-native, task-arc[-native], ...)."""
-    names = ["benchmark", "ifeval", "ifeval-native"] + [
-        f"task-{t}{n}" for t in ("arc", "gsm8k") for n in ("", "-native")
-    ]
+    """The reports a summary reads, by name: benchmark, and each of IFEval, ARC and GSM8K translated and native
+    (ifeval, ifeval-native, task-arc-native, ...) on all items or on the test split (task-arc-test, ...). The
+    validation split's reports are never read: settings are chosen on them (ablate.py), so they make no claim."""
+    names = ["benchmark"] + [f"{stem}{n}{s}" for stem, _, _ in TASKS for n in ("", "-native") for s in SPLITS]
     return {n: read_report(res / f"{n}.json") for n in names if (res / f"{n}.json").is_file()}
+
+
+def task_split(reports: dict[str, dict], stem: str) -> str:
+    """The item split a task column reads, as a report-name suffix: "-test" when a translated or native report of
+    `stem` has one, else "" (all items). One split per column, so that its arms are scored on the same items."""
+    return "-test" if any(f"{stem}{n}-test" in reports for n in ("", "-native")) else ""
+
+
+def bench_rows(res: Path, bench: dict | None) -> list[dict] | None:
+    """benchmark.rows.jsonl (one row per test conversation) when it is the file the benchmark report sealed, or
+    None: the per-conversation sums the token-weighted figures' SEs come from."""
+    path = res / "benchmark.rows.jsonl"
+    if bench is None or not path.is_file() or bench.get("files", {}).get(path.name) != sha256_file(path):
+        return None
+    return read_jsonl(path)
+
+
+def token_weighted(rows: list[dict], arm: str, key: str) -> dict[str, float]:
+    """Σ key / Σ n_tokens of an arm over conversations (KL or NLL per reply token), with its SE over the
+    conversations (`stats.ratio_mean_se`: a conversation's tokens are not independent)."""
+    from ..eval.stats import ratio_mean_se
+
+    return ratio_mean_se([r["arms"][arm][key] for r in rows], [r["arms"][arm]["n_tokens"] for r in rows])
 
 
 def runs_with_reports(results_root: Path) -> list[str]:
@@ -238,7 +266,9 @@ class Page:
         self.reports = run_reports(self.res)
         self.now = current_translators(self.art)
         self.bench = self.reports.get("benchmark")
-        self.stale: dict[str, str] = {}  # report name → which maps it scored
+        self.conversations = bench_rows(self.res, self.bench)  # benchmark.rows.jsonl, or None
+        self.splits = {stem: task_split(self.reports, stem) for stem, _, _ in TASKS}
+        self.stale: dict[str, dict[str, str]] = {}  # report name → {translator: which maps it scored}
 
     def scored(self, name: str, kind: str | None, manifest_sha: str | None, maps_sha: str | None) -> tuple[dict, bool]:
         """(the maps a cell of report `name` scored, whether they differ from the run's `kind` translator now)."""
@@ -255,12 +285,18 @@ class Page:
         stale = kind is not None and manifest_sha != self.now.get(kind, {}).get("manifest_sha256")
         if stale:
             held = self.now.get(kind)
-            self.stale[name] = f"scored {kind} maps with manifest {str(manifest_sha)[:12]}…, the run's {kind} " + (
-                f"translator now has {held['manifest_sha256'][:12]}…" if held else "translator is gone"
+            self.stale.setdefault(name, {})[kind] = (
+                f"scored {kind} maps with manifest {str(manifest_sha)[:12]}…, the run's {kind} "
+                + (f"translator now has {held['manifest_sha256'][:12]}…" if held else "translator is gone")
             )
         return maps, stale
 
-    def bench_cell(self, arm: str, metric: str, fmt) -> Cell:
+    def stale_in(self, name: str, kind: str | None) -> bool:
+        """Whether report `name` scored other `kind` maps than the run now holds (its other translators aside)."""
+        return kind in self.stale.get(name, {})
+
+    def bench_cell(self, arm: str, metric: str) -> Cell:
+        """A quality cell: mean ± SE (n conversations) of `metric` (kl_token_mean, kl_conversation, perplexity)."""
         a = self.bench["results"]["quality"]["arms"].get(arm) if self.bench else None
         if a is None:
             return Cell("—")
@@ -274,12 +310,29 @@ class Page:
             if kind
             else (None, False)
         )
-        value = a[metric]
-        text = fmt(value) + (" (other maps)" if stale else "")
-        return Cell(text, None if stale or not isinstance(value, dict) else value, "benchmark.json", maps, stale)
+        n = a["n_conversations"]
+        if metric == "kl_conversation":
+            stat = a[metric]
+        elif self.conversations is None:  # the report's figure; its SE needs the per-conversation sums
+            stat = {"mean": a[metric], "se": float("nan"), "n": n}
+        elif metric == "perplexity":  # exp of the NLL per token; SE by the delta method
+            nll = token_weighted(self.conversations, arm, "nll_sum")
+            stat = {"mean": a[metric], "se": a[metric] * nll["se"], "n": nll["n"]}
+        else:
+            stat = {**token_weighted(self.conversations, arm, "kl_sum"), "mean": a[metric]}
+        fmt, se_fmt = (".3g", ".2g") if metric == "perplexity" else (".4f", ".4f")
+        no_se = (
+            ""
+            if math.isfinite(stat["se"])
+            else ", no SE" + (": benchmark.rows.jsonl missing or changed" if n > 1 else "")
+        )
+        text = fmt_pm(stat, 1.0, fmt, se_fmt) + f" (n={stat['n']}{no_se})" + (" (other maps)" if stale else "")
+        figure_stat = stat if metric == "kl_conversation" and not stale else None
+        return Cell(text, figure_stat, "benchmark.json", maps, stale)
 
     def task_cell(self, stem: str, metric: str, arm: str) -> Cell:
-        for name in (stem, f"{stem}-native"):
+        split = self.splits[stem]
+        for name in (f"{stem}{split}", f"{stem}-native{split}"):
             rep = self.reports.get(name)
             if rep is None:
                 continue
@@ -303,26 +356,30 @@ class Page:
         return Cell("—")
 
     def speed_cell(self, arm: str) -> Cell:
+        """The handoff's median speedup over re-prefill with its 95% bootstrap interval, and NOISY where the
+        benchmark flagged either path's timings (a ratio is as noisy as its noisier side)."""
         t = (self.bench or {}).get("results", {}).get("timing")
-        if not t or not t.get("contexts"):
+        if not t or not t.get("contexts") or arm != t["translator"]:  # the native target re-prefills: no speedup
             return Cell("—")
-        sp = t["contexts"][0]["speedup"]
-        value = {t["translator"]: sp["source_cache_handoff"]}.get(arm)  # the native target re-prefills: no speedup
-        stale = arm == t["translator"] and "benchmark" in self.stale
-        return (
-            Cell("—")
-            if value is None
-            else Cell(f"{value:.1f}×" + (" (other maps)" if stale else ""), None, "benchmark.json", stale=stale)
-        )
+        context, path = t["contexts"][0], "source_cache_handoff"
+        value, interval = context["speedup"][path], context.get("speedup_interval", {}).get(path)
+        notes = [fmt_interval(interval, ".3g", "no interval")]
+        if interval and interval[0] <= 1 <= interval[1]:
+            notes.append("includes 1×")
+        if any(context["paths"].get(p, {}).get("noisy") for p in ("target_reprefill", path)):
+            notes.append("NOISY")
+        stale = self.stale_in("benchmark", t["translator"])
+        text = f"{value:.3g}× ({'; '.join(notes)})" + (" (other maps)" if stale else "")
+        return Cell(text, None, "benchmark.json", stale=stale)
 
     def rows(self) -> tuple[list[str], dict[str, list[Cell]]]:
         headers = ["arm", "KL/token", "KL/conv ± SE", "reply ppl", *(t[1] for t in TASKS), "speedup vs re-prefill"]
         table = {}
         for arm in ARMS:
             table[arm] = [
-                self.bench_cell(arm, "kl_token_mean", lambda v: f"{v:.4f}"),
-                self.bench_cell(arm, "kl_conversation", lambda v: fmt_pm(v, 1.0, ".4f")),
-                self.bench_cell(arm, "perplexity", lambda v: f"{v:.3g}"),
+                self.bench_cell(arm, "kl_token_mean"),
+                self.bench_cell(arm, "kl_conversation"),
+                self.bench_cell(arm, "perplexity"),
                 *(self.task_cell(stem, metric, arm) for stem, _, metric in TASKS),
                 self.speed_cell(arm),
             ]
@@ -334,9 +391,10 @@ class Page:
 
         if self.bench is None:
             return "not judged: the run has no benchmark report", None
-        if "benchmark" in self.stale:
+        if self.stale_in("benchmark", "distilled"):
             return "not judged: the benchmark scored other maps than the run's distilled translator", None
-        ifeval = self.reports.get("ifeval") if "ifeval" not in self.stale else None
+        name = "ifeval" + self.splits["ifeval"]
+        ifeval = self.reports.get(name) if name not in self.stale else None
         try:
             v = judge(collect(self.bench, "distilled", ifeval))
         except EvidenceError as e:
@@ -464,15 +522,43 @@ def page_markdown(run: str, page: Page, headers: list[str], table: dict[str, lis
             "(left out of the figure and the gate):\n"
         )
         pair, profile = bench and bench["config"].get("pair"), bench and bench["config"].get("profile")
-        for name, why in sorted(page.stale.items()):
-            target = "benchmark" if name == "benchmark" else "ifeval" if name == "ifeval" else "task"
-            extra = f" TASK={name.split('-')[1]} TASK_ARGS=--resume" if target == "task" else ""
-            md.append(f"- {name}.json {why}: `{make_command(target, run, profile, pair)}{extra}`\n")
+        for name, whys in sorted(page.stale.items()):
+            base = name.removesuffix("-test")  # each report's make target: ifeval[-native], task[-native]
+            target = (
+                base
+                if base.startswith(("benchmark", "ifeval"))
+                else "task-native"
+                if base.endswith("-native")
+                else "task"
+            )
+            split = " --split test" if name.endswith("-test") else ""
+            extra = (
+                f" TASK={name.split('-')[1]} TASK_ARGS=" + (f'"--resume{split}"' if split else "--resume")
+                if target.startswith("task")
+                else f' IFEVAL_ARGS="{split.strip()}"'
+                if split
+                else ""
+            )
+            for why in whys.values():
+                md.append(f"- {name}.json {why}: `{make_command(target, run, profile, pair)}{extra}`\n")
     md.append(f"\nEvidence gate on the distilled maps (kvlingo/records/saved.py): {verdict}\n")
     md.append("\nArms:\n" + "".join(f"- {arm}: {text}\n" for arm, text in LEGEND.items()))
+    unsplit = {n.removesuffix("-native") for n in page.reports}
+    read = {  # the split each task column read
+        name.split(" ")[0]: "test split" if page.splits[stem] else "all items" if stem in unsplit else "no report"
+        for stem, name, _ in TASKS
+    }
     md.append(
-        "\nKL/conv, the task accuracies and the figure give mean ± 1 standard error (n in each cell); a "
-        "difference within two SE is a tie. Speedups are medians of the benchmark's timed trials on one "
-        "context" + speed_caveat(bench) + ".\n\n![KL and task accuracy per arm, ±1 SE](summary.png)\n"
+        "\nEvery quality cell gives mean ± 1 standard error (n in the cell: test conversations for the benchmark's "
+        "columns, items for the tasks'); a difference within two SE is a tie. KL/token and reply ppl are "
+        "token-weighted over the reply tokens, their SE taken over conversations (benchmark.rows.jsonl; ppl's by "
+        "the delta method); KL/conv is the mean of per-conversation KLs. Each task column reads one item split "
+        "for all its arms: the test half where a report of it exists (where claims are made), else all items; "
+        "validation reports are never read ("
+        + ", ".join(f"{k}: {v}" for k, v in read.items())
+        + "). Speedups are medians of the benchmark's timed trials on one context, with the 95% bootstrap "
+        "interval of that ratio; an interval that includes 1× shows no speedup, and NOISY marks a context whose "
+        "handoff or re-prefill timings the benchmark flagged" + speed_caveat(bench) + ".\n\n"
+        "![KL and task accuracy per arm, ±1 SE](summary.png)\n"
     )
     return "".join(md)

@@ -65,3 +65,15 @@ def test_ratio_of_medians_interval_matches_a_direct_bootstrap():
     assert all(math.isnan(x) for x in stats.ratio_of_medians_interval([], [1.0]))
     with pytest.raises(ValueError):
         stats.ratio_of_medians_interval([1.0], [1.0], level=1.0)
+
+
+def test_a_ratio_of_sums_has_the_delta_method_se_over_conversations():
+    """Σy / Σx (KL per token over conversations of unequal length): its SE against the delta method written out,
+    √(n/(n−1) · Σ(y − R·x)²) / Σx, and with equal lengths the plain SE of the per-conversation means."""
+    ys, xs = [1.0, 4.0, 2.5, 0.5, 3.0], [10, 30, 20, 5, 25]
+    r = sum(ys) / sum(xs)
+    by_hand = math.sqrt(len(ys) / (len(ys) - 1) * sum((y - r * x) ** 2 for y, x in zip(ys, xs))) / sum(xs)
+    got = stats.ratio_mean_se(ys, xs)
+    assert got["mean"] == pytest.approx(r) and got["se"] == pytest.approx(by_hand) and got["n"] == 5
+    equal = stats.ratio_mean_se(ys, [8] * 5)
+    assert equal["se"] == pytest.approx(stats.mean_se([y / 8 for y in ys])["se"])
