@@ -124,6 +124,10 @@ class Layers(Stage):
         self.pair = load_pair(self.cfg.pair, self.tokenizer)
         vocab = self.pair.target.config.vocab_size
         self.rows = read_split(self.data_dir, self.cfg.split, "natural", vocab, limit=self.cfg.limit)
+        if self.cfg.limit > len(self.rows):
+            print(
+                f"note: --limit {self.cfg.limit} but the data holds {len(self.rows)} conversations; scoring all of them"
+            )
         self.translators = {}
         for run, folder in self.folders.items():
             translator, info = load_translator(folder, self.pair)
@@ -182,9 +186,11 @@ def markdown(cfg: LayersConfig, results: dict) -> str:
     from ..eval.layers import where
     from ..records.report import fmt_pm, fmt_table
 
+    first = next(iter(results.values()))  # every run scores the same conversations
     lines = [
         f"# Where the error lives: {cfg.out}\n",
-        f"{cfg.pair.direction}, {cfg.split} split, first {cfg.limit} conversations; KL(native target ‖ handoff) "
+        f"{cfg.pair.direction}, {cfg.split} split, first {first['n_conversations']} conversations "
+        f"({first['n_tokens']} reply tokens); KL(native target ‖ handoff) "
         "per reply token. alone: the layer translated, every other the target's own; removed: what making the "
         "layer the target's own removes from the full handoff's KL. Share = of the sum of the alone KLs, and "
         "of the full KL.\n",

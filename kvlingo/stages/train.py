@@ -407,7 +407,7 @@ class Train(Stage):
             done = u + 1
             history["loss"].append([done, loss])
             if done % cfg.val_every == 0 or done == cfg.updates:
-                history["val"].append([done, self._validate()])
+                history["val"].append([done, *self._validate()])
                 if self.best is not None and history["val"][-1][1] < self.best["val_kl"]:
                     self.best = {"update": done, "val_kl": history["val"][-1][1], "translator": self._state_copy()}
             bar.set_postfix(loss=f"{loss:.4f}", val_kl=f"{history['val'][-1][1]:.4f}")
@@ -438,7 +438,7 @@ class Train(Stage):
 
         cfg, state = self.cfg, self.state
         if state is None:
-            history = {"loss": [], "val": [[0, self._validate()]], "wall_time_s": 0.0, "segments": []}
+            history = {"loss": [], "val": [[0, *self._validate()]], "wall_time_s": 0.0, "segments": []}
             start, self.resumed_from = 0, None
             self.best = (
                 {"update": 0, "val_kl": history["val"][0][1], "translator": self._state_copy()}
@@ -460,14 +460,17 @@ class Train(Stage):
             history["segments"].append({"from_update": start, **segment})
         return history, start
 
-    def _validate(self) -> float:
+    def _validate(self) -> tuple[float, float]:
+        """(KL, SE): `validation_kl`'s figure and its SE over the validation conversations, as the benchmark's
+        KL/conv ± SE (`mean_se` of each conversation's part). Leaves every RNG as it found it."""
         from tqdm import tqdm
 
-        from ..train.distill import validation_kl
+        from ..eval.stats import mean_se
+        from ..train.distill import validation_kl_parts
 
         bar = lambda rows: tqdm(rows, desc="validation", unit="conv", leave=False, disable=not self.world.main)  # noqa: E731
         pair = self.pair
-        return validation_kl(
+        kl, parts = validation_kl_parts(
             pair.source,
             pair.target,
             self.translator,
@@ -478,6 +481,7 @@ class Train(Stage):
             self.cfg.refresh,
             pair.cache,
         )
+        return kl, mean_se(parts)["se"]
 
     def _state_copy(self) -> dict:
         return {k: v.detach().cpu().clone() for k, v in self.translator.state_dict().items()}
@@ -553,11 +557,15 @@ class Train(Stage):
 
     def _report(self, history: dict, frozen: dict, dist_kl: float | None, dist_sha: str | None) -> dict:
         from ..io import atomic_write_text, sha256_file
-        from ..records.report import Report, fmt_table
+        from ..records.report import Report, fmt_pm, fmt_table
         from ..train.config import TrainResults
 
         cfg, paths, pair = self.cfg, self.paths, self.pair
         cf_dir, dist_dir, wall = paths.translator("closed_form"), paths.translator("distilled"), time.time() - self.t0
+        total = history["wall_time_s"] + time.time() - self.segment_t0  # every stretch's, this one's included
+        val_se = {v[0]: v[2] for v in history["val"]}  # update → SE over the validation conversations
+        dist_update = None if dist_kl is None else (self.best or {"update": history["val"][-1][0]})["update"]
+        n_val, val_tokens = len(self.val_rows), sum(len(r["reply_ids"]) for r in self.val_rows)
         plot = paths.beside("train", ".png")
         plot_curves(
             plot,
@@ -569,12 +577,12 @@ class Train(Stage):
             closed_form_val_kl=history["val"][0][1],
             distilled_val_kl=dist_kl,
             loss_curve=[{"update": u, "loss": x} for u, x in history["loss"]],
-            val_kl_curve=[{"update": u, "val_kl": x} for u, x in history["val"]],
+            val_kl_curve=[{"update": u, "val_kl": x, "se": se} for u, x, se in history["val"]],
             fit=self.fit_stats,
             frozen_weights=frozen,
             resumed_from_update=self.resumed_from,
             segments=history["segments"],
-            wall_time_s_total=history["wall_time_s"] + time.time() - self.segment_t0,
+            wall_time_s_total=total,
             best=None if self.best is None else {"update": self.best["update"], "val_kl": self.best["val_kl"]},
             translator={
                 "family": cfg.family,
@@ -606,7 +614,8 @@ class Train(Stage):
             n_samples={
                 "fit_conversations": len(self.fit_rows) if not self.args.init_from else None,
                 "train_conversations": len(self.train_rows),
-                "validation_conversations": len(self.val_rows),
+                "validation_conversations": n_val,
+                "validation_reply_tokens": val_tokens,
                 "updates": 0 if self.args.closed_form_only else cfg.updates,
                 "batch": cfg.batch,
             },
@@ -619,10 +628,14 @@ class Train(Stage):
             files={"train.png": sha256_file(plot)},
         ).write(paths.report("train"))
         table = fmt_table(
-            ["translator", "validation KL (nats/token)", "artifact"],
+            ["translator", "validation KL ± SE (nats/token)", "artifact"],
             [
-                ["closed form", history["val"][0][1], str(cf_dir)],
-                ["distilled", dist_kl, str(dist_dir) if dist_sha else "—"],
+                ["closed form", fmt_pm({"mean": history["val"][0][1], "se": val_se[0]}), str(cf_dir)],
+                [
+                    "distilled",
+                    fmt_pm({"mean": dist_kl, "se": val_se[dist_update]}) if dist_update is not None else None,
+                    str(dist_dir) if dist_sha else "—",
+                ],
             ],
         )
         atomic_write_text(
@@ -632,8 +645,10 @@ class Train(Stage):
                 f"({self.pair_cfg.direction}), family {cfg.family}, key space {cfg.key_space}, refresh {cfg.refresh}, "
                 f"fit weighting {cfg.fit_weighting}, value fit {cfg.value_fit}, {self.pair_cfg.dtype} on "
                 f"{self.pair_cfg.device}; {cfg.updates} "
-                f"updates × batch {cfg.batch}, lr {cfg.lr:g}, seed {cfg.seed}.\n\n{table}\nFrozen model weights "
-                f"verified unchanged. Wall time {wall:.1f} s.\n\n![curves](train.png)\n"
+                f"updates × batch {cfg.batch}, lr {cfg.lr:g}, seed {cfg.seed}.\n\n{table}\nValidation: the mean over "
+                f"n = {n_val} conversations ({val_tokens} reply tokens) of each one's mean reply-token KL, ± its "
+                f"SE over the conversations.\n\nFrozen model weights verified unchanged. Wall time {total:.1f} s "
+                f"distilling in all (every resumed stretch), {wall:.1f} s this invocation.\n\n![curves](train.png)\n"
             ),
         )
         print(table, end="")
@@ -812,7 +827,7 @@ def plot_curves(path: Path, loss: list, val: list, title: str) -> None:
     fig, ax = figure((7, 4))
     if loss:
         ax.plot([u for u, _ in loss], [x for _, x in loss], label="train loss (batch KL)", lw=1)
-    ax.plot([u for u, _ in val], [x for _, x in val], "o-", label="validation KL")
+    ax.plot([v[0] for v in val], [v[1] for v in val], "o-", label="validation KL")  # [update, KL, SE]
     ax.set_xlabel("update")
     ax.set_ylabel("KL(native ‖ translated), nats per reply token")
     ax.set_title(title)

@@ -89,7 +89,7 @@ class TrainResults:
     closed_form_val_kl: float  # validation KL of the closed-form translator (before any update)
     distilled_val_kl: float | None  # validation KL after the last update (None with --closed-form-only)
     loss_curve: list  # [{"update", "loss"}]: batch KL per update
-    val_kl_curve: list  # [{"update", "val_kl"}]
+    val_kl_curve: list  # [{"update", "val_kl", "se"}]: se over the validation conversations
     fit: dict | None  # closed-form fit statistics
     frozen_weights: dict  # fingerprints before/after of both frozen models
     resumed_from_update: int | None

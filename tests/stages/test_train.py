@@ -133,6 +133,59 @@ def test_distillation_lowers_validation_kl_and_writes_outputs(trained, pair32):
     )
 
 
+def test_the_validation_kl_comes_with_its_n_and_its_se_over_conversations(trained, train_data, pair32):
+    """Once, train.md gave the validation KL with neither SE nor n, and train.json held no SE. Now each point of the
+    curve holds its SE over the validation conversations, n_samples their reply tokens, and the page both. The
+    reference: validation_kl on the saved closed-form maps, and mean_se of its figure on each conversation alone."""
+    from kvlingo.core.settings import Refresh
+    from kvlingo.eval.stats import mean_se
+    from kvlingo.records.report import fmt_pm
+    from kvlingo.train.distill import validation_kl
+
+    root, _, report = trained
+    res, n, val = report["results"], report["n_samples"], train_data[2]
+    translator, _ = load_translator(root / "artifacts" / "base" / "closed_form", pair32, key_space="prenorm")
+
+    def kl(rows):
+        return validation_kl(
+            pair32.source, pair32.target, translator, rows, torch.float32, refresh=Refresh(), kind=pair32.cache
+        )
+
+    ref, first = mean_se([kl([r]) for r in val]), res["val_kl_curve"][0]
+    assert first["val_kl"] == res["closed_form_val_kl"] and abs(first["val_kl"] - kl(val)) <= 1e-6 * ref["mean"]
+    assert abs(first["se"] - ref["se"]) <= 1e-6 * ref["se"] and all(p["se"] > 0 for p in res["val_kl_curve"])
+    tokens = sum(len(r["reply_ids"]) for r in val)
+    assert n["validation_conversations"] == len(val) == 6 and n["validation_reply_tokens"] == tokens
+    dist = (res["best"] or res["val_kl_curve"][-1])["update"]  # the saved translator's validation
+    dist = next(p for p in res["val_kl_curve"] if p["update"] == dist)
+    assert dist["val_kl"] == res["distilled_val_kl"]
+    page = (root / "results" / "base" / "train.md").read_text()
+    assert f"n = {len(val)} conversations ({tokens} reply tokens)" in page
+    for p in (first, dist):
+        assert fmt_pm({"mean": p["val_kl"], "se": p["se"]}) in page
+
+
+def test_a_resumed_training_page_gives_the_total_wall_time(tiny_pair_paths, train_data, tmp_path):
+    """Once, after an interrupted training resumed, train.md said "Wall time 23.1 s", the resumed stretch alone,
+    while train.json's wall_time_s_total said 50.5 s. Now the page gives the total, and this invocation's."""
+    from kvlingo.train import checkpoints as ckpt
+
+    args = cli(tiny_pair_paths, train_data[0], tmp_path, "r", *HEADWISE, "--updates", "4", "--checkpoint-every", "2")
+    main(args)
+    ckpts = tmp_path / "artifacts" / "r" / "checkpoints"
+    for name in ("ckpt_000004.pt", "DONE_000004"):  # killed after update 2's checkpoint, before the report
+        (ckpts / name).unlink()
+    (tmp_path / "results" / "r" / "train.json").unlink()
+    state = ckpt.load_checkpoint(*ckpt.checkpoint_paths(ckpts, 2))
+    state["history"]["wall_time_s"] += 1000.0  # the stretch before the kill ran long
+    ckpt.save_checkpoint(ckpts, 2, {k: v for k, v in state.items() if k not in ("format", "update")})
+    rep = main([*args, "--resume"])
+    total, wall = rep["results"]["wall_time_s_total"], rep["wall_time_s"]
+    assert rep["results"]["resumed_from_update"] == 2 and total > 1000 > wall
+    page = (tmp_path / "results" / "r" / "train.md").read_text()
+    assert f"Wall time {total:.1f} s distilling in all (every resumed stretch), {wall:.1f} s this invocation." in page
+
+
 def test_init_from_reuses_the_closed_form(tiny_pair_paths, train_data, trained, tmp_path):
     root, _, base = trained
     src = root / "artifacts" / "base" / "closed_form"
