@@ -57,7 +57,7 @@ def test_make_perf_passes_a_named_pair():
 def test_a_mistyped_choice_or_count_is_one_line_before_any_target_runs(args, message):
     """Before these checks: PAIR=dep or mismatched ran the 4-layer pair under that pair's run name, TASK=arcc was
     make's "No rule to make target", NPROC=0 torchrun's traceback. `make -n` shows that nothing would run."""
-    out = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and out.stdout == ""
     assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
 
@@ -80,5 +80,5 @@ def test_the_checked_variables_pass_where_they_are_right():
         (["task", "TASK=gsm8k", "HANDOFF=trace"], "--task gsm8k --handoff trace"),
         (["ablate", "PROFILE=demo", "PAIR=deep"], "--run demo-deep-$d-ablate"),
     ]:
-        out = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True)
+        out = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 0 and expect in out.stdout, (args, out.stderr)
