@@ -466,11 +466,11 @@ class Train(Stage):
         from tqdm import tqdm
 
         from ..eval.stats import mean_se
-        from ..train.distill import validation_kl_parts
+        from ..train.distill import validation_kl
 
         bar = lambda rows: tqdm(rows, desc="validation", unit="conv", leave=False, disable=not self.world.main)  # noqa: E731
         pair = self.pair
-        kl, parts = validation_kl_parts(
+        kl, parts = validation_kl(
             pair.source,
             pair.target,
             self.translator,

@@ -134,30 +134,17 @@ def validation_kl(
     world: World = SINGLE,
     refresh=None,
     kind: str = "preallocated",
-) -> float:
-    """Mean over conversations of the per-conversation mean reply-token KL. Leaves every RNG as it found it."""
-    return validation_kl_parts(source, target, translator, rows, dtype, progress, world, refresh, kind)[0]
-
-
-def validation_kl_parts(
-    source,
-    target,
-    translator: Translator,
-    rows: list[dict],
-    dtype: torch.dtype,
-    progress: Callable | None = None,
-    world: World = SINGLE,
-    refresh=None,
-    kind: str = "preallocated",
 ) -> tuple[float, list[float]]:
-    """`validation_kl` and each conversation's part of it (its mean reply-token KL, in row order, gathered over
-    the ranks): the parts give the figure's SE over conversations. Leaves every RNG as it found it."""
+    """(the mean over conversations of each one's mean reply-token KL, each conversation's part of it in row order
+    gathered over the ranks): the parts give the figure's SE over conversations. Leaves every RNG as it found it."""
     mine = world.share(range(len(rows)))  # this rank's rows, by index
     parts = torch.zeros(len(rows), dtype=torch.float64)  # [conversations]: this rank's, zeros elsewhere
     with preserved_rng(), torch.no_grad():
         for i in progress(mine) if progress else mine:
             parts[i] = distill_loss(source, target, translator, rows[i], dtype, refresh=refresh, kind=kind).item()
-    mean = world.sum_float(sum(parts[i].item() for i in mine)) / len(rows)  # the rank sums as before: same bits
+    mean = world.sum_float(sum(parts[i].item() for i in mine)) / len(
+        rows
+    )  # each rank's sum in row order, then over ranks
     return mean, world.sum_(parts).tolist()
 
 

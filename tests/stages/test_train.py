@@ -149,7 +149,7 @@ def test_the_validation_kl_comes_with_its_n_and_its_se_over_conversations(traine
     def kl(rows):
         return validation_kl(
             pair32.source, pair32.target, translator, rows, torch.float32, refresh=Refresh(), kind=pair32.cache
-        )
+        )[0]
 
     ref, first = mean_se([kl([r]) for r in val]), res["val_kl_curve"][0]
     assert first["val_kl"] == res["closed_form_val_kl"] and abs(first["val_kl"] - kl(val)) <= 1e-6 * ref["mean"]

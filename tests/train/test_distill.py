@@ -63,13 +63,13 @@ def test_distillation_lowers_validation_kl_for_every_family(pair, rows, name, se
         assert torch.equal(ours[0], base[0]) and torch.equal(ours[1], base[1])
     if name == "crosslayer":
         assert torch.equal(tr.plan, torch.tensor(stats["layer_ranking"]["plan"]))
-    before = validation_kl(pair.source, pair.target, tr, val, torch.float32)
+    before = validation_kl(pair.source, pair.target, tr, val, torch.float32)[0]
     opt = make_optimizer(tr, 1e-3, 0.0)
     for u in range(8):
         distill_step(
             pair.source, pair.target, tr, [train[(2 * u + j) % len(train)] for j in range(4)], opt, torch.float32, 1.0
         )
-    after = validation_kl(pair.source, pair.target, tr, val, torch.float32)
+    after = validation_kl(pair.source, pair.target, tr, val, torch.float32)[0]
     assert after < before, (name, before, after)
 
 
