@@ -70,6 +70,8 @@ ABLATE_ARGS  ?=
 FRONTIER_ARGS ?=
 # Refresh setting of the handoff stages (benchmark, switch, ifeval, task): none, tail:W, layers:K, select:R
 REFRESH      ?=
+# Which of a run's two trained translators switch, ifeval, task and export use
+TRANSLATOR   ?= distilled
 # make ablate runs both directions at once, one CPU thread each (the toy models are too small to use two)
 ABLATE_DIRECTIONS ?= l2s s2l
 ABLATE_THREADS    ?= 1
@@ -105,6 +107,9 @@ endif
 ifeq ($(filter $(HANDOFF),prompt trace),)
 $(error HANDOFF=$(HANDOFF) is not a handoff: one of prompt, trace)
 endif
+ifeq ($(filter $(TRANSLATOR),distilled closed_form),)
+$(error TRANSLATOR=$(TRANSLATOR) is not a translator of a run: one of distilled (the default), closed_form)
+endif
 ifeq ($(shell echo '$(NPROC)' | grep -xE '[1-9][0-9]*'),)
 $(error NPROC=$(NPROC) is not a count of ranks: a whole number, 1 or more (make train NPROC=8: torchrun, 8 ranks))
 endif
@@ -124,6 +129,7 @@ UV    := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
 PAIR_FLAGS = --profile $(PROFILE) --large $(LARGE) --small $(SMALL) --direction $(DIRECTION) --device $(DEVICE) \
 	--dtype $(DTYPE) $(if $(RUN),--run $(RUN))
 REFRESH_FLAG = $(if $(REFRESH),--refresh $(REFRESH))
+TRANSLATOR_FLAG = $(if $(filter-out distilled,$(TRANSLATOR)),--translator $(TRANSLATOR))
 PUNKT := $(VENV)/nltk_data/tokenizers/punkt_tab/english/ortho_context.tab
 # One process, or torchrun with NPROC ranks (kvlingo/train/distributed.py). torchrun's parser would take a stage
 # flag that abbreviates one of its own options (--run: --run-path) for its own: the stage's flags follow `--`.
@@ -236,7 +242,7 @@ benchmark: $(VENV)/.synced ## KL/perplexity rows, native controls, four timing p
 	$(PY) benchmark.py $(PAIR_FLAGS) $(REFRESH_FLAG) $(BENCH_ARGS)
 
 switch: $(VENV)/.synced ## switch cost against re-reading on long chats → results/RUN/switch.json (SWITCH_ARGS="--lengths 4000 8000")
-	$(PY) switch_cost.py $(PAIR_FLAGS) $(REFRESH_FLAG) $(SWITCH_ARGS)
+	$(PY) switch_cost.py $(PAIR_FLAGS) $(REFRESH_FLAG) $(TRANSLATOR_FLAG) $(SWITCH_ARGS)
 
 $(EVAL_ROOT)/ifeval/manifest.json: | $(VENV)/.synced
 	$(PY) ifeval.py --prepare --data-root $(EVAL_ROOT) $(if $(IFEVAL_SOURCE),--source $(IFEVAL_SOURCE))
@@ -245,14 +251,14 @@ ifeval-native: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval, native sour
 	$(PY) ifeval.py --native --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(IFEVAL_ARGS)
 
 ifeval: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval after the handoff (distilled maps) → results/RUN/ifeval.json
-	$(PY) ifeval.py --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(REFRESH_FLAG) $(IFEVAL_ARGS)
+	$(PY) ifeval.py --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(REFRESH_FLAG) $(TRANSLATOR_FLAG) $(IFEVAL_ARGS)
 
 $(EVAL_ROOT)/arc/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json: | $(VENV)/.synced
 	$(PY) task_eval.py --task $(notdir $(@D)) --prepare --data-root $(EVAL_ROOT) \
 	  $(if $(TASK_SOURCE_DIR),--source $(TASK_SOURCE_DIR)/$(notdir $(@D)).jsonl,$(if $(TASK_SOURCE),--source $(TASK_SOURCE)))
 
 task: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy after the handoff (TASK=arc|gsm8k HANDOFF=prompt|trace)
-	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(REFRESH_FLAG) $(TASK_ARGS)
+	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(REFRESH_FLAG) $(TRANSLATOR_FLAG) $(TASK_ARGS)
 
 task-native: $(EVAL_ROOT)/$(TASK)/manifest.json ## ARC/GSM8K accuracy of the native source and target
 	$(PY) task_eval.py --task $(TASK) --handoff $(HANDOFF) --native --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(TASK_ARGS)
@@ -276,7 +282,7 @@ recipe: $(PUNKT) ## native rows, one closed-form fit, LR search on validation KL
 	  $(if $(IFEVAL_SOURCE),--ifeval-source $(IFEVAL_SOURCE)) $(RECIPE_ARGS)
 
 export: $(VENV)/.synced ## the run's translator, its evidence and a model card → artifacts/RUN/export (kvlingo.Relay loads it; EXPORT_ARGS="--out DIR")
-	$(PY) export.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN)) $(EXPORT_ARGS)
+	$(PY) export.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN)) $(TRANSLATOR_FLAG) $(EXPORT_ARGS)
 
 summary: $(VENV)/.synced ## one table and one figure of the run's reports → results/RUN/summary.{md,png,json}
 	$(PY) summary.py --profile $(PROFILE) --direction $(DIRECTION) $(if $(RUN),--run $(RUN))

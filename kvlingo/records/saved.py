@@ -558,7 +558,7 @@ def ifeval_command(paths: RunPaths, manifest: dict[str, Any], kind: str, ifeval:
     profile, pair = run_settings(paths, manifest)
     words = [make_command("ifeval", paths.run, profile, pair)]
     if kind != "distilled":
-        words.append(f"IFEVAL_ARGS={shlex.quote(f'--translator {kind}')}")
+        words.append(f"TRANSLATOR={kind}")
     refresh = str(Refresh.parse(bench["config"].get("refresh") or "none"))
     if refresh != str(trained_refresh(paths.translator(kind))):
         words.append(f"REFRESH={refresh}")
@@ -680,14 +680,13 @@ def export_fix(folder: Path) -> str:
         return f"load {run / 'export'}, the export of its run"
     if not (translator or any((run / k / MANIFEST_FILE).is_file() for k in TRANSLATORS)):
         return "give the folder `make export RUN=...` wrote (ARTIFACTS/RUN/export)"
-    flags = [] if translator in (None, "distilled") else [f"--translator {translator}"]
     artifacts = Path("artifacts").resolve()  # make runs export.py from the repository root with --artifacts artifacts
-    if run.resolve().is_relative_to(artifacts):
-        name = run.resolve().relative_to(artifacts).as_posix()
-    else:
-        name = run.name
-        flags.append(f"--artifacts {shlex.quote(str(run.parent))}")
-    command = make_command("export", name, None) + (f" EXPORT_ARGS={shlex.quote(' '.join(flags))}" if flags else "")
+    inside = run.resolve().is_relative_to(artifacts)
+    command = make_command("export", run.resolve().relative_to(artifacts).as_posix() if inside else run.name, None)
+    if translator not in (None, "distilled"):
+        command += f" TRANSLATOR={translator}"
+    if not inside:
+        command += f" EXPORT_ARGS={shlex.quote(f'--artifacts {shlex.quote(str(run.parent))}')}"
     return (
         f"it is a training run's folder: export it with `{command}` (from the repository root), then load "
         f"{run / 'export'}"

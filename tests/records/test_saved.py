@@ -134,7 +134,7 @@ def test_the_ifeval_command_an_export_suggests_reads_the_run_s_ifeval_data(tmp_p
     (tmp_path / "evals" / "ifeval" / "manifest.json").write_text("{}")
     assert command("tiny", prepared) == f"{run} EVAL_ROOT=evals"
     assert command("tiny", prepared, "closed_form", "tail:2") == (
-        f"{run} IFEVAL_ARGS='--translator closed_form' REFRESH=tail:2 EVAL_ROOT=evals"
+        f"{run} TRANSLATOR=closed_form REFRESH=tail:2 EVAL_ROOT=evals"
     )
     toy = {"prepared": str(tmp_path / "data" / "toy-eval" / "ifeval" / "ifeval.jsonl"), "origin": {}}
     assert command("demo", toy) == "make ifeval PROFILE=demo RUN=r LARGE=L SMALL=S"  # the Makefile's own data
@@ -167,9 +167,7 @@ def test_a_training_run_folder_given_as_an_export_names_its_export_or_the_comman
             TranslatorError, match=f"training run's folder: export it with `make export RUN=demo-l2s` {then}"
         ):
             read_export(given)
-    with pytest.raises(
-        TranslatorError, match=f"`make export RUN=demo-l2s EXPORT_ARGS='--translator closed_form'` {then}"
-    ):
+    with pytest.raises(TranslatorError, match=f"`make export RUN=demo-l2s TRANSLATOR=closed_form` {then}"):
         read_export(run / "closed_form")
     elsewhere = tmp_path / "runs" / "mine"
     (elsewhere / "distilled").mkdir(parents=True)

@@ -52,6 +52,7 @@ def test_make_perf_passes_a_named_pair():
         (["task", "HANDOFF=promt"], "HANDOFF=promt is not a handoff: one of prompt, trace"),
         (["train", "NPROC=0"], "NPROC=0 is not a count of ranks"),
         (["train", "NPROC=two"], "NPROC=two is not a count of ranks"),
+        (["ifeval", "TRANSLATOR=closed"], "TRANSLATOR=closed is not a translator of a run: one of distilled"),
     ],
 )
 def test_a_mistyped_choice_or_count_is_one_line_before_any_target_runs(args, message):
@@ -82,3 +83,17 @@ def test_the_checked_variables_pass_where_they_are_right():
     ]:
         out = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 0 and expect in out.stdout, (args, out.stderr)
+
+
+def test_translator_reaches_the_stages_that_take_one():
+    """TRANSLATOR=closed_form is `--translator closed_form` for switch, ifeval, task and export (the commands the
+    export's refusals print); the default, distilled, adds no flag, so the stages' own default stands."""
+    for target in ("switch", "ifeval", "task", "export"):
+        dry = ["make", "-n", "--no-print-directory", target, "PROFILE=demo"]
+        chosen = subprocess.run([*dry, "TRANSLATOR=closed_form"], cwd=ROOT, capture_output=True, text=True)
+        plain = subprocess.run(dry, cwd=ROOT, capture_output=True, text=True)
+        assert chosen.returncode == 0 and plain.returncode == 0, (target, chosen.stderr, plain.stderr)
+        stage = {"switch": "switch_cost.py", "task": "task_eval.py"}.get(target, f"{target}.py")
+        line = next(x for x in chosen.stdout.splitlines() if stage in x and "--direction" in x)  # not a prepare
+        assert line.endswith("--translator closed_form") or "--translator closed_form " in line, line
+        assert "--translator" not in plain.stdout, plain.stdout

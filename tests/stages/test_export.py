@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ import benchmark
 import export
 from kvlingo.io import read_json
 from kvlingo.records.saved import load_state, save_translator
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread per module
 
@@ -69,21 +72,21 @@ def test_export_refuses_a_benchmark_of_other_maps(toy_run, tmp_path, capsys):
 
 
 def makefile_ifeval(command: str) -> None:
-    """`make ifeval VAR=…` as the Makefile's ifeval target runs it for PROFILE=tiny, here (the working folder is the
-    repository root): EVAL_ROOT/ifeval prepared first when it is not there (from IFEVAL_SOURCE), then
-    `ifeval.py --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(REFRESH_FLAG) $(IFEVAL_ARGS)`."""
+    """`make ifeval VAR=…` run here (the working folder is the repository root of the test's run): the Makefile's own
+    ifeval.py lines, read from `make -n` at the project's root, each run in this folder (the prepare of EVAL_ROOT,
+    then the scoring); the environment's set-up lines (uv, punkt) are the test session's own."""
     import ifeval
 
     words = shlex.split(command)
     assert words[:2] == ["make", "ifeval"], command
-    v = {"EVAL_ROOT": "data", "DIRECTION": "l2s", "DEVICE": "auto", "DTYPE": "bfloat16", "IFEVAL_ARGS": ""}
-    v.update(w.split("=", 1) for w in words[2:])
-    if not Path(v["EVAL_ROOT"], "ifeval", "manifest.json").is_file():
-        source = ["--source", v["IFEVAL_SOURCE"]] if v.get("IFEVAL_SOURCE") else []
-        ifeval.main(["--prepare", "--data-root", v["EVAL_ROOT"], *source])
-    pair = [f"--{k.lower()}={v[k]}" for k in ("PROFILE", "LARGE", "SMALL", "DIRECTION", "DEVICE", "DTYPE", "RUN")]
-    refresh = [f"--refresh={v['REFRESH']}"] if v.get("REFRESH") else []
-    ifeval.main(["--data-root", v["EVAL_ROOT"], *pair, *refresh, *shlex.split(v["IFEVAL_ARGS"])])
+    dry = subprocess.run(
+        ["make", "-n", "--no-print-directory", "-C", str(ROOT), *words[1:]], capture_output=True, text=True
+    )
+    assert dry.returncode == 0, dry.stderr
+    lines = [shlex.split(x)[2:] for x in dry.stdout.splitlines() if " ifeval.py " in x and "--install-punkt" not in x]
+    assert lines and "--prepare" not in lines[-1], dry.stdout
+    for args in lines:
+        ifeval.main(args)
 
 
 def test_an_ifeval_of_other_maps_is_refused_with_a_make_command_that_scores_these(
@@ -112,7 +115,7 @@ def test_an_ifeval_of_other_maps_is_refused_with_a_make_command_that_scores_thes
     command = re.search(r"re-run `(make ifeval [^`]*)`", err)
     assert command and "answered with other maps" in err, err
     command = command[1]
-    assert "IFEVAL_ARGS='--translator closed_form'" in command and f"REFRESH={REFRESH}" in command, command
+    assert "TRANSLATOR=closed_form" in command and f"REFRESH={REFRESH}" in command, command
     assert f"IFEVAL_SOURCE={pair / 'corpus' / 'ifeval.jsonl'}" in command, command  # the run's local prompts
     nltk_home = tmp_path / "nltk_data"
     grader.install_punkt(nltk_home)
