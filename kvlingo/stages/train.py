@@ -584,6 +584,8 @@ class Train(Stage):
             segments=history["segments"],
             wall_time_s_total=total,
             best=None if self.best is None else {"update": self.best["update"], "val_kl": self.best["val_kl"]},
+            closed_form_val_kl_se=val_se[0],
+            distilled_val_kl_se=None if dist_update is None else val_se[dist_update],
             translator={
                 "family": cfg.family,
                 "n_params": self.translator.n_params(),
@@ -630,10 +632,14 @@ class Train(Stage):
         table = fmt_table(
             ["translator", "validation KL ± SE (nats/token)", "artifact"],
             [
-                ["closed form", fmt_pm({"mean": history["val"][0][1], "se": val_se[0]}), str(cf_dir)],
+                [
+                    "closed form",
+                    fmt_pm({"mean": results.closed_form_val_kl, "se": results.closed_form_val_kl_se}),
+                    str(cf_dir),
+                ],
                 [
                     "distilled",
-                    fmt_pm({"mean": dist_kl, "se": val_se[dist_update]}) if dist_update is not None else None,
+                    fmt_pm({"mean": dist_kl, "se": results.distilled_val_kl_se}) if dist_update is not None else None,
                     str(dist_dir) if dist_sha else "—",
                 ],
             ],

@@ -98,6 +98,9 @@ class TrainResults:
     translator: dict  # family, parameter count, FLOPs per token
     artifacts: dict  # translator folders, their maps sha256, checkpoints, plot
     best: dict | None = None  # with keep_best: the update whose translator was saved, and its validation KL
+    # each validation KL's SE over the validation conversations (n_samples.validation), as in val_kl_curve
+    closed_form_val_kl_se: float | None = None
+    distilled_val_kl_se: float | None = None
 
     METRICS = (
         Metric(

@@ -158,7 +158,8 @@ def test_the_validation_kl_comes_with_its_n_and_its_se_over_conversations(traine
     assert n["validation_conversations"] == len(val) == 6 and n["validation_reply_tokens"] == tokens
     dist = (res["best"] or res["val_kl_curve"][-1])["update"]  # the saved translator's validation
     dist = next(p for p in res["val_kl_curve"] if p["update"] == dist)
-    assert dist["val_kl"] == res["distilled_val_kl"]
+    assert dist["val_kl"] == res["distilled_val_kl"] and dist["se"] == res["distilled_val_kl_se"]
+    assert first["se"] == res["closed_form_val_kl_se"]  # each headline KL carries its SE beside it
     page = (root / "results" / "base" / "train.md").read_text()
     assert f"n = {len(val)} conversations ({tokens} reply tokens)" in page
     for p in (first, dist):
