@@ -117,7 +117,10 @@ def pin_revision(spec: ModelSpec) -> ModelSpec:
 def pair_specs(direction: str, large: ModelSpec, small: ModelSpec) -> tuple[ModelSpec, ModelSpec]:
     """(source, target) for a direction."""
     if direction not in DIRECTIONS:
-        raise PairError(f"direction {direction!r} is not one of {DIRECTIONS}; use DIRECTION=l2s or DIRECTION=s2l")
+        raise PairError(
+            f"direction {direction!r} is not one of {DIRECTIONS}: l2s (the large model builds the cache, the small "
+            "one continues) or s2l (the reverse)"
+        )
     return (large, small) if direction == "l2s" else (small, large)
 
 

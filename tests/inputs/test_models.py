@@ -14,6 +14,7 @@ from kvlingo.inputs.models import (
     check_pair,
     load_pair,
     load_tokenizer,
+    pair_specs,
     resolve_device,
     resolve_dtype,
     resolve_pair,
@@ -270,3 +271,13 @@ def test_a_bad_device_or_dtype_is_named_as_the_caller_s_user_gives_it(monkeypatc
                 resolve_device("cuda", **naming)
         with pytest.raises(PairError, match=dtype):
             resolve_dtype("fp8", **naming)
+
+
+def test_a_direction_that_is_neither_is_named_without_a_make_variable():
+    """The check is reached from an export's recorded pair (kvlingo.Relay, the connector) as well as from scripts,
+    so its message names the two directions, not `DIRECTION=`, which neither caller takes."""
+    large, small = ModelSpec("L", None), ModelSpec("S", None)
+    assert pair_specs("l2s", large, small) == (large, small) and pair_specs("s2l", large, small) == (small, large)
+    with pytest.raises(PairError, match=r"direction 'l2r' is not one of \('l2s', 's2l'\): l2s \(the large") as err:
+        pair_specs("l2r", large, small)
+    assert "DIRECTION=" not in str(err.value)
