@@ -250,7 +250,7 @@ $(EVAL_ROOT)/ifeval/manifest.json: | $(VENV)/.synced
 ifeval-native: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval, native source and target, official grader → results/RUN/ifeval-native.json
 	$(PY) ifeval.py --native --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(IFEVAL_ARGS)
 
-ifeval: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval after the handoff (distilled maps) → results/RUN/ifeval.json
+ifeval: $(PUNKT) $(EVAL_ROOT)/ifeval/manifest.json ## IFEval after the handoff (the distilled maps; TRANSLATOR=closed_form: the fit's) → results/RUN/ifeval.json
 	$(PY) ifeval.py --data-root $(EVAL_ROOT) $(PAIR_FLAGS) $(REFRESH_FLAG) $(TRANSLATOR_FLAG) $(IFEVAL_ARGS)
 
 $(EVAL_ROOT)/arc/manifest.json $(EVAL_ROOT)/gsm8k/manifest.json: | $(VENV)/.synced
