@@ -500,6 +500,18 @@ def speed_caveat(bench: dict | None) -> str:
     return text
 
 
+def rescore_command(name: str, run: str, profile: str | None, pair: dict | None) -> str:
+    """The make command that writes report `name` (benchmark, ifeval[-native][-test], task-T[-native][-test]) again
+    for the run's current maps: its own target, the task named, and the test split where the report read it."""
+    base, test = name.removesuffix("-test"), name.endswith("-test")
+    if base.startswith("task-"):
+        target = "task-native" if base.endswith("-native") else "task"
+        extra = f" TASK={base.split('-')[1]} TASK_ARGS=" + ('"--resume --split test"' if test else "--resume")
+    else:  # benchmark, ifeval, ifeval-native
+        target, extra = base, ' IFEVAL_ARGS="--split test"' if test else ""
+    return make_command(target, run, profile, pair) + extra
+
+
 def page_markdown(run: str, page: Page, headers: list[str], table: dict[str, list[Cell]], verdict: str) -> str:
     bench = page.bench
     n = (
@@ -523,24 +535,8 @@ def page_markdown(run: str, page: Page, headers: list[str], table: dict[str, lis
         )
         pair, profile = bench and bench["config"].get("pair"), bench and bench["config"].get("profile")
         for name, whys in sorted(page.stale.items()):
-            base = name.removesuffix("-test")  # each report's make target: ifeval[-native], task[-native]
-            target = (
-                base
-                if base.startswith(("benchmark", "ifeval"))
-                else "task-native"
-                if base.endswith("-native")
-                else "task"
-            )
-            split = " --split test" if name.endswith("-test") else ""
-            extra = (
-                f" TASK={name.split('-')[1]} TASK_ARGS=" + (f'"--resume{split}"' if split else "--resume")
-                if target.startswith("task")
-                else f' IFEVAL_ARGS="{split.strip()}"'
-                if split
-                else ""
-            )
-            for why in whys.values():
-                md.append(f"- {name}.json {why}: `{make_command(target, run, profile, pair)}{extra}`\n")
+            command = rescore_command(name, run, profile, pair)
+            md.extend(f"- {name}.json {why}: `{command}`\n" for why in whys.values())
     md.append(f"\nEvidence gate on the distilled maps (kvlingo/records/saved.py): {verdict}\n")
     md.append("\nArms:\n" + "".join(f"- {arm}: {text}\n" for arm, text in LEGEND.items()))
     unsplit = {n.removesuffix("-native") for n in page.reports}

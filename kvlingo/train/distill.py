@@ -142,9 +142,8 @@ def validation_kl(
     with preserved_rng(), torch.no_grad():
         for i in progress(mine) if progress else mine:
             parts[i] = distill_loss(source, target, translator, rows[i], dtype, refresh=refresh, kind=kind).item()
-    mean = world.sum_float(sum(parts[i].item() for i in mine)) / len(
-        rows
-    )  # each rank's sum in row order, then over ranks
+    local = sum(parts[i].item() for i in mine)  # this rank's sum in row order, then the sum over ranks
+    mean = world.sum_float(local) / len(rows)
     return mean, world.sum_(parts).tolist()
 
 

@@ -216,3 +216,34 @@ def test_token_weighted_se_is_the_conversation_means_se_when_lengths_are_equal()
     rows = [{"arms": {"a": {"kl_sum": 7 * k, "n_tokens": 7}}} for k in kls]
     got, ref = token_weighted(rows, "a", "kl_sum"), mean_se(kls)
     assert got["n"] == 4 and abs(got["mean"] - ref["mean"]) < 1e-12 and abs(got["se"] - ref["se"]) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "name, script, flags",
+    [
+        ("benchmark", "benchmark.py", []),
+        ("ifeval", "ifeval.py", []),
+        ("ifeval-native-test", "ifeval.py", ["--native", "--split test"]),
+        ("task-gsm8k", "task_eval.py", ["--task gsm8k", "--resume"]),
+        ("task-arc-native-test", "task_eval.py", ["--task arc", "--native", "--resume --split test"]),
+    ],
+)
+def test_a_stale_report_is_named_with_the_make_command_that_writes_it_again(name, script, flags):
+    """Each stale report's command, dry-run by make as typed, runs the stage that writes that report: its task, the
+    native paths where the report is theirs, and the test split where the report read it."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from kvlingo.stages.summary import rescore_command
+
+    root = Path(__file__).resolve().parents[2]
+    pair = {"large": "L", "small": "S", "direction": "l2s", "device": "cpu", "dtype": "float32"}
+    command = rescore_command(name, "r", "tiny", pair)
+    dry = subprocess.run(
+        ["make", "-n", "--no-print-directory", *shlex.split(command)[1:]], cwd=root, capture_output=True, text=True
+    )
+    assert dry.returncode == 0, (command, dry.stderr)
+    line = next(x for x in dry.stdout.splitlines() if f" {script} " in x and "--direction" in x)
+    assert "--run r" in line and all(f in line for f in flags), (command, line)
+    assert ("--split test" in line) == name.endswith("-test") and ("--native" in line) == ("native" in name), line
