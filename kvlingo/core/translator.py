@@ -255,3 +255,8 @@ class LinearFamily(Translator):
     def solve_from(self, ne, ridge) -> None:
         """Solve streamed normal equations (kvlingo.core.fit) into the parameters."""
         self.set_solution(*ne.solve(ridge))
+
+    def choose_from(self, fit, held_out, ridge) -> dict | None:
+        """Before `solve_from`, a family that chooses where its inputs go chooses on `held_out`'s conversations (fit on
+        `fit`'s; `held_out` None without --ridge auto) and returns its choice for the fit's statistics; None here."""
+        return None

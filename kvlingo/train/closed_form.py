@@ -131,6 +131,14 @@ def fit_closed_form(
         ne = parts[0].merged(parts[1])
     else:
         ne, lam = parts[0], float(ridge)
+    # A family that chooses where its inputs go (token input's chosen layers) chooses on the held-out conversations,
+    # solving on the others at the ridge's same relative strength.
+    fit_lam = (
+        lam * parts[0].input_scale() / ne.input_scale().clamp_min(torch.finfo(torch.float64).tiny) if auto else lam
+    )
+    choice = translator.choose_from(parts[0], parts[1], fit_lam)
+    if choice is not None:
+        stats["layer_choice"] = choice
     translator.solve_from(ne, lam)
     stats["n_tokens"] = ne.n_tokens
     return stats

@@ -76,6 +76,31 @@ def test_the_attention_output_value_fit_is_a_row_of_its_own_at_token_w3s_cost():
     assert args.value_fit == "output"
 
 
+def test_the_chosen_layers_row_costs_the_first_halfs_and_its_flags_reach_training():
+    """token-w3-chosen reads the token features at half the target's layers, chosen by the closed form: at the real
+    shapes it costs token-w3-lower's (14 of 28 layers' token maps either way), less than token-w3, runs with
+    --settings only, and the training stage's parser takes its flags."""
+    from kvlingo.stages.train import Train
+
+    deep = Geometry(28, 2, 32, 28, 2, 32)
+    for geometry in (TOY, deep):
+        for direction in ("l2s", "s2l"):
+            by = {s.name: s for s in A.settings_for(DEMO, direction, geometry)}
+            row = by["token-w3-chosen"]
+            cost = A.real_cost(row, direction, geometry)
+            assert cost == A.real_cost(by["token-w3-lower"], direction, geometry) | {
+                "real_settings": cost["real_settings"]
+            }
+            assert cost["real_settings"]["token_layers"] == 14 and cost["real_settings"]["token_choice"] == "fit"
+            assert (
+                cost["fraction_of_reprefill"]
+                < A.real_cost(by["token-w3"], direction, geometry)["fraction_of_reprefill"]
+            )
+            assert not row.default_run and row.refresh == "exact:0"
+    args = Train.parser().parse_args(["--family", row.family, *row.flags])
+    assert args.token_choice == "fit" and args.token_layers == geometry.target_layers // 2
+
+
 def test_each_direction_runs_its_own_default_before_beside_the_levers():
     l2s, s2l = A.default_settings(DEMO, "l2s", TOY), A.default_settings(DEMO, "s2l", TOY)
     assert "crosshead" in l2s and "crosslayer-k4-rhalf" not in l2s

@@ -263,12 +263,15 @@ class CacheKeys:
         ("headwise", 0, "keys", 2),
         ("crosshead", 3, "values", 0),
         ("crosslayer", 3, "both", 3),
+        ("headwise", 3, "both", -2),  # chosen layers (token choice fit): layers 1 and 3
+        ("headwise", 0, "keys", -1),  # chosen: layer 2
     ],
 )
 def test_map_into_writes_the_same_bits_as_map_into_a_cache_layout(base, rank, parts, layers):
     """The engine's path (`map_into`: the base's maps written into the output, then the token term added in place)
     against `map` (the sum taken as a new tensor), bit for bit, into a strided slice of a cache-shaped buffer; and
-    into a token-major one (`map_into_via`: the token term straight in where it covers the chunk)."""
+    into a token-major one (`map_into_via`: the token term straight in where it covers the chunk). Chosen layers
+    (a negative `layers`: -2 chooses layers 1 and 3, -1 layer 2) cut every chunk."""
     settings = {"k": 2, "rank": 0, "pairing": "proportional"} if base == "crosslayer" else {}
     tr = TokenInput(
         TOKEN_GEOM,
@@ -276,8 +279,11 @@ def test_map_into_writes_the_same_bits_as_map_into_a_cache_layout(base, rank, pa
         rank=rank,
         window=2,
         token_parts=parts,
-        token_layers=layers,
+        token_layers=abs(layers),
+        token_choice="fit" if layers < 0 else "first",
     )
+    if layers < 0:
+        tr.token_layer_index.copy_(torch.tensor([1, 3] if layers == -2 else [2]))
     tr.layer0 = Table(tr.d_tok // 2)
     tr.space = tr.base.space = CacheKeys()
     g = torch.Generator().manual_seed(7)
@@ -369,3 +375,95 @@ def test_token_features_of_lower_rank_than_their_width_carry_no_rounding_weights
         for layer in range(ref.shape[0]):
             bound = FAST_BF16_TOLERANCE * ref[layer].float().abs().max().item()
             assert (got[layer].float() - ref[layer].float()).abs().max().item() <= bound, layer
+
+
+def test_chosen_layers_are_those_whose_held_out_error_the_features_lower_and_only_they_read_them():
+    """Token choice fit on a planted relation: the token features reach the target at layers 1 and 3 only (of 4).
+    `choose_from` picks those two on held-out conversations (fit on others), the solve recovers the relation with
+    no token term elsewhere, each chunk's map is the whole map's rows, the pricing counts two layers, and the
+    choice survives a save and load."""
+    tr = TokenInput(
+        TOKEN_GEOM,
+        base={"family": "headwise", "settings": {}},
+        rank=0,
+        window=1,
+        token_layers=2,
+        token_choice="fit",
+    )
+    tr.layer0 = Table(tr.d_tok)
+    L, B, d_in, d_out = tr.fit_blocks()
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(L, B, 8, d_out, generator=g, dtype=torch.float64)
+    M = torch.randn(L, B, tr.d_tok, d_out, generator=g, dtype=torch.float64)
+    sets = []
+    for n in (400, 100):  # fit, held out
+        x = torch.randn(4, 2, n, 8, generator=g, dtype=torch.float64)
+        cap = Capture(x, x, x, torch.empty(0), torch.randint(0, 50, (n,), generator=g))
+        tr._memo = tr._own = None
+        design = tr.design(Part.VALUES, cap).double()
+        ne = NormalEquations(L, B, d_in, d_out)
+        for part in (Part.KEYS, Part.VALUES):
+            y = design[..., :8] @ W + 0.05 * torch.randn(L, B, n, d_out, generator=g, dtype=torch.float64)
+            y[1] += design[1, ..., 8:] @ M[1]
+            y[3] += 0.3 * design[3, ..., 8:] @ M[3]  # a weaker term: still above layers 0 and 2's none
+            ne.update(part, design, y)
+        sets.append((ne, cap, y))
+    choice = tr.choose_from(sets[0][0], sets[1][0], 0.0)
+    assert choice["chosen"] == [1, 3] and tr.chosen_layers() == [1, 3]
+    share = choice["held_out_share_removed"]
+    assert min(share[1], share[3]) > 0.5 > max(share[0], share[2])  # the planted layers, against noise
+    with pytest.raises(TranslatorError, match="--ridge auto"):
+        tr.choose_from(sets[0][0], None, 0.0)
+    tr.solve_from(sets[0][0].merged(sets[1][0]), 0.0)
+    x = sets[1][1].keys.float()
+    c32 = Capture(x, x, x, torch.empty(0), sets[1][1].ids)
+    tr._memo = tr._own = None
+    whole = tr.map(Part.VALUES, c32, slice(None))
+    got, truth = tr.block_targets(whole.double()), sets[1][2]
+    assert ((got - truth).norm() / truth.norm()).item() < 0.02  # noise 0.05 against unit-scale targets
+    assert torch.equal(torch.cat([tr.map(Part.VALUES, c32, slice(i, i + 1)) for i in range(4)]), whole)
+    assert torch.equal(tr.tok_weight[Part.VALUES].abs().sum((1, 2)) > 0, torch.tensor([True, True]))
+    assert tr.flops_per_token(Part.VALUES) == tr.base.flops_per_token(Part.VALUES) + 2.0 * 2 * tr.d_tok * tr.d_out
+    again = TokenInput.from_spec(TOKEN_GEOM, tr.key_space, tr.settings())
+    again.load_state_dict(tr.state_dict(), strict=True)
+    again.layer0 = tr.layer0
+    assert again.chosen_layers() == [1, 3] and torch.equal(again.map(Part.VALUES, c32, slice(None)), whole)
+
+
+def test_a_token_choice_is_refused_with_its_fix():
+    with pytest.raises(TranslatorError, match="--token-layers N, 1 to 3"):
+        TokenInput(TOKEN_GEOM, token_layers=0, token_choice="fit")
+    with pytest.raises(TranslatorError, match="first, fit"):
+        TokenInput(TOKEN_GEOM, token_layers=2, token_choice="best")
+
+
+def test_the_closed_form_chooses_the_layers_on_held_out_conversations_and_the_folder_keeps_them(
+    tiny_pair_paths, tmp_path
+):
+    """Through `fit_closed_form` with --ridge auto on the tiny pair: the choice is recorded in the fit's statistics
+    (each layer's held-out share and the layers chosen), the maps read the features at those layers, and a saved
+    translator loads with the same choice and bits. Without held-out conversations (a numeric ridge) it is refused."""
+    from transformers import AutoTokenizer
+
+    pair = load_tiny_pair(tiny_pair_paths)
+    rows = chat_rows(AutoTokenizer.from_pretrained(tiny_pair_paths[0]), 12, 0, "r")
+    geometry = Geometry.of(pair.source, pair.target)
+    n = geometry.target_layers - 1
+    tr = TokenInput(geometry, rank=0, window=2, token_layers=n, token_choice="fit").bind(pair.source, pair.target)
+    stats = fit_closed_form(pair.source, pair.target, tr, rows, ridge="auto")
+    choice = stats["layer_choice"]
+    assert len(choice["held_out_share_removed"]) == geometry.target_layers and choice["held_out_tokens"] > 0
+    share = torch.tensor(choice["held_out_share_removed"])
+    assert choice["chosen"] == sorted(share.topk(n).indices.tolist()) == tr.chosen_layers()
+    assert tr.tok_weight.abs().sum() > 0
+    save_translator(tmp_path / "tr", tr, {"direction": pair.direction, "models": pair.identities()})
+    loaded, info = load_translator(tmp_path / "tr", pair)
+    assert info["settings"]["token_choice"] == "fit" and loaded.chosen_layers() == tr.chosen_layers()
+    ids = torch.tensor([rows[0]["prefix_ids"]])
+    with torch.no_grad():
+        cap = capture(pair.source, ids, want_prenorm=True, logits_to_keep=1)
+        a, b = tr(cap), loaded(cap)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    fresh = TokenInput(geometry, rank=0, window=2, token_layers=n, token_choice="fit").bind(pair.source, pair.target)
+    with pytest.raises(TranslatorError, match="--ridge auto"):
+        fit_closed_form(pair.source, pair.target, fresh, rows, ridge=0.0)

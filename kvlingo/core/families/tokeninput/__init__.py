@@ -2,7 +2,8 @@
 window − 1 tokens before it, computed from the token ids (kvlingo.core.layer0). Its maps: `maps.TokenInput`.
 
 Its variants are the token path's costs and what each buys: the window, the rank, the part of the cache
-(keys, values or both) and the layers that read the token features, priced at the real shapes by the
+(keys, values or both) and the layers that read the token features (the first ones, or those the closed form
+chooses on held-out conversations), priced at the real shapes by the
 ablation (kvlingo/stages/ablation.py)."""
 
 from ...settings import (
@@ -42,10 +43,18 @@ TOKENINPUT = Family(
         ),
         Option(
             "token_layers",
-            "the first N target layers read the token features (0: all of them)",
+            "N target layers read the token features, the first N or those --token-choice fit picks (0: all of them)",
             0,
             minimum=0,
             depth_scaled=True,
+        ),
+        Option(
+            "token_choice",
+            "which N layers read the token features: first, or fit (the N whose held-out closed-form error the "
+            "features lower most)",
+            "first",
+            str,
+            choices=("first", "fit"),
         ),
     ),
     variants=(
@@ -100,6 +109,14 @@ TOKENINPUT = Family(
             {"token_layers": half_target_layers},
             "token-w3 in the first half of the target's layers only",
             refresh=OWN_LAYER0,
+        ),
+        Variant(
+            "token-w3-chosen",
+            {"token_layers": half_target_layers, "token_choice": "fit"},
+            "token-w3 in half of the target's layers, those whose held-out closed-form error the token features lower "
+            "most",
+            refresh=OWN_LAYER0,
+            default_run=False,
         ),
         Variant(
             "token-w3-crosslayer",

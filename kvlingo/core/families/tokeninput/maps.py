@@ -46,6 +46,7 @@ from .. import FAMILIES
 from . import BASES
 
 PARTS_WITH_TOKENS = {"both": PARTS, "keys": (Part.KEYS,), "values": (Part.VALUES,)}  # --token-parts
+TOKEN_CHOICES = ("first", "fit")  # --token-choice: which --token-layers N layers read the features
 
 
 class TokenInput(LinearFamily):
@@ -60,6 +61,7 @@ class TokenInput(LinearFamily):
         window: int = 3,
         token_parts: str = "both",
         token_layers: int = 0,
+        token_choice: str = "first",
     ):
         super().__init__(geometry, key_space)
         base = base or {"family": "headwise", "settings": {}}
@@ -79,12 +81,22 @@ class TokenInput(LinearFamily):
             raise TranslatorError(f"token parts {token_parts!r}: give one of {', '.join(PARTS_WITH_TOKENS)}")
         if not 0 <= token_layers <= g.target_layers:
             raise TranslatorError(f"token layers {token_layers}: give 0 (all) to {g.target_layers}")
-        L = token_layers or g.target_layers  # the target layers with a token term: the first L
+        if token_choice not in TOKEN_CHOICES:
+            raise TranslatorError(f"token choice {token_choice!r}: give one of {', '.join(TOKEN_CHOICES)}")
+        if token_choice == "fit" and not 0 < token_layers < g.target_layers:
+            raise TranslatorError(
+                f"token choice fit picks N of the target's {g.target_layers} layers: give --token-layers N, "
+                f"1 to {g.target_layers - 1} (0, all of them, leaves nothing to choose)"
+            )
+        L = token_layers or g.target_layers  # the target layers with a token term: the first L, or L chosen
         if rank < 0 or rank > min(self.d_tok, L * self.d_out):
             raise TranslatorError(f"token rank {rank} must be 0 (full) or at most {min(self.d_tok, L * self.d_out)}")
         self.rank, self.window, self.token_parts, self.token_layers = rank, window, token_parts, token_layers
+        self.token_choice = token_choice
         self.tok_parts = PARTS_WITH_TOKENS[token_parts]  # the parts (keys, values) that read the token features
         self.n_tok_layers = L
+        if token_choice == "fit":  # the chosen target layers, ascending (the first L until the closed form chooses)
+            self.register_buffer("token_layer_index", torch.arange(L))
         if rank:
             self.tok_down = nn.Parameter(torch.zeros(2, self.d_tok, rank))
             self.tok_up = nn.Parameter(torch.zeros(2, L, rank, self.d_out))
@@ -102,6 +114,7 @@ class TokenInput(LinearFamily):
             "window": self.window,
             "token_parts": self.token_parts,
             "token_layers": self.token_layers,
+            "token_choice": self.token_choice,
         }
 
     def flops_per_token(self, part: Part | None = None) -> float:
@@ -183,7 +196,13 @@ class TokenInput(LinearFamily):
         tok = self._token_layers(part, layers)
         n, H, T, d = out.shape
         rows = out.transpose(1, 2)
-        if tok is None or tok.stop - tok.start != n or not rows.is_contiguous() or out.dtype != self._compute:
+        if (
+            self.token_choice != "first"
+            or tok is None
+            or tok.stop - tok.start != n
+            or not rows.is_contiguous()
+            or out.dtype != self._compute
+        ):
             return super().map_into_via(part, cap, layers, out, scratch)
         x, w = self._token_operands(part, cap, tok)
         torch.bmm(x.expand(n, *x.shape), w, out=rows.view(n, T, H * d))
@@ -224,13 +243,35 @@ class TokenInput(LinearFamily):
         return y.to(self._compute)
 
     def _token_layers(self, part: Part, layers: slice) -> slice | None:
-        """The layers of `layers` (a slice of the target's) that get a token term, as a slice of the same run."""
+        """The layers of `layers` (a slice of the target's) that get a token term, as a slice of the same run (the
+        first L layers; `_token_rows` for chosen ones)."""
         start, stop, _ = layers.indices(self.geometry.target_layers)
         end = min(stop, self.n_tok_layers)
         return slice(start, end) if part in self.tok_parts and end > start else None
 
+    def chosen_layers(self) -> list[int]:
+        """The target layers whose maps read the token features, ascending."""
+        if self.token_choice == "fit":
+            return self.token_layer_index.tolist()
+        return list(range(self.n_tok_layers))
+
+    def _token_rows(self, part: Part, layers: slice) -> tuple[torch.Tensor, list[int]] | None:
+        """Under chosen layers (token choice fit): the rows of the chunk `layers` that read the token features and
+        their maps' indices, ([rows], [indices]); None for the first L layers (`_token_layers`), and rows of none."""
+        if self.token_choice == "first":
+            return None
+        start, stop, _ = layers.indices(self.geometry.target_layers)
+        chosen = self.chosen_layers() if part in self.tok_parts else []
+        hit = [(l - start, i) for i, l in enumerate(chosen) if start <= l < stop]
+        at = torch.tensor([r for r, _ in hit], dtype=torch.long, device=self.token_layer_index.device)
+        return at, [i for _, i in hit]
+
     def map(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
         y = self.base.map(part, cap, layers)
+        rows = self._token_rows(part, layers)
+        if rows is not None:  # chosen layers: each row of the chunk that reads the features gets its term
+            at, params = rows
+            return y.index_add(0, at, self.token_term(part, cap, params).to(y.dtype))
         tok = self._token_layers(part, layers)
         if tok is None:
             return y
@@ -242,7 +283,13 @@ class TokenInput(LinearFamily):
     def map_into(self, part: Part, cap: Capture, layers: slice, out: torch.Tensor) -> None:
         """`map` written into `out`: the base's maps straight into it, then the token term added in place. The same
         bits as `map` (each element is the same one sum of the same two operands), without its two temporaries of
-        the chunk's size (the sum and the copy)."""
+        the chunk's size (the sum and the copy). Chosen layers: each chosen row's term added in place (`index_add_`,
+        the same one sum)."""
+        rows = self._token_rows(part, layers)
+        if rows is not None:
+            self.base.map_into(part, cap, layers, out)
+            out.index_add_(0, rows[0], self.token_term(part, cap, rows[1]).to(out.dtype))
+            return
         term = self._base_into(part, cap, layers, out)
         if term is not None:
             out[: term.shape[0]].add_(term)
@@ -250,6 +297,9 @@ class TokenInput(LinearFamily):
     def map_keys_into(self, cap: Capture, layers: slice, out: torch.Tensor) -> torch.Tensor | None:
         """The base's key maps into `out` and the token term returned, for the compiled finish to add (a chunk whose
         layers do not all read the token features gets its partial sum in place, and None)."""
+        if self.token_choice != "first":
+            self.map_into(Part.KEYS, cap, layers, out)
+            return None
         term = self._base_into(Part.KEYS, cap, layers, out)
         if term is None or term.shape[0] == out.shape[0]:
             return term
@@ -266,13 +316,19 @@ class TokenInput(LinearFamily):
     # ------------------------------------------------------------------ deferred values
     def value_maps(self) -> ValueMaps | None:
         """The base's value maps with the token term (`ValueMaps.token_weight`): the token features' values map
-        applied to each query row's mix of them (their down-projection, `deferred_token_input`, happens once)."""
+        applied to each query row's mix of them (their down-projection, `deferred_token_input`, happens once). Chosen
+        layers: the maps of the layers up to the last chosen one, zero where a layer reads no features."""
         maps = self.base.value_maps()
         if maps is None or Part.VALUES not in self.tok_parts:
             return maps
         g = self.geometry
         w = (self.tok_up if self.rank else self.tok_weight)[Part.VALUES].detach()  # [token layers, width, H·d]
         token_weight = w.view(*w.shape[:2], g.target_kv_heads, g.target_head_dim).permute(0, 2, 1, 3)
+        if self.token_choice != "first":  # chosen layers: zero maps below the last chosen layer where none is
+            chosen = self.chosen_layers()
+            spread = token_weight.new_zeros(chosen[-1] + 1, *token_weight.shape[1:])
+            spread[chosen] = token_weight
+            token_weight = spread
         return replace(maps, token_weight=token_weight)  # [token layers, H, width, d]
 
     def deferred_input_flops_per_token(self) -> float:
@@ -323,32 +379,69 @@ class TokenInput(LinearFamily):
         own = self.layer0.feature_span()
         return None if own is None else torch.block_diag(*[own] * self.window)
 
+    def _in_span(self, ne: NormalEquations) -> NormalEquations:
+        """Token features of lower rank than their width (2 · KV width > hidden): the problem on the directions they
+        take (its solution the minimum-norm one), so the token maps carry no weight on directions only rounding
+        reaches; `ne` itself where they take all of them."""
+        span = self.feature_span()  # [d_tok, k], or None: all of them
+        if span is None:
+            return ne
+        d_in = ne.d_in - self.d_tok
+        basis = torch.zeros(ne.d_in + 1, d_in + span.shape[1] + 1, dtype=torch.float64)
+        basis[:d_in, :d_in] = torch.eye(d_in, dtype=torch.float64)
+        basis[d_in : ne.d_in, d_in:-1] = span
+        basis[-1, -1] = 1.0
+        return ne.in_basis(basis)
+
+    def choose_from(self, fit: NormalEquations, held_out: NormalEquations | None, ridge) -> dict | None:
+        """Token choice fit: the `token_layers` target layers whose held-out error the token features lower most,
+        chosen before the solve (`fit_closed_form`). Each layer is solved on `fit`'s conversations with and without
+        the features, at the ridge the fit chose, and scored on `held_out`'s: the share of the base's held-out error
+        (Σ over KV heads) that the features remove, averaged over the parts that read them. Sets the layers and
+        returns each layer's share and the choice; None for the first L layers (nothing to choose)."""
+        if self.token_choice == "first":
+            return None
+        if held_out is None:
+            raise TranslatorError(
+                "token choice fit chooses its layers on held-out fit conversations: train with --ridge auto "
+                "(the default), or give --token-choice first"
+            )
+        d_in = fit.d_in - self.d_tok
+        fit, held_out = self._in_span(fit), self._in_span(held_out)
+        keep = list(range(d_in)) + [fit.d_in]  # the base's rows and the bias
+        full = fit.solve_augmented(ridge)  # [2, L, B, rows, d_out]
+        alone = torch.zeros_like(full)
+        alone[..., keep, :] = fit.solve_subset(ridge, keep)
+        without, within = held_out.held_out_error(alone).sum(-1), held_out.held_out_error(full).sum(-1)  # [2, L]
+        parts = list(self.tok_parts)
+        share = ((without - within) / without.clamp_min(torch.finfo(torch.float64).tiny))[parts].mean(0)  # [L]
+        chosen = sorted(share.topk(self.n_tok_layers).indices.tolist())
+        self.token_layer_index.copy_(torch.tensor(chosen))
+        return {
+            "chosen": chosen,
+            "held_out_share_removed": share.tolist(),
+            "held_out_tokens": held_out.n_tokens,
+        }
+
     def solve_from(self, ne: NormalEquations, ridge) -> None:
-        """The token features' blocks (the parts and first layers that read them) solved with them; every other
+        """The token features' blocks (the parts and the layers that read them) solved with them; every other
         block solved on the base's inputs alone, so that its base map does not count on a token term it lacks."""
         d_in = ne.d_in - self.d_tok
-        # Token features of lower rank than their width (2 · KV width > hidden): solved on the directions they take
-        # (the minimum-norm solution), so the token maps carry no weight on directions only rounding reaches.
-        span = self.feature_span()  # [d_tok, k], or None: all of them
-        if span is not None:
-            basis = torch.zeros(ne.d_in + 1, d_in + span.shape[1] + 1, dtype=torch.float64)
-            basis[:d_in, :d_in] = torch.eye(d_in, dtype=torch.float64)
-            basis[d_in : ne.d_in, d_in:-1] = span
-            basis[-1, -1] = 1.0
-            ne = ne.in_basis(basis)
+        span = self.feature_span()  # [d_tok, k], or None: all of them (`_in_span`)
+        ne = self._in_span(ne)
         sol = ne.solve_augmented(ridge)  # [2, L, B, d_in + (d_tok or the span's k) + 1, d_out]
         keep = list(range(d_in)) + [ne.d_in]  # the base's rows and the bias
         with_tokens = torch.zeros(sol.shape[:2], dtype=torch.bool)  # [2, L]: blocks that read the token features
+        chosen = self.chosen_layers()
         for part in self.tok_parts:
-            with_tokens[part, : self.n_tok_layers] = True
+            with_tokens[part, chosen] = True
         base_sol = sol[..., keep, :].clone()
         if not bool(with_tokens.all()):
             alone = ne.solve_subset(ridge, keep)  # [2, L, B, d_in + 1, d_out]
             base_sol[~with_tokens] = alone[~with_tokens]
         base_A = ne.A.cpu()[..., keep, :][..., keep]
         _set_base(self.base, base_sol, base_A)
-        L_tok = self.n_tok_layers
-        tok = sol[:, :L_tok, :, d_in : ne.d_in, :]  # [2, L_tok, B, d_tok or k, d_out_block]
+        tok = sol[:, chosen][:, :, :, d_in : ne.d_in, :]  # [2, L_tok, B, d_tok or k, d_out_block]
         two, L, B, dt, db = tok.shape
         m = tok.permute(0, 3, 1, 2, 4).reshape(two, dt, L, B * db)  # [2, d_tok, L_tok, d_out]: heads side by side
         with torch.no_grad():
