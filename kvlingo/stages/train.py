@@ -644,6 +644,15 @@ class Train(Stage):
                 ],
             ],
         )
+        choice = (self.fit_stats or {}).get("layer_choice")
+        chosen = (
+            f"Token features at target layers {', '.join(map(str, choice['chosen']))} of "
+            f"{len(choice['held_out_share_removed'])}, chosen by the closed form on {choice['held_out_tokens']} "
+            "held-out tokens (each layer's share of the base's held-out error they remove: train.json, "
+            "results.fit.layer_choice).\n\n"
+            if choice
+            else ""
+        )
         atomic_write_text(
             paths.beside("train", ".md"),
             (
@@ -651,10 +660,11 @@ class Train(Stage):
                 f"({self.pair_cfg.direction}), family {cfg.family}, key space {cfg.key_space}, refresh {cfg.refresh}, "
                 f"fit weighting {cfg.fit_weighting}, value fit {cfg.value_fit}, {self.pair_cfg.dtype} on "
                 f"{self.pair_cfg.device}; {cfg.updates} "
-                f"updates × batch {cfg.batch}, lr {cfg.lr:g}, seed {cfg.seed}.\n\n{table}\nValidation: the mean over "
-                f"n = {n_val} conversations ({val_tokens} reply tokens) of each one's mean reply-token KL, ± its "
-                f"SE over the conversations.\n\nFrozen model weights verified unchanged. Wall time {total:.1f} s "
-                f"distilling in all (every resumed stretch), {wall:.1f} s this invocation.\n\n![curves](train.png)\n"
+                f"updates × batch {cfg.batch}, lr {cfg.lr:g}, seed {cfg.seed}.\n\n{chosen}{table}\n"
+                f"Validation: the mean over n = {n_val} conversations ({val_tokens} reply tokens) of each one's "
+                f"mean reply-token KL, ± its SE over the conversations.\n\nFrozen model weights verified "
+                f"unchanged. Wall time {total:.1f} s distilling in all (every resumed stretch), {wall:.1f} s this "
+                "invocation.\n\n![curves](train.png)\n"
             ),
         )
         print(table, end="")

@@ -741,3 +741,22 @@ def test_the_value_fit_on_the_attention_output_is_a_fit_setting(tiny_pair_paths,
     kv = [k for k in a if a[k].dim() and a[k].shape[0] == 2]  # tensors stacked [keys, values, ...]
     assert kv and all(torch.equal(a[k][0], b[k][0]) for k in kv), [k for k in kv if not torch.equal(a[k][0], b[k][0])]
     assert any(not torch.equal(a[k][1], b[k][1]) for k in kv)
+
+
+def test_token_features_at_chosen_layers_are_chosen_in_the_fit_and_named_in_the_report(
+    tiny_pair_paths, train_data, tmp_path
+):
+    """`--token-layers 1 --token-choice fit` as typed: the closed form chooses one target layer on its held-out
+    conversations (--ridge auto, the default), train.json records the choice and every layer's share, train.md names
+    the layer, and the saved maps read the features there alone."""
+    rep = main(
+        cli(tiny_pair_paths, train_data[0], tmp_path, "chosen", "--closed-form-only", "--token-layers", "1")
+        + ["--token-choice", "fit"]
+    )
+    choice = rep["results"]["fit"]["layer_choice"]
+    share = choice["held_out_share_removed"]
+    assert choice["chosen"] == [max(range(len(share)), key=share.__getitem__)]
+    md = (tmp_path / "results" / "chosen" / "train.md").read_text()
+    assert f"Token features at target layers {choice['chosen'][0]} of {len(share)}, chosen by the closed form" in md
+    maps = load_state(tmp_path / "artifacts" / "chosen" / "closed_form")
+    assert maps.chosen_layers() == choice["chosen"] and maps.settings()["token_choice"] == "fit"
