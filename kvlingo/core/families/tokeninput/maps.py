@@ -271,7 +271,7 @@ class TokenInput(LinearFamily):
         rows = self._token_rows(part, layers)
         if rows is not None:  # chosen layers: each row of the chunk that reads the features gets its term
             at, params = rows
-            return y.index_add(0, at, self.token_term(part, cap, params).to(y.dtype))
+            return y.index_add(0, at, self.token_term(part, cap, params).to(y.dtype)) if params else y
         tok = self._token_layers(part, layers)
         if tok is None:
             return y
@@ -288,7 +288,8 @@ class TokenInput(LinearFamily):
         rows = self._token_rows(part, layers)
         if rows is not None:
             self.base.map_into(part, cap, layers, out)
-            out.index_add_(0, rows[0], self.token_term(part, cap, rows[1]).to(out.dtype))
+            if rows[1]:
+                out.index_add_(0, rows[0], self.token_term(part, cap, rows[1]).to(out.dtype))
             return
         term = self._base_into(part, cap, layers, out)
         if term is not None:
