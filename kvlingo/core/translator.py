@@ -256,7 +256,8 @@ class LinearFamily(Translator):
         """Solve streamed normal equations (kvlingo.core.fit) into the parameters."""
         self.set_solution(*ne.solve(ridge))
 
-    def choose_from(self, fit, held_out, ridge) -> dict | None:
+    def choose_from(self, fit, held_out, ridge, native_layers: tuple[int, ...] = ()) -> dict | None:
         """Before `solve_from`, a family that chooses where its inputs go chooses on `held_out`'s conversations (fit on
-        `fit`'s; `held_out` None without --ridge auto) and returns its choice for the fit's statistics; None here."""
+        `fit`'s; `held_out` None without --ridge auto), never among `native_layers` (target layers the handoff takes
+        from the target itself), and returns its choice for the fit's statistics; None here."""
         return None

@@ -88,13 +88,15 @@ def fit_closed_form(
     world: World = SINGLE,
     kind: str = "preallocated",
     value_fit: str = "values",
+    native_layers: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """FP64 least squares of `translator` (bound to source/target) over `rows`, solved into its parameters.
 
     `ridge` is λ, or "auto" (chosen per block on held-out conversations). With a distributed
     `world`, this rank reads its share of `rows` and the ranks' sums are added before every solve.
     The captures are prefills on caches of `kind`. `value_fit` "output" fits the values to the attention
-    output (module docstring). Returns the fit's statistics.
+    output (module docstring). `native_layers`: the target layers the handoff takes from the target itself (exact:0:
+    layer 0), which a family that chooses its layers does not choose. Returns the fit's statistics.
     """
     _check(weighting, value_fit)
     if not isinstance(translator, LinearFamily):
@@ -136,7 +138,7 @@ def fit_closed_form(
     fit_lam = (
         lam * parts[0].input_scale() / ne.input_scale().clamp_min(torch.finfo(torch.float64).tiny) if auto else lam
     )
-    choice = translator.choose_from(parts[0], parts[1], fit_lam)
+    choice = translator.choose_from(parts[0], parts[1], fit_lam, native_layers)
     if choice is not None:
         stats["layer_choice"] = choice
     translator.solve_from(ne, lam)

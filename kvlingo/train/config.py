@@ -81,6 +81,8 @@ class TrainConfig:
             "seed": self.seed,
             **({"n_train": self.n_train} if self.n_train else {}),
             **({"value_fit": self.value_fit} if self.value_fit != "values" else {}),
+            # a choice of layers skips those the refresh makes the target's own, so it depends on the refresh
+            **({"refresh": str(self.refresh)} if self.family_settings.get("token_choice", "first") != "first" else {}),
         }
 
 

@@ -747,15 +747,17 @@ def test_token_features_at_chosen_layers_are_chosen_in_the_fit_and_named_in_the_
     tiny_pair_paths, train_data, tmp_path
 ):
     """`--token-layers 1 --token-choice fit` as typed: the closed form chooses one target layer on its held-out
-    conversations (--ridge auto, the default), train.json records the choice and every layer's share, train.md names
-    the layer, and the saved maps read the features there alone."""
+    conversations (--ridge auto, the default), never layer 0, which the handoff under exact:0 takes from the target;
+    train.json records the choice and every layer's share, train.md names the layer, and the saved maps read the
+    features there alone."""
     rep = main(
         cli(tiny_pair_paths, train_data[0], tmp_path, "chosen", "--closed-form-only", "--token-layers", "1")
         + ["--token-choice", "fit"]
     )
     choice = rep["results"]["fit"]["layer_choice"]
     share = choice["held_out_share_removed"]
-    assert choice["chosen"] == [max(range(len(share)), key=share.__getitem__)]
+    assert rep["config"]["refresh"] == "exact:0" and choice["native_layers"] == [0]  # the target's own layer 0
+    assert choice["chosen"] == [max(range(1, len(share)), key=share.__getitem__)]
     md = (tmp_path / "results" / "chosen" / "train.md").read_text()
     assert f"Token features at target layers {choice['chosen'][0]} of {len(share)}, chosen by the closed form" in md
     maps = load_state(tmp_path / "artifacts" / "chosen" / "closed_form")

@@ -408,12 +408,17 @@ def test_chosen_layers_are_those_whose_held_out_error_the_features_lower_and_onl
             y[3] += 0.3 * design[3, ..., 8:] @ M[3]  # a weaker term: still above layers 0 and 2's none
             ne.update(part, design, y)
         sets.append((ne, cap, y))
+    skipping = tr.choose_from(sets[0][0], sets[1][0], 0.0, native_layers=(1,))  # layer 1 the target's own
+    assert 3 in skipping["chosen"] and 1 not in skipping["chosen"]
+    assert skipping["native_layers"] == [1] and 1 not in tr.chosen_layers()
     choice = tr.choose_from(sets[0][0], sets[1][0], 0.0)
     assert choice["chosen"] == [1, 3] and tr.chosen_layers() == [1, 3]
     share = choice["held_out_share_removed"]
     assert min(share[1], share[3]) > 0.5 > max(share[0], share[2])  # the planted layers, against noise
     with pytest.raises(TranslatorError, match="--ridge auto"):
         tr.choose_from(sets[0][0], None, 0.0)
+    with pytest.raises(TranslatorError, match="give --token-layers 1 or fewer"):
+        tr.choose_from(sets[0][0], sets[1][0], 0.0, native_layers=(0, 1, 2))
     tr.solve_from(sets[0][0].merged(sets[1][0]), 0.0)
     x = sets[1][1].keys.float()
     c32 = Capture(x, x, x, torch.empty(0), sets[1][1].ids)
@@ -448,13 +453,15 @@ def test_the_closed_form_chooses_the_layers_on_held_out_conversations_and_the_fo
     pair = load_tiny_pair(tiny_pair_paths)
     rows = chat_rows(AutoTokenizer.from_pretrained(tiny_pair_paths[0]), 12, 0, "r")
     geometry = Geometry.of(pair.source, pair.target)
-    n = geometry.target_layers - 1
+    n = geometry.target_layers - 1  # every layer but the target's own layer 0
     tr = TokenInput(geometry, rank=0, window=2, token_layers=n, token_choice="fit").bind(pair.source, pair.target)
-    stats = fit_closed_form(pair.source, pair.target, tr, rows, ridge="auto")
+    stats = fit_closed_form(pair.source, pair.target, tr, rows, ridge="auto", native_layers=(0,))  # as under exact:0
     choice = stats["layer_choice"]
     assert len(choice["held_out_share_removed"]) == geometry.target_layers and choice["held_out_tokens"] > 0
     share = torch.tensor(choice["held_out_share_removed"])
+    share[0] = -1.0  # the target's own layer 0 is never chosen
     assert choice["chosen"] == sorted(share.topk(n).indices.tolist()) == tr.chosen_layers()
+    assert choice["native_layers"] == [0] and 0 not in choice["chosen"]
     assert tr.tok_weight.abs().sum() > 0
     save_translator(tmp_path / "tr", tr, {"direction": pair.direction, "models": pair.identities()})
     loaded, info = load_translator(tmp_path / "tr", pair)

@@ -394,14 +394,25 @@ class TokenInput(LinearFamily):
         basis[-1, -1] = 1.0
         return ne.in_basis(basis)
 
-    def choose_from(self, fit: NormalEquations, held_out: NormalEquations | None, ridge) -> dict | None:
+    def choose_from(
+        self, fit: NormalEquations, held_out: NormalEquations | None, ridge, native_layers: tuple[int, ...] = ()
+    ) -> dict | None:
         """Token choice fit: the `token_layers` target layers whose held-out error the token features lower most,
         chosen before the solve (`fit_closed_form`). Each layer is solved on `fit`'s conversations with and without
         the features, at the ridge the fit chose, and scored on `held_out`'s: the share of the base's held-out error
-        (Σ over KV heads) that the features remove, averaged over the parts that read them. Sets the layers and
-        returns each layer's share and the choice; None for the first L layers (nothing to choose)."""
+        (Σ over KV heads) that the features remove, averaged over the parts that read them. `native_layers` (the
+        layers the handoff takes from the target itself: layer 0 under exact:0, whose own features the token term
+        reproduces exactly) are never chosen. Sets the layers and returns each layer's share and the choice; None
+        for the first L layers (nothing to choose)."""
         if self.token_choice == "first":
             return None
+        open_layers = self.geometry.target_layers - len(set(native_layers))
+        if self.n_tok_layers > open_layers:
+            raise TranslatorError(
+                f"token choice fit picks {self.n_tok_layers} layers, but only {open_layers} are translated (the "
+                f"target computes layers {sorted(set(native_layers))} itself): give --token-layers {open_layers} "
+                "or fewer"
+            )
         if held_out is None:
             raise TranslatorError(
                 "token choice fit chooses its layers on held-out fit conversations: train with --ridge auto "
@@ -416,12 +427,15 @@ class TokenInput(LinearFamily):
         without, within = held_out.held_out_error(alone).sum(-1), held_out.held_out_error(full).sum(-1)  # [2, L]
         parts = list(self.tok_parts)
         share = ((without - within) / without.clamp_min(torch.finfo(torch.float64).tiny))[parts].mean(0)  # [L]
-        chosen = sorted(share.topk(self.n_tok_layers).indices.tolist())
+        open_share = share.clone()
+        open_share[list(native_layers)] = -torch.inf
+        chosen = sorted(open_share.topk(self.n_tok_layers).indices.tolist())
         self.token_layer_index.copy_(torch.tensor(chosen))
         return {
             "chosen": chosen,
             "held_out_share_removed": share.tolist(),
             "held_out_tokens": held_out.n_tokens,
+            "native_layers": sorted(set(native_layers)),
         }
 
     def solve_from(self, ne: NormalEquations, ridge) -> None:
