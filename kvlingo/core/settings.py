@@ -184,6 +184,15 @@ class Refresh:
             raise RefreshError(f"layers:{k} but the target has {n_layers} layers")
         return max(k, 0)
 
+    def own_layers(self, n_layers: int) -> tuple[int, ...]:
+        """The target layers a handoff under this setting takes from the target itself for the whole context (exact:0:
+        layer 0; layers:K: the first K): no translator's output reaches them."""
+        if self.kind == "exact":
+            return (0,)
+        if self.kind == "layers":
+            return tuple(range(self.native_layers(n_layers)))
+        return ()
+
     def layer_index(self, n_layers: int) -> int:
         layer = int(self.amount)
         if layer >= n_layers:

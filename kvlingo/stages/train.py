@@ -889,16 +889,6 @@ def closed_form_start(
         world=world,
         kind=pair.cache,
         value_fit=cfg.value_fit,
-        native_layers=native_layers(cfg.refresh, translator.geometry.target_layers),
+        native_layers=cfg.refresh.own_layers(translator.geometry.target_layers),
     )
     return translator, stats, {"fit_key": fit_key, "fit": stats}
-
-
-def native_layers(refresh, n_layers: int) -> tuple[int, ...]:
-    """The target layers a handoff under `refresh` takes from the target itself for the whole context (exact:0: layer
-    0; layers:K: the first K), which a family that chooses its layers leaves out."""
-    if refresh.kind == "exact":
-        return (0,)
-    if refresh.kind == "layers":
-        return tuple(range(refresh.native_layers(n_layers)))
-    return ()

@@ -212,3 +212,12 @@ def test_exact_refresh_parses_layer0_only():
     for bad in ("exact:1", "exact:10%", "exact:0.5"):
         with pytest.raises(RefreshError, match="only layer 0"):
             Refresh.parse(bad)
+
+
+def test_the_layers_a_refresh_makes_the_targets_own():
+    """`own_layers`: the target layers no translator output reaches under each setting (what a choice of layers
+    leaves out): exact:0 layer 0, layers:K the first K, and none for the settings that recompute tokens or a
+    diagnostic layer over a translated rest."""
+    own = {text: Refresh.parse(text).own_layers(8) for text in ("none", "exact:0", "layers:3", "layers:25%", "tail:4")}
+    assert own == {"none": (), "exact:0": (0,), "layers:3": (0, 1, 2), "layers:25%": (0, 1), "tail:4": ()}
+    assert Refresh.parse("select:0.5").own_layers(8) == Refresh.parse("layer:5").own_layers(8) == ()
