@@ -84,14 +84,15 @@ def test_translation_straight_into_cache_equals_translate_then_build(models):
 @pytest.mark.parametrize(
     "parts,layers,rank,choice",
     [("both", 0, 8, "first"), ("values", 0, 0, "first"), ("both", 1, 8, "first"), ("keys", 0, 8, "first")]
-    + [("both", 1, 8, "fit"), ("values", 1, 0, "fit")],
+    + [("both", 1, 8, "fit"), ("values", 1, 0, "fit"), ("both", 1, 8, "last")],
 )
 def test_exact_layer0_in_place_and_deferred_values_equal_the_assembled_handoff(
     tiny_pair_paths, parts, layers, rank, choice
 ):
     """Under exact:0 the translator writes layers 1.. and layer 0 is the target's own, in the cache's buffers:
     the new turn's logits equal those on the assembled cache bit for bit; with the values (and the token
-    term) deferred, to FP32 rounding. Chosen layers (token choice fit): the last layer alone reads the features."""
+    term) deferred, to FP32 rounding. Chosen layers (token choice fit, or last): the last layer alone reads the
+    features."""
     pair = load_tiny_pair(tiny_pair_paths)
     tr = TokenInput(
         Geometry.of(pair.source, pair.target),

@@ -77,9 +77,9 @@ def test_the_attention_output_value_fit_is_a_row_of_its_own_at_token_w3s_cost():
 
 
 def test_the_chosen_layers_row_costs_the_first_halfs_and_its_flags_reach_training():
-    """token-w3-chosen reads the token features at half the target's layers, chosen by the closed form: at the real
-    shapes it costs token-w3-lower's (14 of 28 layers' token maps either way), less than token-w3, runs with
-    --settings only, and the training stage's parser takes its flags."""
+    """token-w3-chosen reads the token features at half the target's layers, chosen by the closed form, and
+    token-w3-upper at the second half: at the real shapes each costs token-w3-lower's (14 of 28 layers' token maps),
+    less than token-w3, runs with --settings only, and the training stage's parser takes its flags."""
     from kvlingo.stages.train import Train
 
     deep = Geometry(28, 2, 32, 28, 2, 32)
@@ -92,6 +92,9 @@ def test_the_chosen_layers_row_costs_the_first_halfs_and_its_flags_reach_trainin
                 "real_settings": cost["real_settings"]
             }
             assert cost["real_settings"]["token_layers"] == 14 and cost["real_settings"]["token_choice"] == "fit"
+            upper = A.real_cost(by["token-w3-upper"], direction, geometry)
+            assert upper == cost | {"real_settings": upper["real_settings"]} and not by["token-w3-upper"].default_run
+            assert upper["real_settings"]["token_choice"] == "last"
             assert (
                 cost["fraction_of_reprefill"]
                 < A.real_cost(by["token-w3"], direction, geometry)["fraction_of_reprefill"]

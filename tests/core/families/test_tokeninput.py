@@ -265,13 +265,14 @@ class CacheKeys:
         ("crosslayer", 3, "both", 3),
         ("headwise", 3, "both", -2),  # chosen layers (token choice fit): layers 1 and 3
         ("headwise", 0, "keys", -1),  # chosen: layer 2
+        ("crosshead", 3, "both", 11),  # the last layer (token choice last)
     ],
 )
 def test_map_into_writes_the_same_bits_as_map_into_a_cache_layout(base, rank, parts, layers):
     """The engine's path (`map_into`: the base's maps written into the output, then the token term added in place)
     against `map` (the sum taken as a new tensor), bit for bit, into a strided slice of a cache-shaped buffer; and
     into a token-major one (`map_into_via`: the token term straight in where it covers the chunk). Chosen layers
-    (a negative `layers`: -2 chooses layers 1 and 3, -1 layer 2) cut every chunk."""
+    (a negative `layers`: -2 chooses layers 1 and 3, -1 layer 2; 10 + N: the last N) cut every chunk."""
     settings = {"k": 2, "rank": 0, "pairing": "proportional"} if base == "crosslayer" else {}
     tr = TokenInput(
         TOKEN_GEOM,
@@ -279,8 +280,8 @@ def test_map_into_writes_the_same_bits_as_map_into_a_cache_layout(base, rank, pa
         rank=rank,
         window=2,
         token_parts=parts,
-        token_layers=abs(layers),
-        token_choice="fit" if layers < 0 else "first",
+        token_layers=abs(layers) % 10,
+        token_choice="fit" if layers < 0 else "last" if layers >= 10 else "first",
     )
     if layers < 0:
         tr.token_layer_index.copy_(torch.tensor([1, 3] if layers == -2 else [2]))
@@ -438,8 +439,12 @@ def test_chosen_layers_are_those_whose_held_out_error_the_features_lower_and_onl
 def test_a_token_choice_is_refused_with_its_fix():
     with pytest.raises(TranslatorError, match="--token-layers N, 1 to 3"):
         TokenInput(TOKEN_GEOM, token_layers=0, token_choice="fit")
-    with pytest.raises(TranslatorError, match="first, fit"):
+    with pytest.raises(TranslatorError, match="first, last, fit"):
         TokenInput(TOKEN_GEOM, token_layers=2, token_choice="best")
+    with pytest.raises(TranslatorError, match="token choice last picks N"):
+        TokenInput(TOKEN_GEOM, token_layers=4, token_choice="last")
+    last = TokenInput(TOKEN_GEOM, token_layers=3, token_choice="last")
+    assert last.chosen_layers() == [1, 2, 3] and last.choose_from(None, None, 0.0) is None  # nothing to choose
 
 
 def test_the_closed_form_chooses_the_layers_on_held_out_conversations_and_the_folder_keeps_them(

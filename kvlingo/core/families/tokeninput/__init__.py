@@ -43,18 +43,19 @@ TOKENINPUT = Family(
         ),
         Option(
             "token_layers",
-            "N target layers read the token features, the first N or those --token-choice fit picks (0: all of them)",
+            "N target layers read the token features: the first N, or the last N or those the closed form picks "
+            "(--token-choice; 0: all of them)",
             0,
             minimum=0,
             depth_scaled=True,
         ),
         Option(
             "token_choice",
-            "which N layers read the token features: first, or fit (the N whose held-out closed-form error the "
-            "features lower most)",
+            "which N layers read the token features: first, last, or fit (the N whose held-out closed-form error "
+            "the features lower most)",
             "first",
             str,
-            choices=("first", "fit"),
+            choices=("first", "last", "fit"),
         ),
     ),
     variants=(
@@ -115,6 +116,14 @@ TOKENINPUT = Family(
             {"token_layers": half_target_layers, "token_choice": "fit"},
             "token-w3 in half of the target's layers, those whose held-out closed-form error the token features lower "
             "most",
+            refresh=OWN_LAYER0,
+            default_run=False,
+        ),
+        Variant(
+            "token-w3-upper",
+            {"token_layers": half_target_layers, "token_choice": "last"},
+            "token-w3 in the second half of the target's layers only (where the deep pair's per-layer diagnostic "
+            "puts the error)",
             refresh=OWN_LAYER0,
             default_run=False,
         ),

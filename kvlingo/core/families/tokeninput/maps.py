@@ -46,7 +46,7 @@ from .. import FAMILIES
 from . import BASES
 
 PARTS_WITH_TOKENS = {"both": PARTS, "keys": (Part.KEYS,), "values": (Part.VALUES,)}  # --token-parts
-TOKEN_CHOICES = ("first", "fit")  # --token-choice: which --token-layers N layers read the features
+TOKEN_CHOICES = ("first", "last", "fit")  # --token-choice: which --token-layers N layers read the features
 
 
 class TokenInput(LinearFamily):
@@ -83,12 +83,12 @@ class TokenInput(LinearFamily):
             raise TranslatorError(f"token layers {token_layers}: give 0 (all) to {g.target_layers}")
         if token_choice not in TOKEN_CHOICES:
             raise TranslatorError(f"token choice {token_choice!r}: give one of {', '.join(TOKEN_CHOICES)}")
-        if token_choice == "fit" and not 0 < token_layers < g.target_layers:
+        if token_choice != "first" and not 0 < token_layers < g.target_layers:
             raise TranslatorError(
-                f"token choice fit picks N of the target's {g.target_layers} layers: give --token-layers N, "
+                f"token choice {token_choice} picks N of the target's {g.target_layers} layers: give --token-layers N, "
                 f"1 to {g.target_layers - 1} (0, all of them, leaves nothing to choose)"
             )
-        L = token_layers or g.target_layers  # the target layers with a token term: the first L, or L chosen
+        L = token_layers or g.target_layers  # the target layers with a token term: the first L, the last L, or chosen
         if rank < 0 or rank > min(self.d_tok, L * self.d_out):
             raise TranslatorError(f"token rank {rank} must be 0 (full) or at most {min(self.d_tok, L * self.d_out)}")
         self.rank, self.window, self.token_parts, self.token_layers = rank, window, token_parts, token_layers
@@ -253,17 +253,21 @@ class TokenInput(LinearFamily):
         """The target layers whose maps read the token features, ascending."""
         if self.token_choice == "fit":
             return self.token_layer_index.tolist()
+        if self.token_choice == "last":
+            return list(range(self.geometry.target_layers - self.n_tok_layers, self.geometry.target_layers))
         return list(range(self.n_tok_layers))
 
     def _token_rows(self, part: Part, layers: slice) -> tuple[torch.Tensor, list[int]] | None:
-        """Under chosen layers (token choice fit): the rows of the chunk `layers` that read the token features and
-        their maps' indices, ([rows], [indices]); None for the first L layers (`_token_layers`), and rows of none."""
+        """Under chosen layers (token choice last or fit): the rows of the chunk `layers` that read the token features
+        and their maps' indices, ([rows], [indices]); None for the first L layers (`_token_layers`)."""
         if self.token_choice == "first":
             return None
         start, stop, _ = layers.indices(self.geometry.target_layers)
         chosen = self.chosen_layers() if part in self.tok_parts else []
         hit = [(l - start, i) for i, l in enumerate(chosen) if start <= l < stop]
-        at = torch.tensor([r for r, _ in hit], dtype=torch.long, device=self.token_layer_index.device)
+        at = torch.tensor(
+            [r for r, _ in hit], dtype=torch.long, device=(self.tok_up if self.rank else self.tok_weight).device
+        )
         return at, [i for _, i in hit]
 
     def map(self, part: Part, cap: Capture, layers: slice) -> torch.Tensor:
@@ -403,8 +407,8 @@ class TokenInput(LinearFamily):
         (Σ over KV heads) that the features remove, averaged over the parts that read them. `native_layers` (the
         layers the handoff takes from the target itself: layer 0 under exact:0, whose own features the token term
         reproduces exactly) are never chosen. Sets the layers and returns each layer's share and the choice; None
-        for the first L layers (nothing to choose)."""
-        if self.token_choice == "first":
+        for the first or last L layers (nothing to choose)."""
+        if self.token_choice != "fit":
             return None
         open_layers = self.geometry.target_layers - len(set(native_layers))
         if self.n_tok_layers > open_layers:
