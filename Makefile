@@ -307,7 +307,7 @@ frontier: $(PUNKT) $(if $(filter demo scale,$(PROFILE)),toy) $(EVAL_ROOT)/ifeval
 	$(PY) frontier.py $(PAIR_FLAGS) --data-root $(EVAL_ROOT) $(FRONTIER_ARGS)
 
 LAYERS_ARGS ?=
-layers: $(VENV)/.synced ## where trained translators' error lives: each target layer's share of the handoff's KL (LAYERS_ARGS="--runs RUN ...") → results/PROFILE-DIRECTION-layers/layers.{json,md,png}
+layers: $(VENV)/.synced ## where trained translators' error lives: each target layer's share of the handoff's KL (LAYERS_ARGS="--runs RUN ...") → results/RUN-layers/layers.{json,md,png} (RUN: PROFILE-DIRECTION, or PROFILE-deep-DIRECTION for PAIR=deep)
 	$(PY) layers.py $(PAIR_FLAGS) $(LAYERS_ARGS)
 
 # ---------------------------------------------------------------- serving (optional: vLLM in its own environment)

@@ -6,8 +6,8 @@ translated and the rest is the target's own, and the KL it removes when it alone
 Each layer's share of the handoff's error, per run, goes in one table and one plot, so that a run with the
 target's exact layer 0 and the token features sits beside one without them.
 
-Writes RESULTS/OUT/layers.{json,md,png} (OUT: --out, default PROFILE-DIRECTION-layers); up to date when the
-runs' maps, the data, the models, the settings and the code are the same.
+Writes RESULTS/OUT/layers.{json,md,png} (OUT: --out, default RUN-layers, else PROFILE-DIRECTION-layers); up to
+date when the runs' maps, the data, the models, the settings and the code are the same.
 """
 
 from __future__ import annotations
@@ -60,7 +60,11 @@ class Layers(Stage):
         p.add_argument("--translator", choices=TRANSLATORS, default="distilled", help="which translator of each run")
         p.add_argument("--split", choices=("test", "validation"), default="test", help="the prepared split scored")
         p.add_argument("--limit", type=whole(1), default=64, help="conversations scored: the split's first N")
-        p.add_argument("--out", default=None, help="report folder under --results (default PROFILE-DIRECTION-layers)")
+        p.add_argument(
+            "--out",
+            default=None,
+            help="report folder under --results (default RUN-layers, else PROFILE-DIRECTION-layers)",
+        )
         p.add_argument("--force", action="store_true", help="run again even when the report is up to date")
 
     def check(self) -> None:
@@ -82,7 +86,7 @@ class Layers(Stage):
         manifest = open_prepared(data_dir, pair, profile.name)
         self.data_dir = data_dir
         self.cfg = LayersConfig(
-            args.out or f"{default_run(profile.name, pair.direction)}-layers",
+            args.out or f"{args.run or default_run(profile.name, pair.direction)}-layers",  # the deep pair: its RUN
             runs,
             args.translator,
             str(data_dir),

@@ -97,3 +97,13 @@ def test_translator_reaches_the_stages_that_take_one():
         line = next(x for x in chosen.stdout.splitlines() if stage in x and "--direction" in x)  # not a prepare
         assert line.endswith("--translator closed_form") or "--translator closed_form " in line, line
         assert "--translator" not in plain.stdout, plain.stdout
+
+
+def test_the_deep_pairs_layers_report_has_a_folder_of_its_own():
+    """`make layers PAIR=deep` passes the deep pair's run name, under which the stage names its report folder."""
+    dry = ["make", "-n", "--no-print-directory", "layers", "PROFILE=demo"]
+    deep = subprocess.run([*dry, "PAIR=deep"], cwd=ROOT, capture_output=True, text=True)
+    toy = subprocess.run(dry, cwd=ROOT, capture_output=True, text=True)
+    assert deep.returncode == 0 and toy.returncode == 0, (deep.stderr, toy.stderr)
+    line = next(x for x in deep.stdout.splitlines() if "layers.py" in x)
+    assert "--run demo-deep-l2s" in line and "--run" not in next(x for x in toy.stdout.splitlines() if "layers.py" in x)
