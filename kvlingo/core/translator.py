@@ -256,6 +256,12 @@ class LinearFamily(Translator):
         """Solve streamed normal equations (kvlingo.core.fit) into the parameters."""
         self.set_solution(*ne.solve(ridge))
 
+    @property
+    def chooses_layers(self) -> bool:
+        """Whether the closed form chooses where the inputs go before solving (`choose_from`: held-out conversations,
+        so --ridge auto)."""
+        return False
+
     def choose_from(self, fit, held_out, ridge, native_layers: tuple[int, ...] = ()) -> dict | None:
         """Before `solve_from`, a family that chooses where its inputs go chooses on `held_out`'s conversations (fit on
         `fit`'s; `held_out` None without --ridge auto), never among `native_layers` (target layers the handoff takes

@@ -115,6 +115,8 @@ def fit_closed_form(
         translator.set_plan(ranked.pop("plan"))
         stats["layer_ranking"] = {**ranked, "plan": translator.plan.tolist()}
     auto = ridge == "auto"
+    if translator.chooses_layers and not auto:  # before any work: the choice needs the held-out conversations
+        translator.choose_from(None, None, ridge)  # refuses, with the fix
     if auto and len(rows) < 2 * held_out_every:
         raise ValueError(
             f"--ridge auto holds out 1 in {held_out_every} fit conversations and needs at least "

@@ -452,7 +452,8 @@ def test_the_closed_form_chooses_the_layers_on_held_out_conversations_and_the_fo
 ):
     """Through `fit_closed_form` with --ridge auto on the tiny pair: the choice is recorded in the fit's statistics
     (each layer's held-out share and the layers chosen), the maps read the features at those layers, and a saved
-    translator loads with the same choice and bits. Without held-out conversations (a numeric ridge) it is refused."""
+    translator loads with the same choice and bits. Without held-out conversations (a numeric ridge) it is refused
+    before any conversation is read."""
     from transformers import AutoTokenizer
 
     pair = load_tiny_pair(tiny_pair_paths)
@@ -479,3 +480,5 @@ def test_the_closed_form_chooses_the_layers_on_held_out_conversations_and_the_fo
     fresh = TokenInput(geometry, rank=0, window=2, token_layers=n, token_choice="fit").bind(pair.source, pair.target)
     with pytest.raises(TranslatorError, match="--ridge auto"):
         fit_closed_form(pair.source, pair.target, fresh, rows, ridge=0.0)
+    with pytest.raises(TranslatorError, match="--ridge auto"):  # before any work: no conversation is read
+        fit_closed_form(pair.source, pair.target, fresh, [{"no": "conversation"}], ridge=0.0)

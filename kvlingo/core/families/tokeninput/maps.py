@@ -398,6 +398,10 @@ class TokenInput(LinearFamily):
         basis[-1, -1] = 1.0
         return ne.in_basis(basis)
 
+    @property
+    def chooses_layers(self) -> bool:
+        return self.token_choice == "fit"
+
     def choose_from(
         self, fit: NormalEquations, held_out: NormalEquations | None, ridge, native_layers: tuple[int, ...] = ()
     ) -> dict | None:
