@@ -384,19 +384,19 @@ class TokenInput(LinearFamily):
         own = self.layer0.feature_span()
         return None if own is None else torch.block_diag(*[own] * self.window)
 
-    def _in_span(self, ne: NormalEquations) -> NormalEquations:
+    def _in_span(self, ne: NormalEquations) -> tuple[NormalEquations, torch.Tensor | None]:
         """Token features of lower rank than their width (2 · KV width > hidden): the problem on the directions they
         take (its solution the minimum-norm one), so the token maps carry no weight on directions only rounding
-        reaches; `ne` itself where they take all of them."""
-        span = self.feature_span()  # [d_tok, k], or None: all of them
+        reaches; `ne` itself where they take all of them. Returns it and the span [d_tok, k] (None: all of them)."""
+        span = self.feature_span()
         if span is None:
-            return ne
+            return ne, None
         d_in = ne.d_in - self.d_tok
         basis = torch.zeros(ne.d_in + 1, d_in + span.shape[1] + 1, dtype=torch.float64)
         basis[:d_in, :d_in] = torch.eye(d_in, dtype=torch.float64)
         basis[d_in : ne.d_in, d_in:-1] = span
         basis[-1, -1] = 1.0
-        return ne.in_basis(basis)
+        return ne.in_basis(basis), span
 
     @property
     def chooses_layers(self) -> bool:
@@ -427,7 +427,7 @@ class TokenInput(LinearFamily):
                 "(the default), or give --token-choice first"
             )
         d_in = fit.d_in - self.d_tok
-        fit, held_out = self._in_span(fit), self._in_span(held_out)
+        (fit, _), (held_out, _) = self._in_span(fit), self._in_span(held_out)
         keep = list(range(d_in)) + [fit.d_in]  # the base's rows and the bias
         full = fit.solve_augmented(ridge)  # [2, L, B, rows, d_out]
         alone = torch.zeros_like(full)
@@ -450,8 +450,7 @@ class TokenInput(LinearFamily):
         """The token features' blocks (the parts and the layers that read them) solved with them; every other
         block solved on the base's inputs alone, so that its base map does not count on a token term it lacks."""
         d_in = ne.d_in - self.d_tok
-        span = self.feature_span()  # [d_tok, k], or None: all of them (`_in_span`)
-        ne = self._in_span(ne)
+        ne, span = self._in_span(ne)
         sol = ne.solve_augmented(ridge)  # [2, L, B, d_in + (d_tok or the span's k) + 1, d_out]
         keep = list(range(d_in)) + [ne.d_in]  # the base's rows and the bias
         with_tokens = torch.zeros(sol.shape[:2], dtype=torch.bool)  # [2, L]: blocks that read the token features
