@@ -40,6 +40,10 @@ endif
 # Run name: empty means every stage's default, PROFILE-DIRECTION (kvlingo/records/paths.py); the deep pair's runs
 # are demo-deep-DIRECTION.
 RUN       ?= $(if $(filter deep,$(PAIR)),$(if $(filter demo scale,$(PROFILE)),$(PROFILE)-deep-$(DIRECTION)))
+# The suite runs in pytest-xdist workers, TEST_JOBS of them (auto: one per CPU core; 0: in pytest's own process),
+# idle workers taking tests from busy ones (worksteal). Each worker runs torch on one thread: a worker per core
+# on torch's default threads would put cores x cores threads on the machine.
+TEST_JOBS ?= auto
 # Data-parallel ranks of a training (torchrun --nproc-per-node; the recipe's GPUs per training cell).
 NPROC     ?= 1
 # How the recipe runs its cells: local (processes on this machine) or slurm (job arrays, submitit).
@@ -110,6 +114,9 @@ endif
 ifeq ($(filter $(TRANSLATOR),distilled closed_form),)
 $(error TRANSLATOR=$(TRANSLATOR) is not a translator of a run: one of distilled (the default), closed_form)
 endif
+ifeq ($(shell echo '$(TEST_JOBS)' | grep -xE 'auto|[0-9]+'),)
+$(error TEST_JOBS=$(TEST_JOBS) is not a count of test workers: auto (one per core), 0 (none: one process) or a whole number)
+endif
 ifeq ($(shell echo '$(NPROC)' | grep -xE '[1-9][0-9]*'),)
 $(error NPROC=$(NPROC) is not a count of ranks: a whole number, 1 or more (make train NPROC=8: torchrun, 8 ranks))
 endif
@@ -153,8 +160,10 @@ $(VENV)/.synced: pyproject.toml uv.lock
 
 venv: $(VENV)/.synced ## create or update .venv from uv.lock
 
+PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal
+
 test: $(VENV)/.synced ## run the whole test suite offline on the CPU (tiny local models, no network; what CI runs)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q $(TEST_ARGS)
+	$(PYTEST) $(TEST_ARGS)
 
 lint: $(VENV)/.synced ## ruff: the linter and the formatter's check (what CI runs before the tests)
 	$(VENV)/bin/ruff check .
@@ -165,7 +174,7 @@ format: $(VENV)/.synced ## ruff: format the code and apply the linter's safe fix
 	$(VENV)/bin/ruff check --fix .
 
 test-fast: $(VENV)/.synced ## the fast tests only (skips those marked slow)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(TEST_ARGS)
+	$(PYTEST) -m "not slow" $(TEST_ARGS)
 
 # nltk's English punkt_tab for IFEval's sentence-count instructions, written offline and verified.
 $(PUNKT): $(VENV)/.synced
