@@ -252,35 +252,43 @@ def forward_flops(cfg, n_query: int, n_keys: int, layers: int | None = None, lm_
     return dense + attention + head
 
 
-def refresh_flops(refresh: Refresh, source_cfg, target_cfg, translator_flops_per_token: float, T: int) -> dict:
-    """FLOPs of a handoff of a T-token context under `refresh`, and of re-prefilling it, at these configs."""
+def refresh_flops(refresh: Refresh, source_cfg, target_cfg, translator, T: int) -> dict:
+    """FLOPs of a handoff of a T-token context under `refresh`, and of re-prefilling it, at these configs.
+    `translator`: the translator at these configs (`flops_per_token_without` prices the layers it translates), or
+    its FLOPs per token when every layer costs the same."""
     tcfg = target_cfg
     reprefill = forward_flops(tcfg, T, (T + 1) / 2, lm_head=True)
     L = tcfg.num_hidden_layers
+
+    def per_token(own: tuple[int, ...] = ()) -> float:  # FLOPs per token of translating every layer but `own`
+        if isinstance(translator, (int, float)):
+            return translator * (L - len(own)) / L
+        return translator.flops_per_token_without(own)
+
     if refresh.kind == "tail":
         w = refresh.tail_tokens(T)
         native = forward_flops(tcfg, w, T - w + (w + 1) / 2)
-        translated = translator_flops_per_token * (T - w)
+        translated = per_token() * (T - w)
     elif refresh.kind == "layers":
         k = refresh.native_layers(L)
         native = forward_flops(tcfg, T, (T + 1) / 2, layers=k)
-        translated = translator_flops_per_token * T * (L - k) / L
+        translated = per_token(refresh.own_layers(L)) * T
     elif refresh.kind == "layer":  # the native forward must reach layer l; one layer less to translate
         l = refresh.layer_index(L)
         native = forward_flops(tcfg, T, (T + 1) / 2, layers=l + 1)
-        translated = translator_flops_per_token * T * (L - 1) / L
+        translated = per_token((l,)) * T
     elif refresh.kind == "exact":  # layer 0 from the token ids: k_proj and v_proj per token
         from .layer0 import flops_per_token
 
         native = flops_per_token(tcfg) * T
-        translated = translator_flops_per_token * T * (L - 1) / L
+        translated = per_token(refresh.own_layers(L)) * T
     elif refresh.kind == "select":
         n = refresh.selected_count(T)
         layer0 = 2.0 * tcfg.hidden_size * tcfg.num_key_value_heads * tcfg.head_dim * 2 * T  # k and v of layer 0
         native = forward_flops(tcfg, n, (T + 1) / 2) + (layer0 if n else 0.0)
-        translated = translator_flops_per_token * T
+        translated = per_token() * T
     else:
-        native, translated = 0.0, translator_flops_per_token * T
+        native, translated = 0.0, per_token() * T
     total = native + translated
     return {
         "native_flops": native,

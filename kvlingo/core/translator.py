@@ -22,6 +22,7 @@ The folder format and the one loader are kvlingo.records.saved. Callers never br
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any, ClassVar
@@ -90,6 +91,13 @@ class Translator(nn.Module, ABC):
     def flops_per_token(self, part: Part | None = None) -> float:
         """Multiply-adds × 2 per context token of the key or value maps (`part`), or of both (None); norm
         and RoPE excluded."""
+
+    def flops_per_token_without(self, own_layers: Sequence[int] = ()) -> float:
+        """`flops_per_token` of a handoff that translates every target layer but `own_layers` (those it takes from
+        the target itself: `Refresh.own_layers`). A family whose layers cost the same each; one whose layers differ
+        (token features at chosen layers) counts its own."""
+        L = self.geometry.target_layers
+        return self.flops_per_token() * (L - len(set(own_layers))) / L
 
     def value_maps(self) -> ValueMaps | None:
         """Every target value as an affine map of source values (`preallocated.ValueMaps`, FP32 and

@@ -159,6 +159,7 @@ def real_cost(setting: Setting, direction: str, toy_geometry) -> dict[str, float
     from ..bench.shapes import prefill_flops, real_pair_configs, real_settings, translator_at
     from ..core import layer0
     from ..core.families import FAMILIES
+    from ..core.settings import Refresh
     from ..train.config import family_settings
 
     src_cfg, tgt_cfg = real_pair_configs(direction)
@@ -169,7 +170,7 @@ def real_cost(setting: Setting, direction: str, toy_geometry) -> dict[str, float
         target = Qwen3ForCausalLM(tgt_cfg)
     L = tgt_cfg.num_hidden_layers
     exact = setting.refresh == "exact:0"
-    translate = translator.flops_per_token() * ((L - 1) / L if exact else 1.0)
+    translate = translator.flops_per_token_without(Refresh.parse(setting.refresh).own_layers(L))
     own_layer0 = layer0.flops_per_token(tgt_cfg) if exact or FAMILIES[setting.family].reads_layer0 else 0.0
     flops, reprefill = translate + own_layer0, prefill_flops(target, 1)
     return {

@@ -614,12 +614,10 @@ class Frontier(Stage):
         src_cfg, tgt_cfg = real_pair_configs(cfg.pair.direction)
         for r in cfg.runs:
             spec = self.specs[r]
-            per_token = translator_at(
-                spec["family"], spec["settings"], src_cfg, tgt_cfg, spec["key_space"], self.toy
-            ).flops_per_token()
+            translator = translator_at(spec["family"], spec["settings"], src_cfg, tgt_cfg, spec["key_space"], self.toy)
             for setting in cfg.settings:
                 arms = self._quality(r, setting)
-                cost = refresh_flops(setting, src_cfg, tgt_cfg, per_token, cfg.real_tokens)
+                cost = refresh_flops(setting, src_cfg, tgt_cfg, translator, cfg.real_tokens)
                 row = {
                     "run": r,
                     "setting": str(setting),

@@ -33,8 +33,9 @@ def test_real_cost_counts_flops_at_the_real_shapes():
     # token identity at rank 32 of the toy's 64 → 512: head-wise maps + shared down-projection + per-layer up
     tok = A.real_cost(by["token-w3"], "l2s", TOY)
     assert tok["real_settings"]["rank"] == 512
-    per = 14.68e6 + 2 * 2 * (3 * 2048 * 512 + 28 * 512 * 1024)
-    assert tok["translate_flops_per_token"] == pytest.approx(per * 27 / 28, rel=1e-3)
+    # exact:0 leaves layer 0's head-wise and token up-projection maps out, never the shared down-projection
+    per = 14.68e6 * 27 / 28 + 2 * 2 * (3 * 2048 * 512 + 27 * 512 * 1024)
+    assert tok["translate_flops_per_token"] == pytest.approx(per, rel=1e-3)
     assert (
         tok["fraction_of_reprefill"]
         < A.MAX_COST_FRACTION
@@ -56,7 +57,7 @@ def test_the_wider_windows_and_the_cross_layer_base_fit_the_budget_in_both_direc
         frac = [cost[n]["fraction_of_reprefill"] for n in names]
         assert frac == sorted(frac) and frac[-1] < A.MAX_COST_FRACTION, (direction, frac)
         w3, w5 = cost["token-w3"]["translate_flops_per_token"], cost["token-w5"]["translate_flops_per_token"]
-        assert w5 - w3 == pytest.approx(2 * 2 * 2 * 2048 * 512 * 27 / 28, rel=1e-6)  # two more tokens' rows of P
+        assert w5 - w3 == pytest.approx(2 * 2 * 2 * 2048 * 512, rel=1e-6)  # two more tokens' rows of P
         assert cost["token-w3-crosslayer"]["real_settings"]["base"]["settings"]["rank"] == 128
         assert not any(by[n].default_run for n in ("token-w5", "token-w8", "token-w3-crosslayer"))  # --settings only
 
@@ -76,10 +77,11 @@ def test_the_attention_output_value_fit_is_a_row_of_its_own_at_token_w3s_cost():
     assert args.value_fit == "output"
 
 
-def test_the_chosen_layers_row_costs_the_first_halfs_and_its_flags_reach_training():
+def test_the_chosen_layers_row_costs_its_layers_token_maps_and_its_flags_reach_training():
     """token-w3-chosen reads the token features at half the target's layers, chosen by the closed form, and
-    token-w3-upper at the second half: at the real shapes each costs token-w3-lower's (14 of 28 layers' token maps),
-    less than token-w3, runs with --settings only, and the training stage's parser takes its flags."""
+    token-w3-upper at the second half: at the real shapes each costs 14 layers' token maps (the choice never takes
+    layer 0, which exact:0 computes from the ids), token-w3-lower 13 (its first layer is layer 0), less than
+    token-w3; they run with --settings only, and the training stage's parser takes their flags."""
     from kvlingo.stages.train import Train
 
     deep = Geometry(28, 2, 32, 28, 2, 32)
@@ -88,9 +90,11 @@ def test_the_chosen_layers_row_costs_the_first_halfs_and_its_flags_reach_trainin
             by = {s.name: s for s in A.settings_for(DEMO, direction, geometry)}
             row = by["token-w3-chosen"]
             cost = A.real_cost(row, direction, geometry)
-            assert cost == A.real_cost(by["token-w3-lower"], direction, geometry) | {
-                "real_settings": cost["real_settings"]
-            }
+            lower = A.real_cost(by["token-w3-lower"], direction, geometry)
+            up_projection = 2 * 2 * 512 * 1024  # keys and values, one layer's token up-projection at rank 512
+            assert cost["translate_flops_per_token"] - lower["translate_flops_per_token"] == pytest.approx(
+                up_projection
+            )
             assert cost["real_settings"]["token_layers"] == 14 and cost["real_settings"]["token_choice"] == "fit"
             upper = A.real_cost(by["token-w3-upper"], direction, geometry)
             assert upper == cost | {"real_settings": upper["real_settings"]} and not by["token-w3-upper"].default_run

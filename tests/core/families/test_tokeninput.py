@@ -447,6 +447,49 @@ def test_a_token_choice_is_refused_with_its_fix():
     assert last.chosen_layers() == [1, 2, 3] and last.choose_from(None, None, 0.0) is None  # nothing to choose
 
 
+def test_a_handoff_that_takes_layers_from_the_target_prices_only_the_token_maps_it_still_runs():
+    """`flops_per_token_without` (what the ablation and `refresh_flops` charge): the head-wise base loses the own
+    layers' maps; the token term keeps its down-projection and loses an up-projection per own layer among the token
+    layers: the first 2 lose layer 0's under exact:0, the last 2 lose none, and a closed-form choice (which never
+    takes an own layer) none, before and after it chooses."""
+    from kvlingo.core.refresh import refresh_flops
+    from kvlingo.core.settings import Refresh
+
+    def make(choice: str) -> TokenInput:
+        return TokenInput(
+            TOKEN_GEOM, base={"family": "headwise", "settings": {}}, rank=4, token_layers=2, token_choice=choice
+        )
+
+    first, last, fit = make("first"), make("last"), make("fit")
+    base = first.base.flops_per_token()
+    up = 2.0 * 4 * first.d_out  # one layer's up-projection of keys or values
+    assert first.flops_per_token() == base + 2 * (2.0 * first.d_tok * 4 + 2 * up)
+    assert first.flops_per_token_without(()) == first.flops_per_token()
+    assert first.flops_per_token_without((0,)) == base * 3 / 4 + 2 * (2.0 * first.d_tok * 4 + up)
+    assert (
+        last.flops_per_token_without((0,))
+        == fit.flops_per_token_without((0,))
+        == base * 3 / 4 + 2 * (2.0 * first.d_tok * 4 + 2 * up)
+    )
+    assert first.flops_per_token_without((0, 1)) == base / 2  # no token layer left: no down-projection either
+    # refresh_flops charges the same, and prices a family of equal layers from its FLOPs per token as before
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        vocab_size=100,
+    )
+    exact = Refresh.parse("exact:0")
+    assert refresh_flops(exact, cfg, cfg, first, 10)["translate_flops"] == first.flops_per_token_without((0,)) * 10
+    head = first.base
+    assert refresh_flops(exact, cfg, cfg, head, 10) == refresh_flops(exact, cfg, cfg, head.flops_per_token(), 10)
+
+
 def test_the_closed_form_chooses_the_layers_on_held_out_conversations_and_the_folder_keeps_them(
     tiny_pair_paths, tmp_path
 ):

@@ -31,6 +31,7 @@ prices it, and the ablation counts it once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -118,13 +119,28 @@ class TokenInput(LinearFamily):
         }
 
     def flops_per_token(self, part: Part | None = None) -> float:
-        L = self.n_tok_layers
-        if self.rank:
-            tok = 2.0 * (self.d_tok * self.rank + L * self.rank * self.d_out)  # keys or values
-        else:
-            tok = 2.0 * L * self.d_tok * self.d_out
         parts = PARTS if part is None else (part,)
-        return self.base.flops_per_token(part) + tok * sum(p in self.tok_parts for p in parts)
+        return self.base.flops_per_token(part) + self._token_flops(self.n_tok_layers) * sum(
+            p in self.tok_parts for p in parts
+        )
+
+    def flops_per_token_without(self, own_layers: Sequence[int] = ()) -> float:
+        """The base's layers but `own_layers`, and the token term of the chosen layers but those: a layer the target
+        computes itself costs its token maps only where it has them. A closed-form choice (`choose_from`) never picks
+        such a layer: its N layers cost N, before the choice (at the real shapes) as after it."""
+        if self.token_choice == "fit":
+            kept = self.n_tok_layers
+        else:
+            kept = len(set(self.chosen_layers()) - set(own_layers))
+        return self.base.flops_per_token_without(own_layers) + self._token_flops(kept) * len(self.tok_parts)
+
+    def _token_flops(self, n_layers: int) -> float:
+        """The token term of keys or values in `n_layers` layers, per token (a low rank's down-projection is shared)."""
+        if not n_layers:
+            return 0.0
+        if self.rank:
+            return 2.0 * (self.d_tok * self.rank + n_layers * self.rank * self.d_out)
+        return 2.0 * n_layers * self.d_tok * self.d_out
 
     def bind(self, source, target) -> TokenInput:
         from ... import layer0
