@@ -19,6 +19,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The modules that hold a slow test run first, each module's tests kept together (its fixtures built once):
+    `make test`'s workers (pytest-xdist, worksteal) then start the longest tests early instead of leaving one to
+    run alone at the end while the others wait."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair_paths(tmp_path_factory):
     from tinypair import build_tiny_pair
