@@ -162,7 +162,7 @@ venv: $(VENV)/.synced ## create or update .venv from uv.lock
 
 PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal
 
-test: $(VENV)/.synced ## run the whole test suite offline on the CPU (tiny local models, no network; what CI runs)
+test: $(VENV)/.synced ## run the whole test suite offline on the CPU (tiny local models, no network; what CI runs; TEST_JOBS=N workers, 0: one process)
 	$(PYTEST) $(TEST_ARGS)
 
 lint: $(VENV)/.synced ## ruff: the linter and the formatter's check (what CI runs before the tests)

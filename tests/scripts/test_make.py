@@ -53,6 +53,7 @@ def test_make_perf_passes_a_named_pair():
         (["train", "NPROC=0"], "NPROC=0 is not a count of ranks"),
         (["train", "NPROC=two"], "NPROC=two is not a count of ranks"),
         (["ifeval", "TRANSLATOR=closed"], "TRANSLATOR=closed is not a translator of a run: one of distilled"),
+        (["test", "TEST_JOBS=two"], "TEST_JOBS=two is not a count of test workers: auto (one per core), 0"),
     ],
 )
 def test_a_mistyped_choice_or_count_is_one_line_before_any_target_runs(args, message):
@@ -80,6 +81,8 @@ def test_the_checked_variables_pass_where_they_are_right():
         (["train", "NPROC=8"], "--nproc-per-node 8 train_translator.py --"),
         (["task", "TASK=gsm8k", "HANDOFF=trace"], "--task gsm8k --handoff trace"),
         (["ablate", "PROFILE=demo", "PAIR=deep"], "--run demo-deep-$d-ablate"),
+        (["test", "TEST_JOBS=0"], "OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 0 --dist worksteal"),
+        (["test"], "-n auto --dist worksteal"),
     ]:
         out = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 0 and expect in out.stdout, (args, out.stderr)
