@@ -9,12 +9,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# The environment a user's shell gives make: free of an outer make's flags and of the variables `make test` takes
+# (`make test TEST_JOBS=0` runs this file; make exports TEST_JOBS and its MAKEFLAGS to every make below).
+OUTER = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "TEST_JOBS", "TEST_ARGS")
+SHELL_ENV = {k: v for k, v in os.environ.items() if k not in OUTER}
 
 
 def test_make_train_with_an_abbreviated_flag_is_refused_and_writes_nothing(tmp_path):
     """As the issue's user typed it: without the refusal, argparse read `--update 10` as `--updates 10` and
     overwrote the demo's translator."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**SHELL_ENV, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     roots = f"--artifacts {tmp_path / 'artifacts'} --results {tmp_path / 'results'}"
     out = subprocess.run(
         ["make", "--no-print-directory", "train", "PROFILE=demo", f"TRAIN_ARGS=--update 10 {roots}"],
@@ -38,9 +42,13 @@ def test_make_perf_passes_a_named_pair():
         cwd=ROOT,
         capture_output=True,
         text=True,
+        env=SHELL_ENV,
     )
     assert "--large meta-llama/Llama-3.2-3B --small meta-llama/Llama-3.2-1B" in proc.stdout
-    assert "--large" not in subprocess.run(["make", "-n", "perf"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert (
+        "--large"
+        not in subprocess.run(["make", "-n", "perf"], cwd=ROOT, capture_output=True, text=True, env=SHELL_ENV).stdout
+    )
 
 
 @pytest.mark.parametrize(
@@ -59,7 +67,9 @@ def test_make_perf_passes_a_named_pair():
 def test_a_mistyped_choice_or_count_is_one_line_before_any_target_runs(args, message):
     """Before these checks: PAIR=dep or mismatched ran the 4-layer pair under that pair's run name, TASK=arcc was
     make's "No rule to make target", NPROC=0 torchrun's traceback. `make -n` shows that nothing would run."""
-    out = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        ["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True, env=SHELL_ENV
+    )
     assert out.returncode == 2 and out.stdout == ""
     assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
 
@@ -84,7 +94,9 @@ def test_the_checked_variables_pass_where_they_are_right():
         (["test", "TEST_JOBS=0"], "OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 0 --dist worksteal"),
         (["test"], "-n auto --dist worksteal"),
     ]:
-        out = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True)
+        out = subprocess.run(
+            ["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True, env=SHELL_ENV
+        )
         assert out.returncode == 0 and expect in out.stdout, (args, out.stderr)
 
 
@@ -93,8 +105,10 @@ def test_translator_reaches_the_stages_that_take_one():
     export's refusals print); the default, distilled, adds no flag, so the stages' own default stands."""
     for target in ("switch", "ifeval", "task", "export"):
         dry = ["make", "-n", "--no-print-directory", target, "PROFILE=demo"]
-        chosen = subprocess.run([*dry, "TRANSLATOR=closed_form"], cwd=ROOT, capture_output=True, text=True)
-        plain = subprocess.run(dry, cwd=ROOT, capture_output=True, text=True)
+        chosen = subprocess.run(
+            [*dry, "TRANSLATOR=closed_form"], cwd=ROOT, capture_output=True, text=True, env=SHELL_ENV
+        )
+        plain = subprocess.run(dry, cwd=ROOT, capture_output=True, text=True, env=SHELL_ENV)
         assert chosen.returncode == 0 and plain.returncode == 0, (target, chosen.stderr, plain.stderr)
         stage = {"switch": "switch_cost.py", "task": "task_eval.py"}.get(target, f"{target}.py")
         line = next(x for x in chosen.stdout.splitlines() if stage in x and "--direction" in x)  # not a prepare
@@ -105,8 +119,8 @@ def test_translator_reaches_the_stages_that_take_one():
 def test_the_deep_pairs_layers_report_has_a_folder_of_its_own():
     """`make layers PAIR=deep` passes the deep pair's run name, under which the stage names its report folder."""
     dry = ["make", "-n", "--no-print-directory", "layers", "PROFILE=demo"]
-    deep = subprocess.run([*dry, "PAIR=deep"], cwd=ROOT, capture_output=True, text=True)
-    toy = subprocess.run(dry, cwd=ROOT, capture_output=True, text=True)
+    deep = subprocess.run([*dry, "PAIR=deep"], cwd=ROOT, capture_output=True, text=True, env=SHELL_ENV)
+    toy = subprocess.run(dry, cwd=ROOT, capture_output=True, text=True, env=SHELL_ENV)
     assert deep.returncode == 0 and toy.returncode == 0, (deep.stderr, toy.stderr)
     line = next(x for x in deep.stdout.splitlines() if "layers.py" in x)
     assert "--run demo-deep-l2s" in line and "--run" not in next(x for x in toy.stdout.splitlines() if "layers.py" in x)
