@@ -31,6 +31,7 @@ from ..train.footprint import add_estimate_args
 from .skeleton import Stage, lock_run
 
 FIT_WEIGHTINGS = ("uniform", "attention")  # kvlingo.train.weighting (a test holds them equal)
+LR_SCHEDULES = ("constant", "linear", "cosine")  # kvlingo.train.distill.lr_at (a test holds them equal)
 VALUE_FITS = ("values", "output")  # kvlingo.train.weighting
 MEASURED_UPDATES = 3  # updates timed before the measured time per update is printed
 
@@ -121,6 +122,13 @@ class Train(Stage):
             type=number(above=0),
             default=None,
             help="AdamW learning rate (default: the profile's for the direction)",
+        )
+        p.add_argument(
+            "--lr-schedule",
+            choices=LR_SCHEDULES,
+            default="constant",
+            help="the learning rate over the updates: constant, or decayed to 0 by the last update, linearly or on a "
+            "half cosine (default: constant)",
         )
         p.add_argument(
             "--max-grad-norm",
@@ -365,7 +373,7 @@ class Train(Stage):
         """Distillation from the closed form (or the resumed checkpoint): the loss and validation history."""
         from tqdm import tqdm
 
-        from ..train.distill import distill_step, make_optimizer
+        from ..train.distill import distill_step, lr_at, make_optimizer
         from ..train.rows import data_order
 
         cfg, pair = self.cfg, self.pair
@@ -387,6 +395,8 @@ class Train(Stage):
         t_first = time.time()
         for u in bar:
             rows = [self.train_rows[i] for i in self.order[u * cfg.batch : (u + 1) * cfg.batch]]
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr_at(cfg.lr, cfg.lr_schedule, u, cfg.updates)
             loss = distill_step(
                 pair.source,
                 pair.target,
@@ -571,7 +581,7 @@ class Train(Stage):
             plot,
             history["loss"],
             history["val"],
-            f"{paths.run}: {self.pair_cfg.direction}, {cfg.family}, {cfg.key_space}, lr {cfg.lr:g}",
+            f"{paths.run}: {self.pair_cfg.direction}, {cfg.family}, {cfg.key_space}, lr {cfg.lr:g}{_schedule(cfg)}",
         )
         results = TrainResults(
             closed_form_val_kl=history["val"][0][1],
@@ -660,7 +670,7 @@ class Train(Stage):
                 f"({self.pair_cfg.direction}), family {cfg.family}, key space {cfg.key_space}, refresh {cfg.refresh}, "
                 f"fit weighting {cfg.fit_weighting}, value fit {cfg.value_fit}, {self.pair_cfg.dtype} on "
                 f"{self.pair_cfg.device}; {cfg.updates} "
-                f"updates × batch {cfg.batch}, lr {cfg.lr:g}, seed {cfg.seed}.\n\n{chosen}{table}\n"
+                f"updates × batch {cfg.batch}, lr {cfg.lr:g}{_schedule(cfg)}, seed {cfg.seed}.\n\n{chosen}{table}\n"
                 f"Validation: the mean over n = {n_val} conversations ({val_tokens} reply tokens) of each one's "
                 f"mean reply-token KL, ± its SE over the conversations.\n\nFrozen model weights verified "
                 f"unchanged. Wall time {total:.1f} s distilling in all (every resumed stretch), {wall:.1f} s this "
@@ -750,6 +760,7 @@ def train_config(args, profile, pair_cfg):
         updates=distillation_updates(args, given(args.updates, profile.updates)),
         batch=positive("batch", given(args.batch, profile.batch)),
         lr=positive("lr", given(args.lr, profile.lr_for(pair_cfg.direction))),
+        lr_schedule=args.lr_schedule,
         weight_decay=positive(
             "weight-decay", given(args.weight_decay, objective.get("weight_decay", 0.0)), allow_zero=True
         ),
@@ -779,6 +790,11 @@ def check_split_size(cfg, manifest: dict, data_dir: Path) -> None:
 
 
 # --------------------------------------------------------------------------- helpers
+def _schedule(cfg) -> str:
+    """How the report names a decaying learning rate (nothing for a constant one)."""
+    return "" if cfg.lr_schedule == "constant" else f" ({cfg.lr_schedule} decay to 0)"
+
+
 def _write(message: str) -> None:
     from tqdm import tqdm
 

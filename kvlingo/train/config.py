@@ -59,7 +59,8 @@ class TrainConfig:
     n_fit: int = 0  # train conversations in the closed-form fit (the first n_fit of a seeded order)
     updates: int = 0  # distillation optimiser updates
     batch: int = 1  # conversations accumulated per update (the adapter is batch-one)
-    lr: float = 1e-4  # AdamW learning rate, constant
+    lr: float = 1e-4  # AdamW learning rate (at the first update)
+    lr_schedule: str = "constant"  # the rate over the updates: constant, linear or cosine decay to 0 (distill.lr_at)
     weight_decay: float = (
         0.0  # AdamW decoupled weight decay; 0 so that the maps are not pulled toward zero, away from the fit
     )

@@ -28,6 +28,7 @@ the single process's. Validation sums the ranks' KL sums.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -145,6 +146,23 @@ def validation_kl(
     local = sum(parts[i].item() for i in mine)  # this rank's sum in row order, then the sum over ranks
     mean = world.sum_float(local) / len(rows)
     return mean, world.sum_(parts).tolist()
+
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def lr_at(lr: float, schedule: str, update: int, updates: int) -> float:
+    """The learning rate of update `update` (0-based) of `updates`: `lr` throughout (constant), or decayed toward 0
+    over the run, linearly or on a half cosine, as torch's LinearLR(1 → 0) and CosineAnnealingLR(η_min 0) step it.
+    A function of the update alone, so a resumed run sets each update's rate as the run it continues would have."""
+    if schedule == "constant":
+        return lr
+    done = update / updates
+    if schedule == "linear":
+        return lr * (1.0 - done)
+    if schedule == "cosine":
+        return lr * 0.5 * (1.0 + math.cos(math.pi * done))
+    raise ValueError(f"learning-rate schedule {schedule!r}: one of {', '.join(LR_SCHEDULES)}")
 
 
 def make_optimizer(translator: Translator, lr: float, weight_decay: float) -> torch.optim.AdamW:

@@ -762,3 +762,48 @@ def test_token_features_at_chosen_layers_are_chosen_in_the_fit_and_named_in_the_
     assert f"Token features at target layers {choice['chosen'][0]} of {len(share)}, chosen by the closed form" in md
     maps = load_state(tmp_path / "artifacts" / "chosen" / "closed_form")
     assert maps.chosen_layers() == choice["chosen"] and maps.settings()["token_choice"] == "fit"
+
+
+def test_a_decaying_learning_rate_reaches_each_update_and_a_resume_continues_it(tiny_pair_paths, tmp_path, capsys):
+    """--lr-schedule cosine: each update's AdamW rate is `lr_at`'s (the checkpoints keep the rate of the update
+    before them), the decay changes the maps, a run resumed after its update-2 checkpoint equals the uninterrupted
+    one bit for bit, the report names the decay, and a resume under another schedule is refused, naming it."""
+    from transformers import AutoTokenizer
+
+    from kvlingo.train.checkpoints import checkpoint_paths, load_checkpoint
+    from kvlingo.train.distill import lr_at
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair_paths[0])
+    data = write_prepared(
+        tmp_path / "data", tok, {"train": chat_rows(tok, 16, 0, "t"), "validation": chat_rows(tok, 4, 1, "v")}
+    )
+
+    def argv(root, schedule="cosine"):
+        return [
+            *("--profile", "tiny", "--data", str(data), "--run", "r", "--large", str(tiny_pair_paths[0])),
+            *("--small", str(tiny_pair_paths[1]), "--device", "cpu", "--dtype", "float32", "--family", "headwise"),
+            *("--lr", "3e-2", "--lr-schedule", schedule, "--n-fit", "16", "--updates", "6", "--checkpoint-every", "2"),
+            *("--artifacts", str(root / "artifacts"), "--results", str(root / "results")),
+        ]
+
+    train_translator.main(argv(tmp_path / "a"))
+    ck = tmp_path / "a" / "artifacts" / "r" / "checkpoints"
+    for u in (2, 4, 6):
+        state = load_checkpoint(*checkpoint_paths(ck, u))
+        assert state["optimizer"]["param_groups"][0]["lr"] == lr_at(3e-2, "cosine", u - 1, 6)
+    assert lr_at(3e-2, "cosine", 5, 6) < 3e-2 / 10  # the last update's rate, near 0
+    assert "lr 0.03 (cosine decay to 0)" in (tmp_path / "a" / "results" / "r" / "train.md").read_text()
+    train_translator.main(argv(tmp_path / "c", "constant"))
+    a, c = (load_state(tmp_path / x / "artifacts" / "r" / "distilled") for x in "ac")
+    assert not all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), c.state_dict().values()))
+
+    train_translator.main(argv(tmp_path / "b"))
+    ck = tmp_path / "b" / "artifacts" / "r" / "checkpoints"
+    for u in (4, 6):  # as if killed after the update-2 checkpoint
+        (ck / f"DONE_{u:06d}").unlink()
+    (tmp_path / "b" / "artifacts" / "r" / "distilled" / "manifest.json").unlink()
+    assert "lr_schedule" in refused(train_translator.main, [*argv(tmp_path / "b", "linear"), "--resume"], capsys)
+    rep = train_translator.main([*argv(tmp_path / "b"), "--resume"])
+    assert rep["results"]["resumed_from_update"] == 2
+    b = load_state(tmp_path / "b" / "artifacts" / "r" / "distilled")
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))

@@ -114,3 +114,30 @@ def test_gradient_matches_finite_difference_and_flows_through_bf16_cast(tiny_pai
     for which in (0, 1):
         grad = maps16.weight.grad[which]
         assert maps16.weight.dtype == torch.float32 and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_each_updates_learning_rate_is_the_one_torchs_scheduler_steps_to(schedule):
+    """`lr_at` against torch.optim.lr_scheduler stepped once per update: ConstantLR at factor 1, LinearLR from 1
+    to 0 and CosineAnnealingLR to η_min 0 over the run's updates (the reference steps recursively; `lr_at` is a
+    function of the update, what a resume needs)."""
+    from torch.optim import lr_scheduler as S
+
+    from kvlingo.stages.train import LR_SCHEDULES
+    from kvlingo.train.distill import LR_SCHEDULES as DISTILL_SCHEDULES
+    from kvlingo.train.distill import lr_at
+
+    assert LR_SCHEDULES == DISTILL_SCHEDULES  # the stage's choices (kept without torch, for a fast --help)
+    updates, lr = 37, 3e-3
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+    ref = {
+        "constant": lambda: S.ConstantLR(opt, factor=1.0, total_iters=updates),
+        "linear": lambda: S.LinearLR(opt, start_factor=1.0, end_factor=0.0, total_iters=updates),
+        "cosine": lambda: S.CosineAnnealingLR(opt, T_max=updates, eta_min=0.0),
+    }[schedule]()
+    for u in range(updates):
+        assert lr_at(lr, schedule, u, updates) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9, abs=1e-15), u
+        opt.step()
+        ref.step()
+    with pytest.raises(ValueError, match="one of constant, linear, cosine"):
+        lr_at(lr, "step", 0, updates)

@@ -144,6 +144,14 @@ TOKENINPUT = Family(
             train_flags=("--value-fit", "output"),
             default_run=False,
         ),
+        Variant(
+            "token-w3-cosine",
+            note="token-w3 distilled with its learning rate decayed to 0 on a half cosine over the updates, not "
+            "held constant",
+            refresh=OWN_LAYER0,
+            train_flags=("--lr-schedule", "cosine"),
+            default_run=False,
+        ),
     ),
     reads_layer0=True,
 )
