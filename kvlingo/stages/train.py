@@ -10,8 +10,8 @@ file's sha256 and its tokenizer are checked) and writes
 Every check (pair, data, tokenizer, --init-from, resume) runs before anything is written, so
 a refused run leaves a finished one exactly as it was. A run that finished under the same config,
 data, models, code and --init-from maps, its translators intact, is up to date: nothing runs
-(--force trains again). The translator, its refresh and its objective default to the profile's
-(`Profile.family`, `refresh`, `objective`); a flag given wins.
+(--force trains again). The translator, its refresh, its objective and its learning-rate schedule default to the
+profile's (`Profile.family`, `refresh`, `objective`, `lr_schedule`); a flag given wins.
 """
 
 from __future__ import annotations
@@ -126,9 +126,9 @@ class Train(Stage):
         p.add_argument(
             "--lr-schedule",
             choices=LR_SCHEDULES,
-            default="constant",
+            default=None,
             help="the learning rate over the updates: constant, or decayed to 0 by the last update, linearly or on a "
-            "half cosine (default: constant)",
+            "half cosine (default: the profile's, cosine)",
         )
         p.add_argument(
             "--max-grad-norm",
@@ -760,7 +760,7 @@ def train_config(args, profile, pair_cfg):
         updates=distillation_updates(args, given(args.updates, profile.updates)),
         batch=positive("batch", given(args.batch, profile.batch)),
         lr=positive("lr", given(args.lr, profile.lr_for(pair_cfg.direction))),
-        lr_schedule=args.lr_schedule,
+        lr_schedule=given(args.lr_schedule, profile.lr_schedule),
         weight_decay=positive(
             "weight-decay", given(args.weight_decay, objective.get("weight_decay", 0.0)), allow_zero=True
         ),

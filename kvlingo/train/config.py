@@ -60,7 +60,9 @@ class TrainConfig:
     updates: int = 0  # distillation optimiser updates
     batch: int = 1  # conversations accumulated per update (the adapter is batch-one)
     lr: float = 1e-4  # AdamW learning rate (at the first update)
-    lr_schedule: str = "constant"  # the rate over the updates: constant, linear or cosine decay to 0 (distill.lr_at)
+    # the rate over the updates: constant, linear or cosine decay to 0 (distill.lr_at); the stage sets the profile's
+    # (cosine), and a config written before the field existed read constant
+    lr_schedule: str = "constant"
     weight_decay: float = (
         0.0  # AdamW decoupled weight decay; 0 so that the maps are not pulled toward zero, away from the fit
     )

@@ -807,3 +807,20 @@ def test_a_decaying_learning_rate_reaches_each_update_and_a_resume_continues_it(
     assert rep["results"]["resumed_from_update"] == 2
     b = load_state(tmp_path / "b" / "artifacts" / "r" / "distilled")
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("flags, expected", [([], "cosine"), (["--lr-schedule", "constant"], "constant")])
+def test_the_learning_rate_schedule_is_the_profiles_unless_given(flags, expected):
+    """Without --lr-schedule a run decays its rate as its profile says (every profile: cosine), with or without
+    --family; a flag given wins."""
+    import train_translator
+    from kvlingo.inputs.profiles import PROFILES, get_profile
+    from kvlingo.stages.train import train_config
+
+    assert {p.lr_schedule for p in PROFILES.values()} == {"cosine"}
+    geometry = {"source_layers": 4, "source_kv_heads": 2, "source_head_dim": 8}
+    geometry |= {"target_layers": 4, "target_kv_heads": 2, "target_head_dim": 8}
+    pair = SimpleNamespace(direction="s2l", geometry=geometry)
+    for family in ([], ["--family", "headwise"]):
+        args = train_translator.parse_args([*family, *flags])
+        assert train_config(args, get_profile("tiny"), pair).lr_schedule == expected

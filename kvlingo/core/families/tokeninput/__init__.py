@@ -146,10 +146,17 @@ TOKENINPUT = Family(
         ),
         Variant(
             "token-w3-cosine",
-            note="token-w3 distilled with its learning rate decayed to 0 on a half cosine over the updates, not "
-            "held constant",
+            note="token-w3 distilled with its learning rate decayed to 0 on a half cosine over the updates, named "
+            "(the profiles' default schedule; the row of the runs that chose it)",
             refresh=OWN_LAYER0,
             train_flags=("--lr-schedule", "cosine"),
+            default_run=False,
+        ),
+        Variant(
+            "token-w3-constant",
+            note="token-w3 distilled at a constant learning rate (the default schedule until the cosine decay)",
+            refresh=OWN_LAYER0,
+            train_flags=("--lr-schedule", "constant"),
             default_run=False,
         ),
     ),
