@@ -44,10 +44,11 @@ class Profile:
     family: tuple[str, str] = ("token-w3", "token-w3")
     refresh: tuple[str, str] = ("exact:0", "exact:0")
     objective: tuple[dict, dict] = ({}, {})
-    # The learning rate over the updates (kvlingo.train.distill.lr_at): decayed to 0 on a half cosine. `make ablate`
-    # chose it over a constant rate on validation in all four pair-directions at the demo budget (ahead beyond two
-    # paired SE on the deep s2l, within noise elsewhere), and on the deep pair at 8,192 conversations it halves the
-    # constant rate's KL in both directions (docs/results.md, "A decaying learning rate").
+    # The learning rate over the updates (kvlingo.train.distill.lr_at): decayed to 0 on a half cosine. At the demo
+    # budget `make ablate` chose it over a constant rate on validation on the 4-layer pair in both directions (ties it
+    # breaks) and on the deep s2l (beyond two paired SE); the deep l2s tied, the constant rate nominally ahead. On the
+    # deep pair at 8,192 conversations it halves the constant rate's KL in both directions (docs/results.md, "A
+    # decaying learning rate").
     lr_schedule: str = "cosine"
     # The default before the ablation's choice, per direction (variant names): scored on test beside it. Cross-head
     # maps (l2s) and the top-4 cross-layer maps through a rank of half the target width (s2l).
