@@ -814,6 +814,44 @@ def reads_line(reads: dict[str, Any] | None) -> str:
     return f"the source's cache, {'the token ids it covers, ' if reads.get('token_ids') else ''}{target}"
 
 
+LR_SCHEDULES = {
+    "constant": "held constant",
+    "linear": "decayed to 0 on a line",
+    "cosine": "decayed to 0 on a half cosine",
+}
+
+
+def training_lines(training: dict[str, Any]) -> list[str]:
+    """The model card's "Training" section from config.json's `training` (the translator manifest's provenance):
+    the profile, the fit and the distillation's budget, rate, schedule and objective; none where it is not recorded."""
+    cfg = training.get("config")
+    if not isinstance(cfg, dict):
+        return []
+    updates = training.get("updates", cfg.get("updates", 0))
+    lines = ["", "## Training", "", f"- profile: {cfg.get('profile', '?')}, seed {cfg.get('seed', '?')}"]
+    if training.get("stage") == "closed_form" or not updates:
+        lines.append("- closed-form fit only (no distillation)")
+        return lines
+    schedule = cfg.get("lr_schedule", "constant")  # a config written before the field existed ran constant
+    lines.append(
+        f"- distillation: {updates} updates × {cfg.get('batch', 1)} conversations, AdamW at {cfg.get('lr', '?'):g}, "
+        f"{LR_SCHEDULES.get(schedule, schedule)} (`lr_schedule: {schedule}`)"
+    )
+    objective = [
+        f"{name} {cfg[key]:g}"
+        for key, name in (
+            ("onpolicy", "on-policy share"),
+            ("context_weight", "context weight α"),
+            ("aux_attn_weight", "attention-output MSE weight"),
+        )
+        if cfg.get(key)
+    ]
+    lines.append(f"- objective: KL through the frozen target{'; ' + ', '.join(objective) if objective else ''}")
+    if training.get("val_kl") is not None:
+        lines.append(f"- validation KL/token of the saved maps: {training['val_kl']:.4g}")
+    return lines
+
+
 def model_card(config: dict[str, Any], evidence: dict[str, Any] | None, verdict: Verdict) -> str:
     pair = config["pair"]
     source, target = (pair["large"], pair["small"]) if pair["direction"] == "l2s" else (pair["small"], pair["large"])
@@ -912,6 +950,7 @@ def model_card(config: dict[str, Any], evidence: dict[str, Any] | None, verdict:
         f"- tokenizer sha256: {pair['tokenizer_sha256']}",
         f"- measured in: {pair['dtype']}",
         f"- geometry: {json.dumps(pair['geometry'])}",
+        *training_lines(config.get("training") or {}),
         "",
         "## Files",
         "",

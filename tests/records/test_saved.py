@@ -180,3 +180,26 @@ def test_a_training_run_folder_given_as_an_export_names_its_export_or_the_comman
         TranslatorError, match="give the folder `make export RUN=...` wrote \\(ARTIFACTS/RUN/export\\)$"
     ):
         read_export(tmp_path / "runs")
+
+
+def test_the_model_card_names_the_training_schedule_and_budget():
+    """The card's Training section reads the manifest's training config: a config written before `lr_schedule`
+    existed ran at a constant rate, and closed-form maps say they were not distilled."""
+    from kvlingo.io import to_jsonable
+    from kvlingo.records.saved import training_lines
+    from kvlingo.train.config import TrainConfig
+
+    cfg = to_jsonable(TrainConfig(profile="scale", family="tokeninput", updates=3200, batch=4, lr=3e-3, onpolicy=0.5))
+    cosine = {**cfg, "lr_schedule": "cosine"}
+    lines = training_lines({"config": cosine, "stage": "distilled", "updates": 3200, "val_kl": 0.01234})
+    assert "- profile: scale, seed 42" in lines
+    assert (
+        "- distillation: 3200 updates × 4 conversations, AdamW at 0.003, decayed to 0 on a half cosine "
+        "(`lr_schedule: cosine`)" in lines
+    )
+    assert "- objective: KL through the frozen target; on-policy share 0.5" in lines
+    assert "- validation KL/token of the saved maps: 0.01234" in lines
+    old = {k: v for k, v in cfg.items() if k != "lr_schedule"}
+    assert any("held constant (`lr_schedule: constant`)" in line for line in training_lines({"config": old}))
+    assert "- closed-form fit only (no distillation)" in training_lines({"config": cfg, "stage": "closed_form"})
+    assert training_lines({}) == []  # maps saved without a training config: no section
