@@ -814,28 +814,20 @@ def reads_line(reads: dict[str, Any] | None) -> str:
     return f"the source's cache, {'the token ids it covers, ' if reads.get('token_ids') else ''}{target}"
 
 
-LR_SCHEDULES = {
-    "constant": "held constant",
-    "linear": "decayed to 0 on a line",
-    "cosine": "decayed to 0 on a half cosine",
-}
-
-
 def training_lines(training: dict[str, Any]) -> list[str]:
     """The model card's "Training" section from config.json's `training` (the translator manifest's provenance):
     the profile, the fit and the distillation's budget, rate, schedule and objective; none where it is not recorded."""
     cfg = training.get("config")
     if not isinstance(cfg, dict):
         return []
-    updates = training.get("updates", cfg.get("updates", 0))
-    lines = ["", "## Training", "", f"- profile: {cfg.get('profile', '?')}, seed {cfg.get('seed', '?')}"]
-    if training.get("stage") == "closed_form" or not updates:
+    lines = ["", "## Training", "", f"- profile: {cfg['profile']}, seed {cfg['seed']}"]
+    if training.get("stage") == "closed_form" or not cfg["updates"]:
         lines.append("- closed-form fit only (no distillation)")
         return lines
     schedule = cfg.get("lr_schedule", "constant")  # a config written before the field existed ran constant
     lines.append(
-        f"- distillation: {updates} updates × {cfg.get('batch', 1)} conversations, AdamW at {cfg.get('lr', '?'):g}, "
-        f"{LR_SCHEDULES.get(schedule, schedule)} (`lr_schedule: {schedule}`)"
+        f"- distillation: {cfg['updates']} updates × {cfg['batch']} conversations, AdamW at {cfg['lr']:g}, "
+        f"`lr_schedule: {schedule}` (kvlingo.train.distill.lr_at)"
     )
     objective = [
         f"{name} {cfg[key]:g}"

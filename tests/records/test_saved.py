@@ -194,12 +194,12 @@ def test_the_model_card_names_the_training_schedule_and_budget():
     lines = training_lines({"config": cosine, "stage": "distilled", "updates": 3200, "val_kl": 0.01234})
     assert "- profile: scale, seed 42" in lines
     assert (
-        "- distillation: 3200 updates × 4 conversations, AdamW at 0.003, decayed to 0 on a half cosine "
-        "(`lr_schedule: cosine`)" in lines
+        "- distillation: 3200 updates × 4 conversations, AdamW at 0.003, `lr_schedule: cosine` "
+        "(kvlingo.train.distill.lr_at)" in lines
     )
     assert "- objective: KL through the frozen target; on-policy share 0.5" in lines
     assert "- validation KL/token of the saved maps: 0.01234" in lines
     old = {k: v for k, v in cfg.items() if k != "lr_schedule"}
-    assert any("held constant (`lr_schedule: constant`)" in line for line in training_lines({"config": old}))
+    assert any("`lr_schedule: constant`" in line for line in training_lines({"config": old}))
     assert "- closed-form fit only (no distillation)" in training_lines({"config": cfg, "stage": "closed_form"})
     assert training_lines({}) == []  # maps saved without a training config: no section
