@@ -128,7 +128,7 @@ def test_the_scale_profiles_rows_are_rows_of_both_directions_train_longer_and_we
         assert set(scale.ablate_settings) <= {s.name for s in A.settings_for(scale, d, TOY)}
     assert scale.ablate_long_factor > 1 and not DEMO.ablate_settings and DEMO.ablate_long_factor == 0
     # its ablation sets the on-policy objective beside the default; the default trains the plain one, as every
-    # profile's does (`train.py --profile scale` passes no --onpolicy)
+    # profile's does (what a run trains of it: test_train.py)
     assert f"{scale.family_for('l2s')}-onpolicy" in scale.ablate_settings
     assert all(p.objective_for(d) == {} for p in PROFILES.values() for d in ("l2s", "s2l"))
 

@@ -824,3 +824,24 @@ def test_the_learning_rate_schedule_is_the_profiles_unless_given(flags, expected
     for family in ([], ["--family", "headwise"]):
         args = train_translator.parse_args([*family, *flags])
         assert train_config(args, get_profile("tiny"), pair).lr_schedule == expected
+
+
+def test_the_objective_is_the_profiles_unless_given():
+    """`train_translator.py --profile scale` trains the plain objective in both directions (the decay's choice on
+    both pairs, docs/results.md); a profile's objective, where one is set, is what a run without the flag trains,
+    and --onpolicy wins over it."""
+    import train_translator
+    from kvlingo.inputs.profiles import get_profile
+    from kvlingo.stages.train import train_config
+
+    geometry = {"source_layers": 4, "source_kv_heads": 2, "source_head_dim": 8}
+    geometry |= {"target_layers": 4, "target_kv_heads": 2, "target_head_dim": 8}
+    onpolicy = get_profile("scale", objective=({"onpolicy": 0.5}, {}))
+    for direction in ("l2s", "s2l"):
+        pair = SimpleNamespace(direction=direction, geometry=geometry)
+        plain = train_config(train_translator.parse_args(["--profile", "scale"]), get_profile("scale"), pair)
+        assert plain.onpolicy == 0.0
+        default = train_config(train_translator.parse_args([]), onpolicy, pair)
+        assert default.onpolicy == (0.5 if direction == "l2s" else 0.0)
+        given = train_config(train_translator.parse_args(["--onpolicy", "0.25"]), onpolicy, pair)
+        assert given.onpolicy == 0.25
