@@ -170,6 +170,17 @@ def test_frontier_report_names_the_timings_the_cv_screen_flagged():
     assert frontier.cv_note({}) == ""  # --no-timing: no times, no screen
 
 
+def test_frontier_names_the_cheapest_setting_with_its_speed_as_a_ratio():
+    from kvlingo.stages.frontier import goal_line
+
+    best = {"setting": "tail:100%", "fraction_of_reprefill": 0.9999, "speedup": 0.92}
+    line = goal_line("run", best)
+    assert line == "- run: **tail:100%**, 100.0% of re-prefill FLOPs, 0.9× the re-prefill's speed"
+    assert "faster" not in line  # a ratio below 1 is slower, not "0.9× faster"
+    assert goal_line("run", {**best, "speedup": None}).endswith("100.0% of re-prefill FLOPs")
+    assert goal_line("run", None) == "- run: no setting keeps ≥ 95% of both"
+
+
 def test_frontier_rows_get_each_speedup_with_its_interval():
     import frontier
     from kvlingo.bench import timing
