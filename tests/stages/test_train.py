@@ -98,6 +98,9 @@ def trained(tiny_pair_paths, train_data, tmp_path_factory):
 
 
 HEADWISE = ("--family", "headwise", "--refresh", "none")  # maps with `weight` and `bias`, no token term
+# a pair's cache geometry, for building a run's config without models
+SMALL_GEOMETRY = {"source_layers": 4, "source_kv_heads": 2, "source_head_dim": 8}
+SMALL_GEOMETRY |= {"target_layers": 4, "target_kv_heads": 2, "target_head_dim": 8}
 
 
 def maps_equal(a: Path, b: Path) -> bool:
@@ -813,14 +816,11 @@ def test_a_decaying_learning_rate_reaches_each_update_and_a_resume_continues_it(
 def test_the_learning_rate_schedule_is_the_profiles_unless_given(flags, expected):
     """Without --lr-schedule a run decays its rate as its profile says (every profile: cosine), with or without
     --family; a flag given wins."""
-    import train_translator
     from kvlingo.inputs.profiles import PROFILES, get_profile
     from kvlingo.stages.train import train_config
 
     assert {p.lr_schedule for p in PROFILES.values()} == {"cosine"}
-    geometry = {"source_layers": 4, "source_kv_heads": 2, "source_head_dim": 8}
-    geometry |= {"target_layers": 4, "target_kv_heads": 2, "target_head_dim": 8}
-    pair = SimpleNamespace(direction="s2l", geometry=geometry)
+    pair = SimpleNamespace(direction="s2l", geometry=SMALL_GEOMETRY)
     for family in ([], ["--family", "headwise"]):
         args = train_translator.parse_args([*family, *flags])
         assert train_config(args, get_profile("tiny"), pair).lr_schedule == expected
@@ -830,15 +830,12 @@ def test_the_objective_is_the_profiles_unless_given():
     """`train_translator.py --profile scale` trains the plain objective in both directions (the decay's choice on
     both pairs, docs/results.md); a profile's objective, where one is set, is what a run without the flag trains,
     and --onpolicy wins over it."""
-    import train_translator
     from kvlingo.inputs.profiles import get_profile
     from kvlingo.stages.train import train_config
 
-    geometry = {"source_layers": 4, "source_kv_heads": 2, "source_head_dim": 8}
-    geometry |= {"target_layers": 4, "target_kv_heads": 2, "target_head_dim": 8}
     onpolicy = get_profile("scale", objective=({"onpolicy": 0.5}, {}))
     for direction in ("l2s", "s2l"):
-        pair = SimpleNamespace(direction=direction, geometry=geometry)
+        pair = SimpleNamespace(direction=direction, geometry=SMALL_GEOMETRY)
         plain = train_config(train_translator.parse_args(["--profile", "scale"]), get_profile("scale"), pair)
         assert plain.onpolicy == 0.0
         default = train_config(train_translator.parse_args([]), onpolicy, pair)
